@@ -1,0 +1,1 @@
+"""Benchmarks, graders, sandboxed code execution, fidelity diagnostics, lm-eval model."""

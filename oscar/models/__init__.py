@@ -1,0 +1,1 @@
+"""Model registry, adapters and loading (GGUF packages offline, Hugging Face ids online)."""

@@ -1,0 +1,23 @@
+"""Shared test configuration: offline environment and one shared copy of the real small model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M loaded once per test session (float32, CPU): (model, tokenizer, model_cfg)."""
+    from oscar.config import compose
+    from oscar.models import load_model
+
+    cfg = compose(["model=smollm2-135m"])
+    model, tokenizer = load_model(cfg.model, device="cpu")
+    model.eval()
+    return model, tokenizer, cfg.model
