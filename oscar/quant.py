@@ -1,0 +1,313 @@
+"""Per-token, per-group asymmetric INT-b quantization of rotated KV rows (torch twins of the kernels).
+
+This module is the specification of the quantized storage format (docs/DESIGN.md, "Quantized
+storage format"). The Triton kernels in `oscar.kernels` mirror these functions operation by
+operation, so the arithmetic here is deliberately plain float32 in a fixed order:
+
+1. `x` float32 `[..., d]` (already rotated and, if the method centers, mean-centered).
+2. Clip: `tau = quantile(|x|, rho)` over the row's `d` channels with `torch.quantile`
+   linear-interpolation semantics (see `percentile_clip`), then `x = clamp(x, -tau, tau)`.
+3. Per group of `G` channels: `scale = bf16((max - min) / (2^b - 1))`, `zero = bf16(min)`, and
+   `code = clamp(floor((x - zero) / scale + 0.5), 0, 2^b - 1)` computed with the *rounded* scale
+   and zero (as float32); `code = 0` where `scale == 0` (a constant group dequantizes exactly to
+   `bf16(min)`).
+4. Dequantize: `x_hat = code * scale + zero` in float32.
+5. Codes are packed planar within each group (`pack_codes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+SUPPORTED_BITS = (2, 4)
+
+ClipRatio = Union[float, torch.Tensor]
+
+
+@dataclass
+class QuantizedRows:
+    """Quantized rows: packed codes `[..., d*bits//8]` uint8, per-group bf16 `scale`/`zero` `[..., d//G]`."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    group_size: int
+    d: int
+
+    @property
+    def shape(self) -> torch.Size:
+        """Shape of the dequantized tensor `[..., d]`."""
+        return torch.Size((*self.scale.shape[:-1], self.d))
+
+    def nbytes(self) -> int:
+        """Bytes held by codes, scales and zeros."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+
+
+def check_format(bits: int, group_size: int, d: int) -> None:
+    """Refuse a (bits, group_size, d) combination the storage format does not support."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits!r} is not supported; valid values are {SUPPORTED_BITS}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+        raise ValueError(f"group_size={group_size!r} must be a positive integer")
+    if isinstance(d, bool) or not isinstance(d, int) or d <= 0:
+        raise ValueError(f"head_dim d={d!r} must be a positive integer")
+    if d % group_size != 0:
+        raise ValueError(
+            f"group_size={group_size} does not divide head_dim d={d}; "
+            f"valid group sizes divide {d} (e.g. {_divisors_hint(d, bits)})"
+        )
+    per_byte = 8 // bits
+    if group_size % per_byte != 0:
+        raise ValueError(
+            f"group_size={group_size} is not a multiple of {per_byte}, required to pack "
+            f"{per_byte} INT{bits} codes per byte within a group"
+        )
+
+
+def _divisors_hint(d: int, bits: int) -> list[int]:
+    per_byte = 8 // bits
+    return [g for g in range(per_byte, d + 1, per_byte) if d % g == 0][-4:]
+
+
+def _check_finite(x: torch.Tensor, what: str) -> None:
+    if not torch.isfinite(x).all():
+        bad = int((~torch.isfinite(x)).sum())
+        raise ValueError(
+            f"{what} contains {bad} non-finite value(s) (NaN or inf) out of {x.numel()}; "
+            "quantization needs finite inputs"
+        )
+
+
+def _clip_ratio_tensor(rho: ClipRatio, batch_shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """Clip ratio as float32 broadcast to the row shape `batch_shape`, validated in (0, 1]."""
+    r = torch.as_tensor(rho, dtype=torch.float32, device=device)
+    if not torch.isfinite(r).all() or bool((r <= 0).any()) or bool((r > 1).any()):
+        raise ValueError(f"clip ratio rho={rho!r} must lie in (0, 1] (1.0 means no clipping)")
+    try:
+        return torch.broadcast_to(r, batch_shape)
+    except RuntimeError as exc:
+        raise ValueError(
+            f"clip ratio of shape {tuple(r.shape)} does not broadcast to the row shape {tuple(batch_shape)}"
+        ) from exc
+
+
+def percentile_clip(x: torch.Tensor, rho: ClipRatio) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clamp each row of `x` to `[-tau, tau]`, `tau` the rho-quantile of `|x|` over its last dim.
+
+    Exactly `torch.quantile(|x|, rho, dim=-1, interpolation="linear")` in float32: sort `|x|`
+    ascending into `s`, `pos = float32(rho) * (d - 1)` (float32 product), `lo = floor(pos)`,
+    `hi = ceil(pos)`, `w = pos - lo`, `tau = torch.lerp(s[lo], s[hi], w)`, i.e.
+    `s[lo] + w * (s[hi] - s[lo])` when `w < 0.5` and `s[hi] - (s[hi] - s[lo]) * (1 - w)` otherwise.
+    `rho` is a float or a tensor broadcastable to `x.shape[:-1]` (one ratio per row or per head).
+    Returns `(clipped float32, tau float32 [...])`.
+    """
+    x = x.to(torch.float32)
+    d = x.shape[-1]
+    r = _clip_ratio_tensor(rho, x.shape[:-1], x.device)
+    s, _ = x.abs().sort(dim=-1)
+    pos = r * float(d - 1)
+    lo = pos.floor()
+    hi = pos.ceil()
+    w = pos - lo
+    s_lo = s.gather(-1, lo.long().unsqueeze(-1)).squeeze(-1)
+    s_hi = s.gather(-1, hi.long().unsqueeze(-1)).squeeze(-1)
+    tau = torch.lerp(s_lo, s_hi, w)
+    t = tau.unsqueeze(-1)
+    return torch.minimum(torch.maximum(x, -t), t), tau
+
+
+def _group_view(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    return x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
+
+
+def quantize_codes(
+    x: torch.Tensor, bits: int, group_size: int, clip_ratio: ClipRatio = 1.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unpacked codes uint8 `[..., d]` with bf16 scale/zero `[..., d//G]` (the format's steps 1-3)."""
+    if x.ndim < 1:
+        raise ValueError("quantize needs a tensor with a channel dimension [..., d]")
+    d = int(x.shape[-1])
+    check_format(bits, group_size, d)
+    x = x.to(torch.float32)
+    _check_finite(x, "quantize input")
+    if not (isinstance(clip_ratio, (int, float)) and float(clip_ratio) == 1.0):
+        x, _ = percentile_clip(x, clip_ratio)
+    g = _group_view(x, group_size)
+    mn = g.amin(dim=-1)
+    mx = g.amax(dim=-1)
+    qmax = float(2**bits - 1)
+    scale_bf = ((mx - mn) / qmax).to(torch.bfloat16)
+    zero_bf = mn.to(torch.bfloat16)
+    if not torch.isfinite(scale_bf).all():
+        raise ValueError(
+            "quantize input range overflows the bf16 scale (max - min is too large to represent); "
+            f"largest |x| = {float(x.abs().max()):.3e}"
+        )
+    scale = scale_bf.to(torch.float32).unsqueeze(-1)
+    zero = zero_bf.to(torch.float32).unsqueeze(-1)
+    nonzero = scale != 0
+    safe = torch.where(nonzero, scale, torch.ones_like(scale))
+    code = torch.floor((g - zero) / safe + 0.5).clamp_(0.0, qmax)
+    code = torch.where(nonzero, code, torch.zeros_like(code))
+    return code.to(torch.uint8).reshape(x.shape), scale_bf, zero_bf
+
+
+def quantize(x: torch.Tensor, bits: int, group_size: int, clip_ratio: ClipRatio = 1.0) -> QuantizedRows:
+    """Quantize rows `[..., d]` to packed INT-`bits` codes with per-group bf16 scale and zero."""
+    codes, scale, zero = quantize_codes(x, bits, group_size, clip_ratio)
+    return QuantizedRows(
+        codes=pack_codes(codes, bits, group_size),
+        scale=scale,
+        zero=zero,
+        bits=bits,
+        group_size=group_size,
+        d=int(x.shape[-1]),
+    )
+
+
+def dequantize_codes(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """`code * scale + zero` in float32 from unpacked codes `[..., d]`, then cast to `dtype`."""
+    c = _group_view(codes.to(torch.float32), group_size)
+    out = c * scale.to(torch.float32).unsqueeze(-1) + zero.to(torch.float32).unsqueeze(-1)
+    return out.reshape(codes.shape).to(dtype)
+
+
+def dequantize(q: QuantizedRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Reconstruct `[..., d]` rows from a `QuantizedRows` (float32 arithmetic, cast to `dtype`)."""
+    codes = unpack_codes(q.codes, q.bits, q.group_size)
+    if codes.shape[-1] != q.d:
+        raise ValueError(f"packed codes unpack to {codes.shape[-1]} channels but QuantizedRows.d={q.d}")
+    return dequantize_codes(codes, q.scale, q.zero, q.group_size, dtype)
+
+
+def pack_codes(codes: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """Pack uint8 codes `[..., d]` planar within each group into `[..., d*bits//8]` bytes.
+
+    INT2: byte `j < G/4` of a group holds channels `j, j+G/4, j+2G/4, j+3G/4` in bits 0-1, 2-3,
+    4-5, 6-7. INT4: byte `j < G/2` holds channel `j` in bits 0-3 and `j+G/2` in bits 4-7.
+    """
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"codes must be uint8, got {codes.dtype}")
+    d = int(codes.shape[-1])
+    check_format(bits, group_size, d)
+    if codes.numel() and int(codes.max()) >= 2**bits:
+        raise ValueError(f"code value {int(codes.max())} does not fit in {bits} bits (valid 0..{2**bits - 1})")
+    per = 8 // bits
+    planes = codes.reshape(*codes.shape[:-1], d // group_size, per, group_size // per)
+    packed = torch.zeros(planes.shape[:-2] + planes.shape[-1:], dtype=torch.uint8, device=codes.device)
+    for p in range(per):
+        packed |= planes[..., p, :] << (bits * p)
+    return packed.reshape(*codes.shape[:-1], d * bits // 8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """Inverse of `pack_codes`: uint8 `[..., d*bits//8]` -> uint8 codes `[..., d]`."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed codes must be uint8, got {packed.dtype}")
+    nbytes = int(packed.shape[-1])
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits!r} is not supported; valid values are {SUPPORTED_BITS}")
+    d = nbytes * 8 // bits
+    check_format(bits, group_size, d)
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    groups = packed.reshape(*packed.shape[:-1], d // group_size, group_size // per)
+    planes = [(groups >> (bits * p)) & mask for p in range(per)]
+    return torch.stack(planes, dim=-2).reshape(*packed.shape[:-1], d)
+
+
+def fake_quantize(x: torch.Tensor, bits: int, group_size: int, clip_ratio: ClipRatio = 1.0) -> torch.Tensor:
+    """Quantize then dequantize (float32), skipping the packing round trip (identical values)."""
+    codes, scale, zero = quantize_codes(x, bits, group_size, clip_ratio)
+    return dequantize_codes(codes, scale, zero, group_size)
+
+
+def rotate_clip_quantize(
+    x: torch.Tensor,
+    R: torch.Tensor,
+    mu: torch.Tensor | None = None,
+    rho: ClipRatio = 1.0,
+    *,
+    bits: int,
+    group_size: int,
+) -> QuantizedRows:
+    """`quantize((x - mu) @ R, ...)` in float32: the torch twin of the fused cache-write kernel.
+
+    `x` `[..., d]`, `R` `[d, d]` (or broadcastable batch of them, e.g. `[Hkv, d, d]` against
+    `x` `[B, Hkv, T, d]` after unsqueezing), `mu` broadcastable to `x`.
+    """
+    if R.shape[-1] != x.shape[-1] or R.shape[-2] != x.shape[-1]:
+        raise ValueError(f"rotation of shape {tuple(R.shape)} does not match rows with d={x.shape[-1]}")
+    xf = x.to(torch.float32)
+    if mu is not None:
+        xf = xf - mu.to(torch.float32)
+    return quantize(xf @ R.to(torch.float32), bits, group_size, clip_ratio=rho)
+
+
+def bits_per_element(
+    num_tokens: int,
+    head_dim: int,
+    bits: int,
+    group_size: int,
+    sink: int,
+    recent: int,
+    meta_bits: int = 16,
+    full_bits: int = 16,
+) -> float:
+    """Average storage bits per cached element for one sequence, one KV head, K or V.
+
+    The first `sink` and the last `recent` tokens stay at `full_bits` (BF16); the others cost
+    `bits` per channel plus one scale and one zero of `meta_bits` each per group of `group_size`:
+    `(n_q * (d*bits + 2*(d/G)*meta_bits) + n_full * d * full_bits) / (num_tokens * d)` with
+    `n_full = min(num_tokens, sink + recent)` and `n_q = num_tokens - n_full`.
+    """
+    if num_tokens <= 0:
+        raise ValueError(f"num_tokens={num_tokens} must be positive")
+    if sink < 0 or recent < 0:
+        raise ValueError(f"sink={sink} and recent={recent} must be non-negative")
+    check_format(bits, group_size, head_dim)
+    n_full = min(num_tokens, sink + recent)
+    n_q = num_tokens - n_full
+    per_token_q = head_dim * bits + 2 * (head_dim // group_size) * meta_bits
+    total = n_q * per_token_q + n_full * head_dim * full_bits
+    return total / (num_tokens * head_dim)
+
+
+def bits_per_element_of(num_tokens: int, head_dim: int, tensors: list[torch.Tensor]) -> float:
+    """Bits per element actually allocated by `tensors` holding `num_tokens` rows of `head_dim`."""
+    if num_tokens <= 0 or head_dim <= 0:
+        raise ValueError(f"num_tokens={num_tokens} and head_dim={head_dim} must be positive")
+    total_bits = sum(8 * t.numel() * t.element_size() for t in tensors)
+    return total_bits / (num_tokens * head_dim)
+
+
+def relative_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
+    """Frobenius relative error `||x - x_hat|| / ||x||` (float64)."""
+    x64 = x.to(torch.float64)
+    den = float(torch.linalg.vector_norm(x64))
+    return float(torch.linalg.vector_norm(x64 - x_hat.to(torch.float64))) / (den if den > 0 else 1.0)
+
+
+__all__ = [
+    "QuantizedRows",
+    "SUPPORTED_BITS",
+    "bits_per_element",
+    "bits_per_element_of",
+    "check_format",
+    "dequantize",
+    "dequantize_codes",
+    "fake_quantize",
+    "pack_codes",
+    "percentile_clip",
+    "quantize",
+    "quantize_codes",
+    "relative_error",
+    "rotate_clip_quantize",
+]
