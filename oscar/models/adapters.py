@@ -1,0 +1,156 @@
+"""Architecture adapters: where attention lives in each model family and how to reach q/k/v/o.
+
+Adding a model family is one entry in `ADAPTERS`; no modeling file is ever forked. Activation
+capture and the OSCAR cache work through the transformers attention-function interface, which
+receives post-RoPE queries and keys, so adapters only describe module paths and head geometry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+HEAD_DIM_BASES = (1, 12, 20)  # head_dim = 2^k * base: the sizes with a known Hadamard matrix
+
+
+class UnsupportedModel(ValueError):
+    """A model whose architecture has no adapter, or whose geometry OSCAR cannot rotate."""
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Attention geometry of a model."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    rotary_dim: int
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA ratio)."""
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class ModelAdapter:
+    """How one architecture family exposes its attention modules."""
+
+    family: str
+    model_types: tuple[str, ...]
+    layers_path: str = "model.layers"
+    attn_attr: str = "self_attn"
+    q_proj: str = "q_proj"
+    k_proj: str = "k_proj"
+    v_proj: str = "v_proj"
+    o_proj: str = "o_proj"
+    qk_norm: bool = False  # per-head RMSNorm on q and k, applied before RoPE
+    rope: str = "full"  # full | partial (config.partial_rotary_factor of each head rotated)
+    notes: str = ""
+
+    def layers(self, model: nn.Module) -> nn.ModuleList:
+        """The decoder layer list of `model`."""
+        obj: object = model
+        for part in self.layers_path.split("."):
+            if not hasattr(obj, part):
+                raise UnsupportedModel(
+                    f"{type(model).__name__} has no attribute path {self.layers_path!r} "
+                    f"expected by the {self.family!r} adapter"
+                )
+            obj = getattr(obj, part)
+        return obj  # type: ignore[return-value]
+
+    def attention(self, model: nn.Module, layer: int) -> nn.Module:
+        """The attention module of decoder layer `layer`."""
+        layers = self.layers(model)
+        if not 0 <= layer < len(layers):
+            raise IndexError(f"layer {layer} out of range; the model has {len(layers)} layers (0..{len(layers) - 1})")
+        return getattr(layers[layer], self.attn_attr)
+
+    def projections(self, model: nn.Module, layer: int) -> dict[str, nn.Linear]:
+        """The q/k/v/o projection modules of layer `layer`, keyed "q", "k", "v", "o"."""
+        attn = self.attention(model, layer)
+        names = {"q": self.q_proj, "k": self.k_proj, "v": self.v_proj, "o": self.o_proj}
+        return {key: getattr(attn, name) for key, name in names.items()}
+
+    def dims(self, model_or_config: object) -> ModelDims:
+        """Attention geometry read from the transformers config."""
+        config = getattr(model_or_config, "config", model_or_config)
+        text_config = getattr(config, "get_text_config", lambda: config)()
+        num_heads = int(text_config.num_attention_heads)
+        hidden = int(text_config.hidden_size)
+        head_dim = getattr(text_config, "head_dim", None) or hidden // num_heads
+        num_kv = int(getattr(text_config, "num_key_value_heads", None) or num_heads)
+        factor = 1.0
+        if self.rope == "partial":
+            factor = float(getattr(text_config, "partial_rotary_factor", 1.0))
+            rope_params = getattr(text_config, "rope_parameters", None) or {}
+            factor = float(rope_params.get("partial_rotary_factor", factor))
+        return ModelDims(
+            num_layers=int(text_config.num_hidden_layers),
+            num_heads=num_heads,
+            num_kv_heads=num_kv,
+            head_dim=int(head_dim),
+            hidden_size=hidden,
+            rotary_dim=int(int(head_dim) * factor),
+        )
+
+
+ADAPTERS: dict[str, ModelAdapter] = {
+    adapter.family: adapter
+    for adapter in (
+        ModelAdapter(family="llama", model_types=("llama",), notes="SmolLM2, Llama 2/3: no biases, full RoPE"),
+        ModelAdapter(family="qwen2", model_types=("qwen2",), notes="Qwen2/2.5: q/k/v biases, full RoPE"),
+        ModelAdapter(family="qwen3", model_types=("qwen3",), qk_norm=True, notes="Qwen3: per-head q/k RMSNorm before RoPE"),
+        ModelAdapter(
+            family="glm4_moe",
+            model_types=("glm4_moe",),
+            qk_norm=True,
+            rope="partial",
+            notes="GLM-4.5/4.6/4.7: MoE MLP, optional q/k norm, partial rotary",
+        ),
+    )
+}
+
+_BY_MODEL_TYPE = {mt: adapter for adapter in ADAPTERS.values() for mt in adapter.model_types}
+
+
+def get_adapter(model_or_type: object) -> ModelAdapter:
+    """The adapter of a model, a transformers config, or a `model_type` / family string."""
+    if isinstance(model_or_type, str):
+        key = model_or_type
+    else:
+        config = getattr(model_or_type, "config", model_or_type)
+        key = getattr(config, "model_type", None)
+    adapter = _BY_MODEL_TYPE.get(key) or ADAPTERS.get(key)  # type: ignore[arg-type]
+    if adapter is None:
+        raise UnsupportedModel(
+            f"no adapter for model_type {key!r}; supported model types: {', '.join(sorted(_BY_MODEL_TYPE))}"
+        )
+    return adapter
+
+
+def is_supported_head_dim(head_dim: int) -> bool:
+    """True when head_dim = 2^k * b for b in (1, 12, 20), the sizes with a Hadamard matrix."""
+    if head_dim < 2:
+        return False
+    for base in HEAD_DIM_BASES:
+        if head_dim % base == 0:
+            rest = head_dim // base
+            if rest & (rest - 1) == 0:
+                return True
+    return False
+
+
+def check_head_dim(head_dim: int) -> None:
+    """Refuse a head_dim with no Hadamard construction, naming the valid forms."""
+    if not is_supported_head_dim(head_dim):
+        lower = [d for d in range(2, 1025) if is_supported_head_dim(d)]
+        near = [d for d in lower if abs(d - head_dim) <= max(32, head_dim // 2)][:8]
+        raise UnsupportedModel(
+            f"unsupported head_dim {head_dim}: OSCAR rotations need head_dim = 2^k, 2^k*12 or 2^k*20 "
+            f"(e.g. {', '.join(map(str, near or lower[:8]))})"
+        )
