@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -94,6 +95,46 @@ class CalibrationConfig:
 
 
 @dataclass
+class ResourcesConfig:
+    """What one workflow job declares to the scheduler (Snakemake `threads:` and `resources:`)."""
+
+    threads: int = 2
+    mem_mb: int = 4000
+    runtime: int = 60  # minutes
+    gpu: int = 0
+
+
+TABLE_KINDS = ("eval", "fidelity", "kernels")
+TABLE_AXES = ("model", "method", "variant", "benchmark", "corpus", "seed")
+
+
+@dataclass
+class TableConfig:
+    """One table or figure of a study: the grid of cells the workflow fans out, and how to show it.
+
+    Empty `models`/`methods`/`benchmarks`/`seeds` fall back to the experiment's lists. A variant
+    is a labelled list of overrides applied on top of each cell (sink/recent sweep, clip grid,
+    calibration volume, context length); it gives cells their own result paths.
+    """
+
+    title: str = ""
+    kind: str = "eval"  # eval (accuracy cells) | fidelity (KL / perplexity cells) | kernels (GPU benchmarks)
+    models: list[str] = field(default_factory=list)
+    methods: list[str] = field(default_factory=list)
+    benchmarks: list[str] = field(default_factory=list)  # eval: benchmark group names
+    corpora: list[str] = field(default_factory=list)  # fidelity: held-out corpora
+    seeds: list[int] = field(default_factory=list)
+    variants: dict[str, list[str]] = field(default_factory=dict)
+    overrides: list[str] = field(default_factory=list)  # applied to every cell of this table
+    rows: list[str] = field(default_factory=lambda: ["method"])  # axes from TABLE_AXES
+    columns: list[str] = field(default_factory=lambda: ["benchmark"])
+    metric: str = "acc"  # result.json metric (prefix match: "acc" takes the first acc* metric)
+    lower_is_better: bool = False
+    figure: str = ""  # "" (none) | bar | line | per_layer
+    caption: str = ""
+
+
+@dataclass
 class ExperimentConfig:
     name: str = "default"
     description: str = ""
@@ -101,6 +142,9 @@ class ExperimentConfig:
     benchmarks: list[str] = field(default_factory=list)
     models: list[str] = field(default_factory=list)
     seeds: list[int] = field(default_factory=lambda: [0])
+    overrides: list[str] = field(default_factory=list)  # applied to every cell of every table
+    tables: dict[str, TableConfig] = field(default_factory=dict)
+    resources: dict[str, ResourcesConfig] = field(default_factory=dict)  # per workflow stage
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -131,28 +175,109 @@ class ConfigError(ValueError):
     """A configuration override or file that does not fit the schema."""
 
 
-def compose(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:
-    """Compose `conf/<config_name>.yaml` with Hydra overrides and validate against the schema."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+class Composer:
+    """Compose many configurations with one Hydra initialisation (the workflow plans hundreds).
 
-    overrides = list(overrides or [])
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = hydra_compose(config_name=config_name, overrides=overrides)
-        schema = OmegaConf.structured(OscarConfig)
-        merged = OmegaConf.merge(schema, cfg)
-        OmegaConf.to_container(merged, throw_on_missing=True)
-    except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError(f"invalid configuration (overrides {overrides}): {exc}") from exc
-    finally:
+    Use as a context manager; results are cached per override list and read-only.
+    """
+
+    def __init__(self, config_name: str = "config", conf_dir: Path | str = CONF_DIR) -> None:
+        self.config_name = config_name
+        self.conf_dir = str(conf_dir)
+        self._context: Any = None
+        self._cache: dict[tuple[str, ...], DictConfig] = {}
+
+    def __enter__(self) -> "Composer":
+        from hydra import initialize_config_dir
+        from hydra.core.global_hydra import GlobalHydra
+
         GlobalHydra.instance().clear()
+        self._context = initialize_config_dir(config_dir=self.conf_dir, version_base="1.3")
+        self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        from hydra.core.global_hydra import GlobalHydra
+
+        self._context.__exit__(*exc_info)
+        self._context = None
+        GlobalHydra.instance().clear()
+
+    def compose(self, overrides: list[str] | tuple[str, ...] | None = None) -> DictConfig:
+        """Composed, validated, read-only configuration for these overrides."""
+        from hydra import compose as hydra_compose
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        if self._context is None:
+            raise RuntimeError("Composer.compose() called outside `with Composer(...) as c:`")
+        key = tuple(overrides or ())
+        if key in self._cache:
+            return self._cache[key]
+        try:
+            cfg = hydra_compose(config_name=self.config_name, overrides=list(key))
+            merged = validate(cfg)
+        except (HydraException, OmegaConfBaseException) as exc:
+            raise ConfigError(f"invalid configuration (overrides {list(key)}): {exc}") from exc
+        self._cache[key] = merged
+        return merged
+
+
+def validate(cfg: DictConfig | dict) -> DictConfig:
+    """Merge a configuration into the schema, refuse missing or mistyped values; read-only result."""
+    schema = OmegaConf.structured(OscarConfig)
+    merged = OmegaConf.merge(schema, cfg)
+    OmegaConf.to_container(merged, throw_on_missing=True)
+    for table_name, table in merged.experiment.tables.items():
+        if table.kind not in TABLE_KINDS:
+            raise ConfigError(
+                f"experiment.tables.{table_name}.kind={table.kind!r} is not valid; valid: {', '.join(TABLE_KINDS)}"
+            )
+        for axis in list(table.rows) + list(table.columns):
+            if axis not in TABLE_AXES:
+                raise ConfigError(
+                    f"experiment.tables.{table_name}: axis {axis!r} is not valid; valid: {', '.join(TABLE_AXES)}"
+                )
     OmegaConf.set_readonly(merged, True)
     return merged
+
+
+def compose(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:
+    """Compose `conf/<config_name>.yaml` with Hydra overrides and validate against the schema."""
+    with Composer(config_name) as composer:
+        return composer.compose(overrides)
+
+
+def dump_yaml(cfg: DictConfig) -> str:
+    """Canonical YAML text of a resolved configuration (stable across runs: same config, same bytes)."""
+    return OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg)), resolve=True, sort_keys=True)
+
+
+def write_resolved(cfg: DictConfig, path: str | Path) -> bool:
+    """Write the resolved configuration to `path` atomically, only when its content changed.
+
+    Returns True when the file was (re)written. Leaving an unchanged file alone keeps its mtime,
+    so Snakemake reruns exactly the jobs whose configuration changed.
+    """
+    path = Path(path)
+    text = dump_yaml(cfg)
+    if path.is_file() and path.read_text() == text:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return True
+
+
+def load_resolved(path: str | Path) -> DictConfig:
+    """Read a configuration written by `write_resolved` and validate it against the schema."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return validate(OmegaConf.load(str(path)))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"invalid resolved configuration {path}: {exc}") from exc
 
 
 def to_dict(cfg: DictConfig) -> dict[str, Any]:
