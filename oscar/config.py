@@ -26,6 +26,8 @@ class ModelConfig:
     gguf_packages: list[str] = field(default_factory=list)  # PyPI packages holding the GGUF file
     gguf_file: Optional[str] = None  # file name after assembly
     gguf_parts: list[str] = field(default_factory=list)  # "package/relative/path" parts, in order
+    gguf_size: Optional[int] = None  # expected size in bytes of the (assembled) GGUF file
+    gguf_sha256: Optional[str] = None  # expected sha256 of the (assembled) GGUF file
     num_layers: int = MISSING
     num_heads: int = MISSING
     num_kv_heads: int = MISSING
