@@ -1,0 +1,535 @@
+"""The OSCAR KV cache for transformers: BF16 sink, packed INT history in pages, BF16 recent window.
+
+Per layer and KV head a sequence's tokens live in three segments (docs/DESIGN.md, "Paged INT2 pool
+layout"): the first `sink` tokens in BF16, the last `recent` tokens in BF16, and everything in
+between quantized in the rotated frame (`Q((x - mu) @ R)`, packed codes + bf16 scale/zero per
+group) in fixed-size pages addressed through a per-sequence page table. BF16 segments keep the
+original frame, so a cache whose windows cover the whole sequence is bit-identical to the BF16
+cache. Each decode step writes the new token into the recent window; the oldest recent token is
+demoted into the quantized segment once the window is full.
+
+Sequences of a batch keep their own lengths: padding tokens (from a 2D attention mask) are never
+stored, so a left-padded row behaves exactly like the same prompt alone.
+
+The cache is a `transformers.Cache`; attention goes through the registered attention function
+"oscar" (`oscar.attention`), which calls `OscarLayer.attend_and_write`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from oscar import quant
+from oscar.attention import (
+    group_queries,
+    int_segment,
+    merge_segments,
+    rotate_per_kv_head,
+    segment_attention,
+    set_pending,
+    ungroup,
+)
+
+CACHE_KINDS = ("bf16", "rotated")
+MODES = ("serving", "decode_equivalent")
+
+
+@dataclass
+class LayerRotations:
+    """Per-layer quantization state for every KV head: rotations, means, clip ratios (float32)."""
+
+    r_k: torch.Tensor  # [Hkv, d, d]
+    r_v: torch.Tensor  # [Hkv, d, d]
+    mu_k: Optional[torch.Tensor] = None  # [Hkv, d]
+    mu_v: Optional[torch.Tensor] = None  # [Hkv, d]
+    rho_k: Optional[torch.Tensor] = None  # [Hkv]
+    rho_v: Optional[torch.Tensor] = None  # [Hkv]
+
+    def to(self, device: torch.device) -> "LayerRotations":
+        """Copy onto `device` as float32."""
+
+        def mv(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t.to(device=device, dtype=torch.float32)
+
+        return LayerRotations(mv(self.r_k), mv(self.r_v), mv(self.mu_k), mv(self.mu_v), mv(self.rho_k), mv(self.rho_v))
+
+    @staticmethod
+    def identity(num_kv_heads: int, head_dim: int) -> "LayerRotations":
+        """No rotation, no centering, no clipping (naive INT)."""
+        eye = torch.eye(head_dim).expand(num_kv_heads, head_dim, head_dim).clone()
+        return LayerRotations(eye, eye.clone())
+
+
+@dataclass
+class CacheSpec:
+    """What a method asks of the cache: segment sizes, format, per-layer rotations, attention mode."""
+
+    kind: str = "rotated"  # bf16 | rotated
+    bits: int = 2
+    group_size: int = 64  # effective group size (divides head_dim)
+    sink: int = 64
+    recent: int = 256
+    page_size: int = 64
+    layers: list[LayerRotations] = field(default_factory=list)
+    fold_values: bool = False  # True: o_proj carries R_V (oscar.surgery); attention returns rotated frame
+    mode: str = "serving"  # serving | decode_equivalent
+    store_dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        if self.kind not in CACHE_KINDS:
+            raise ValueError(f"cache kind {self.kind!r} is not supported; valid kinds are {CACHE_KINDS}")
+        if self.mode not in MODES:
+            raise ValueError(f"attention mode {self.mode!r} is not valid; valid modes are {MODES}")
+        if self.sink < 0 or self.recent < 0:
+            raise ValueError(f"sink={self.sink} and recent={self.recent} must be non-negative")
+        if self.kind == "rotated":
+            if self.recent < 1:
+                raise ValueError(f"recent={self.recent}: the rotated cache needs a recent window of at least 1 token")
+            if self.page_size < 1 or self.page_size & (self.page_size - 1):
+                raise ValueError(f"page_size={self.page_size} must be a power of two")
+            if self.bits not in quant.SUPPORTED_BITS:
+                raise ValueError(f"bits={self.bits} is not supported; valid values are {quant.SUPPORTED_BITS}")
+        if self.fold_values and self.kind != "rotated":
+            raise ValueError("fold_values needs a rotated cache (the bf16 cache has no value rotation)")
+
+
+class PagedRows:
+    """Packed INT rows of one tensor (K or V) in fixed-size pages: `codes` `[P, Hkv, page, d*b/8]`,
+    `scale`/`zero` `[P, Hkv, page, d/G]`, plus one page list per sequence (the page table)."""
+
+    def __init__(self, batch: int, num_kv_heads: int, head_dim: int, bits: int, group_size: int, page_size: int, device: torch.device):
+        self.hkv, self.d, self.bits, self.group_size, self.page_size = num_kv_heads, head_dim, bits, group_size, page_size
+        self.device = device
+        nb, ng = head_dim * bits // 8, head_dim // group_size
+        self.codes = torch.zeros(0, num_kv_heads, page_size, nb, dtype=torch.uint8, device=device)
+        self.scale = torch.zeros(0, num_kv_heads, page_size, ng, dtype=torch.bfloat16, device=device)
+        self.zero = torch.zeros(0, num_kv_heads, page_size, ng, dtype=torch.bfloat16, device=device)
+        self.pages: list[list[int]] = [[] for _ in range(batch)]
+        self.lengths: list[int] = [0] * batch
+        self.num_pages = 0
+
+    def _new_page(self) -> int:
+        if self.num_pages == self.codes.shape[0]:
+            grow = max(4, self.codes.shape[0])
+            self.codes = torch.cat([self.codes, self.codes.new_zeros(grow, *self.codes.shape[1:])])
+            self.scale = torch.cat([self.scale, self.scale.new_zeros(grow, *self.scale.shape[1:])])
+            self.zero = torch.cat([self.zero, self.zero.new_zeros(grow, *self.zero.shape[1:])])
+        self.num_pages += 1
+        return self.num_pages - 1
+
+    def append(self, b: int, rows: quant.QuantizedRows) -> None:
+        """Append quantized rows `[Hkv, m, ...]` to sequence `b`."""
+        m = rows.codes.shape[1]
+        done = 0
+        while done < m:
+            slot = self.lengths[b] % self.page_size
+            if slot == 0:
+                self.pages[b].append(self._new_page())
+            page = self.pages[b][-1]
+            take = min(self.page_size - slot, m - done)
+            self.codes[page, :, slot : slot + take] = rows.codes[:, done : done + take]
+            self.scale[page, :, slot : slot + take] = rows.scale[:, done : done + take]
+            self.zero[page, :, slot : slot + take] = rows.zero[:, done : done + take]
+            self.lengths[b] += take
+            done += take
+
+    def page_table(self) -> torch.Tensor:
+        """int32 `[B, max_pages]`; unused entries hold 0."""
+        width = max((len(p) for p in self.pages), default=0)
+        table = torch.zeros(len(self.pages), max(width, 1), dtype=torch.int32)
+        for b, pages in enumerate(self.pages):
+            if pages:
+                table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        return table.to(self.device)
+
+    def gather_dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense float32 rows `[B, Hkv, L, d]` (L = max length, rounded to pages) and validity `[B, L]`."""
+        table = self.page_table().long()
+        bsz, width = table.shape
+        codes = self.codes[table].permute(0, 2, 1, 3, 4).reshape(bsz, self.hkv, width * self.page_size, -1)
+        scale = self.scale[table].permute(0, 2, 1, 3, 4).reshape(bsz, self.hkv, width * self.page_size, -1)
+        zero = self.zero[table].permute(0, 2, 1, 3, 4).reshape(bsz, self.hkv, width * self.page_size, -1)
+        rows = quant.dequantize(quant.QuantizedRows(codes, scale, zero, self.bits, self.group_size, self.d))
+        lengths = torch.tensor(self.lengths, device=self.device)
+        valid = torch.arange(width * self.page_size, device=self.device)[None, :] < lengths[:, None]
+        return rows, valid
+
+    def nbytes(self) -> int:
+        """Bytes of the pages in use (codes + scale + zero)."""
+        per_page = sum(t[0].numel() * t.element_size() for t in (self.codes, self.scale, self.zero)) if self.codes.shape[0] else 0
+        return sum(len(p) for p in self.pages) * per_page
+
+
+class OscarLayer(CacheLayerMixin):
+    """One layer of the OSCAR cache (all KV heads, all sequences of the batch)."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, spec: CacheSpec, rotations: Optional[LayerRotations], layer_idx: int):
+        super().__init__()
+        self.spec = spec
+        self.rot = rotations
+        self.layer_idx = layer_idx
+        self.seen = 0  # token slots fed so far, padding included (what transformers calls the length)
+
+    # -- transformers Cache layer interface -----------------------------------------------------
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate the BF16 segments and the page pool for the batch, heads and head_dim seen first."""
+        b, hkv, _, d = key_states.shape
+        self.batch, self.hkv, self.d = b, hkv, d
+        self.device = key_states.device
+        sp = self.spec
+        dt = sp.store_dtype
+        self.sink_k = torch.zeros(b, hkv, sp.sink, d, dtype=dt, device=self.device)
+        self.sink_v = torch.zeros_like(self.sink_k)
+        cap = sp.recent if sp.kind == "rotated" else 64
+        self.recent_k = torch.zeros(b, hkv, cap, d, dtype=dt, device=self.device)
+        self.recent_v = torch.zeros_like(self.recent_k)
+        self.sink_len = [0] * b
+        self.recent_len = [0] * b
+        if sp.kind == "rotated":
+            if self.rot is None:
+                raise ValueError(f"layer {self.layer_idx}: the rotated cache needs LayerRotations")
+            quant.check_format(sp.bits, sp.group_size, d)
+            self.rot = self.rot.to(self.device)
+            if tuple(self.rot.r_k.shape) != (hkv, d, d) or tuple(self.rot.r_v.shape) != (hkv, d, d):
+                raise ValueError(
+                    f"layer {self.layer_idx}: rotations of shape {tuple(self.rot.r_k.shape)} / {tuple(self.rot.r_v.shape)} "
+                    f"do not match the model's {hkv} KV heads of head_dim {d}"
+                )
+            self.k_store = PagedRows(b, hkv, d, sp.bits, sp.group_size, sp.page_size, self.device)
+            self.v_store = PagedRows(b, hkv, d, sp.bits, sp.group_size, sp.page_size, self.device)
+        self.keys = self.values = None
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record the new keys/values for the attention call that follows (it attends and writes)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != self.batch:
+            raise ValueError(f"batch size changed from {self.batch} to {key_states.shape[0]}; start a new cache")
+        set_pending(self, key_states, value_states)
+        self.seen += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the padding mask the attention function receives."""
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Token slots seen so far (padding included), as transformers counts positions."""
+        return self.seen
+
+    def get_max_length(self) -> int:
+        """No maximum."""
+        return -1
+
+    def reset(self) -> None:
+        """Drop everything; the next update starts from scratch."""
+        self.is_initialized = False
+        self.seen = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search is not supported."""
+        raise NotImplementedError("the OSCAR cache does not support beam search reordering")
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def int_lengths(self) -> list[int]:
+        """Quantized tokens per sequence."""
+        if self.spec.kind != "rotated" or not self.is_initialized:
+            return [0] * getattr(self, "batch", 0)
+        return list(self.k_store.lengths)
+
+    def lengths(self) -> list[int]:
+        """Stored (non-padding) tokens per sequence."""
+        ints = self.int_lengths()
+        return [s + i + r for s, i, r in zip(self.sink_len, ints, self.recent_len)]
+
+    def nbytes(self) -> int:
+        """Bytes held: BF16 sink and recent rows in use plus the pages in use, K and V."""
+        if not self.is_initialized:
+            return 0
+        row = self.hkv * self.d * self.sink_k.element_size() * 2
+        total = row * (sum(self.sink_len) + sum(self.recent_len))
+        if self.spec.kind == "rotated":
+            total += self.k_store.nbytes() + self.v_store.nbytes()
+        return total
+
+    # -- quantization ----------------------------------------------------------------------------
+
+    def _quantize(self, x: torch.Tensor, which: str) -> quant.QuantizedRows:
+        """Rotate-clip-quantize rows `[..., Hkv, m, d]` (BF16 values as stored) per KV head."""
+        r = self.rot
+        assert r is not None
+        rot, mu, rho = (r.r_k, r.mu_k, r.rho_k) if which == "k" else (r.r_v, r.mu_v, r.rho_v)
+        extra = x.dim() - 3
+        if mu is not None:
+            mu = mu.reshape(*([1] * extra), self.hkv, 1, self.d)
+        rho_b: Any = 1.0
+        if rho is not None and bool((rho < 1).any()):
+            rho_b = rho.reshape(*([1] * extra), self.hkv, 1).expand(*x.shape[:-1])
+        return quant.rotate_clip_quantize(x.float(), rot, mu, rho_b, bits=self.spec.bits, group_size=self.spec.group_size)
+
+    # -- attention and writes --------------------------------------------------------------------
+
+    def attend_and_write(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        valid: Optional[torch.Tensor],
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention output `[B, H, n, d]` for `n` new tokens, then store them (demoting as needed).
+
+        Decode steps (`n == 1`) and decode-equivalent chunks: query `t` sees tokens `[0, S0)` in BF16,
+        `[S0, t-W]` quantized and `(t-W, t]` in BF16. Serving chunks (`n > 1`): the stored segments as
+        they are plus the chunk itself in BF16 (causal); the quantized history is only read.
+        """
+        n = query.shape[2]
+        kb = key.to(self.spec.store_dtype)
+        vb = value.to(self.spec.store_dtype)
+        counts = [n] * self.batch if valid is None else [int(c) for c in valid.sum(dim=1).tolist()]
+        decode_eq = n == 1 or self.spec.mode == "decode_equivalent"
+        old = self.lengths()
+        sp = self.spec
+        needs_quant = any(i > 0 for i in self.int_lengths())
+        if decode_eq and sp.kind == "rotated":
+            needs_quant = needs_quant or any(o + c > sp.sink + sp.recent for o, c in zip(old, counts))
+        uniform = valid is None and len(set(self.sink_len)) == 1 and len(set(self.recent_len)) == 1
+        if not needs_quant and uniform:
+            out = self._attend_bf16_contiguous(module, query, kb, vb, scale)
+        else:
+            out = self._attend_segments(query, kb, vb, valid, scale, decode_eq, old)
+        self._write(kb, vb, valid)
+        return out
+
+    def _attend_bf16_contiguous(
+        self, module: torch.nn.Module, query: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """No quantized token is visible and no row is padded: one SDPA call over the tokens in order,
+        exactly as transformers' own SDPA attention over a plain cache."""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        s, r, n = self.sink_len[0], self.recent_len[0], query.shape[2]
+        keys = torch.cat([self.sink_k[:, :, :s], self.recent_k[:, :, :r], kb], dim=2).to(query.dtype)
+        values = torch.cat([self.sink_v[:, :, :s], self.recent_v[:, :, :r], vb], dim=2).to(query.dtype)
+        past = s + r
+        mask = None
+        if n > 1 and past > 0:
+            qpos = torch.arange(n, device=query.device) + past
+            mask = (torch.arange(past + n, device=query.device)[None, :] <= qpos[:, None])[None, None]
+        out, _ = sdpa_attention_forward(module, query, keys, values, mask, scaling=scale)
+        out = out.transpose(1, 2)
+        if self.spec.fold_values:
+            out = ungroup(rotate_per_kv_head(group_queries(out.float(), self.hkv), self.rot.r_v)).to(query.dtype)
+        return out
+
+    def _positions(self, valid: Optional[torch.Tensor], n: int, old: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        """Token positions (row-local, padding skipped) of the sink, recent and chunk slots; -1 = empty."""
+        dev = self.device
+        b = self.batch
+        old_t = torch.tensor(old, device=dev)
+        sink_len = torch.tensor(self.sink_len, device=dev)
+        rec_len = torch.tensor(self.recent_len, device=dev)
+        j = torch.arange(self.sink_k.shape[2], device=dev)[None, :].expand(b, -1)
+        sink_pos = torch.where(j < sink_len[:, None], j, torch.full_like(j, -1))
+        i = torch.arange(self.recent_k.shape[2], device=dev)[None, :].expand(b, -1)
+        rec_start = old_t - rec_len
+        rec_pos = torch.where(i < rec_len[:, None], rec_start[:, None] + i, torch.full_like(i, -1))
+        if valid is None:
+            chunk_pos = old_t[:, None] + torch.arange(n, device=dev)[None, :]
+        else:
+            chunk_pos = torch.where(valid, old_t[:, None] + valid.long().cumsum(dim=1) - 1, torch.full((b, n), -1, device=dev, dtype=torch.long))
+        return sink_pos, rec_pos, chunk_pos
+
+    def _attend_segments(
+        self,
+        query: torch.Tensor,
+        kb: torch.Tensor,
+        vb: torch.Tensor,
+        valid: Optional[torch.Tensor],
+        scale: float,
+        decode_eq: bool,
+        old: Sequence[int],
+    ) -> torch.Tensor:
+        """General path: BF16 segment, stored INT segment and (decode-equivalent) on-the-fly INT rows."""
+        sp = self.spec
+        n = query.shape[2]
+        qg = group_queries(query.float(), self.hkv)
+        sink_pos, rec_pos, chunk_pos = self._positions(valid, n, old)
+        t = chunk_pos[:, :, None]  # [B, n, 1] query positions
+        q_ok = (chunk_pos >= 0)[:, :, None]
+
+        k_bf = torch.cat([self.sink_k, self.recent_k, kb], dim=2).float()
+        v_bf = torch.cat([self.sink_v, self.recent_v, vb], dim=2).float()
+        pos_bf = torch.cat([sink_pos, rec_pos, chunk_pos], dim=1)[:, None, :]  # [B, 1, L]
+        vis_bf = q_ok & (pos_bf >= 0) & (pos_bf <= t)
+        if decode_eq and sp.kind == "rotated":
+            vis_bf = vis_bf & ((pos_bf < sp.sink) | (pos_bf > t - sp.recent))
+        o_bf, lse_bf = segment_attention(qg, k_bf, v_bf, vis_bf[:, None, None], scale)
+
+        int_parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        if sp.kind == "rotated":
+            rot = self.rot
+            assert rot is not None
+            if any(i > 0 for i in self.int_lengths()):
+                k_rot, svalid = self.k_store.gather_dequantized()
+                v_rot, _ = self.v_store.gather_dequantized()
+                vis = q_ok & svalid[:, None, :]
+                int_parts.append(int_segment(qg, k_rot, v_rot, vis[:, None, None], scale, rot.r_k, rot.mu_k))
+            if decode_eq:
+                pos_q = torch.cat([rec_pos, chunk_pos], dim=1)[:, None, :]
+                vis_q = q_ok & (pos_q >= sp.sink) & (pos_q <= t - sp.recent)
+                if bool(vis_q.any()):
+                    kq = quant.dequantize(self._quantize(torch.cat([self.recent_k, kb], dim=2), "k"))
+                    vq = quant.dequantize(self._quantize(torch.cat([self.recent_v, vb], dim=2), "v"))
+                    int_parts.append(int_segment(qg, kq, vq, vis_q[:, None, None], scale, rot.r_k, rot.mu_k))
+
+        parts = []
+        if sp.fold_values:
+            assert self.rot is not None
+            parts.append((rotate_per_kv_head(o_bf, self.rot.r_v), lse_bf))
+            mu_rot = None if self.rot.mu_v is None else torch.einsum("hd,hde->he", self.rot.mu_v, self.rot.r_v)
+            for o_rot, lse, mass in int_parts:
+                if mu_rot is not None:
+                    o_rot = o_rot + mass.unsqueeze(-1) * mu_rot[None, :, None, None, :]
+                parts.append((o_rot, lse))
+        else:
+            parts.append((o_bf, lse_bf))
+            for o_rot, lse, mass in int_parts:
+                o = rotate_per_kv_head(o_rot, self.rot.r_v.transpose(-1, -2))  # type: ignore[union-attr]
+                if self.rot.mu_v is not None:  # type: ignore[union-attr]
+                    o = o + mass.unsqueeze(-1) * self.rot.mu_v[None, :, None, None, :]  # type: ignore[union-attr]
+                parts.append((o, lse))
+        return ungroup(merge_segments(parts)).to(query.dtype)
+
+    def _write(self, kb: torch.Tensor, vb: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
+        """Store the chunk's real tokens per sequence: fill the sink, then the recent window, demoting
+        the oldest recent tokens into the pages when the window overflows."""
+        sp = self.spec
+        for b in range(self.batch):
+            if valid is None:
+                k, v = kb[b], vb[b]
+            else:
+                cols = valid[b].nonzero().flatten()
+                k, v = kb[b][:, cols], vb[b][:, cols]
+            m = k.shape[1]
+            if m == 0:
+                continue
+            s = self.sink_len[b]
+            take = min(sp.sink - s, m)
+            if take > 0:
+                self.sink_k[b, :, s : s + take] = k[:, :take]
+                self.sink_v[b, :, s : s + take] = v[:, :take]
+                self.sink_len[b] += take
+                k, v = k[:, take:], v[:, take:]
+            if k.shape[1] == 0:
+                continue
+            r = self.recent_len[b]
+            if sp.kind == "bf16":
+                self._ensure_recent_capacity(r + k.shape[1])
+                self.recent_k[b, :, r : r + k.shape[1]] = k
+                self.recent_v[b, :, r : r + k.shape[1]] = v
+                self.recent_len[b] = r + k.shape[1]
+                continue
+            all_k = torch.cat([self.recent_k[b, :, :r], k], dim=1)
+            all_v = torch.cat([self.recent_v[b, :, :r], v], dim=1)
+            over = all_k.shape[1] - sp.recent
+            if over > 0:
+                self.k_store.append(b, self._quantize(all_k[:, :over], "k"))
+                self.v_store.append(b, self._quantize(all_v[:, :over], "v"))
+                all_k, all_v = all_k[:, over:], all_v[:, over:]
+            keep = all_k.shape[1]
+            self.recent_k[b, :, :keep] = all_k
+            self.recent_v[b, :, :keep] = all_v
+            self.recent_len[b] = keep
+
+    def _ensure_recent_capacity(self, needed: int) -> None:
+        cap = self.recent_k.shape[2]
+        if needed <= cap:
+            return
+        new_cap = max(needed, 2 * cap)
+        pad = torch.zeros(self.batch, self.hkv, new_cap - cap, self.d, dtype=self.recent_k.dtype, device=self.device)
+        self.recent_k = torch.cat([self.recent_k, pad], dim=2)
+        self.recent_v = torch.cat([self.recent_v, pad.clone()], dim=2)
+
+
+class OscarCache(Cache):
+    """transformers `Cache` holding one `OscarLayer` per decoder layer."""
+
+    def __init__(self, spec: CacheSpec, num_layers: int):
+        if spec.kind == "rotated" and len(spec.layers) != num_layers:
+            raise ValueError(f"the cache spec has rotations for {len(spec.layers)} layers but the model has {num_layers}")
+        layers = [OscarLayer(spec, spec.layers[i] if spec.kind == "rotated" else None, i) for i in range(num_layers)]
+        super().__init__(layers=layers)
+        self.spec = spec
+
+    def nbytes(self) -> int:
+        """Bytes the cache holds (BF16 segments in use + INT pages in use), all layers, K and V."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def bits_per_element(self) -> float:
+        """Measured storage bits per cached K/V element over all layers, heads and sequences."""
+        elements = 0
+        for layer in self.layers:
+            if layer.is_initialized:
+                elements += sum(layer.lengths()) * layer.hkv * layer.d * 2
+        if elements == 0:
+            raise ValueError("the cache holds no tokens yet")
+        return 8 * self.nbytes() / elements
+
+
+def spec_for_model(model: Any, kind: str = "rotated", rotations: Optional[list[LayerRotations]] = None, **kwargs: Any) -> CacheSpec:
+    """A `CacheSpec` for `model` with identity rotations unless `rotations` are given."""
+    cfg = model.config
+    layers_n = int(cfg.num_hidden_layers)
+    hkv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    if kind == "rotated" and rotations is None:
+        rotations = [LayerRotations.identity(hkv, d) for _ in range(layers_n)]
+    if "group_size" in kwargs:
+        kwargs["group_size"] = min(int(kwargs["group_size"]), d)
+    return CacheSpec(kind=kind, layers=list(rotations or []), **kwargs)
+
+
+def new_cache(model: Any, spec: CacheSpec) -> OscarCache:
+    """An empty cache for `model` (whose attention implementation must be "oscar")."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl != "oscar":
+        raise ValueError(
+            f"the model's attention implementation is {impl!r}; the OSCAR cache needs 'oscar' "
+            "(call oscar.attention.enable(model) first)"
+        )
+    return OscarCache(spec, int(model.config.num_hidden_layers))
+
+
+def expected_bits(spec: CacheSpec, num_tokens: int, head_dim: int) -> float:
+    """Accounting bits/element for one sequence (`oscar.quant.bits_per_element`, pages full)."""
+    if spec.kind == "bf16":
+        return 16.0
+    return quant.bits_per_element(num_tokens, head_dim, spec.bits, spec.group_size, spec.sink, spec.recent)
+
+
+__all__ = [
+    "CACHE_KINDS",
+    "CacheSpec",
+    "LayerRotations",
+    "MODES",
+    "OscarCache",
+    "OscarLayer",
+    "PagedRows",
+    "expected_bits",
+    "new_cache",
+    "spec_for_model",
+]
+
