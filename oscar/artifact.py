@@ -1,0 +1,340 @@
+"""The calibration artifact: `rotations.safetensors` + `meta.json` (docs/DESIGN.md), no pickle.
+
+Tensors (float32), per layer `l`: `layers.{l}.R_K`, `layers.{l}.R_V` `[Hkv, d, d]`,
+`layers.{l}.mu_K`, `layers.{l}.mu_V` `[Hkv, d]` (zeros when the method does not center),
+`layers.{l}.rho_K`, `layers.{l}.rho_V` `[Hkv]`, and `layers.{l}.eig_K`, `layers.{l}.eig_V`
+`[Hkv, d]` when the method has an eigen-target. `meta.json` carries `format_version`,
+`oscar_version`, `method`, `model` (`id`, `config_hash`, `num_layers`, `num_kv_heads`,
+`head_dim`), `calibration`, `group_size`, `bits`, `choices` (for `auto`) and `tensors_sha256`
+(the digest of the safetensors file it was written with, so a mixed-up pair is refused).
+The safetensors file is replaced first and `meta.json` last, each atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from oscar.stats import atomic_write, atomic_write_text
+
+ARTIFACT_FORMAT_VERSION = 1
+TENSORS_FILE = "rotations.safetensors"
+META_FILE = "meta.json"
+_REQUIRED = ("R_K", "R_V", "mu_K", "mu_V", "rho_K", "rho_V")
+_OPTIONAL = ("eig_K", "eig_V")
+
+
+class ArtifactMismatch(ValueError):
+    """The artifact does not belong to the model (or settings) it is being loaded for."""
+
+
+def model_config_hash(
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    hidden_size: int,
+    rope_theta: float | None = None,
+    rope_scaling: dict[str, Any] | None = None,
+) -> str:
+    """Short sha256 of the architecture fields an artifact depends on (layers, heads, dims, RoPE)."""
+    rope = {k: v for k, v in (rope_scaling or {}).items() if k != "rope_theta" and v is not None}
+    if rope.get("rope_type") == "default" or rope.get("type") == "default":
+        rope = {k: v for k, v in rope.items() if k not in ("rope_type", "type")}
+    fields = {
+        "num_layers": int(num_layers),
+        "num_heads": int(num_heads),
+        "num_kv_heads": int(num_kv_heads),
+        "head_dim": int(head_dim),
+        "hidden_size": int(hidden_size),
+        "rope_theta": None if rope_theta is None else float(rope_theta),
+        "rope_scaling": rope,
+    }
+    blob = json.dumps(fields, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def model_config_fields(config: Any) -> dict[str, Any]:
+    """Architecture fields of a transformers-style config (duck-typed; no transformers import).
+
+    Reads `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads` (defaults to the
+    query heads), `head_dim` (defaults to `hidden_size // num_attention_heads`), `hidden_size`,
+    and RoPE from `rope_parameters` (transformers 5) or `rope_theta` / `rope_scaling` (4.x).
+    Accepts a model (uses its `.config`).
+    """
+    cfg = getattr(config, "config", config)
+    get = cfg.get if isinstance(cfg, dict) else lambda k, default=None: getattr(cfg, k, default)
+    heads = int(get("num_attention_heads"))
+    hidden = int(get("hidden_size"))
+    kv = get("num_key_value_heads") or heads
+    head_dim = get("head_dim") or hidden // heads
+    params = get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        params = dict(params)
+    theta = params.get("rope_theta", get("rope_theta"))
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"} or (get("rope_scaling") or {})
+    return {
+        "num_layers": int(get("num_hidden_layers")),
+        "num_heads": heads,
+        "num_kv_heads": int(kv),
+        "head_dim": int(head_dim),
+        "hidden_size": hidden,
+        "rope_theta": theta,
+        "rope_scaling": dict(scaling),
+    }
+
+
+def config_hash_of(config: Any) -> str:
+    """`model_config_hash` of a transformers-style config or model."""
+    return model_config_hash(**model_config_fields(config))
+
+
+@dataclass
+class CalibrationArtifact:
+    """Per-layer rotations, means, clip ratios and eigenvalues, with the JSON metadata."""
+
+    R_K: list[torch.Tensor]
+    R_V: list[torch.Tensor]
+    mu_K: list[torch.Tensor]
+    mu_V: list[torch.Tensor]
+    rho_K: list[torch.Tensor]
+    rho_V: list[torch.Tensor]
+    eig_K: list[Optional[torch.Tensor]] = field(default_factory=list)
+    eig_V: list[Optional[torch.Tensor]] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.R_K)
+        if not self.eig_K:
+            self.eig_K = [None] * n
+        if not self.eig_V:
+            self.eig_V = [None] * n
+        self.validate()
+
+    @property
+    def num_layers(self) -> int:
+        """Number of layers `L`."""
+        return len(self.R_K)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads per layer `Hkv`."""
+        return int(self.R_K[0].shape[0])
+
+    @property
+    def head_dim(self) -> int:
+        """Head dimension `d`."""
+        return int(self.R_K[0].shape[-1])
+
+    def validate(self) -> None:
+        """Check counts, shapes, finiteness and orthogonality of every tensor."""
+        n = len(self.R_K)
+        if n == 0:
+            raise ValueError("an artifact needs at least one layer")
+        for name in (*_REQUIRED, *_OPTIONAL):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} layers, R_K has {n}")
+        hkv, d = int(self.R_K[0].shape[0]), int(self.R_K[0].shape[-1])
+        shapes = {"R_K": (hkv, d, d), "R_V": (hkv, d, d), "mu_K": (hkv, d), "mu_V": (hkv, d),
+                  "rho_K": (hkv,), "rho_V": (hkv,), "eig_K": (hkv, d), "eig_V": (hkv, d)}
+        for name, shape in shapes.items():
+            for layer, t in enumerate(getattr(self, name)):
+                if t is None:
+                    continue
+                if tuple(t.shape) != shape:
+                    raise ValueError(f"layers.{layer}.{name} has shape {tuple(t.shape)}, expected {shape}")
+                if not torch.isfinite(t).all():
+                    raise ValueError(f"layers.{layer}.{name} contains non-finite values")
+        eye = torch.eye(d, dtype=torch.float64)
+        for name in ("R_K", "R_V"):
+            for layer, r in enumerate(getattr(self, name)):
+                r64 = r.to(torch.float64)
+                err = float((r64.transpose(1, 2) @ r64 - eye).abs().max())
+                if err > 1e-4:
+                    raise ValueError(f"layers.{layer}.{name} is not orthogonal (max |R^T R - I| = {err:.2e})")
+        for name in ("rho_K", "rho_V"):
+            for layer, r in enumerate(getattr(self, name)):
+                if bool((r <= 0).any()) or bool((r > 1).any()):
+                    raise ValueError(f"layers.{layer}.{name} = {r.tolist()} must lie in (0, 1]")
+
+    def layer(self, layer: int) -> dict[str, Optional[torch.Tensor]]:
+        """Tensors of one layer by name (`R_K`, `R_V`, `mu_K`, ...)."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer={layer} is out of range 0..{self.num_layers - 1}")
+        return {name: getattr(self, name)[layer] for name in (*_REQUIRED, *_OPTIONAL)}
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """Flat float32 `layers.{l}.<name>` dictionary for safetensors."""
+        out: dict[str, torch.Tensor] = {}
+        for layer in range(self.num_layers):
+            for name, t in self.layer(layer).items():
+                if t is not None:
+                    out[f"layers.{layer}.{name}"] = t.detach().to(torch.float32).cpu().contiguous()
+        return out
+
+
+def build_meta(
+    *,
+    method: dict[str, Any],
+    model_id: str,
+    config_hash: str,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    group_size: int,
+    bits: int,
+    calibration: dict[str, Any] | None = None,
+    choices: list[dict[str, Any]] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The `meta.json` dictionary (docs/DESIGN.md) with format and package versions filled in."""
+    from oscar import __version__
+
+    meta = {
+        "format_version": ARTIFACT_FORMAT_VERSION,
+        "oscar_version": __version__,
+        "method": method,
+        "model": {
+            "id": model_id,
+            "config_hash": config_hash,
+            "num_layers": int(num_layers),
+            "num_kv_heads": int(num_kv_heads),
+            "head_dim": int(head_dim),
+        },
+        "calibration": calibration or {},
+        "group_size": int(group_size),
+        "bits": int(bits),
+        "choices": choices or [],
+    }
+    if extra:
+        meta.update(extra)
+    return meta
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def save_artifact(artifact: CalibrationArtifact, directory: str | os.PathLike) -> Path:
+    """Write `rotations.safetensors` then `meta.json` atomically into `directory`."""
+    from safetensors.torch import save_file
+
+    artifact.validate()
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(artifact.meta)
+    model = dict(meta.get("model", {}))
+    for key, value in (("num_layers", artifact.num_layers), ("num_kv_heads", artifact.num_kv_heads), ("head_dim", artifact.head_dim)):
+        if key in model and int(model[key]) != value:
+            raise ValueError(f"meta model.{key}={model[key]} disagrees with the tensors ({value})")
+        model[key] = value
+    meta["model"] = model
+    meta.setdefault("format_version", ARTIFACT_FORMAT_VERSION)
+    tensors = artifact.to_tensors()
+    digest: dict[str, str] = {}
+
+    def write_tensors(tmp: Path) -> None:
+        save_file(tensors, str(tmp), metadata={"format": "oscar-rotations", "format_version": str(ARTIFACT_FORMAT_VERSION)})
+        digest["sha"] = _sha256_file(tmp)
+
+    atomic_write(out / TENSORS_FILE, write_tensors)
+    meta["tensors_sha256"] = digest["sha"]
+    atomic_write_text(out / META_FILE, json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
+    return out
+
+
+def _check(what: str, found: Any, expected: Any, path: Path) -> None:
+    if expected is not None and found != expected:
+        raise ArtifactMismatch(
+            f"calibration artifact {path} was made for {what}={found!r}, but the model has {what}={expected!r}; "
+            "recalibrate for this model (python -m oscar calibrate ...) or load the matching artifact"
+        )
+
+
+def load_artifact(
+    directory: str | os.PathLike,
+    model: Any = None,
+    *,
+    config_hash: str | None = None,
+    num_layers: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    group_size: int | None = None,
+    bits: int | None = None,
+) -> CalibrationArtifact:
+    """Read an artifact and refuse a mismatch with `model` (a transformers-style model or config)
+    or with the explicitly given fields, naming both values."""
+    from safetensors import safe_open
+
+    src = Path(directory)
+    meta_path, tensor_path = src / META_FILE, src / TENSORS_FILE
+    for p in (meta_path, tensor_path):
+        if not p.is_file():
+            raise FileNotFoundError(f"calibration artifact file {p} is missing (written by `python -m oscar calibrate`)")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format_version") != ARTIFACT_FORMAT_VERSION:
+        raise ArtifactMismatch(
+            f"{meta_path}: format_version={meta.get('format_version')!r}, this oscar reads {ARTIFACT_FORMAT_VERSION}"
+        )
+    recorded = meta.get("tensors_sha256")
+    if recorded is not None:
+        actual = _sha256_file(tensor_path)
+        if actual != recorded:
+            raise ArtifactMismatch(
+                f"{tensor_path} has sha256 {actual[:16]}..., but {meta_path} was written with {recorded[:16]}...: "
+                "the two files do not belong together"
+            )
+    info = meta.get("model", {})
+    if model is not None:
+        fields = model_config_fields(model)
+        config_hash = config_hash if config_hash is not None else model_config_hash(**fields)
+        num_layers = num_layers if num_layers is not None else fields["num_layers"]
+        num_kv_heads = num_kv_heads if num_kv_heads is not None else fields["num_kv_heads"]
+        head_dim = head_dim if head_dim is not None else fields["head_dim"]
+    _check("config_hash", info.get("config_hash"), config_hash, src)
+    _check("num_layers", info.get("num_layers"), num_layers, src)
+    _check("num_kv_heads", info.get("num_kv_heads"), num_kv_heads, src)
+    _check("head_dim", info.get("head_dim"), head_dim, src)
+    _check("group_size", meta.get("group_size"), group_size, src)
+    _check("bits", meta.get("bits"), bits, src)
+
+    n_layers = int(info["num_layers"])
+    data: dict[str, list] = {name: [] for name in (*_REQUIRED, *_OPTIONAL)}
+    with safe_open(str(tensor_path), framework="pt") as fh:
+        keys = set(fh.keys())
+        for layer in range(n_layers):
+            for name in (*_REQUIRED, *_OPTIONAL):
+                key = f"layers.{layer}.{name}"
+                if key in keys:
+                    data[name].append(fh.get_tensor(key))
+                elif name in _REQUIRED:
+                    raise ArtifactMismatch(f"{tensor_path} lacks tensor {key}")
+                else:
+                    data[name].append(None)
+    art = CalibrationArtifact(meta=meta, **data)
+    _check("num_kv_heads (tensors)", art.num_kv_heads, info.get("num_kv_heads"), src)
+    _check("head_dim (tensors)", art.head_dim, info.get("head_dim"), src)
+    return art
+
+
+__all__ = [
+    "ARTIFACT_FORMAT_VERSION",
+    "ArtifactMismatch",
+    "CalibrationArtifact",
+    "build_meta",
+    "config_hash_of",
+    "load_artifact",
+    "model_config_fields",
+    "model_config_hash",
+    "save_artifact",
+]

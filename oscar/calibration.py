@@ -1,0 +1,195 @@
+"""Calibration facade: statistics (`oscar.stats`), clip fitting and candidates (`oscar.clipfit`),
+the artifact (`oscar.artifact`), and `build_artifact`, which turns statistics and a method
+configuration into the per-layer rotations, means and clip ratios of an artifact.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from oscar.artifact import (
+    ARTIFACT_FORMAT_VERSION,
+    ArtifactMismatch,
+    CalibrationArtifact,
+    build_meta,
+    config_hash_of,
+    load_artifact,
+    model_config_fields,
+    model_config_hash,
+    save_artifact,
+)
+from oscar.clipfit import (
+    KEY_TARGETS,
+    VALUE_TARGETS,
+    Candidate,
+    ClipFit,
+    Selection,
+    candidates,
+    fit_clip_ratio,
+    fit_layer_clip,
+    geometric_mean,
+    layer_rotations,
+    make_candidate,
+    measured_distortion,
+    quantization_error,
+    rotation_seed,
+    select_candidate,
+    select_layer,
+    target_matrix,
+    weighted_distortion,
+)
+from oscar.stats import CalibrationStats, attention_output, token_hash
+
+CLIP_MODES = ("fit", "fixed", "none")
+
+
+def _get(cfg: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+    return default if value is None else value
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready copy of a mapping/sequence tree (dicts, lists, DictConfig, ListConfig)."""
+    if hasattr(value, "items"):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (str, bytes, int, float, bool)) or value is None:
+        return value
+    if hasattr(value, "__iter__"):
+        return [_plain(v) for v in value]
+    return value
+
+
+def build_artifact(
+    method: Mapping[str, Any],
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    group_size: int,
+    stats: CalibrationStats | None = None,
+    clip_grid_k: Sequence[float] = (1.0,),
+    clip_grid_v: Sequence[float] = (1.0,),
+    model_id: str = "",
+    config_hash: str = "",
+    calibration: dict[str, Any] | None = None,
+) -> CalibrationArtifact:
+    """Rotations, means and clip ratios of every layer for a method config (dict or DictConfig).
+
+    Reads `key_rotation`, `value_rotation` (an `oscar.rotation` kind or `auto`), `key_target`,
+    `value_target`, `center`, `bits`, `clip` (`fit`: grid search on held-back rows of `stats`;
+    `fixed`: `rho_k`/`rho_v`; `none`: 1.0), `seed`. `group_size` is the effective group size
+    (`oscar.methods.effective_group_size`). `auto` picks, per (layer, KV head) and side, the
+    candidate (`oscar.clipfit.candidates`) with the lowest measured distortion, each candidate
+    with its own fitted clip ratio, and records the choices in the metadata.
+    """
+    bits = int(_get(method, "bits", 2))
+    clip = str(_get(method, "clip", "fit"))
+    if clip not in CLIP_MODES:
+        raise ValueError(f"clip={clip!r}; valid modes are {CLIP_MODES}")
+    center = bool(_get(method, "center", False))
+    seed = int(_get(method, "seed", 0))
+    kinds = {"key": str(_get(method, "key_rotation", "identity")), "value": str(_get(method, "value_rotation", "identity"))}
+    targets = {"key": str(_get(method, "key_target", "query")), "value": str(_get(method, "value_target", "output"))}
+    fixed = {"key": float(_get(method, "rho_k", 1.0)), "value": float(_get(method, "rho_v", 1.0))}
+    grids = {"key": list(clip_grid_k), "value": list(clip_grid_v)}
+    if stats is not None and (stats.num_layers, stats.num_kv_heads, stats.head_dim) != (num_layers, num_kv_heads, head_dim):
+        raise ValueError(
+            f"statistics have (L, Hkv, d)=({stats.num_layers}, {stats.num_kv_heads}, {stats.head_dim}), "
+            f"the model has ({num_layers}, {num_kv_heads}, {head_dim})"
+        )
+    if "auto" in kinds.values() and kinds["key"] != kinds["value"]:
+        raise ValueError(f"auto must apply to both sides, got key_rotation={kinds['key']!r}, value_rotation={kinds['value']!r}")
+    if kinds["key"] == "auto" and stats is None:
+        raise ValueError("method auto needs calibration statistics with held-back rows")
+
+    out: dict[str, list] = {n: [] for n in ("R_K", "R_V", "mu_K", "mu_V", "rho_K", "rho_V", "eig_K", "eig_V")}
+    choices: list[dict[str, Any]] = []
+    for layer in range(num_layers):
+        per_side: dict[str, dict[str, Any]] = {}
+        for side, tag in (("key", "K"), ("value", "V")):
+            if kinds[side] == "auto":
+                grid = grids[side] if clip == "fit" else [fixed[side] if clip == "fixed" else 1.0]
+                sel = select_layer(stats, layer, side, grid, bits=bits, group_size=group_size)  # type: ignore[arg-type]
+                rot = {
+                    "R": torch.stack([s.candidate.R for s in sel]),
+                    "mu": torch.stack([s.candidate.mu for s in sel]),
+                    "eig": None,
+                }
+                if all(s.candidate.eig is not None for s in sel):
+                    rot["eig"] = torch.stack([s.candidate.eig for s in sel])  # type: ignore[misc]
+                rho = torch.tensor([s.clip.rho for s in sel])
+                per_side[side] = {"sel": sel}
+            else:
+                rot = layer_rotations(
+                    side, kinds[side], head_dim=head_dim, num_kv_heads=num_kv_heads, stats=stats, layer=layer,
+                    target=targets[side], center=center, group_size=group_size, seed=seed,
+                )
+                if clip == "fit":
+                    if stats is None:
+                        raise ValueError("clip=fit needs calibration statistics with held-back rows; use clip=fixed or none")
+                    fits = fit_layer_clip(stats, layer, side, rot["R"], rot["mu"], grids[side], bits=bits, group_size=group_size)  # type: ignore[arg-type]
+                    rho = torch.tensor([f.rho for f in fits])
+                else:
+                    rho = torch.full((num_kv_heads,), fixed[side] if clip == "fixed" else 1.0)
+            out[f"R_{tag}"].append(rot["R"].to(torch.float32))
+            out[f"mu_{tag}"].append(rot["mu"].to(torch.float32))
+            out[f"eig_{tag}"].append(None if rot["eig"] is None else rot["eig"].to(torch.float32))
+            out[f"rho_{tag}"].append(rho.to(torch.float32))
+        if "key" in per_side:
+            for h, (sk, sv) in enumerate(zip(per_side["key"]["sel"], per_side["value"]["sel"])):
+                choices.append({
+                    "layer": layer, "head": h,
+                    "key_target": sk.candidate.target, "value_target": sv.candidate.target,
+                    "center_k": sk.candidate.center, "center_v": sv.candidate.center,
+                    "rho_k": sk.clip.rho, "rho_v": sv.clip.rho,
+                    "key_distortion": sk.clip.distortion, "value_distortion": sv.clip.distortion,
+                    "key_table": sk.table, "value_table": sv.table,
+                })
+    method_dict = _plain(method)
+    meta = build_meta(
+        method=method_dict, model_id=model_id, config_hash=config_hash, num_layers=num_layers,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, group_size=group_size, bits=bits,
+        calibration=calibration, choices=choices,
+    )
+    for side in ("eig_K", "eig_V"):
+        if any(t is None for t in out[side]):
+            out[side] = [None] * num_layers
+    return CalibrationArtifact(meta=meta, **out)
+
+
+__all__ = [
+    "ARTIFACT_FORMAT_VERSION",
+    "ArtifactMismatch",
+    "CLIP_MODES",
+    "CalibrationArtifact",
+    "CalibrationStats",
+    "Candidate",
+    "ClipFit",
+    "KEY_TARGETS",
+    "Selection",
+    "VALUE_TARGETS",
+    "attention_output",
+    "build_artifact",
+    "build_meta",
+    "candidates",
+    "config_hash_of",
+    "fit_clip_ratio",
+    "fit_layer_clip",
+    "geometric_mean",
+    "layer_rotations",
+    "load_artifact",
+    "make_candidate",
+    "measured_distortion",
+    "model_config_fields",
+    "model_config_hash",
+    "quantization_error",
+    "rotation_seed",
+    "save_artifact",
+    "select_candidate",
+    "select_layer",
+    "target_matrix",
+    "token_hash",
+    "weighted_distortion",
+]

@@ -1,0 +1,372 @@
+"""Attention-weighted distortion, clip-ratio fitting, and the rotation candidates of `auto`.
+
+Distortion of one (layer, KV head). Let `X` be `n` held-back key rows (or value rows), `R` the
+rotation, `mu` the mean subtracted before rotating (zero when not centering), and
+`Y = X_hat_rot - (X - mu) R` the error of the *real* quantizer (`oscar.quant.rotate_clip_quantize`
+then `dequantize`, float32 rotation as in the cache) in the rotated frame. With the metric
+`C` (a second moment, normalized by its count):
+
+    D = tr(Y (R^T C R) Y^T) / n = mean over rows of  e C e^T,  e = Y R^T  (original-frame error)
+
+Keys use `C = C_Q / n_Q` (uncentered query second moment): for a query `q`, the logit error is
+`q . e`, and `E_q[(q . e)^2] = e C_Q e^T`, so `D` is the mean squared logit error (before the
+softmax scale). The mean `mu` is added back exactly in the attention (`q . mu_K`), so centering
+changes which errors occur, not the metric. Values use the `C_S` analogue
+(`C = C_S / n_S`, the second moment of the per-head attention outputs `S V`): value-error
+directions are weighted by the energy the head actually writes in them.
+
+Candidate rotation targets (each `U.H.P` of the target's eigenbasis, plus plain `H.P`):
+
+- `query` (keys) / `output` (values): the metric itself, `C_Q` / `C_S` (OSCAR).
+- `raw`: the second moment of the cached rows themselves, `C_K` / `C_V` (centered covariance
+  `C / n - mu mu^T` when centering).
+- `geomean`: the matrix geometric mean `M # D` of the metric `M` (`C_Q` or `C_S`) and the data
+  moment `D` (`C_K` or `C_V`). Why: a key component along a unit direction `u` costs quantization
+  error proportional to its spread `u^T D u` and hurts logits in proportion to `u^T M u`; the
+  cost of direction `u` is the product. When `M` and `D` commute, `M # D` has their common
+  eigenvectors with eigenvalues `sqrt(lambda_M lambda_D)`, so its eigenbasis orders directions by
+  exactly that product, and `U.H.P` makes the most expensive ones group-constant (free under the
+  per-group zero point). In general `#` is the unique symmetric mean with
+  `(A^T M A) # (A^T D A) = A^T (M # D) A` for every invertible `A`, so the choice does not depend
+  on the basis the statistics were collected in, and it is invariant to rescaling `M` or `D`.
+- `hadamard`: `H.P` without any eigenbasis.
+
+Each target comes with and without centering.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from oscar.quant import ClipRatio, dequantize, rotate_clip_quantize
+from oscar.rotation import build_rotation, eigenbasis
+from oscar.stats import CalibrationStats
+
+KEY_TARGETS = ("query", "raw", "geomean", "hadamard")
+VALUE_TARGETS = ("output", "raw", "geomean", "hadamard")
+_METRIC = {"key": "Q", "value": "S"}
+_DATA = {"key": "K", "value": "V"}
+
+
+def geometric_mean(a: torch.Tensor, b: torch.Tensor, eps: float = 1e-9) -> torch.Tensor:
+    """Matrix geometric mean `A # B = A^1/2 (A^-1/2 B A^-1/2)^1/2 A^1/2` of PSD matrices (float64).
+
+    Both are regularized by `eps * tr/d * I` so that rank-deficient statistics stay well defined.
+    """
+    a = _regularize(a.to(torch.float64), eps)
+    b = _regularize(b.to(torch.float64), eps)
+    a_half, a_ihalf = _sqrt_and_inv_sqrt(a)
+    inner = a_ihalf @ b @ a_ihalf
+    inner_half, _ = _sqrt_and_inv_sqrt((inner + inner.T) / 2)
+    g = a_half @ inner_half @ a_half
+    return (g + g.T) / 2
+
+
+def _regularize(c: torch.Tensor, eps: float) -> torch.Tensor:
+    d = c.shape[-1]
+    c = (c + c.T) / 2
+    scale = max(float(torch.trace(c)) / d, 1e-300)
+    return c + eps * scale * torch.eye(d, dtype=c.dtype)
+
+
+def _sqrt_and_inv_sqrt(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    lam, vec = torch.linalg.eigh(c)
+    top = float(lam.max())
+    lam = lam.clamp_min(top * 1e-15 if top > 0 else 1e-300)
+    return (vec * lam.sqrt()) @ vec.T, (vec * lam.rsqrt()) @ vec.T
+
+
+def quantization_error(
+    rows: torch.Tensor,
+    R: torch.Tensor,
+    mu: torch.Tensor | None,
+    rho: ClipRatio,
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:
+    """Original-frame error `e = (X_hat_rot - (X - mu) R) R^T` (float64 `[n, d]`) of the real quantizer.
+
+    The rotation is applied in float32 like the cache does (`rotate_clip_quantize`), the codes
+    are packed and unpacked, and the error is measured in float64 against the exact rotation.
+    """
+    r32 = R.to(torch.float32)
+    q = rotate_clip_quantize(rows, r32, mu, rho, bits=bits, group_size=group_size)
+    x = rows.to(torch.float64)
+    if mu is not None:
+        x = x - mu.to(torch.float64)
+    r64 = r32.to(torch.float64)
+    return (dequantize(q).to(torch.float64) - x @ r64) @ r64.T
+
+
+def weighted_distortion(err: torch.Tensor, metric: torch.Tensor) -> float:
+    """`tr(E C E^T) / n` for error rows `E` `[n, d]` and a metric `C` `[d, d]` (float64)."""
+    e = err.to(torch.float64)
+    return float(((e @ metric.to(torch.float64)) * e).sum() / max(e.shape[0], 1))
+
+
+def measured_distortion(
+    rows: torch.Tensor,
+    R: torch.Tensor,
+    metric: torch.Tensor,
+    *,
+    mu: torch.Tensor | None = None,
+    rho: ClipRatio = 1.0,
+    bits: int = 2,
+    group_size: int = 128,
+) -> float:
+    """Attention-weighted distortion `tr(Y R^T C R Y^T) / n` after real quantization (module doc)."""
+    if rows.ndim != 2:
+        raise ValueError(f"rows must be [n, d] samples of one (layer, head), got shape {tuple(rows.shape)}")
+    if rows.shape[0] == 0:
+        raise ValueError("no held-back rows to measure distortion on")
+    return weighted_distortion(quantization_error(rows, R, mu, rho, bits, group_size), metric)
+
+
+@dataclass
+class ClipFit:
+    """Result of a clip-ratio grid search: the best ratio and the distortion at each grid point."""
+
+    rho: float
+    distortion: float
+    grid: list[float] = field(default_factory=list)
+    distortions: list[float] = field(default_factory=list)
+
+
+def fit_clip_ratio(
+    rows: torch.Tensor,
+    R: torch.Tensor,
+    metric: torch.Tensor,
+    grid: Sequence[float],
+    *,
+    mu: torch.Tensor | None = None,
+    bits: int = 2,
+    group_size: int = 128,
+) -> ClipFit:
+    """The grid ratio with the smallest measured distortion (first one on ties)."""
+    grid = [float(g) for g in grid]
+    if not grid:
+        raise ValueError("clip grid is empty; give at least one ratio in (0, 1]")
+    values = [measured_distortion(rows, R, metric, mu=mu, rho=g, bits=bits, group_size=group_size) for g in grid]
+    best = min(range(len(grid)), key=lambda i: (values[i], i))
+    return ClipFit(rho=grid[best], distortion=values[best], grid=grid, distortions=values)
+
+
+def _metric(stats: CalibrationStats, layer: int, side: str) -> torch.Tensor:
+    if side not in _METRIC:
+        raise ValueError(f"side={side!r}; valid are 'key' and 'value'")
+    return stats.second_moment(layer, _METRIC[side])
+
+
+def target_matrix(stats: CalibrationStats, layer: int, head: int, side: str, target: str, center: bool) -> torch.Tensor | None:
+    """Matrix whose eigenbasis a candidate uses (float64 `[d, d]`), or None for `hadamard` (module doc)."""
+    valid = KEY_TARGETS if side == "key" else VALUE_TARGETS
+    if target not in valid:
+        raise ValueError(f"unknown {side} target {target!r}; valid are {valid}")
+    if target == "hadamard":
+        return None
+    metric = _metric(stats, layer, side)[head]
+    if target in ("query", "output"):
+        return metric
+    data = stats.second_moment(layer, _DATA[side], centered=center)[head]
+    if target == "raw":
+        return data
+    return geometric_mean(metric, data)
+
+
+@dataclass
+class Candidate:
+    """One candidate rotation for a (layer, KV head, side): target, centering, `R`, `mu`, eigenvalues."""
+
+    target: str
+    center: bool
+    R: torch.Tensor
+    mu: torch.Tensor
+    eig: torch.Tensor | None
+
+    @property
+    def name(self) -> str:
+        """Readable label, e.g. `query+center`."""
+        return self.target + ("+center" if self.center else "")
+
+
+def make_candidate(stats: CalibrationStats, layer: int, head: int, side: str, target: str, center: bool) -> Candidate:
+    """Build the `U.H.P` (or `H.P` for `hadamard`) candidate of a target, with or without centering."""
+    d = stats.head_dim
+    mat = target_matrix(stats, layer, head, side, target, center)
+    mu = stats.mean(layer, _DATA[side])[head] if center else torch.zeros(d, dtype=torch.float64)
+    if mat is None:
+        return Candidate(target, center, build_rotation("hp", d), mu, None)
+    _, eig = eigenbasis(mat)
+    return Candidate(target, center, build_rotation("uhp", d, cov=mat), mu, eig)
+
+
+def candidates(
+    stats: CalibrationStats,
+    layer: int,
+    head: int,
+    side: str,
+    targets: Sequence[str] | None = None,
+    centers: Sequence[bool] = (False, True),
+) -> list[Candidate]:
+    """All candidates of `auto` for one (layer, head, side): every target, with and without centering."""
+    targets = list(targets) if targets is not None else list(KEY_TARGETS if side == "key" else VALUE_TARGETS)
+    return [make_candidate(stats, layer, head, side, t, c) for t in targets for c in centers]
+
+
+def _samples(stats: CalibrationStats, layer: int, side: str) -> torch.Tensor:
+    rows = stats.samples[layer]["K_samples" if side == "key" else "V_samples"]
+    if rows.shape[1] == 0:
+        raise ValueError(
+            f"layer {layer} has no held-back {side} rows; collect them with CalibrationStats(max_samples>0)"
+            ".add_samples(...) (calibration.holdout_tokens)"
+        )
+    return rows
+
+
+@dataclass
+class Selection:
+    """The chosen candidate of one (layer, head, side), its clip fit, and every candidate's score."""
+
+    candidate: Candidate
+    clip: ClipFit
+    table: list[dict] = field(default_factory=list)
+
+
+def select_candidate(
+    rows: torch.Tensor,
+    metric: torch.Tensor,
+    cands: Sequence[Candidate],
+    grid: Sequence[float],
+    *,
+    bits: int = 2,
+    group_size: int = 128,
+) -> Selection:
+    """Fit the clip ratio of each candidate on `rows`, keep the lowest measured distortion."""
+    if not cands:
+        raise ValueError("no candidates to select from")
+    best: Selection | None = None
+    table = []
+    for cand in cands:
+        fit = fit_clip_ratio(rows, cand.R, metric, grid, mu=cand.mu, bits=bits, group_size=group_size)
+        table.append({"target": cand.target, "center": cand.center, "rho": fit.rho, "distortion": fit.distortion})
+        if best is None or fit.distortion < best.clip.distortion:
+            best = Selection(cand, fit)
+    assert best is not None
+    best.table = table
+    return best
+
+
+def rotation_seed(seed: int, layer: int, head: int, side: str) -> int:
+    """Deterministic seed of the random rotation of one (layer, KV head, side)."""
+    return (int(seed) * 1_000_003 + layer * 1009 + head * 17 + (0 if side == "key" else 7)) % (2**63 - 1)
+
+
+def layer_rotations(
+    side: str,
+    kind: str,
+    *,
+    head_dim: int,
+    num_kv_heads: int,
+    stats: CalibrationStats | None = None,
+    layer: int = 0,
+    target: str | None = None,
+    center: bool = False,
+    group_size: int | None = None,
+    seed: int = 0,
+) -> dict[str, torch.Tensor | None]:
+    """Rotations of one layer and side for a named kind: `R` `[Hkv, d, d]`, `mu` `[Hkv, d]`, `eig` or None.
+
+    `kind` is an `oscar.rotation` kind (`raw_uhp` forces the `raw` target). Kinds with an
+    eigenbasis, and centering, need `stats`. `target` defaults to `query` (keys) / `output`
+    (values); `geomean` is accepted too.
+    """
+    if side not in _METRIC:
+        raise ValueError(f"side={side!r}; valid are 'key' and 'value'")
+    d, hkv = head_dim, num_kv_heads
+    if target is None:
+        target = "query" if side == "key" else "output"
+    if kind == "raw_uhp":
+        target, kind = "raw", "uhp"
+    needs_u = kind in ("u", "uh", "up", "uhp")
+    if (needs_u or center) and stats is None:
+        raise ValueError(f"{side} rotation {kind!r} (center={center}) needs calibration statistics")
+    rs, mus, eigs = [], [], []
+    for h in range(hkv):
+        if needs_u:
+            mat = target_matrix(stats, layer, h, side, target, center)  # type: ignore[arg-type]
+            if mat is None:
+                raise ValueError(f"{side} rotation {kind!r} needs an eigenbasis target, got target={target!r}")
+            u_eig = eigenbasis(mat)[1]
+            rs.append(build_rotation(kind, d, cov=mat))
+            eigs.append(u_eig)
+        else:
+            rs.append(build_rotation(kind, d, group_size=group_size, seed=rotation_seed(seed, layer, h, side)))
+        mus.append(stats.mean(layer, _DATA[side])[h] if center else torch.zeros(d, dtype=torch.float64))  # type: ignore[union-attr]
+    return {"R": torch.stack(rs), "mu": torch.stack(mus), "eig": torch.stack(eigs) if eigs else None}
+
+
+def fit_layer_clip(
+    stats: CalibrationStats,
+    layer: int,
+    side: str,
+    R: torch.Tensor,
+    mu: torch.Tensor,
+    grid: Sequence[float],
+    *,
+    bits: int,
+    group_size: int,
+) -> list[ClipFit]:
+    """Per-KV-head clip fits of one layer and side on the held-back rows (`R` `[Hkv, d, d]`)."""
+    rows = _samples(stats, layer, side)
+    metric = _metric(stats, layer, side)
+    return [
+        fit_clip_ratio(rows[h], R[h], metric[h], grid, mu=mu[h], bits=bits, group_size=group_size)
+        for h in range(stats.num_kv_heads)
+    ]
+
+
+def select_layer(
+    stats: CalibrationStats,
+    layer: int,
+    side: str,
+    grid: Sequence[float],
+    *,
+    bits: int,
+    group_size: int,
+    targets: Sequence[str] | None = None,
+    centers: Sequence[bool] = (False, True),
+) -> list[Selection]:
+    """`auto` for one layer and side: the best candidate of every KV head on held-back rows."""
+    rows = _samples(stats, layer, side)
+    metric = _metric(stats, layer, side)
+    return [
+        select_candidate(
+            rows[h], metric[h], candidates(stats, layer, h, side, targets, centers), grid, bits=bits, group_size=group_size
+        )
+        for h in range(stats.num_kv_heads)
+    ]
+
+
+__all__ = [
+    "Candidate",
+    "ClipFit",
+    "KEY_TARGETS",
+    "Selection",
+    "VALUE_TARGETS",
+    "candidates",
+    "fit_clip_ratio",
+    "fit_layer_clip",
+    "geometric_mean",
+    "layer_rotations",
+    "make_candidate",
+    "measured_distortion",
+    "quantization_error",
+    "rotation_seed",
+    "select_candidate",
+    "select_layer",
+    "target_matrix",
+    "weighted_distortion",
+]
