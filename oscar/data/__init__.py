@@ -1,0 +1,1 @@
+"""Text corpora for calibration and perplexity, read from locally installed packages or files."""
