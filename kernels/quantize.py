@@ -1,0 +1,221 @@
+"""Fused rotate-clip-quantize-pack into the paged INT2/INT4 pool (prefill writes and demotion).
+
+One program quantizes `BLOCK_T` rows of one KV head: `x = (row - mu) @ R`, percentile clip with
+`torch.quantile` linear semantics, per-group asymmetric INT-b codes from the bf16-rounded scale
+and zero, planar packing within each group, and stores codes, scale and zero at the row's slot
+(`page * page_size + offset`). The torch twin is `oscar.paged.rotate_quantize_pack_torch`, which
+calls `oscar.quant`; with no rotation the codes match it bit for bit (IEEE divisions,
+`tl.math.div_rn`); with a rotation the float32 matrix product sums in another order than torch's,
+so a few codes at rounding boundaries may differ by one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._runtime import check, is_pow2, launchable
+
+
+@triton.jit
+def _round_bf16(v):
+    """float32 -> nearest bf16 (ties to even), returned as the exactly representable float32."""
+    b = v.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rotate_quantize_kernel(
+    x_ptr,
+    src_ptr,
+    slot_ptr,
+    n_rows,
+    stride_xn,
+    stride_xh,
+    stride_xt,
+    r_ptr,
+    mu_ptr,
+    lo_ptr,
+    hi_ptr,
+    w_ptr,
+    codes_ptr,
+    scale_ptr,
+    zero_ptr,
+    stride_cp,
+    stride_ch,
+    stride_cs,
+    stride_sp,
+    stride_sh,
+    stride_ss,
+    PAGE_SIZE: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HAS_SRC: tl.constexpr,
+    HAS_ROT: tl.constexpr,
+    HAS_MU: tl.constexpr,
+    CLIP: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < n_rows
+    cols = tl.arange(0, D)
+    if HAS_SRC:
+        t_src = tl.load(src_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    else:
+        t_src = tl.zeros([BLOCK_T], dtype=tl.int64)
+    x_off = rows.to(tl.int64)[:, None] * stride_xn + h * stride_xh + t_src[:, None] * stride_xt + cols[None, :]
+    x = tl.load(x_ptr + x_off, mask=rmask[:, None], other=0.0).to(tl.float32)
+    if HAS_MU:
+        x = x - tl.load(mu_ptr + h * D + cols)[None, :]
+    if HAS_ROT:
+        rot = tl.load(r_ptr + h * D * D + cols[:, None] * D + cols[None, :])
+        x = tl.dot(x, rot, input_precision="ieee")
+    if CLIP:
+        # k-th smallest |x| by a radix select on the float bits (non-negative floats order like
+        # their bit patterns): fast on the GPU and in the interpreter, unlike a full sort.
+        abits = tl.abs(x).to(tl.int32, bitcast=True)
+        lo = tl.load(lo_ptr + h)
+        hi = tl.load(hi_ptr + h)
+        w = tl.load(w_ptr + h)
+        ans_lo = tl.zeros([BLOCK_T], dtype=tl.int32)
+        ans_hi = tl.zeros([BLOCK_T], dtype=tl.int32)
+        for i in range(31):
+            bit = 1 << (30 - i)
+            c_lo = ans_lo | bit
+            c_hi = ans_hi | bit
+            n_lo = tl.sum((abits < c_lo[:, None]).to(tl.int32), axis=1)
+            n_hi = tl.sum((abits < c_hi[:, None]).to(tl.int32), axis=1)
+            ans_lo = tl.where(n_lo <= lo, c_lo, ans_lo)
+            ans_hi = tl.where(n_hi <= hi, c_hi, ans_hi)
+        s_lo = ans_lo.to(tl.float32, bitcast=True)
+        s_hi = ans_hi.to(tl.float32, bitcast=True)
+        tau = tl.where(w < 0.5, s_lo + w * (s_hi - s_lo), s_hi - (s_hi - s_lo) * (1.0 - w))
+        x = tl.minimum(tl.maximum(x, -tau[:, None]), tau[:, None])
+
+    NG: tl.constexpr = D // G
+    PER: tl.constexpr = 8 // BITS
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    xg = tl.reshape(x, (BLOCK_T, NG, G))
+    mn = tl.min(xg, axis=2)
+    mx = tl.max(xg, axis=2)
+    # bf16 round-to-nearest-even done on the bits: the interpreter's float32->bf16 cast truncates.
+    scale = _round_bf16(tl.math.div_rn(mx - mn, tl.full([BLOCK_T, NG], QMAX, tl.float32)))
+    zero = _round_bf16(mn)
+    scale_bf = scale.to(tl.bfloat16)
+    zero_bf = zero.to(tl.bfloat16)
+    nonzero = scale != 0.0
+    safe = tl.where(nonzero, scale, 1.0)
+    code = tl.floor(tl.math.div_rn(xg - zero[:, :, None], tl.broadcast_to(safe[:, :, None], (BLOCK_T, NG, G))) + 0.5)
+    code = tl.minimum(tl.maximum(code, 0.0), QMAX * 1.0)
+    code = tl.where(nonzero[:, :, None], code, 0.0)
+    planes = tl.reshape(code.to(tl.int32), (BLOCK_T, NG, PER, G // PER))
+    shifts = tl.arange(0, PER) * BITS
+    packed = tl.sum(planes << shifts[None, None, :, None], axis=2)
+    packed = tl.reshape(packed, (BLOCK_T, D // PER)).to(tl.uint8)
+
+    slot = tl.load(slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    page = slot // PAGE_SIZE
+    off = slot % PAGE_SIZE
+    bcols = tl.arange(0, D // PER)
+    c_off = page[:, None] * stride_cp + h * stride_ch + off[:, None] * stride_cs + bcols[None, :]
+    tl.store(codes_ptr + c_off, packed, mask=rmask[:, None])
+    gcols = tl.arange(0, NG)
+    s_off = page[:, None] * stride_sp + h * stride_sh + off[:, None] * stride_ss + gcols[None, :]
+    tl.store(scale_ptr + s_off, scale_bf, mask=rmask[:, None])
+    tl.store(zero_ptr + s_off, zero_bf, mask=rmask[:, None])
+
+
+def clip_positions(rho: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(lo, hi, w)` of the quantile position `float32(rho) * (d - 1)`, exactly as `oscar.quant.percentile_clip`."""
+    pos = rho.to(torch.float32) * float(d - 1)
+    lo = pos.floor()
+    hi = pos.ceil()
+    return lo.to(torch.int32), hi.to(torch.int32), (pos - lo).contiguous()
+
+
+def rotate_quantize_pack(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    *,
+    bits: int,
+    group_size: int,
+    R: Optional[torch.Tensor] = None,
+    mu: Optional[torch.Tensor] = None,
+    rho: Optional[torch.Tensor] = None,
+    src_index: Optional[torch.Tensor] = None,
+    block_t: int = 16,
+    num_warps: int = 4,
+) -> None:
+    """Quantize rows into pool slots in place (Triton).
+
+    `x` `[N, Hkv, d]` rows in the original frame, or `[N, Hkv, T, d]` with `src_index` `[N]`
+    choosing row `x[n, :, src_index[n]]` (demotion out of a recent window). `slots` `[N]` int
+    (`page * page_size + offset`). `codes` `[P, Hkv, page_size, d*bits//8]` uint8, `scale`/`zero`
+    `[P, Hkv, page_size, d//G]` bf16. `R` `[Hkv, d, d]`, `mu` `[Hkv, d]`, `rho` `[Hkv]` optional.
+    """
+    check(bits in (2, 4), f"bits={bits} is not supported; valid values are 2 and 4")
+    d = int(x.shape[-1])
+    check(x.dim() == (4 if src_index is not None else 3),
+          f"x must be [N, Hkv, d] (or [N, Hkv, T, d] with src_index), got shape {tuple(x.shape)}")
+    n, hkv = int(x.shape[0]), int(x.shape[1])
+    check(is_pow2(d) and is_pow2(group_size) and group_size <= d,
+          f"head_dim={d} and group_size={group_size} must be powers of two with group_size <= head_dim")
+    check(group_size % (8 // bits) == 0, f"group_size={group_size} must be a multiple of {8 // bits} for INT{bits}")
+    check(x.stride(-1) == 1, f"x must be contiguous in its last dim, got strides {x.stride()}")
+    check(x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype} must be float32/float16/bfloat16")
+    npages, hkv_c, page_size, nbytes = codes.shape
+    check(codes.dtype == torch.uint8 and nbytes == d * bits // 8 and hkv_c == hkv,
+          f"codes must be uint8 [P, {hkv}, page_size, {d * bits // 8}], got {codes.dtype} {tuple(codes.shape)}")
+    check(tuple(scale.shape) == (npages, hkv, page_size, d // group_size) and scale.shape == zero.shape
+          and scale.dtype == torch.bfloat16 and zero.dtype == torch.bfloat16,
+          f"scale/zero must be bf16 [{npages}, {hkv}, {page_size}, {d // group_size}], got "
+          f"{scale.dtype} {tuple(scale.shape)} and {zero.dtype} {tuple(zero.shape)}")
+    check(codes.stride(-1) == 1 and scale.stride(-1) == 1 and zero.stride() == scale.stride(),
+          "codes/scale/zero must be contiguous in their last dim, scale and zero with equal strides")
+    check(is_pow2(page_size), f"page_size={page_size} must be a power of two")
+    check(slots.shape == (n,), f"slots must be [N={n}], got {tuple(slots.shape)}")
+    dev = x.device
+    for name, t in (("slots", slots), ("codes", codes), ("scale", scale), ("zero", zero)):
+        check(t.device == dev, f"{name} is on {t.device} but x is on {dev}")
+    if n == 0:
+        return
+    if R is not None:
+        check(tuple(R.shape) == (hkv, d, d), f"R must be [{hkv}, {d}, {d}], got {tuple(R.shape)}")
+        R = R.to(device=dev, dtype=torch.float32).contiguous()
+    if mu is not None:
+        check(tuple(mu.shape) == (hkv, d), f"mu must be [{hkv}, {d}], got {tuple(mu.shape)}")
+        mu = mu.to(device=dev, dtype=torch.float32).contiguous()
+    if rho is not None:
+        check(tuple(rho.shape) == (hkv,), f"rho must be [{hkv}], got {tuple(rho.shape)}")
+        lo, hi, w = (t.to(dev) for t in clip_positions(rho, d))
+    else:
+        lo = hi = w = None
+    if src_index is not None:
+        check(src_index.shape == (n,), f"src_index must be [N={n}], got {tuple(src_index.shape)}")
+        stride_xt = x.stride(2)
+    else:
+        stride_xt = 0
+    dummy = slots
+    grid = (triton.cdiv(n, block_t), hkv)
+    launchable(_rotate_quantize_kernel, dev)[grid](
+        x, src_index if src_index is not None else dummy, slots, n,
+        x.stride(0), x.stride(1), stride_xt,
+        R if R is not None else dummy, mu if mu is not None else dummy,
+        lo if lo is not None else dummy, hi if hi is not None else dummy, w if w is not None else dummy,
+        codes, scale, zero,
+        codes.stride(0), codes.stride(1), codes.stride(2),
+        scale.stride(0), scale.stride(1), scale.stride(2),
+        PAGE_SIZE=page_size, D=d, G=group_size, BITS=bits, BLOCK_T=block_t,
+        HAS_SRC=src_index is not None, HAS_ROT=R is not None, HAS_MU=mu is not None, CLIP=rho is not None,
+        num_warps=num_warps,
+    )

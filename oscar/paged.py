@@ -1,0 +1,420 @@
+"""Paged INT2/INT4 KV pool: allocation, page tables, quantized writes, demotion, reads, decode attention.
+
+Layout (docs/DESIGN.md, "Paged INT2 pool layout"), per layer and per tensor (K and V):
+``codes`` uint8 ``[num_pages, Hkv, page_size, d*bits//8]``, ``scale``/``zero`` bf16
+``[num_pages, Hkv, page_size, d//G]``. One page table int32 ``[max_batch, max_pages_per_seq]`` and
+one length vector ``int_len`` int32 ``[max_batch]`` (quantized tokens per sequence) serve every
+layer: quantized token ``t`` of sequence ``b`` lives at page ``page_table[b, t // page_size]``,
+slot ``t % page_size``. A *slot* is ``page * page_size + offset`` (int64).
+
+API (every kernel-backed function takes ``backend="torch"|"triton"``; the torch twin is the spec)::
+
+    pool = PagedKVPool(num_layers=L, num_kv_heads=Hkv, head_dim=d, num_pages=P, max_batch=B,
+                       max_pages_per_seq=M, bits=2, group_size=128, page_size=64, device="cuda")
+    slots = pool.reserve([0, 1], [n0, n1])   # once per step, before any layer writes: allocates
+                                             # pages, returns int64 slots [n0+n1], bumps int_len
+    pool.write(layer, k_rows, v_rows, slots, kt, vt, backend=...)   # rows [N, Hkv, d], orig. frame
+    pool.demote(layer, recent_k, recent_v, src_index, slots, kt, vt, backend=...)
+        # quantizes recent_*[b, :, src_index[b]] (b = 0..N-1) into slots: oldest recent -> pool
+    k_rot, v_rot = pool.read(layer, b)       # float32 [Hkv, int_len[b], d], rotated frame
+    out = pool.attend(layer, q, kt, vt, sink_k=..., sink_v=..., sink_len=..., recent_k=...,
+                      recent_v=..., recent_len=..., sm_scale=..., backend=...)   # [B, H, d]
+    pool.release(b)                          # frees the sequence's pages, int_len[b] = 0
+
+``kt``/``vt`` are ``HeadTransform(R [Hkv,d,d] or None, mu [Hkv,d] or None, rho [Hkv] or None)``
+for K and V: stored row = ``Q(clip((x - mu) @ R, rho))``. Sequences are rows ``0..B-1`` of the
+page table; ``attend`` reads rows ``0..q.shape[0]-1``. Free functions ``rotate_quantize_pack``,
+``decode_attention`` and ``gather_dequantize`` work on raw tensors (for other engines and tests).
+
+Decode attention merges three segments by log-sum-exp: BF16 sink ``[B, Hkv, S0, d]`` (valid
+``sink_len[b]``), quantized pages (rotated frame, logits ``sm_scale*((q@R_K).k_hat + q.mu_K)``),
+BF16 recent ``[B, Hkv, W, d]`` (valid slots ``0..recent_len[b]-1``, ring order does not matter).
+``output_frame="original"`` returns ``o``; ``"rotated"`` returns ``(o - mu_V) @ R_V`` (value
+rotation folded into ``o_proj``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+from oscar import quant
+
+Backend = str
+_BACKENDS = ("torch", "triton")
+
+
+def _check_backend(backend: Backend) -> None:
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r} is not valid; choose one of {_BACKENDS}")
+
+
+@dataclass
+class HeadTransform:
+    """Per-KV-head transform of one tensor before quantization: ``clip((x - mu) @ R, rho)``."""
+
+    R: Optional[torch.Tensor] = None  # [Hkv, d, d] float32, orthogonal; None = identity
+    mu: Optional[torch.Tensor] = None  # [Hkv, d] float32; None = no centering
+    rho: Optional[torch.Tensor] = None  # [Hkv] clip ratios in (0, 1]; None = no clipping
+
+
+@dataclass
+class QuantPages:
+    """One layer's paged storage for K or V."""
+
+    codes: torch.Tensor  # uint8 [P, Hkv, page_size, d*bits//8]
+    scale: torch.Tensor  # bf16 [P, Hkv, page_size, d//G]
+    zero: torch.Tensor  # bf16 [P, Hkv, page_size, d//G]
+    bits: int
+    group_size: int
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page."""
+        return int(self.codes.shape[2])
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per row."""
+        return int(self.codes.shape[3]) * 8 // self.bits
+
+    @staticmethod
+    def empty(num_pages: int, num_kv_heads: int, page_size: int, head_dim: int, bits: int, group_size: int,
+              device: Union[str, torch.device] = "cpu") -> "QuantPages":
+        """Zero-filled storage."""
+        quant.check_format(bits, group_size, head_dim)
+        codes = torch.zeros(num_pages, num_kv_heads, page_size, head_dim * bits // 8, dtype=torch.uint8, device=device)
+        meta = (num_pages, num_kv_heads, page_size, head_dim // group_size)
+        return QuantPages(codes, torch.zeros(meta, dtype=torch.bfloat16, device=device),
+                          torch.zeros(meta, dtype=torch.bfloat16, device=device), bits, group_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# rotate-clip-quantize-pack
+
+
+def rotate_quantize_pack_torch(x: torch.Tensor, slots: torch.Tensor, pages: QuantPages, t: HeadTransform,
+                               src_index: Optional[torch.Tensor] = None) -> None:
+    """Torch twin of the fused write: quantize rows of ``x`` into ``pages`` at ``slots`` in place.
+
+    ``x`` ``[N, Hkv, d]``, or ``[N, Hkv, T, d]`` with ``src_index`` ``[N]`` taking row
+    ``x[n, :, src_index[n]]``.
+    """
+    rows = _select_rows(x, src_index)
+    n, hkv, d = rows.shape
+    _check_rows(rows, pages, slots)
+    if n == 0:
+        return
+    xf = rows.to(torch.float32)
+    if t.mu is not None:
+        xf = xf - t.mu.to(xf.device, torch.float32)
+    if t.R is not None:
+        xf = torch.einsum("nhd,hde->nhe", xf, t.R.to(xf.device, torch.float32))
+    clip: quant.ClipRatio = 1.0 if t.rho is None else t.rho.to(xf.device, torch.float32)
+    q = quant.quantize(xf, pages.bits, pages.group_size, clip_ratio=clip)
+    page, off = slots // pages.page_size, slots % pages.page_size
+    heads = torch.arange(hkv, device=slots.device)
+    pages.codes[page[:, None], heads[None, :], off[:, None]] = q.codes
+    pages.scale[page[:, None], heads[None, :], off[:, None]] = q.scale
+    pages.zero[page[:, None], heads[None, :], off[:, None]] = q.zero
+
+
+def _select_rows(x: torch.Tensor, src_index: Optional[torch.Tensor]) -> torch.Tensor:
+    if src_index is None:
+        if x.dim() != 3:
+            raise ValueError(f"rows must be [N, Hkv, d], got shape {tuple(x.shape)}")
+        return x
+    if x.dim() != 4 or src_index.shape != (x.shape[0],):
+        raise ValueError(f"with src_index [N] the source must be [N, Hkv, T, d]; got {tuple(x.shape)} "
+                         f"and src_index {tuple(src_index.shape)}")
+    return x[torch.arange(x.shape[0], device=x.device), :, src_index.long()]
+
+
+def _check_rows(rows: torch.Tensor, pages: QuantPages, slots: torch.Tensor) -> None:
+    n, hkv, d = rows.shape
+    if hkv != pages.codes.shape[1] or d != pages.head_dim:
+        raise ValueError(f"rows [N, {hkv}, {d}] do not match pages with Hkv={pages.codes.shape[1]}, d={pages.head_dim}")
+    if slots.shape != (n,):
+        raise ValueError(f"slots must be [N={n}], got {tuple(slots.shape)}")
+
+
+def rotate_quantize_pack(x: torch.Tensor, slots: torch.Tensor, pages: QuantPages, t: HeadTransform,
+                         src_index: Optional[torch.Tensor] = None, backend: Backend = "torch") -> None:
+    """Rotate, center, clip, quantize and pack rows into ``pages`` at ``slots`` (in place)."""
+    _check_backend(backend)
+    if backend == "torch":
+        rotate_quantize_pack_torch(x, slots, pages, t, src_index)
+        return
+    from oscar.kernels.quantize import rotate_quantize_pack as kernel
+
+    kernel(x, slots, pages.codes, pages.scale, pages.zero, bits=pages.bits, group_size=pages.group_size,
+           R=t.R, mu=t.mu, rho=t.rho, src_index=src_index)
+
+
+# ----------------------------------------------------------------------------------------------
+# reads
+
+
+def slots_for(page_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Slots (int64) of quantized positions ``pos`` of sequences ``seq`` (device ops, graph-safe)."""
+    seq, pos = seq.long(), pos.long()
+    return page_table[seq, pos // page_size].long() * page_size + pos % page_size
+
+
+def gather_dequantize(pages: QuantPages, page_table: torch.Tensor, b: int, length: int) -> torch.Tensor:
+    """Float32 rows ``[Hkv, length, d]`` (rotated frame) of sequence ``b``'s first ``length`` quantized tokens."""
+    dev = pages.codes.device
+    pos = torch.arange(length, device=dev)
+    slots = slots_for(page_table, torch.full_like(pos, b), pos, pages.page_size)
+    page, off = slots // pages.page_size, slots % pages.page_size
+    q = quant.QuantizedRows(codes=pages.codes[page, :, off].transpose(0, 1), scale=pages.scale[page, :, off].transpose(0, 1),
+                            zero=pages.zero[page, :, off].transpose(0, 1), bits=pages.bits,
+                            group_size=pages.group_size, d=pages.head_dim)
+    return quant.dequantize(q)
+
+
+# ----------------------------------------------------------------------------------------------
+# decode attention
+
+
+def decode_attention_torch(
+    q: torch.Tensor,
+    k_pages: QuantPages,
+    v_pages: QuantPages,
+    page_table: torch.Tensor,
+    int_len: torch.Tensor,
+    kt: HeadTransform,
+    vt: HeadTransform,
+    *,
+    sink_k: Optional[torch.Tensor] = None,
+    sink_v: Optional[torch.Tensor] = None,
+    sink_len: Optional[torch.Tensor] = None,
+    recent_k: Optional[torch.Tensor] = None,
+    recent_v: Optional[torch.Tensor] = None,
+    recent_len: Optional[torch.Tensor] = None,
+    sm_scale: Optional[float] = None,
+    output_frame: str = "original",
+) -> torch.Tensor:
+    """Torch twin of the paged decode attention: float32 dequantize-then-attend over three segments.
+
+    ``q`` ``[B, H, d]``; returns ``[B, H, d]`` in ``q.dtype``. See the module docstring for the
+    segments, the logits of the quantized segment and ``output_frame``.
+    """
+    B, H, d = q.shape
+    hkv = k_pages.codes.shape[1]
+    _check_attention_args(q, hkv, output_frame)
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    rep = H // hkv
+    lens = int_len.tolist()
+    outs = []
+    for b in range(B):
+        qb = q[b].to(torch.float32).reshape(hkv, rep, d)  # [Hkv, rep, d]
+        logits, values, frames = [], [], []
+        for seg_k, seg_v, seg_len in ((sink_k, sink_v, sink_len), (recent_k, recent_v, recent_len)):
+            if seg_k is None:
+                continue
+            n = int(seg_len[b])
+            kk = seg_k[b, :, :n].to(torch.float32)
+            logits.append(torch.einsum("hrd,htd->hrt", qb, kk) * scale)
+            values.append(seg_v[b, :, :n].to(torch.float32))
+            frames.append("original")
+        n = int(lens[b])
+        if n > 0:
+            kh = gather_dequantize(k_pages, page_table, b, n)  # [Hkv, n, d] rotated
+            vh = gather_dequantize(v_pages, page_table, b, n)
+            q_rot = qb if kt.R is None else torch.einsum("hrd,hde->hre", qb, kt.R.to(qb.device, torch.float32))
+            lg = torch.einsum("hrd,htd->hrt", q_rot, kh)
+            if kt.mu is not None:
+                lg = lg + torch.einsum("hrd,hd->hr", qb, kt.mu.to(qb.device, torch.float32))[..., None]
+            logits.append(lg * scale)
+            values.append(vh)
+            frames.append("rotated")
+        if not logits:
+            raise ValueError(f"sequence {b} has no tokens in any segment (sink, quantized, recent)")
+        lse = torch.logsumexp(torch.cat(logits, dim=-1), dim=-1, keepdim=True)  # [Hkv, rep, 1]
+        o = torch.zeros(hkv, rep, d, dtype=torch.float32, device=q.device)
+        for lg, v, frame in zip(logits, values, frames):
+            p = torch.exp(lg - lse)
+            part = torch.einsum("hrt,htd->hrd", p, v)
+            mass = p.sum(-1, keepdim=True)
+            o = o + _to_frame(part, mass, frame, output_frame, vt)
+        outs.append(o.reshape(H, d))
+    return torch.stack(outs).to(q.dtype)
+
+
+def _to_frame(part: torch.Tensor, mass: torch.Tensor, frame: str, output_frame: str, vt: HeadTransform) -> torch.Tensor:
+    """Move a segment's ``sum p v`` (with ``sum p`` = ``mass``) to the output frame."""
+    if frame == output_frame:
+        return part
+    R = None if vt.R is None else vt.R.to(part.device, torch.float32)
+    mu = None if vt.mu is None else vt.mu.to(part.device, torch.float32)[:, None, :]
+    if frame == "rotated":  # -> original: o = o_rot @ R^T + mass * mu
+        out = part if R is None else torch.einsum("hre,hde->hrd", part, R)
+        return out if mu is None else out + mass * mu
+    out = part if mu is None else part - mass * mu  # -> rotated: (o - mass*mu) @ R
+    return out if R is None else torch.einsum("hrd,hde->hre", out, R)
+
+
+def _check_attention_args(q: torch.Tensor, hkv: int, output_frame: str) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, H, d] (one decode query per sequence), got shape {tuple(q.shape)}")
+    if q.shape[1] % hkv != 0:
+        raise ValueError(f"query heads H={q.shape[1]} must be a multiple of KV heads Hkv={hkv}")
+    if output_frame not in ("original", "rotated"):
+        raise ValueError(f"output_frame={output_frame!r} must be 'original' or 'rotated'")
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pages: QuantPages,
+    v_pages: QuantPages,
+    page_table: torch.Tensor,
+    int_len: torch.Tensor,
+    kt: HeadTransform,
+    vt: HeadTransform,
+    *,
+    sink_k: Optional[torch.Tensor] = None,
+    sink_v: Optional[torch.Tensor] = None,
+    sink_len: Optional[torch.Tensor] = None,
+    recent_k: Optional[torch.Tensor] = None,
+    recent_v: Optional[torch.Tensor] = None,
+    recent_len: Optional[torch.Tensor] = None,
+    sm_scale: Optional[float] = None,
+    output_frame: str = "original",
+    backend: Backend = "torch",
+    num_splits: Optional[int] = None,
+) -> torch.Tensor:
+    """Decode attention of one query per sequence over BF16 sink + quantized pages + BF16 recent."""
+    _check_backend(backend)
+    kwargs = dict(sink_k=sink_k, sink_v=sink_v, sink_len=sink_len, recent_k=recent_k, recent_v=recent_v,
+                  recent_len=recent_len, sm_scale=sm_scale, output_frame=output_frame)
+    if backend == "torch":
+        return decode_attention_torch(q, k_pages, v_pages, page_table, int_len, kt, vt, **kwargs)
+    from oscar.kernels.decode_attention import paged_decode_attention
+
+    return paged_decode_attention(
+        q, k_pages.codes, k_pages.scale, k_pages.zero, v_pages.codes, v_pages.scale, v_pages.zero,
+        page_table, int_len, bits=k_pages.bits, group_size=k_pages.group_size,
+        R_K=kt.R, mu_K=kt.mu, R_V=vt.R, mu_V=vt.mu, num_splits=num_splits, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# the pool
+
+
+class PagedKVPool:
+    """Paged quantized K/V storage for all layers of a model, with one page table shared by the layers."""
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, max_batch: int,
+                 max_pages_per_seq: int, bits: int = 2, group_size: int = 128, page_size: int = 64,
+                 device: Union[str, torch.device] = "cpu") -> None:
+        quant.check_format(bits, group_size, head_dim)
+        if page_size <= 0 or page_size & (page_size - 1):
+            raise ValueError(f"page_size={page_size} must be a power of two")
+        for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("num_pages", num_pages),
+                        ("max_batch", max_batch), ("max_pages_per_seq", max_pages_per_seq)):
+            if v <= 0:
+                raise ValueError(f"{name}={v} must be positive")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.bits, self.group_size, self.page_size = bits, group_size, page_size
+        self.device = torch.device(device)
+        self.k = [QuantPages.empty(num_pages, num_kv_heads, page_size, head_dim, bits, group_size, device)
+                  for _ in range(num_layers)]
+        self.v = [QuantPages.empty(num_pages, num_kv_heads, page_size, head_dim, bits, group_size, device)
+                  for _ in range(num_layers)]
+        self.page_table = torch.zeros(max_batch, max_pages_per_seq, dtype=torch.int32, device=device)
+        self.int_len = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self._free = list(range(num_pages - 1, -1, -1))
+        self._pages: list[list[int]] = [[] for _ in range(max_batch)]
+        self._lens = [0] * max_batch
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages not held by any sequence."""
+        return len(self._free)
+
+    def length(self, b: int) -> int:
+        """Quantized tokens held for sequence ``b`` (host mirror of ``int_len[b]``)."""
+        return self._lens[b]
+
+    def reserve(self, seqs: Sequence[int], counts: Union[int, Sequence[int]]) -> torch.Tensor:
+        """Allocate room for ``counts`` more quantized tokens per sequence; return their slots (int64).
+
+        Call once per step before any layer writes; every layer then writes the same slots.
+        """
+        counts = [counts] * len(seqs) if isinstance(counts, int) else list(counts)
+        if len(counts) != len(seqs):
+            raise ValueError(f"{len(seqs)} sequences but {len(counts)} counts")
+        need = 0
+        for b, c in zip(seqs, counts):
+            if not 0 <= b < len(self._lens):
+                raise ValueError(f"sequence {b} is out of range 0..{len(self._lens) - 1}")
+            if c < 0:
+                raise ValueError(f"count {c} for sequence {b} must be >= 0")
+            pages_after = -(-(self._lens[b] + c) // self.page_size)
+            if pages_after > self.page_table.shape[1]:
+                raise ValueError(f"sequence {b} would need {pages_after} pages, over max_pages_per_seq="
+                                 f"{self.page_table.shape[1]}")
+            need += pages_after - len(self._pages[b])
+        if need > len(self._free):
+            raise RuntimeError(f"paged pool out of pages: {need} needed, {len(self._free)} free")
+        slots: list[int] = []
+        for b, c in zip(seqs, counts):
+            start = self._lens[b]
+            while len(self._pages[b]) * self.page_size < start + c:
+                page = self._free.pop()
+                self.page_table[b, len(self._pages[b])] = page
+                self._pages[b].append(page)
+            for t in range(start, start + c):
+                slots.append(self._pages[b][t // self.page_size] * self.page_size + t % self.page_size)
+            self._lens[b] = start + c
+        self.int_len[: len(self._lens)] = torch.tensor(self._lens, dtype=torch.int32, device=self.device)
+        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+
+    def release(self, b: int) -> None:
+        """Free sequence ``b``'s pages and set its length to 0."""
+        self._free.extend(reversed(self._pages[b]))
+        self._pages[b] = []
+        self._lens[b] = 0
+        self.int_len[b] = 0
+
+    def write(self, layer: int, k_rows: torch.Tensor, v_rows: torch.Tensor, slots: torch.Tensor,
+              kt: HeadTransform, vt: HeadTransform, backend: Backend = "torch") -> None:
+        """Quantize K and V rows ``[N, Hkv, d]`` (original frame) of ``layer`` into ``slots``."""
+        rotate_quantize_pack(k_rows, slots, self.k[layer], kt, backend=backend)
+        rotate_quantize_pack(v_rows, slots, self.v[layer], vt, backend=backend)
+
+    def demote(self, layer: int, recent_k: torch.Tensor, recent_v: torch.Tensor, src_index: torch.Tensor,
+               slots: torch.Tensor, kt: HeadTransform, vt: HeadTransform, backend: Backend = "torch") -> None:
+        """Quantize ``recent_*[n, :, src_index[n]]`` (``[N, Hkv, W, d]`` windows) into ``slots`` [N]."""
+        rotate_quantize_pack(recent_k, slots, self.k[layer], kt, src_index=src_index, backend=backend)
+        rotate_quantize_pack(recent_v, slots, self.v[layer], vt, src_index=src_index, backend=backend)
+
+    def read(self, layer: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized float32 K and V ``[Hkv, T, d]`` of sequence ``b`` in the rotated frame."""
+        n = self._lens[b]
+        return (gather_dequantize(self.k[layer], self.page_table, b, n),
+                gather_dequantize(self.v[layer], self.page_table, b, n))
+
+    def attend(self, layer: int, q: torch.Tensor, kt: HeadTransform, vt: HeadTransform,
+               backend: Backend = "torch", **segments) -> torch.Tensor:
+        """Decode attention for sequences ``0..q.shape[0]-1`` of ``layer`` (see ``decode_attention``)."""
+        B = q.shape[0]
+        return decode_attention(q, self.k[layer], self.v[layer], self.page_table[:B], self.int_len[:B], kt, vt,
+                                backend=backend, **segments)
+
+
+__all__ = [
+    "HeadTransform",
+    "PagedKVPool",
+    "QuantPages",
+    "decode_attention",
+    "decode_attention_torch",
+    "gather_dequantize",
+    "rotate_quantize_pack",
+    "rotate_quantize_pack_torch",
+    "slots_for",
+]
