@@ -1,0 +1,273 @@
+"""One evaluation cell (model, method, benchmark, seed) -> result.json + items.jsonl (DESIGN "Result files").
+
+Items are processed in batches; each finished record is appended to `items.partial.jsonl`, so an
+interrupted cell resumes where it stopped (records are reused only when their prompt and the cell's
+configuration hash match). The final files are written atomically and the partial file removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from oscar.eval.items import EvalItem, prompt_hash, select
+from oscar.eval.prompts import render
+from oscar.eval.registry import load_items
+
+RESULT_FILE = "result.json"
+ITEMS_FILE = "items.jsonl"
+PARTIAL_FILE = "items.partial.jsonl"
+
+
+def cell_dir(cfg: Any) -> Path:
+    """`results/eval/<model>/<method>/<benchmark>/seed<k>/` (or `cfg.output` when given)."""
+    if cfg.get("output"):
+        return Path(cfg.output)
+    return Path(cfg.results_dir) / "eval" / cfg.model.name / cfg.method.name / cfg.benchmark.name / f"seed{cfg.seed}"
+
+
+def cell_config_hash(cfg: Any) -> str:
+    """Hash of everything that changes a cell's outputs (model, method, benchmark, calibration, seed)."""
+    from omegaconf import OmegaConf
+
+    from oscar.config import config_hash
+
+    bench = OmegaConf.to_container(cfg.benchmark, resolve=True)
+    bench.pop("batch_size", None)  # batching does not change the outputs
+    part = {"model": OmegaConf.to_container(cfg.model, resolve=True),
+            "method": OmegaConf.to_container(cfg.method, resolve=True), "benchmark": bench,
+            "calibration": OmegaConf.to_container(cfg.calibration, resolve=True), "seed": int(cfg.seed)}
+    return config_hash(part)
+
+
+def git_commit() -> str | None:
+    """HEAD commit of the source tree, or None outside a git checkout."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def hardware(device: str) -> dict:
+    """Short description of where the cell ran."""
+    import torch
+
+    info = {"device": str(device), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or None}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a text file through a temp file in the same folder and `os.replace`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _read_partial(path: Path, chash: str) -> dict[str, dict]:
+    done: dict[str, dict] = {}
+    if not path.is_file():
+        return done
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line cut by an interruption
+        if rec.get("_config_hash") == chash:
+            done[rec["id"]] = rec
+    return done
+
+
+# ------------------------------------------------------------------------------------ per family
+
+def _rendered(engine: Any, cfg: Any, item: EvalItem, prefix: str = "") -> str:
+    return render(getattr(engine, "tokenizer", None), item.prompt, item.system,
+                  use_chat=bool(cfg.model.chat_template), assistant_prefix=prefix)
+
+
+def _sampling(cfg: Any) -> dict:
+    b = cfg.benchmark
+    return {"max_new_tokens": int(b.max_new_tokens), "temperature": float(b.temperature), "top_p": float(b.top_p),
+            "top_k": int(b.top_k), "seed": int(cfg.seed)}
+
+
+def _run_generate(engine: Any, cfg: Any, prompts: list[str], stop: list[str] | None = None) -> list[str]:
+    outs = engine.generate(prompts, stop=stop, **_sampling(cfg))
+    if len(outs) != len(prompts):
+        raise RuntimeError(f"engine.generate returned {len(outs)} outputs for {len(prompts)} prompts")
+    return list(outs)
+
+
+def process_batch(engine: Any, cfg: Any, items: list[EvalItem]) -> list[dict]:
+    """Run and grade one batch of items; one record per item."""
+    from oscar.eval import graders
+
+    family = cfg.benchmark.family
+    extra = cfg.benchmark.extra
+    records: list[dict] = []
+    if family == "multiple_choice" and extra.get("mode", "loglikelihood") == "loglikelihood":
+        mode = extra.get("score_mode", "serving")
+        contexts, conts, owners = [], [], []
+        for item in items:
+            ctx = _rendered(engine, cfg, item, extra.get("answer_prefix", ""))
+            for letter in "ABCD"[: item.meta.get("num_choices", 4)]:
+                contexts.append(ctx)
+                conts.append(extra.get("choice_prefix", "") + letter)
+                owners.append(item.id)
+        scores = engine.loglikelihood(contexts, conts, mode=mode)
+        for item in items:
+            ctx = _rendered(engine, cfg, item, extra.get("answer_prefix", ""))
+            lls = [float(s[0]) for s, o in zip(scores, owners) if o == item.id]
+            pred = "ABCD"[max(range(len(lls)), key=lambda i: lls[i])]
+            records.append({"id": item.id, "prompt_hash": prompt_hash(ctx), "prediction": pred,
+                            "target": item.target, "correct": pred == item.target, "loglikelihoods": lls,
+                            "score_mode": mode})
+        return records
+    prefixes = [item.meta.get("answer_prefix", "") if family == "niah" else "" for item in items]
+    prompts = [_rendered(engine, cfg, item, p) for item, p in zip(items, prefixes)]
+    outs = _run_generate(engine, cfg, prompts, stop=list(extra.get("stop", [])) or None)
+    for item, prompt, out in zip(items, prompts, outs):
+        rec: dict[str, Any] = {"id": item.id, "prompt_hash": prompt_hash(prompt), "prediction": out,
+                               "target": item.target}
+        if family == "math":
+            rec.update(graders.grade_math(out, str(item.target)))
+        elif family == "multiple_choice":
+            letter = graders.extract_choice(out, item.meta.get("num_choices", 4))
+            rec.update({"extracted": letter, "correct": letter == item.target})
+        elif family == "code":
+            if cfg.benchmark.name == "humaneval":
+                rec.update(graders.grade_humaneval(item.target, out))
+            else:
+                rec.update(graders.grade_livecodebench(item.target["tests"], item.target["func_name"], out))
+                rec["target"] = {"num_tests": len(item.target["tests"])}
+        elif family == "niah":
+            rec.update(graders.grade_niah(out, list(item.target)))
+            rec["length"] = item.meta.get("length")
+        else:
+            raise ValueError(f"benchmark family {family!r} has no grader; valid: math, multiple_choice, code, niah")
+        records.append(rec)
+    return records
+
+
+def summarize(family: str, records: list[dict]) -> dict[str, float]:
+    """Cell metrics: accuracy (pass@1 for code, mean recall for NIAH, also per context length)."""
+    if not records:
+        return {}
+    metrics: dict[str, float] = {}
+    if family == "niah":
+        metrics["score"] = sum(r["score"] for r in records) / len(records)
+        metrics["accuracy"] = sum(bool(r["correct"]) for r in records) / len(records)
+        for length in sorted({r.get("length") for r in records if r.get("length")}):
+            sub = [r for r in records if r.get("length") == length]
+            metrics[f"score@{length}"] = sum(r["score"] for r in sub) / len(sub)
+        return metrics
+    acc = sum(bool(r["correct"]) for r in records) / len(records)
+    metrics["pass@1" if family == "code" else "accuracy"] = acc
+    if family == "math":
+        metrics["extracted_rate"] = sum(r.get("extraction") != "none" for r in records) / len(records)
+    return metrics
+
+
+# ------------------------------------------------------------------------------------------ cell
+
+def prepare_items(cfg: Any, tokenizer: Any) -> tuple[list[EvalItem], list[str]]:
+    """The cell's items (after `benchmark.limit`) and notes about anything dropped."""
+    bcfg = cfg.benchmark
+    items = load_items(bcfg, tokenizer)
+    notes = []
+    if bcfg.family == "niah":
+        too_long = [it for it in items if (it.meta.get("length") or 0) > int(cfg.model.max_context)]
+        if too_long:
+            notes.append(f"dropped {len(too_long)} items longer than the model context {cfg.model.max_context}")
+            items = [it for it in items if it not in too_long]
+    return select(items, bcfg.limit), notes
+
+
+def run_cell(cfg: Any, engine: Any, out_dir: Path | None = None, progress: bool = True,
+             on_batch: Callable[[int, int], None] | None = None) -> dict:
+    """Evaluate one cell with a ready engine and write result.json + items.jsonl; returns the result."""
+    from tqdm.auto import tqdm
+
+    from oscar import __version__
+
+    out_dir = Path(out_dir) if out_dir else cell_dir(cfg)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    chash = cell_config_hash(cfg)
+    start = time.monotonic()
+    items, notes = prepare_items(cfg, getattr(engine, "tokenizer", None))
+    partial = out_dir / PARTIAL_FILE
+    done = _read_partial(partial, chash)
+    todo = [it for it in items if it.id not in done]
+    batch_size = max(1, int(cfg.benchmark.batch_size))
+    desc = f"{cfg.model.name}/{cfg.method.name}/{cfg.benchmark.name}/seed{cfg.seed}"
+    bar = tqdm(total=len(items), initial=len(items) - len(todo), desc=desc, disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
+    with open(partial, "a", encoding="utf-8") as fh:
+        for i in range(0, len(todo), batch_size):
+            batch = todo[i:i + batch_size]
+            for rec in process_batch(engine, cfg, batch):
+                rec["_config_hash"] = chash
+                fh.write(json.dumps(rec, default=str) + "\n")
+                done[rec["id"]] = rec
+            fh.flush()
+            bar.update(len(batch))
+            ok = [bool(r.get("correct")) for r in done.values()]
+            bar.set_postfix(acc=f"{sum(ok) / max(1, len(ok)):.3f}")
+            if on_batch:
+                on_batch(len(done), len(items))
+    bar.close()
+    records = []
+    for it in items:
+        rec = dict(done[it.id])
+        rec.pop("_config_hash", None)
+        records.append(rec)
+    write_text_atomic(out_dir / ITEMS_FILE, "".join(json.dumps(r, default=str) + "\n" for r in records))
+    result = {
+        "model": cfg.model.name, "method": cfg.method.name, "benchmark": cfg.benchmark.name, "seed": int(cfg.seed),
+        "stand_in_for": cfg.benchmark.stand_in_for, "n": len(records),
+        "metrics": summarize(cfg.benchmark.family, records), "config_hash": chash, "oscar_version": __version__,
+        "git_commit": git_commit(), "hardware": hardware(getattr(engine, "device", cfg.device)),
+        "wall_s": round(time.monotonic() - start, 3),
+        "sampling": _sampling(cfg), "source": cfg.benchmark.source, "notes": notes,
+    }
+    write_text_atomic(out_dir / RESULT_FILE, json.dumps(result, indent=2, sort_keys=True) + "\n")
+    partial.unlink(missing_ok=True)
+    return result
+
+
+def load_cell(path: Path) -> tuple[dict, list[dict]]:
+    """result.json and the item records of a finished cell directory."""
+    path = Path(path)
+    result = json.loads((path / RESULT_FILE).read_text())
+    records = [json.loads(line) for line in (path / ITEMS_FILE).read_text().splitlines() if line.strip()]
+    return result, records
+
+
+def iter_cells(root: Path) -> Iterable[Path]:
+    """Finished cell directories under a results root."""
+    return sorted(p.parent for p in Path(root).rglob(RESULT_FILE))
