@@ -42,7 +42,7 @@ from typing import Sequence
 import torch
 
 from oscar.quant import ClipRatio, dequantize, rotate_clip_quantize
-from oscar.rotation import build_rotation, eigenbasis
+from oscar.rotation import bit_reversal, build_rotation, eigenbasis, hadamard
 from oscar.stats import CalibrationStats
 
 KEY_TARGETS = ("query", "raw", "geomean", "hadamard")
@@ -199,8 +199,20 @@ def make_candidate(stats: CalibrationStats, layer: int, head: int, side: str, ta
     mu = stats.mean(layer, _DATA[side])[head] if center else torch.zeros(d, dtype=torch.float64)
     if mat is None:
         return Candidate(target, center, build_rotation("hp", d), mu, None)
-    _, eig = eigenbasis(mat)
-    return Candidate(target, center, build_rotation("uhp", d, cov=mat), mu, eig)
+    u, eig = eigenbasis(mat)
+    return Candidate(target, center, _compose(u, "uhp"), mu, eig)
+
+
+def _compose(u: torch.Tensor, kind: str) -> torch.Tensor:
+    """`U`, `U.H`, `U.P` or `U.H.P` from an eigenbasis (same products as `build_rotation`)."""
+    d = u.shape[0]
+    if kind == "u":
+        return u
+    if kind == "uh":
+        return u @ hadamard(d)
+    if kind == "up":
+        return u @ bit_reversal(d)
+    return u @ hadamard(d) @ bit_reversal(d)
 
 
 def candidates(
@@ -299,9 +311,9 @@ def layer_rotations(
             mat = target_matrix(stats, layer, h, side, target, center)  # type: ignore[arg-type]
             if mat is None:
                 raise ValueError(f"{side} rotation {kind!r} needs an eigenbasis target, got target={target!r}")
-            u_eig = eigenbasis(mat)[1]
-            rs.append(build_rotation(kind, d, cov=mat))
-            eigs.append(u_eig)
+            u, eig = eigenbasis(mat)
+            rs.append(_compose(u, kind))
+            eigs.append(eig)
         else:
             rs.append(build_rotation(kind, d, group_size=group_size, seed=rotation_seed(seed, layer, h, side)))
         mus.append(stats.mean(layer, _DATA[side])[h] if center else torch.zeros(d, dtype=torch.float64))  # type: ignore[union-attr]
