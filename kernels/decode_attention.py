@@ -1,0 +1,365 @@
+"""Paged INT2/INT4 decode attention, split-K, GQA-aware, merged with the BF16 sink and recent segments.
+
+Two launches per call, both with a fixed grid (lengths and page tables are read from device
+tensors, so the call can be captured in a CUDA graph):
+
+1. ``_partial_kernel``, grid ``(B * Hkv, NUM_SPLITS + 2)``. Programs ``split < NUM_SPLITS`` walk
+   a contiguous range of quantized tokens of one sequence and one KV head, reading each page once
+   for all ``H / Hkv`` query heads of the group. Tokens sit in the M dimension of the matrix
+   products (scores as ``K q^T`` ``[BLOCK_N, heads]``, outputs as ``V^T p`` ``[d, heads]``), so no
+   MMA rows are wasted on padding heads. Codes unpack with one shift and mask per plane, turned
+   into exact fp16 by the magic-number trick (``0x6400 | c`` is ``1024 + c``). With one group per
+   row (``G == d``) dequantization is folded into the products: ``s = scale * (q . c) + zero *
+   sum(q)`` and ``o = sum (p * scale) c + sum p * zero``; with several groups the codes are
+   dequantized to fp16 before the product. Program ``NUM_SPLITS`` attends over the BF16 sink and
+   ``NUM_SPLITS + 1`` over the BF16 recent window (bf16 tensor-core products on the GPU; float32
+   under the interpreter, whose bf16 products are wrong). Every program writes a normalized
+   partial output and its log-sum-exp (base 2).
+2. ``_merge_kernel``, grid ``(B * Hkv,)``: log-sum-exp merge of the quantized splits, change of
+   frame (``o_rot @ R_V^T + mu_V``, or the BF16 part into the rotated frame), merge with the BF16
+   segments, cast to the query dtype.
+
+The query is rotated once (``q @ R_K``) and ``q . mu_K`` computed once per call by the launcher.
+The torch twin is ``oscar.paged.decode_attention_torch`` (float32 dequantize-then-attend).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._runtime import check, is_pow2, launchable, next_pow2
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _unpack_fp16(packed, BLOCK_N: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
+    """uint8 ``[BLOCK_N, D*BITS/8]`` planar-packed codes -> exact fp16 codes ``[BLOCK_N, D]`` in channel order."""
+    PER: tl.constexpr = 8 // BITS
+    NG: tl.constexpr = D // G
+    MASK: tl.constexpr = (1 << BITS) - 1
+    c = tl.reshape(packed.to(tl.int16), (BLOCK_N, NG, 1, G // PER))
+    shifts = (tl.arange(0, PER) * BITS).to(tl.int16)
+    planes = (c >> shifts[None, None, :, None]) & MASK
+    magic = (planes | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    return tl.reshape(magic, (BLOCK_N, D))
+
+
+@triton.jit
+def _bf16_segment(k_ptr, v_ptr, n, stride_t, qT, m_i, l_i, acc,
+                  BLOCK_N: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DOT_T: tl.constexpr):
+    """Online-softmax pass over ``n`` BF16 rows of one head: returns updated ``(m, l, acc [D, HP])``."""
+    cols = tl.arange(0, D)
+    for t0 in range(0, n, BLOCK_N):
+        toks = t0 + tl.arange(0, BLOCK_N)
+        tmask = toks < n
+        off = toks.to(tl.int64)[:, None] * stride_t + cols[None, :]
+        k = tl.load(k_ptr + off, mask=tmask[:, None], other=0.0).to(DOT_T)
+        s = tl.dot(k, qT)
+        s = tl.where(tmask[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        v = tl.load(v_ptr + off, mask=tmask[:, None], other=0.0).to(DOT_T)
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(DOT_T))
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _partial_kernel(
+    qr_ptr, qo_ptr, qmu_ptr,
+    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+    stride_cp, stride_ch, stride_cs,
+    stride_mp, stride_mh, stride_ms,
+    pt_ptr, stride_ptb, len_ptr,
+    sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
+    rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
+    o_ptr, lse_ptr,
+    tokens_per_split,
+    HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HAS_SINK: tl.constexpr, HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // HKV
+    kvh = pid % HKV
+    H: tl.constexpr = HKV * REP
+    S_TOTAL: tl.constexpr = NUM_SPLITS + 2
+    NG: tl.constexpr = D // G
+    NB: tl.constexpr = D * BITS // 8
+    heads = tl.arange(0, HP)
+    hmask = heads < REP
+    hq = kvh * REP + heads
+    cols = tl.arange(0, D)
+    q_off = (b * H + hq)[:, None] * D + cols[None, :]
+    m_i = tl.full([HP], float("-inf"), tl.float32)
+    l_i = tl.zeros([HP], tl.float32)
+    acc = tl.zeros([D, HP], tl.float32)
+    if split < NUM_SPLITS:
+        n = tl.load(len_ptr + b)
+        start = split * tokens_per_split
+        end = tl.minimum(start + tokens_per_split, n)
+        q = tl.load(qr_ptr + q_off, mask=hmask[:, None], other=0.0).to(tl.float16)
+        qT = tl.trans(q)
+        qmu = tl.load(qmu_ptr + b * H + hq, mask=hmask, other=0.0)
+        qsum = tl.sum(q.to(tl.float32), axis=1)
+        accz = tl.zeros([HP], tl.float32)
+        bcols = tl.arange(0, NB)
+        gcols = tl.arange(0, NG)
+        for t0 in range(start, end, BLOCK_N):
+            toks = t0 + tl.arange(0, BLOCK_N)
+            tmask = toks < end
+            page = tl.load(pt_ptr + b * stride_ptb + toks // PAGE_SIZE, mask=tmask, other=0).to(tl.int64)
+            slot = toks % PAGE_SIZE
+            crow = page * stride_cp + kvh * stride_ch + slot * stride_cs
+            mrow = page * stride_mp + kvh * stride_mh + slot * stride_ms
+            kc = tl.load(kc_ptr + crow[:, None] + bcols[None, :], mask=tmask[:, None], other=0)
+            kcode = _unpack_fp16(kc, BLOCK_N, D, G, BITS)
+            if NG == 1:
+                ks = tl.load(ks_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
+                kz = tl.load(kz_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
+                s = tl.dot(kcode, qT) * ks[:, None] + kz[:, None] * qsum[None, :]
+            else:
+                ks = tl.load(ks_ptr + mrow[:, None] + gcols[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+                kz = tl.load(kz_ptr + mrow[:, None] + gcols[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+                k3 = tl.reshape(kcode, (BLOCK_N, NG, G)).to(tl.float32) * ks[:, :, None] + kz[:, :, None]
+                s = tl.dot(tl.reshape(k3, (BLOCK_N, D)).to(tl.float16), qT)
+            s = s + qmu[None, :]
+            s = tl.where(tmask[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            vc = tl.load(vc_ptr + crow[:, None] + bcols[None, :], mask=tmask[:, None], other=0)
+            vcode = _unpack_fp16(vc, BLOCK_N, D, G, BITS)
+            if NG == 1:
+                vs = tl.load(vs_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
+                vz = tl.load(vz_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
+                acc = acc * alpha[None, :] + tl.dot(tl.trans(vcode), (p * vs[:, None]).to(tl.float16))
+                accz = accz * alpha + tl.sum(p * vz[:, None], axis=0)
+            else:
+                vs = tl.load(vs_ptr + mrow[:, None] + gcols[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+                vz = tl.load(vz_ptr + mrow[:, None] + gcols[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+                v3 = tl.reshape(vcode, (BLOCK_N, NG, G)).to(tl.float32) * vs[:, :, None] + vz[:, :, None]
+                acc = acc * alpha[None, :] + tl.dot(tl.trans(tl.reshape(v3, (BLOCK_N, D)).to(tl.float16)),
+                                                    p.to(tl.float16))
+            m_i = m_new
+        acc = acc + accz[None, :]
+    else:
+        q = tl.load(qo_ptr + q_off, mask=hmask[:, None], other=0.0).to(DOT_T)
+        qT = tl.trans(q)
+        if split == NUM_SPLITS:
+            if HAS_SINK:
+                n = tl.load(slen_ptr + b)
+                base = b * stride_sb + kvh * stride_sh
+                m_i, l_i, acc = _bf16_segment(sk_ptr + base, sv_ptr + base, n, stride_st, qT, m_i, l_i, acc,
+                                              BLOCK_N, D, HP, DOT_T)
+        else:
+            if HAS_RECENT:
+                n = tl.load(rlen_ptr + b)
+                base = b * stride_rb + kvh * stride_rh
+                m_i, l_i, acc = _bf16_segment(rk_ptr + base, rv_ptr + base, n, stride_rt, qT, m_i, l_i, acc,
+                                              BLOCK_N, D, HP, DOT_T)
+    nonempty = l_i > 0.0
+    o = acc / tl.where(nonempty, l_i, 1.0)[None, :]
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    row = (b * H + hq) * S_TOTAL + split
+    tl.store(o_ptr + row[None, :] * D + cols[:, None], o, mask=hmask[None, :])
+    tl.store(lse_ptr + row, lse, mask=hmask)
+
+
+@triton.jit
+def _merge_kernel(
+    o_ptr, lse_ptr, out_ptr, rv_ptr, muv_ptr,
+    HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SP: tl.constexpr, HAS_RV: tl.constexpr, HAS_MUV: tl.constexpr, OUT_ROTATED: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = pid // HKV
+    kvh = pid % HKV
+    H: tl.constexpr = HKV * REP
+    S_TOTAL: tl.constexpr = NUM_SPLITS + 2
+    heads = tl.arange(0, HP)
+    hmask = heads < REP
+    hq = kvh * REP + heads
+    cols = tl.arange(0, D)
+    base = (b * H + hq) * S_TOTAL
+    # quantized splits
+    o_int = tl.zeros([HP, D], tl.float32)
+    m_int = tl.full([HP], float("-inf"), tl.float32)
+    l_int = tl.zeros([HP], tl.float32)
+    for s0 in range(0, NUM_SPLITS, SP):
+        sp = s0 + tl.arange(0, SP)
+        smask = sp < NUM_SPLITS
+        lse = tl.load(lse_ptr + base[:, None] + sp[None, :], mask=hmask[:, None] & smask[None, :], other=float("-inf"))
+        m_new = tl.maximum(m_int, tl.max(lse, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_int - m_safe)
+        w = tl.exp2(lse - m_safe[:, None])
+        l_int = l_int * alpha + tl.sum(w, axis=1)
+        o3 = tl.load(o_ptr + (base[:, None, None] + sp[None, :, None]) * D + cols[None, None, :],
+                     mask=(hmask[:, None] & smask[None, :])[:, :, None], other=0.0)
+        o_int = o_int * alpha[:, None] + tl.sum(o3 * w[:, :, None], axis=1)
+        m_int = m_new
+    has_int = l_int > 0.0
+    o_int = o_int / tl.where(has_int, l_int, 1.0)[:, None]
+    lse_int = tl.where(has_int, m_int + tl.log2(tl.where(has_int, l_int, 1.0)), float("-inf"))
+    # BF16 splits (sink, recent)
+    lse_a = tl.load(lse_ptr + base + NUM_SPLITS, mask=hmask, other=float("-inf"))
+    lse_b = tl.load(lse_ptr + base + NUM_SPLITS + 1, mask=hmask, other=float("-inf"))
+    o_a = tl.load(o_ptr + (base + NUM_SPLITS)[:, None] * D + cols[None, :], mask=hmask[:, None], other=0.0)
+    o_b = tl.load(o_ptr + (base + NUM_SPLITS + 1)[:, None] * D + cols[None, :], mask=hmask[:, None], other=0.0)
+    m_bf = tl.maximum(lse_a, lse_b)
+    m_bf_safe = tl.where(m_bf == float("-inf"), 0.0, m_bf)
+    wa = tl.exp2(lse_a - m_bf_safe)
+    wb = tl.exp2(lse_b - m_bf_safe)
+    l_bf = wa + wb
+    has_bf = l_bf > 0.0
+    o_bf = (o_a * wa[:, None] + o_b * wb[:, None]) / tl.where(has_bf, l_bf, 1.0)[:, None]
+    lse_bf = tl.where(has_bf, m_bf_safe + tl.log2(tl.where(has_bf, l_bf, 1.0)), float("-inf"))
+    # frames
+    if OUT_ROTATED:
+        if HAS_MUV:
+            o_bf = o_bf - tl.load(muv_ptr + kvh * D + cols)[None, :]
+        if HAS_RV:
+            rot = tl.load(rv_ptr + kvh * D * D + cols[:, None] * D + cols[None, :])
+            o_bf = tl.dot(o_bf, rot, input_precision="ieee")
+    else:
+        if HAS_RV:
+            rot_t = tl.load(rv_ptr + kvh * D * D + cols[None, :] * D + cols[:, None])
+            o_int = tl.dot(o_int, rot_t, input_precision="ieee")
+        if HAS_MUV:
+            o_int = o_int + tl.load(muv_ptr + kvh * D + cols)[None, :]
+    m = tl.maximum(lse_int, lse_bf)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w_int = tl.exp2(lse_int - m_safe)
+    w_bf = tl.exp2(lse_bf - m_safe)
+    w_sum = w_int + w_bf
+    o = (o_int * w_int[:, None] + o_bf * w_bf[:, None]) / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
+    tl.store(out_ptr + (b * H + hq)[:, None] * D + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+
+
+def default_num_splits(batch: int, num_kv_heads: int, capacity_tokens: int, block_n: int, num_sms: int = 132) -> int:
+    """Splits per (sequence, KV head): about two waves of programs, at least ``4 * block_n`` tokens each."""
+    by_occupancy = max(1, (2 * num_sms) // max(1, batch * num_kv_heads))
+    by_work = max(1, capacity_tokens // (4 * block_n))
+    return int(min(by_occupancy, by_work, 256))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+    v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
+    page_table: torch.Tensor, int_len: torch.Tensor,
+    *,
+    bits: int, group_size: int,
+    R_K: Optional[torch.Tensor] = None, mu_K: Optional[torch.Tensor] = None,
+    R_V: Optional[torch.Tensor] = None, mu_V: Optional[torch.Tensor] = None,
+    sink_k: Optional[torch.Tensor] = None, sink_v: Optional[torch.Tensor] = None, sink_len: Optional[torch.Tensor] = None,
+    recent_k: Optional[torch.Tensor] = None, recent_v: Optional[torch.Tensor] = None,
+    recent_len: Optional[torch.Tensor] = None,
+    sm_scale: Optional[float] = None, output_frame: str = "original",
+    num_splits: Optional[int] = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+    merge_warps: int = 4,
+) -> torch.Tensor:
+    """Triton decode attention of one query per sequence; same contract as ``oscar.paged.decode_attention_torch``.
+
+    ``q`` ``[B, H, d]``; codes ``[P, Hkv, page_size, d*bits//8]`` uint8; scale/zero
+    ``[P, Hkv, page_size, d//G]`` bf16; ``page_table`` int32 ``[B, M]``; ``int_len`` int32 ``[B]``;
+    sink/recent ``[B, Hkv, S, d]`` with int32 valid lengths ``[B]``. Returns ``[B, H, d]`` in ``q.dtype``.
+    """
+    check(q.dim() == 3, f"q must be [B, H, d], got shape {tuple(q.shape)}")
+    B, H, d = (int(s) for s in q.shape)
+    check(bits in (2, 4), f"bits={bits} is not supported; valid values are 2 and 4")
+    npages, hkv, page_size, nbytes = (int(s) for s in k_codes.shape)
+    check(H % hkv == 0, f"query heads H={H} must be a multiple of KV heads Hkv={hkv}")
+    check(is_pow2(d) and 16 <= d <= 256, f"head_dim={d} must be a power of two in [16, 256]")
+    check(is_pow2(group_size) and group_size <= d and group_size % (8 // bits) == 0,
+          f"group_size={group_size} must be a power of two dividing head_dim={d}")
+    check(nbytes == d * bits // 8 and k_codes.dtype == torch.uint8,
+          f"codes must be uint8 [P, Hkv, page_size, {d * bits // 8}], got {k_codes.dtype} {tuple(k_codes.shape)}")
+    check(v_codes.shape == k_codes.shape and v_codes.stride() == k_codes.stride(),
+          f"V codes {tuple(v_codes.shape)} must match K codes {tuple(k_codes.shape)} in shape and strides")
+    meta_shape = (npages, hkv, page_size, d // group_size)
+    for name, t in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
+        check(tuple(t.shape) == meta_shape and t.dtype == torch.bfloat16 and t.stride() == k_scale.stride(),
+              f"{name} must be bf16 {meta_shape} with the strides of k_scale, got {t.dtype} {tuple(t.shape)}")
+    check(k_codes.stride(-1) == 1 and k_scale.stride(-1) == 1, "codes and scales must be contiguous in their last dim")
+    check(is_pow2(page_size), f"page_size={page_size} must be a power of two")
+    check(page_table.dim() == 2 and page_table.shape[0] >= B and page_table.dtype == torch.int32,
+          f"page_table must be int32 [B={B}, M], got {page_table.dtype} {tuple(page_table.shape)}")
+    check(int_len.shape[0] >= B and int_len.dtype == torch.int32, f"int_len must be int32 [B={B}], got {int_len.dtype}")
+    check(output_frame in ("original", "rotated"), f"output_frame={output_frame!r} must be 'original' or 'rotated'")
+    check(is_pow2(block_n) and block_n >= 16, f"block_n={block_n} must be a power of two >= 16")
+    dev = q.device
+    rep = H // hkv
+    hp = max(16, next_pow2(rep))
+    scale = (1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)) * LOG2E
+
+    q32 = q.to(torch.float32) * scale
+    qg = q32.view(B, hkv, rep, d)
+    q_rot = qg if R_K is None else torch.matmul(qg, R_K.to(dev, torch.float32).unsqueeze(0))
+    if mu_K is not None:
+        qmu = (qg * mu_K.to(dev, torch.float32)[None, :, None, :]).sum(-1).reshape(B, H).contiguous()
+    else:
+        qmu = torch.zeros(B, H, dtype=torch.float32, device=dev)
+    q_rot = q_rot.reshape(B, H, d).contiguous()
+    q_orig = q32.contiguous()
+
+    def _segment(k, v, n, name):
+        if k is None:
+            return None
+        check(v is not None and n is not None, f"{name}_k given without {name}_v / {name}_len")
+        check(k.dim() == 4 and k.shape[0] >= B and k.shape[1] == hkv and k.shape[3] == d,
+              f"{name}_k must be [B, {hkv}, S, {d}], got {tuple(k.shape)}")
+        check(v.shape == k.shape and v.stride() == k.stride() and k.stride(-1) == 1,
+              f"{name}_v {tuple(v.shape)} must match {name}_k in shape and strides, contiguous in d")
+        check(n.dtype == torch.int32 and n.shape[0] >= B, f"{name}_len must be int32 [B], got {n.dtype}")
+        return k, v, n
+
+    sink = _segment(sink_k, sink_v, sink_len, "sink")
+    recent = _segment(recent_k, recent_v, recent_len, "recent")
+    capacity = int(page_table.shape[1]) * page_size
+    if num_splits is None:
+        num_splits = default_num_splits(B, hkv, capacity, block_n)
+    tps = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
+    s_total = num_splits + 2
+    o_part = torch.empty(B, H, s_total, d, dtype=torch.float32, device=dev)
+    lse_part = torch.empty(B, H, s_total, dtype=torch.float32, device=dev)
+    dummy = lse_part
+    sk, sv, sl = sink if sink is not None else (dummy, dummy, dummy)
+    rk, rv, rl = recent if recent is not None else (dummy, dummy, dummy)
+    s_strides = (sk.stride(0), sk.stride(1), sk.stride(2)) if sink is not None else (0, 0, 0)
+    r_strides = (rk.stride(0), rk.stride(1), rk.stride(2)) if recent is not None else (0, 0, 0)
+    launchable(_partial_kernel, dev)[(B * hkv, s_total)](
+        q_rot, q_orig, qmu,
+        k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
+        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
+        page_table, page_table.stride(0), int_len,
+        sk, sv, sl, *s_strides,
+        rk, rv, rl, *r_strides,
+        o_part, lse_part, tps,
+        HKV=hkv, REP=rep, HP=hp, D=d, G=group_size, BITS=bits, PAGE_SIZE=page_size, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, HAS_SINK=sink is not None, HAS_RECENT=recent is not None,
+        DOT_T=tl.bfloat16 if dev.type == "cuda" else tl.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    out = torch.empty(B, H, d, dtype=q.dtype, device=dev)
+    rv_t = R_V.to(dev, torch.float32).contiguous() if R_V is not None else dummy
+    muv = mu_V.to(dev, torch.float32).contiguous() if mu_V is not None else dummy
+    launchable(_merge_kernel, dev)[(B * hkv,)](
+        o_part, lse_part, out, rv_t, muv,
+        HKV=hkv, REP=rep, HP=hp, D=d, NUM_SPLITS=num_splits, SP=min(16, next_pow2(num_splits)),
+        HAS_RV=R_V is not None, HAS_MUV=mu_V is not None, OUT_ROTATED=output_frame == "rotated",
+        num_warps=merge_warps,
+    )
+    return out
