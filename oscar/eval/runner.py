@@ -123,6 +123,30 @@ def _run_generate(engine: Any, cfg: Any, prompts: list[str], stop: list[str] | N
     return list(outs)
 
 
+def _choice_loglikelihoods(engine: Any, contexts: list[str], conts: list[str], mode: str) -> list[float]:
+    """Log-likelihood of each continuation; one scoring pass per distinct context when every
+    continuation is a single token appended to its context (else `engine.loglikelihood`)."""
+    import torch
+
+    tok = getattr(engine, "tokenizer", None)
+    if tok is None or not hasattr(engine, "score"):
+        return [lp for lp, _ in engine.loglikelihood(contexts, conts, mode=mode)]
+    plan: dict[str, tuple[list[int], dict[str, int]]] = {}
+    for ctx, cont in zip(contexts, conts):
+        ctx_ids = tok(ctx, add_special_tokens=False)["input_ids"]
+        full = tok(ctx + cont, add_special_tokens=False)["input_ids"]
+        if not ctx_ids or len(full) != len(ctx_ids) + 1 or full[:-1] != ctx_ids:
+            return [lp for lp, _ in engine.loglikelihood(contexts, conts, mode=mode)]
+        plan.setdefault(ctx, (ctx_ids, {}))[1][cont] = full[-1]
+    out: dict[tuple[str, str], float] = {}
+    for ctx, (ids, targets) in plan.items():
+        logits = engine.score(torch.tensor([ids]), mode=mode)[0, -1].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        for cont, token in targets.items():
+            out[(ctx, cont)] = float(logp[token])
+    return [out[(c, k)] for c, k in zip(contexts, conts)]
+
+
 def process_batch(engine: Any, cfg: Any, items: list[EvalItem]) -> list[dict]:
     """Run and grade one batch of items; one record per item."""
     from oscar.eval import graders
@@ -139,10 +163,10 @@ def process_batch(engine: Any, cfg: Any, items: list[EvalItem]) -> list[dict]:
                 contexts.append(ctx)
                 conts.append(extra.get("choice_prefix", "") + letter)
                 owners.append(item.id)
-        scores = engine.loglikelihood(contexts, conts, mode=mode)
+        scores = _choice_loglikelihoods(engine, contexts, conts, mode)
         for item in items:
             ctx = _rendered(engine, cfg, item, extra.get("answer_prefix", ""))
-            lls = [float(s[0]) for s, o in zip(scores, owners) if o == item.id]
+            lls = [float(s) for s, o in zip(scores, owners) if o == item.id]
             pred = "ABCD"[max(range(len(lls)), key=lambda i: lls[i])]
             records.append({"id": item.id, "prompt_hash": prompt_hash(ctx), "prediction": pred,
                             "target": item.target, "correct": pred == item.target, "loglikelihoods": lls,

@@ -1,0 +1,53 @@
+"""`python -m oscar eval [flags] [hydra overrides]`: one (model, method, benchmark, seed) cell.
+
+Writes `results/eval/<model>/<method>/<benchmark>/seed<k>/{result.json,items.jsonl}` (or `output=DIR`).
+Verb flags (not Hydra keys): `force=true` reruns a finished cell; `progress=false` hides the bar;
+`threads=N` sets torch's CPU threads.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from oscar.commands._stage import pop_flags, read_json
+from oscar.config import ConfigError, compose
+
+FLAGS = {"force": False, "progress": True, "threads": 0}
+
+
+def main(argv: list[str]) -> int:
+    """Run one evaluation cell; 0 on success, 2 on a configuration or data error."""
+    from oscar.eval.items import DataNotAvailable
+    from oscar.eval.runner import RESULT_FILE, cell_config_hash, cell_dir, run_cell
+
+    try:
+        flags, overrides = pop_flags(argv, FLAGS)
+        cfg = compose(overrides)
+    except (ConfigError, ValueError) as exc:
+        print(f"oscar eval: {exc}", file=sys.stderr)
+        return 2
+    out = cell_dir(cfg)
+    previous = read_json(out / RESULT_FILE)
+    if previous and previous.get("config_hash") == cell_config_hash(cfg) and not flags["force"]:
+        print(f"oscar eval: {out} is up to date (force=true reruns it)", file=sys.stderr)
+        print(json.dumps(previous["metrics"], sort_keys=True))
+        return 0
+    import torch
+
+    from oscar.engine import Engine
+
+    if flags["threads"]:
+        torch.set_num_threads(int(flags["threads"]))
+    try:
+        engine = Engine.from_config(cfg)
+        result = run_cell(cfg, engine, out, progress=bool(flags["progress"]))
+    except (DataNotAvailable, FileNotFoundError) as exc:
+        print(f"oscar eval: {exc}", file=sys.stderr)
+        return 2
+    label = f" (stand-in for {result['stand_in_for']})" if result["stand_in_for"] else ""
+    print(f"oscar eval: {cfg.model.name} / {cfg.method.name} / {cfg.benchmark.name}{label} seed {cfg.seed}: "
+          f"n={result['n']} {json.dumps(result['metrics'], sort_keys=True)} in {result['wall_s']:.1f}s -> {out}",
+          file=sys.stderr)
+    print(json.dumps(result["metrics"], sort_keys=True))
+    return 0
