@@ -6,6 +6,7 @@ workflow do, validates it against these schemas, and fails naming the bad key or
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -106,8 +107,16 @@ class ResourcesConfig:
     gpu: int = 0
 
 
+@dataclass
+class VariantConfig:
+    """A labelled set of overrides applied on top of each cell of a table (a list, so merges replace it)."""
+
+    name: str = MISSING  # path-safe label, e.g. "s4-r16"; cells live under <method>+<name>
+    overrides: list[str] = field(default_factory=list)
+
+
 TABLE_KINDS = ("eval", "fidelity", "kernels")
-TABLE_AXES = ("model", "method", "variant", "benchmark", "corpus", "seed")
+TABLE_AXES = ("model", "method", "variant", "benchmark", "corpus", "seed", "metric")
 
 
 @dataclass
@@ -126,11 +135,11 @@ class TableConfig:
     benchmarks: list[str] = field(default_factory=list)  # eval: benchmark group names
     corpora: list[str] = field(default_factory=list)  # fidelity: held-out corpora
     seeds: list[int] = field(default_factory=list)
-    variants: dict[str, list[str]] = field(default_factory=dict)
+    variants: list[VariantConfig] = field(default_factory=list)
     overrides: list[str] = field(default_factory=list)  # applied to every cell of this table
     rows: list[str] = field(default_factory=lambda: ["method"])  # axes from TABLE_AXES
     columns: list[str] = field(default_factory=lambda: ["benchmark"])
-    metric: str = "acc"  # result.json metric (prefix match: "acc" takes the first acc* metric)
+    metrics: list[str] = field(default_factory=lambda: ["acc"])  # result.json metric names shown
     lower_is_better: bool = False
     figure: str = ""  # "" (none) | bar | line | per_layer
     caption: str = ""
@@ -188,6 +197,8 @@ class Composer:
         self.conf_dir = str(conf_dir)
         self._context: Any = None
         self._cache: dict[tuple[str, ...], DictConfig] = {}
+        self._base: dict[tuple[str, ...], DictConfig] = {}  # Hydra part of a composition, schema-merged
+        self._root: Any = None  # root composition for the fast path (False: fast path unusable)
 
     def __enter__(self) -> "Composer":
         from hydra import initialize_config_dir
@@ -205,30 +216,122 @@ class Composer:
         self._context = None
         GlobalHydra.instance().clear()
 
-    def compose(self, overrides: list[str] | tuple[str, ...] | None = None) -> DictConfig:
-        """Composed, validated, read-only configuration for these overrides."""
+    def compose(self, overrides: list[str] | tuple[str, ...] | None = None, tables: bool = True) -> DictConfig:
+        """Composed, validated, read-only configuration for these overrides.
+
+        `tables=False` leaves `experiment.tables` empty: a cell's configuration does not need the
+        study's table definitions, and composing without them is several times faster.
+        """
         from hydra import compose as hydra_compose
         from hydra.errors import HydraException
         from omegaconf.errors import OmegaConfBaseException
 
         if self._context is None:
             raise RuntimeError("Composer.compose() called outside `with Composer(...) as c:`")
-        key = tuple(overrides or ())
+        overrides = tuple(overrides or ())
+        key = (*overrides, f"<tables={tables}>")
         if key in self._cache:
             return self._cache[key]
         try:
-            cfg = hydra_compose(config_name=self.config_name, overrides=list(key))
-            merged = validate(cfg)
+            hydra_overrides, settings = self._split(list(overrides))
+            base_key = (*hydra_overrides, f"<tables={tables}>")
+            base = self._base.get(base_key)
+            if base is None and not tables:
+                base = self._fast_base(hydra_overrides)
+            if base is None:
+                cfg = hydra_compose(config_name=self.config_name, overrides=hydra_overrides)
+                base = OmegaConf.merge(OmegaConf.structured(OscarConfig), cfg)
+                if not tables:
+                    base.experiment.tables = {}
+            self._base[base_key] = base
+            merged = validate(copy.deepcopy(base), settings)
         except (HydraException, OmegaConfBaseException) as exc:
-            raise ConfigError(f"invalid configuration (overrides {list(key)}): {exc}") from exc
+            raise ConfigError(f"invalid configuration (overrides {list(overrides)}): {exc}") from exc
         self._cache[key] = merged
         return merged
 
+    def _fast_base(self, hydra_overrides: list[str]) -> DictConfig | None:
+        """Plain group choices without Hydra: the root composition with group files swapped in.
 
-def validate(cfg: DictConfig | dict) -> DictConfig:
-    """Merge a configuration into the schema, refuse missing or mistyped values; read-only result."""
-    schema = OmegaConf.structured(OscarConfig)
-    merged = OmegaConf.merge(schema, cfg)
+        Used for cell configurations (`tables=False`), where the workflow composes hundreds. Valid
+        only for `group=choice` overrides of group files without their own defaults list and a root
+        file that sets no group keys itself; anything else returns None and goes through Hydra
+        (tests check both paths agree for every group option).
+        """
+        from hydra import compose as hydra_compose
+
+        choices: dict[str, str] = {}
+        for text in hydra_overrides:
+            group, sep, choice = text.partition("=")
+            if not sep or not group.isidentifier() or not (Path(self.conf_dir) / group).is_dir():
+                return None
+            choices[group] = choice
+        choices.pop("experiment", None)  # a cell never reads the study's tables
+        if self._root is None:
+            root_file = OmegaConf.load(Path(self.conf_dir) / f"{self.config_name}.yaml")
+            groups = {p.name for p in Path(self.conf_dir).iterdir() if p.is_dir()}
+            if groups & set(root_file.keys()):
+                self._root = False
+            else:
+                cfg = hydra_compose(config_name=self.config_name, overrides=["~experiment"])
+                self._root = OmegaConf.merge(OmegaConf.structured(OscarConfig), cfg)
+        if self._root is False:
+            return None
+        base = copy.deepcopy(self._root)
+        for group, choice in choices.items():
+            path = Path(self.conf_dir) / group / f"{choice}.yaml"
+            if not path.is_file() or not isinstance(base.get(group), DictConfig):
+                return None
+            data = OmegaConf.load(path)
+            if "defaults" in data:
+                return None
+            base[group] = OmegaConf.merge(OmegaConf.structured(OmegaConf.get_type(base[group])), data)
+        return base
+
+    def _split(self, overrides: list[str]) -> tuple[list[str], list[tuple[str, Any]]]:
+        """Group choices and `+`/`~` edits go to Hydra; `key=value` settings apply after the schema merge.
+
+        Applying settings to the schema-typed config lets `method.sink=4` set a field that a group
+        file leaves at its schema default, and type-checks the value against the schema.
+        """
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        hydra_overrides: list[str] = []
+        settings: list[tuple[str, Any]] = []
+        for text, override in zip(overrides, parsed):
+            if override.is_sweep_override():
+                raise ConfigError(
+                    f"override {text!r} is a sweep; compose one configuration per value "
+                    "(the workflow fans sweeps out as table variants)"
+                )
+            name = override.key_or_group
+            is_group = (Path(self.conf_dir) / name).is_dir()
+            if override.is_add() or override.is_delete() or is_group or override.package is not None:
+                hydra_overrides.append(text)
+            else:
+                settings.append((name, override.value()))
+        return hydra_overrides, settings
+
+
+def validate(cfg: DictConfig | dict, settings: list[tuple[str, Any]] | None = None) -> DictConfig:
+    """Merge a configuration into the schema, apply `key=value` settings, refuse missing or mistyped values."""
+    merged = cfg if _is_schema_typed(cfg) else OmegaConf.merge(OmegaConf.structured(OscarConfig), cfg)
+    for dotted, value in settings or []:
+        parent_key, _, leaf = dotted.rpartition(".")
+        parent = OmegaConf.select(merged, parent_key) if parent_key else merged
+        free_form = isinstance(parent, DictConfig) and OmegaConf.get_type(parent) is dict  # e.g. `extra`
+        if not isinstance(parent, DictConfig) or (leaf not in parent and not free_form):
+            valid = sorted(parent.keys()) if isinstance(parent, DictConfig) else []
+            raise ConfigError(
+                f"unknown configuration key {dotted!r}"
+                + (f"; valid keys under {parent_key or 'the root'}: {', '.join(map(str, valid))}" if valid else "")
+            )
+        if free_form:
+            with open_dict(parent):
+                parent[leaf] = value
+        else:
+            parent[leaf] = value
     OmegaConf.to_container(merged, throw_on_missing=True)
     for table_name, table in merged.experiment.tables.items():
         if table.kind not in TABLE_KINDS:
@@ -240,8 +343,18 @@ def validate(cfg: DictConfig | dict) -> DictConfig:
                 raise ConfigError(
                     f"experiment.tables.{table_name}: axis {axis!r} is not valid; valid: {', '.join(TABLE_AXES)}"
                 )
+        for variant in table.variants:
+            if not variant.name or "/" in variant.name or "+" in variant.name or variant.name.startswith("."):
+                raise ConfigError(
+                    f"experiment.tables.{table_name}: variant name {variant.name!r} is not a path-safe label "
+                    "(no '/', no '+', not empty)"
+                )
     OmegaConf.set_readonly(merged, True)
     return merged
+
+
+def _is_schema_typed(cfg: Any) -> bool:
+    return isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is OscarConfig
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:

@@ -1,0 +1,168 @@
+# Shared state of the workflow: the composed configuration, the planned cells, helper functions.
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+from snakemake.utils import validate
+
+sys.path.insert(0, str(Path(workflow.basedir) / "workflow" / "scripts"))
+from oscar_plan import Plan, parse_user_overrides  # noqa: E402
+from oscar.config import ConfigError  # noqa: E402
+
+
+validate(config, schema="../schemas/config.schema.yaml")
+
+try:
+    PLAN = Plan(parse_user_overrides(config.get("overrides")))
+except ConfigError as exc:
+    raise WorkflowError(f"invalid configuration, no job was run: {exc}") from None
+
+PLAN.write_configs()
+PLAN.write_table_plans()
+EXPERIMENT = PLAN.experiment
+
+
+def _python():
+    """Interpreter for `python -m oscar`: the configured one, the env's under --sdm conda, else ours."""
+    if config.get("python"):
+        return config["python"]
+    settings = getattr(workflow, "deployment_settings", None)
+    methods = {str(m).lower() for m in getattr(settings, "deployment_method", ()) or ()}
+    if any("conda" in m for m in methods):
+        return "python"
+    return sys.executable
+
+
+PYTHON = _python()
+
+
+def _gpu_present():
+    """True when an NVIDIA GPU answers `nvidia-smi -L` (no torch import at parse time)."""
+    if shutil.which("nvidia-smi") is None:
+        return False
+    probe = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
+    return probe.returncode == 0 and "GPU" in probe.stdout
+
+
+HAS_GPU = _gpu_present()
+KERNELS_MESSAGE = (
+    f"reproduce_kernels: kernel benchmarks written to reports/{EXPERIMENT}/kernels.csv"
+    if HAS_GPU
+    else "reproduce_kernels: SKIPPED, no CUDA GPU on this host (nvidia-smi found none); "
+    "run it on a GPU host: snakemake --cores all reproduce_kernels"
+)
+
+
+wildcard_constraints:
+    model=r"[^/]+",
+    method=r"[^/]+",
+    benchmark=r"[^/]+",
+    corpus=r"[^/]+",
+    calibration=r"[^/]+",
+    table=r"[^/]+",
+    experiment=r"[^/]+",
+    seed=r"\d+",
+
+
+def res(stage, key):
+    """One resource value of a workflow stage (threads, mem_mb, runtime, gpu)."""
+    return getattr(PLAN.resources(stage), key)
+
+
+def quoted(overrides):
+    """Shell-quoted Hydra overrides."""
+    return " ".join(shlex.quote(o) for o in overrides)
+
+
+def _lookup(mapping, key, what):
+    if key not in mapping:
+        raise WorkflowError(
+            f"{key} is not a {what} of experiment {EXPERIMENT!r}; "
+            "ask for a named target (reproduce_table2, ...) or add it to conf/experiment/"
+        )
+    return mapping[key]
+
+
+def eval_cell(wildcards):
+    return _lookup(PLAN.cells, f"results/eval/{wildcards.model}/{wildcards.method}/{wildcards.benchmark}/seed{wildcards.seed}", "planned eval cell")
+
+
+def fidelity_cell(wildcards):
+    return _lookup(PLAN.cells, f"results/fidelity/{wildcards.model}/{wildcards.method}/{wildcards.corpus}", "planned fidelity cell")
+
+
+def calibration_of(wildcards):
+    return _lookup(PLAN.calibrations, f"results/calibration/{wildcards.model}/{wildcards.method}", "planned calibration")
+
+
+def stats_of(wildcards):
+    return _lookup(PLAN.stats, f"results/stats/{wildcards.model}/{wildcards.calibration}", "planned statistics")
+
+
+def artifact_for(cell):
+    """The calibration artifact a cell reads, or None when its method builds rotations in code."""
+    return PLAN.cell_calibration.get(cell.result_dir)
+
+
+def table_targets(table):
+    """Files that finish one table or figure: report files, figure, MLflow mirror."""
+    plan = _lookup(PLAN.tables, table, "table")
+    if plan.kind == "kernels":
+        return kernel_targets()
+    stem = f"reports/{EXPERIMENT}/{table}"
+    targets = [f"{stem}.csv", f"{stem}.md", f"{stem}.tex"]
+    if plan.spec.get("figure"):
+        targets.append(f"{stem}.png")
+    if PLAN.base.tracking.enabled:
+        targets.append(f"results/tracking/{EXPERIMENT}/{table}.json")
+    return targets
+
+
+def all_targets():
+    targets = []
+    for name, plan in PLAN.tables.items():
+        if plan.kind != "kernels":
+            targets += table_targets(name)
+    return targets + kernel_targets()
+
+
+def kernel_targets():
+    """Kernel benchmark outputs where a GPU is present, nothing otherwise."""
+    if not HAS_GPU or "kernels" not in PLAN.tables:
+        return []
+    return [f"reports/{EXPERIMENT}/kernels.csv"]
+
+
+def _artifact_input(cell):
+    calib = artifact_for(cell)
+    return [f"{calib.artifact_dir}/meta.json"] if calib else []
+
+
+def _artifact_override(cell):
+    calib = artifact_for(cell)
+    return [f"artifact={calib.artifact_dir}"] if calib else []
+
+
+def _table_cells(wildcards):
+    plan = PLAN.tables[wildcards.table]
+    files = []
+    for cell in plan.cells:
+        files.append(f"{cell.result_dir}/result.json")
+        if cell.kind == "fidelity":
+            files.append(f"{cell.result_dir}/per_layer.csv")
+        else:
+            files.append(f"{cell.result_dir}/items.jsonl")
+    return files
+
+
+def _check_experiment(wildcards):
+    if wildcards.experiment != EXPERIMENT:
+        raise WorkflowError(
+            f"reports/{wildcards.experiment}/... belongs to experiment {wildcards.experiment!r}; "
+            f"this run composes experiment {EXPERIMENT!r} (pass --config overrides='[experiment={wildcards.experiment}]')"
+        )
+    _lookup(PLAN.tables, wildcards.table, "table")
+    return PLAN.table_plan_path(wildcards.table)

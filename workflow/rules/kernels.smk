@@ -1,0 +1,26 @@
+# GPU kernel benchmarks; on a host without a GPU the target only explains that it was skipped.
+
+
+rule bench_kernels:
+    output:
+        csv=report(
+            "reports/{experiment}/kernels.csv",
+            caption="../report/kernels.rst",
+            category="{experiment}",
+            subcategory="kernels",
+        ),
+    params:
+        python=PYTHON,
+    log:
+        "logs/bench_kernels/{experiment}.log",
+    benchmark:
+        "results/benchmarks/bench_kernels/{experiment}.tsv"
+    threads: res("kernels", "threads")
+    resources:
+        mem_mb=res("kernels", "mem_mb"),
+        runtime=res("kernels", "runtime"),
+        gpu=res("kernels", "gpu"),
+    conda:
+        "../../envs/oscar.yaml"
+    shell:
+        "{params.python} -m oscar bench-kernels output={output.csv} > {log} 2>&1"

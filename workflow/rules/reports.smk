@@ -1,0 +1,102 @@
+# Aggregation, reports and the MLflow mirror, one job each per table.
+
+
+rule aggregate_table:
+    input:
+        plan=_check_experiment,
+        cells=_table_cells,
+    output:
+        "results/tables/{experiment}/{table}.csv",
+    params:
+        python=PYTHON,
+    log:
+        "logs/aggregate_table/{experiment}/{table}.log",
+    threads: res("report", "threads")
+    resources:
+        mem_mb=res("report", "mem_mb"),
+        runtime=res("report", "runtime"),
+        gpu=0,
+    conda:
+        "../../envs/oscar.yaml"
+    shell:
+        "{params.python} -m oscar aggregate --plan {input.plan} --output {output} > {log} 2>&1"
+
+
+rule report_table:
+    input:
+        plan=_check_experiment,
+        table="results/tables/{experiment}/{table}.csv",
+    output:
+        csv=report(
+            "reports/{experiment}/{table}.csv",
+            caption="../report/table.rst",
+            category="{experiment}",
+            subcategory="{table}",
+            labels={"table": "{table}", "format": "CSV"},
+        ),
+        md="reports/{experiment}/{table}.md",
+        tex="reports/{experiment}/{table}.tex",
+    params:
+        python=PYTHON,
+    log:
+        "logs/report_table/{experiment}/{table}.log",
+    threads: res("report", "threads")
+    resources:
+        mem_mb=res("report", "mem_mb"),
+        runtime=res("report", "runtime"),
+        gpu=0,
+    conda:
+        "../../envs/oscar.yaml"
+    shell:
+        "{params.python} -m oscar report --plan {input.plan} --table {input.table} --output-dir reports/{wildcards.experiment} "
+        "--formats csv md tex > {log} 2>&1"
+
+
+rule figure_table:
+    input:
+        plan=_check_experiment,
+        table="results/tables/{experiment}/{table}.csv",
+    output:
+        report(
+            "reports/{experiment}/{table}.png",
+            caption="../report/figure.rst",
+            category="{experiment}",
+            subcategory="{table}",
+            labels={"table": "{table}", "format": "figure"},
+        ),
+    params:
+        python=PYTHON,
+    log:
+        "logs/figure_table/{experiment}/{table}.log",
+    threads: res("report", "threads")
+    resources:
+        mem_mb=res("report", "mem_mb"),
+        runtime=res("report", "runtime"),
+        gpu=0,
+    conda:
+        "../../envs/oscar.yaml"
+    shell:
+        "{params.python} -m oscar report --plan {input.plan} --table {input.table} --output-dir reports/{wildcards.experiment} "
+        "--formats png > {log} 2>&1"
+
+
+rule track_table:
+    input:
+        plan=_check_experiment,
+        cells=_table_cells,
+        reports=lambda wc: [p for p in table_targets(wc.table) if p.startswith("reports/")],
+    output:
+        "results/tracking/{experiment}/{table}.json",
+    params:
+        python=PYTHON,
+    log:
+        "logs/track_table/{experiment}/{table}.log",
+    threads: 1
+    resources:
+        mem_mb=res("report", "mem_mb"),
+        runtime=res("report", "runtime"),
+        gpu=0,
+    conda:
+        "../../envs/oscar.yaml"
+    shell:
+        "{params.python} -m oscar report --plan {input.plan} --track --track-output {output} > {log} 2>&1"

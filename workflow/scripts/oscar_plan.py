@@ -1,0 +1,365 @@
+"""Plan the workflow's cells from the composed configuration (imported by workflow/rules/common.smk).
+
+The Snakefile composes the configuration once per distinct cell through `oscar.config`, writes
+each cell's resolved configuration as a file (only when its content changed), and looks up the
+command-line overrides of a job by its output path. The library never imports this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from oscar.config import Composer, ConfigError, ResourcesConfig, config_hash, to_dict, write_resolved
+
+# Overrides that select a value of a grid axis instead of a setting of every cell.
+AXIS_KEYS = {"model": "models", "method": "methods", "benchmark": "benchmarks", "seed": "seeds"}
+
+# Default resources per workflow stage when the experiment does not set them.
+DEFAULT_RESOURCES = {
+    "dump": ResourcesConfig(threads=2, mem_mb=4000, runtime=30),
+    "calibrate": ResourcesConfig(threads=2, mem_mb=4000, runtime=30),
+    "eval": ResourcesConfig(threads=2, mem_mb=4000, runtime=120),
+    "fidelity": ResourcesConfig(threads=2, mem_mb=4000, runtime=60),
+    "report": ResourcesConfig(threads=1, mem_mb=2000, runtime=10),
+    "kernels": ResourcesConfig(threads=4, mem_mb=16000, runtime=60, gpu=1),
+}
+
+# Sections of a cell's resolved configuration file (the study's tables and tracking do not
+# change a cell's outputs, so editing them reruns nothing).
+CELL_SECTIONS_DROPPED = ("experiment", "tracking")
+# Sub-configurations a calibration stage depends on: a change elsewhere does not recalibrate.
+STATS_KEYS = ("model", "calibration", "device", "backend")
+ARTIFACT_KEYS = ("model", "method", "calibration", "device", "backend")
+# Method fields that shape the cache at run time but not the calibration artifact.
+RUNTIME_ONLY_METHOD_FIELDS = ("sink", "recent", "page_size")
+
+
+def parse_user_overrides(value: Any) -> list[str]:
+    """Normalise `--config overrides=...` (a YAML list, one string, or nothing) to a list of strings."""
+    if value is None or value == "":
+        return []
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("[") and text.endswith("]"):
+            text = text[1:-1]
+        return [part.strip() for part in _split_top_level(text) if part.strip()]
+    if isinstance(value, (list, tuple)):
+        return [str(v).strip() for v in value if str(v).strip()]
+    raise ConfigError(f"config 'overrides' must be a list of Hydra overrides, got {value!r}")
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas that are not inside brackets (so `x=[1,2]` stays whole)."""
+    parts, depth, current = [], 0, []
+    for char in text:
+        if char in "[{(":
+            depth += 1
+        elif char in "]})":
+            depth -= 1
+        if char == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    parts.append("".join(current))
+    return parts
+
+
+def split_axis_overrides(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Separate grid-axis selections (`model=X`, `method=Y`, `seed=3`) from per-cell settings."""
+    axes: dict[str, str] = {}
+    rest: list[str] = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if sep and key in AXIS_KEYS:
+            if "," in value:
+                raise ConfigError(
+                    f"override {item!r}: one value per axis (sweeps are tables in conf/experiment/, not multirun)"
+                )
+            axes[key] = value
+        else:
+            rest.append(item)
+    return axes, rest
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One job of a table: a (model, method[+variant], benchmark or corpus, seed) evaluation."""
+
+    table: str
+    kind: str  # eval | fidelity
+    model: str
+    method: str
+    variant: str
+    item: str  # benchmark (eval) or corpus (fidelity)
+    seed: int
+    overrides: tuple[str, ...]
+
+    @property
+    def method_label(self) -> str:
+        """The method path component: `method` or `method+variant`."""
+        return f"{self.method}+{self.variant}" if self.variant else self.method
+
+    @property
+    def result_dir(self) -> str:
+        """Directory of the cell's result files (DESIGN.md, "Result files")."""
+        if self.kind == "eval":
+            return f"results/eval/{self.model}/{self.method_label}/{self.item}/seed{self.seed}"
+        return f"results/fidelity/{self.model}/{self.method_label}/{self.item}"
+
+    @property
+    def config_path(self) -> str:
+        """Resolved configuration of the cell (an input of its job)."""
+        if self.kind == "eval":
+            return f"results/config/eval/{self.model}/{self.method_label}/{self.item}/seed{self.seed}.yaml"
+        return f"results/config/fidelity/{self.model}/{self.method_label}/{self.item}.yaml"
+
+
+@dataclass
+class Calibration:
+    """A calibration artifact and the statistics it is computed from."""
+
+    model: str
+    label: str  # method path component of the artifact
+    stats_label: str  # calibration path component of the statistics
+    overrides: tuple[str, ...]
+
+    @property
+    def artifact_dir(self) -> str:
+        return f"results/calibration/{self.model}/{self.label}"
+
+    @property
+    def config_path(self) -> str:
+        return f"results/config/calibration/{self.model}/{self.label}.yaml"
+
+    @property
+    def stats_dir(self) -> str:
+        return f"results/stats/{self.model}/{self.stats_label}"
+
+    @property
+    def stats_config_path(self) -> str:
+        return f"results/config/stats/{self.model}/{self.stats_label}.yaml"
+
+
+@dataclass
+class TablePlan:
+    """All cells of one table or figure, and its display settings."""
+
+    name: str
+    kind: str
+    spec: dict[str, Any]
+    cells: list[Cell] = field(default_factory=list)
+
+    def to_json(self, experiment: str) -> str:
+        """Stable JSON of the table plan, read by `oscar aggregate` and `oscar report`."""
+        cells = []
+        for cell in self.cells:
+            record = asdict(cell)
+            record["overrides"] = list(cell.overrides)
+            record.update(method_label=cell.method_label, result_dir=cell.result_dir, config_path=cell.config_path)
+            if cell.kind == "eval":
+                record["benchmark"] = cell.item
+            else:
+                record["corpus"] = cell.item
+            cells.append(record)
+        payload = {"experiment": experiment, "table": self.name, "kind": self.kind, "spec": self.spec, "cells": cells}
+        return json.dumps(payload, indent=1, sort_keys=True) + "\n"
+
+
+class Plan:
+    """The workflow's cells, calibrations and tables for one composed experiment."""
+
+    def __init__(self, user_overrides: list[str], conf_dir: str | None = None) -> None:
+        self.user_overrides = list(user_overrides)
+        self.axes, self.settings = split_axis_overrides(self.user_overrides)
+        self.tables: dict[str, TablePlan] = {}
+        self.cells: dict[str, Cell] = {}  # result_dir -> cell
+        self.calibrations: dict[str, Calibration] = {}  # artifact_dir -> calibration
+        self.stats: dict[str, Calibration] = {}  # stats_dir -> one calibration using it
+        self.cell_calibration: dict[str, Calibration] = {}  # result_dir -> the artifact it reads
+        self._configs: dict[str, DictConfig] = {}  # config path -> resolved config
+        self._owner: dict[str, str] = {}  # config path -> table that defined it first
+        kwargs = {"conf_dir": conf_dir} if conf_dir else {}
+        with Composer(**kwargs) as composer:
+            self._composer = composer
+            self.base = composer.compose(self.settings + ([f"seed={self.axes['seed']}"] if "seed" in self.axes else []))
+            self.experiment = str(self.base.experiment.name)
+            for key, fixed in (("results_dir", "results"), ("artifacts_dir", "results/calibration")):
+                if str(self.base[key]) != fixed:
+                    raise ConfigError(
+                        f"{key}={self.base[key]!r}: the workflow keeps its files under {fixed!r} of its working "
+                        "directory; run it elsewhere with `snakemake --directory DIR` instead"
+                    )
+            for name in self.base.experiment.tables:
+                self._plan_table(name)
+        del self._composer
+
+    # ----- composition ---------------------------------------------------------------------------
+
+    def _grid(self, table: DictConfig, axis: str) -> list[Any]:
+        """Values of one grid axis: the user's selection, else the table's list, else the experiment's."""
+        key = AXIS_KEYS[axis]
+        if axis in self.axes:
+            return [int(self.axes[axis])] if axis == "seed" else [self.axes[axis]]
+        values = list(table[key]) if key in table and len(table[key]) else list(self.base.experiment[key])
+        if not values:
+            raise ConfigError(f"experiment {self.experiment!r}: no {key} for a table (set experiment.{key})")
+        return values
+
+    def _overrides(self, groups: list[str], extra: list[str], variant: list[str]) -> list[str]:
+        """Override order: group choices, experiment, table, the user's settings, then the variant's."""
+        return groups + list(self.base.experiment.overrides) + extra + self.settings + variant
+
+    def _plan_table(self, name: str) -> None:
+        table = self.base.experiment.tables[name]
+        spec = to_dict(table)
+        plan = TablePlan(name=name, kind=str(table.kind), spec=spec)
+        self.tables[name] = plan
+        if table.kind == "kernels":
+            return
+        models = self._grid(table, "model")
+        methods = self._grid(table, "method")
+        seeds = self._grid(table, "seed") if table.kind == "eval" else self._grid(table, "seed")[:1]
+        if table.kind == "eval":
+            items = [self.axes["benchmark"]] if "benchmark" in self.axes else list(table.benchmarks) or list(
+                self.base.experiment.benchmarks
+            )
+            if not items:
+                raise ConfigError(f"experiment.tables.{name}: an eval table needs benchmarks")
+        else:
+            items = list(table.corpora)
+            if not items:
+                raise ConfigError(f"experiment.tables.{name}: a fidelity table needs corpora")
+        variants = {str(v.name): list(v.overrides) for v in table.variants} or {"": []}
+        for model in models:
+            for method in methods:
+                for variant, variant_overrides in variants.items():
+                    for item in items:
+                        for seed in seeds:
+                            self._add_cell(plan, model, method, variant, list(variant_overrides), item, int(seed))
+
+    def _add_cell(
+        self, plan: TablePlan, model: str, method: str, variant: str, variant_overrides: list[str], item: str, seed: int
+    ) -> None:
+        groups = [f"model={model}", f"method={method}"]
+        if plan.kind == "eval":
+            groups.append(f"benchmark={item}")
+        extra = list(plan.spec["overrides"])
+        if plan.kind == "fidelity":
+            extra = [f"fidelity.corpus={item}"] + extra if self._has_fidelity() else extra
+        overrides = self._overrides(groups, extra, variant_overrides) + [f"seed={seed}"]
+        cfg = self._composer.compose(overrides, tables=False)
+        calib = None
+        if cfg.method.needs_calibration:
+            calib_overrides = self._calibration_names(cfg, groups, method, variant or plan.name)
+            if calib_overrides:
+                overrides += calib_overrides
+                cfg = self._composer.compose(overrides, tables=False)
+            calib = Calibration(model, str(cfg.method.name), str(cfg.calibration.name), tuple(overrides))
+        cell = Cell(plan.name, plan.kind, model, method, variant, item, seed, tuple(overrides))
+        self._register_config(cell.config_path, _cell_view(cfg), plan.name)
+        self.cells.setdefault(cell.result_dir, cell)
+        plan.cells.append(cell)
+        if calib is not None:
+            self._register_config(calib.config_path, OmegaConf.create(_artifact_view(cfg)), plan.name)
+            self._register_config(calib.stats_config_path, OmegaConf.create(_stats_view(cfg)), plan.name)
+            calib = self.calibrations.setdefault(calib.artifact_dir, calib)
+            self.stats.setdefault(calib.stats_dir, calib)
+            self.cell_calibration[cell.result_dir] = calib
+
+    def _has_fidelity(self) -> bool:
+        return "fidelity" in self.base
+
+    def _calibration_names(self, cfg: DictConfig, groups: list[str], method: str, suffix: str) -> list[str]:
+        """Name overrides that give a cell its own calibration artifact (and statistics) when needed.
+
+        The plain artifact `results/calibration/<model>/<method>/` is the one the experiment's own
+        settings give, shared by every cell whose calibration inputs match it (run-time windows
+        do not count). A table or variant that changes calibration inputs calibrates under
+        `method.name=<method>+<variant>` (statistics under `calibration.name=<name>+<variant>`);
+        the verbs derive their paths from these names.
+        """
+        canonical = self._composer.compose(self._overrides(groups[:2], [], []), tables=False)
+        names = []
+        if _artifact_view(cfg) != _artifact_view(canonical):
+            names.append(f"method.name={method}+{suffix}")
+        if _stats_view(cfg) != _stats_view(canonical):
+            names.append(f"calibration.name={cfg.calibration.name}+{suffix}")
+        return names
+
+    def _register_config(self, path: str, cfg: DictConfig, table: str) -> None:
+        """Remember a resolved config per path; two tables that disagree on one path are an error."""
+        known = self._configs.get(path)
+        if known is not None and config_hash(known) != config_hash(cfg):
+            raise ConfigError(
+                f"tables {self._owner[path]!r} and {table!r} define {path} with different settings; "
+                "give one of them a variant so the cells get their own paths"
+            )
+        self._configs.setdefault(path, cfg)
+        self._owner.setdefault(path, table)
+
+    # ----- outputs -------------------------------------------------------------------------------
+
+    def write_configs(self, root: str | Path = ".") -> int:
+        """Write every resolved config (only those whose content changed); returns how many changed."""
+        root = Path(root)
+        return sum(write_resolved(cfg, root / path) for path, cfg in self._configs.items())
+
+    def write_table_plans(self, root: str | Path = ".") -> None:
+        """Write `results/plan/<experiment>/<table>.json` for every table (only when changed)."""
+        for name, table in self.tables.items():
+            _write_if_changed(Path(root) / self.table_plan_path(name), table.to_json(self.experiment))
+
+    def table_plan_path(self, table: str) -> str:
+        return f"results/plan/{self.experiment}/{table}.json"
+
+    def resources(self, stage: str) -> ResourcesConfig:
+        """Resources of a workflow stage: the experiment's setting, else the default."""
+        configured = self.base.experiment.resources.get(stage)
+        if configured is not None:
+            return ResourcesConfig(**to_dict(configured))
+        return DEFAULT_RESOURCES[stage]
+
+    def table_names(self, kind: str | None = None) -> list[str]:
+        return [n for n, t in self.tables.items() if kind is None or t.kind == kind]
+
+
+def _cell_view(cfg: DictConfig) -> DictConfig:
+    """What a cell's resolved configuration file holds: everything that can change its outputs."""
+    return OmegaConf.create({k: v for k, v in to_dict(cfg).items() if k not in CELL_SECTIONS_DROPPED})
+
+
+def _artifact_view(cfg: DictConfig) -> dict[str, Any]:
+    """The settings a calibration artifact depends on (not the cache's run-time windows, not names)."""
+    view = {k: _section(cfg, k) for k in ARTIFACT_KEYS}
+    view["method"] = {k: v for k, v in view["method"].items() if k not in (*RUNTIME_ONLY_METHOD_FIELDS, "name")}
+    view["calibration"] = {k: v for k, v in view["calibration"].items() if k != "name"}
+    return view
+
+
+def _stats_view(cfg: DictConfig) -> dict[str, Any]:
+    """The settings activation statistics depend on."""
+    view = {k: _section(cfg, k) for k in STATS_KEYS}
+    view["calibration"] = {k: v for k, v in view["calibration"].items() if k != "name"}
+    return view
+
+
+def _section(cfg: DictConfig, key: str) -> Any:
+    value = cfg[key]
+    return to_dict(value) if isinstance(value, DictConfig) else value
+
+
+def _write_if_changed(path: Path, text: str) -> bool:
+    if path.is_file() and path.read_text() == text:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return True
