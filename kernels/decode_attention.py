@@ -3,7 +3,7 @@
 Two launches per call, both with a fixed grid (lengths and page tables are read from device
 tensors, so the call can be captured in a CUDA graph):
 
-1. ``_partial_kernel``, grid ``(B * Hkv, NUM_SPLITS + 2)``. Programs ``split < NUM_SPLITS`` walk
+1. ``_partial_kernel``, grid ``(B * Hkv, num_splits + 2)``. Programs ``split < num_splits`` walk
    a contiguous range of quantized tokens of one sequence and one KV head, reading each page once
    for all ``H / Hkv`` query heads of the group. Tokens sit in the M dimension of the matrix
    products (scores as ``K q^T`` ``[BLOCK_N, heads]``, outputs as ``V^T p`` ``[d, heads]``), so no
@@ -11,8 +11,8 @@ tensors, so the call can be captured in a CUDA graph):
    into exact fp16 by the magic-number trick (``0x6400 | c`` is ``1024 + c``). With one group per
    row (``G == d``) dequantization is folded into the products: ``s = scale * (q . c) + zero *
    sum(q)`` and ``o = sum (p * scale) c + sum p * zero``; with several groups the codes are
-   dequantized to fp16 before the product. Program ``NUM_SPLITS`` attends over the BF16 sink and
-   ``NUM_SPLITS + 1`` over the BF16 recent window (bf16 tensor-core products on the GPU; float32
+   dequantized to fp16 before the product. Program ``num_splits`` attends over the BF16 sink and
+   ``num_splits + 1`` over the BF16 recent window (bf16 tensor-core products on the GPU; float32
    under the interpreter, whose bf16 products are wrong). Every program writes a normalized
    partial output and its log-sum-exp (base 2).
 2. ``_merge_kernel``, grid ``(B * Hkv,)``: log-sum-exp merge of the quantized splits, change of
@@ -82,9 +82,9 @@ def _partial_kernel(
     sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
     rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
     o_ptr, lse_ptr,
-    tokens_per_split,
+    tokens_per_split, num_splits,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-    BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_SINK: tl.constexpr, HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -92,7 +92,7 @@ def _partial_kernel(
     b = pid // HKV
     kvh = pid % HKV
     H: tl.constexpr = HKV * REP
-    S_TOTAL: tl.constexpr = NUM_SPLITS + 2
+    s_total = num_splits + 2
     NG: tl.constexpr = D // G
     NB: tl.constexpr = D * BITS // 8
     heads = tl.arange(0, HP)
@@ -103,7 +103,7 @@ def _partial_kernel(
     m_i = tl.full([HP], float("-inf"), tl.float32)
     l_i = tl.zeros([HP], tl.float32)
     acc = tl.zeros([D, HP], tl.float32)
-    if split < NUM_SPLITS:
+    if split < num_splits:
         n = tl.load(len_ptr + b)
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, n)
@@ -156,7 +156,7 @@ def _partial_kernel(
     else:
         q = tl.load(qo_ptr + q_off, mask=hmask[:, None], other=0.0).to(DOT_T)
         qT = tl.trans(q)
-        if split == NUM_SPLITS:
+        if split == num_splits:
             if HAS_SINK:
                 n = tl.load(slen_ptr + b)
                 base = b * stride_sb + kvh * stride_sh
@@ -171,34 +171,33 @@ def _partial_kernel(
     nonempty = l_i > 0.0
     o = acc / tl.where(nonempty, l_i, 1.0)[None, :]
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    row = (b * H + hq) * S_TOTAL + split
+    row = (b * H + hq) * s_total + split
     tl.store(o_ptr + row[None, :] * D + cols[:, None], o, mask=hmask[None, :])
     tl.store(lse_ptr + row, lse, mask=hmask)
 
 
 @triton.jit
 def _merge_kernel(
-    o_ptr, lse_ptr, out_ptr, rv_ptr, muv_ptr,
-    HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    o_ptr, lse_ptr, out_ptr, rv_ptr, muv_ptr, num_splits,
+    HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
     SP: tl.constexpr, HAS_RV: tl.constexpr, HAS_MUV: tl.constexpr, OUT_ROTATED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // HKV
     kvh = pid % HKV
     H: tl.constexpr = HKV * REP
-    S_TOTAL: tl.constexpr = NUM_SPLITS + 2
     heads = tl.arange(0, HP)
     hmask = heads < REP
     hq = kvh * REP + heads
     cols = tl.arange(0, D)
-    base = (b * H + hq) * S_TOTAL
+    base = (b * H + hq) * (num_splits + 2)
     # quantized splits
     o_int = tl.zeros([HP, D], tl.float32)
     m_int = tl.full([HP], float("-inf"), tl.float32)
     l_int = tl.zeros([HP], tl.float32)
-    for s0 in range(0, NUM_SPLITS, SP):
+    for s0 in range(0, num_splits, SP):
         sp = s0 + tl.arange(0, SP)
-        smask = sp < NUM_SPLITS
+        smask = sp < num_splits
         lse = tl.load(lse_ptr + base[:, None] + sp[None, :], mask=hmask[:, None] & smask[None, :], other=float("-inf"))
         m_new = tl.maximum(m_int, tl.max(lse, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -213,10 +212,10 @@ def _merge_kernel(
     o_int = o_int / tl.where(has_int, l_int, 1.0)[:, None]
     lse_int = tl.where(has_int, m_int + tl.log2(tl.where(has_int, l_int, 1.0)), float("-inf"))
     # BF16 splits (sink, recent)
-    lse_a = tl.load(lse_ptr + base + NUM_SPLITS, mask=hmask, other=float("-inf"))
-    lse_b = tl.load(lse_ptr + base + NUM_SPLITS + 1, mask=hmask, other=float("-inf"))
-    o_a = tl.load(o_ptr + (base + NUM_SPLITS)[:, None] * D + cols[None, :], mask=hmask[:, None], other=0.0)
-    o_b = tl.load(o_ptr + (base + NUM_SPLITS + 1)[:, None] * D + cols[None, :], mask=hmask[:, None], other=0.0)
+    lse_a = tl.load(lse_ptr + base + num_splits, mask=hmask, other=float("-inf"))
+    lse_b = tl.load(lse_ptr + base + num_splits + 1, mask=hmask, other=float("-inf"))
+    o_a = tl.load(o_ptr + (base + num_splits)[:, None] * D + cols[None, :], mask=hmask[:, None], other=0.0)
+    o_b = tl.load(o_ptr + (base + num_splits + 1)[:, None] * D + cols[None, :], mask=hmask[:, None], other=0.0)
     m_bf = tl.maximum(lse_a, lse_b)
     m_bf_safe = tl.where(m_bf == float("-inf"), 0.0, m_bf)
     wa = tl.exp2(lse_a - m_bf_safe)
@@ -347,9 +346,9 @@ def paged_decode_attention(
         page_table, page_table.stride(0), int_len,
         sk, sv, sl, *s_strides,
         rk, rv, rl, *r_strides,
-        o_part, lse_part, tps,
+        o_part, lse_part, tps, num_splits,
         HKV=hkv, REP=rep, HP=hp, D=d, G=group_size, BITS=bits, PAGE_SIZE=page_size, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, HAS_SINK=sink is not None, HAS_RECENT=recent is not None,
+        HAS_SINK=sink is not None, HAS_RECENT=recent is not None,
         DOT_T=tl.bfloat16 if dev.type == "cuda" else tl.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -357,8 +356,8 @@ def paged_decode_attention(
     rv_t = R_V.to(dev, torch.float32).contiguous() if R_V is not None else dummy
     muv = mu_V.to(dev, torch.float32).contiguous() if mu_V is not None else dummy
     launchable(_merge_kernel, dev)[(B * hkv,)](
-        o_part, lse_part, out, rv_t, muv,
-        HKV=hkv, REP=rep, HP=hp, D=d, NUM_SPLITS=num_splits, SP=min(16, next_pow2(num_splits)),
+        o_part, lse_part, out, rv_t, muv, num_splits,
+        HKV=hkv, REP=rep, HP=hp, D=d, SP=16,
         HAS_RV=R_V is not None, HAS_MUV=mu_V is not None, OUT_ROTATED=output_frame == "rotated",
         num_warps=merge_warps,
     )

@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+if not torch.cuda.is_available():  # CPU: interpret; set before any Triton kernel module is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from oscar.paged import HeadTransform, QuantPages, decode_attention, rotate_quantize_pack  # noqa: E402
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+if not torch.cuda.is_available():  # CPU: interpret; set before any Triton kernel module is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from oscar import quant  # noqa: E402
 from oscar.paged import HeadTransform, QuantPages, rotate_quantize_pack  # noqa: E402
