@@ -39,15 +39,82 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _unpack_fp16(packed, BLOCK_N: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
-    """uint8 ``[BLOCK_N, D*BITS/8]`` planar-packed codes -> exact fp16 codes ``[BLOCK_N, D]`` in channel order."""
+    """uint8 ``[BLOCK_N, D*BITS/8]`` planar-packed codes -> exact fp16 codes ``[BLOCK_N, D]``.
+
+    Channels come out in the kernel order ``c' = g*G + j*PER + p`` (byte ``j`` of group ``g``,
+    plane ``p``), i.e. actual channel ``_channel_perm(c')``: no shuffles, the query and the output
+    are permuted instead.
+    """
     PER: tl.constexpr = 8 // BITS
     NG: tl.constexpr = D // G
     MASK: tl.constexpr = (1 << BITS) - 1
-    c = tl.reshape(packed.to(tl.int16), (BLOCK_N, NG, 1, G // PER))
+    c = tl.reshape(packed.to(tl.int16), (BLOCK_N, NG, G // PER, 1))
     shifts = (tl.arange(0, PER) * BITS).to(tl.int16)
-    planes = (c >> shifts[None, None, :, None]) & MASK
+    planes = (c >> shifts[None, None, None, :]) & MASK
     magic = (planes | 0x6400).to(tl.float16, bitcast=True) - 1024.0
     return tl.reshape(magic, (BLOCK_N, D))
+
+
+@triton.jit
+def _channel_perm(D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
+    """Actual channel of each kernel-order channel ``c' = g*G + j*PER + p``: ``g*G + p*(G/PER) + j``."""
+    PER: tl.constexpr = 8 // BITS
+    cp = tl.arange(0, D)
+    r = cp % G
+    return (cp // G) * G + (r % PER) * (G // PER) + r // PER
+
+
+@triton.jit
+def _unpack_fp16_asm(packed, BLOCK_N: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
+    """``_unpack_fp16`` with four codes per 32-bit register in inline PTX (GPU only, INT2 only)."""
+    NG: tl.constexpr = D // G
+    c0, c1, c2, c3 = tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 a, lo, hi;
+        and.b32 a, $8, 0x03030303;
+        prmt.b32 lo, a, 0, 0x4140;
+        prmt.b32 hi, a, 0, 0x4342;
+        or.b32 lo, lo, 0x64006400;
+        or.b32 hi, hi, 0x64006400;
+        sub.f16x2 $0, lo, 0x64006400;
+        sub.f16x2 $1, hi, 0x64006400;
+        shr.b32 a, $8, 2;
+        and.b32 a, a, 0x03030303;
+        prmt.b32 lo, a, 0, 0x4140;
+        prmt.b32 hi, a, 0, 0x4342;
+        or.b32 lo, lo, 0x64006400;
+        or.b32 hi, hi, 0x64006400;
+        sub.f16x2 $2, lo, 0x64006400;
+        sub.f16x2 $3, hi, 0x64006400;
+        shr.b32 a, $8, 4;
+        and.b32 a, a, 0x03030303;
+        prmt.b32 lo, a, 0, 0x4140;
+        prmt.b32 hi, a, 0, 0x4342;
+        or.b32 lo, lo, 0x64006400;
+        or.b32 hi, hi, 0x64006400;
+        sub.f16x2 $4, lo, 0x64006400;
+        sub.f16x2 $5, hi, 0x64006400;
+        shr.b32 a, $8, 6;
+        and.b32 a, a, 0x03030303;
+        prmt.b32 lo, a, 0, 0x4140;
+        prmt.b32 hi, a, 0, 0x4342;
+        or.b32 lo, lo, 0x64006400;
+        or.b32 hi, hi, 0x64006400;
+        sub.f16x2 $6, lo, 0x64006400;
+        sub.f16x2 $7, hi, 0x64006400;
+        }""",
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
+        args=[packed],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True,
+        pack=4,
+    )
+    c0 = tl.reshape(c0, (BLOCK_N, NG, G // 4))
+    c1 = tl.reshape(c1, (BLOCK_N, NG, G // 4))
+    c2 = tl.reshape(c2, (BLOCK_N, NG, G // 4))
+    c3 = tl.reshape(c3, (BLOCK_N, NG, G // 4))
+    planes = tl.join(tl.join(c0, c2), tl.join(c1, c3))  # [n, g, j, i, k] holds plane 2i + k
+    return tl.reshape(planes, (BLOCK_N, D))
 
 
 @triton.jit
@@ -85,7 +152,7 @@ def _partial_kernel(
     tokens_per_split, num_splits,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SINK: tl.constexpr, HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr,
+    HAS_SINK: tl.constexpr, HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr, FAST_UNPACK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -99,6 +166,7 @@ def _partial_kernel(
     hmask = heads < REP
     hq = kvh * REP + heads
     cols = tl.arange(0, D)
+    cperm = _channel_perm(D, G, BITS)
     q_off = (b * H + hq)[:, None] * D + cols[None, :]
     m_i = tl.full([HP], float("-inf"), tl.float32)
     l_i = tl.zeros([HP], tl.float32)
@@ -107,7 +175,7 @@ def _partial_kernel(
         n = tl.load(len_ptr + b)
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, n)
-        q = tl.load(qr_ptr + q_off, mask=hmask[:, None], other=0.0).to(tl.float16)
+        q = tl.load(qr_ptr + (b * H + hq)[:, None] * D + cperm[None, :], mask=hmask[:, None], other=0.0).to(tl.float16)
         qT = tl.trans(q)
         qmu = tl.load(qmu_ptr + b * H + hq, mask=hmask, other=0.0)
         qsum = tl.sum(q.to(tl.float32), axis=1)
@@ -122,7 +190,10 @@ def _partial_kernel(
             crow = page * stride_cp + kvh * stride_ch + slot * stride_cs
             mrow = page * stride_mp + kvh * stride_mh + slot * stride_ms
             kc = tl.load(kc_ptr + crow[:, None] + bcols[None, :], mask=tmask[:, None], other=0)
-            kcode = _unpack_fp16(kc, BLOCK_N, D, G, BITS)
+            if FAST_UNPACK:
+                kcode = _unpack_fp16_asm(kc, BLOCK_N, D, G, BITS)
+            else:
+                kcode = _unpack_fp16(kc, BLOCK_N, D, G, BITS)
             if NG == 1:
                 ks = tl.load(ks_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
                 kz = tl.load(kz_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
@@ -139,7 +210,10 @@ def _partial_kernel(
             p = tl.exp2(s - m_new[None, :])
             l_i = l_i * alpha + tl.sum(p, axis=0)
             vc = tl.load(vc_ptr + crow[:, None] + bcols[None, :], mask=tmask[:, None], other=0)
-            vcode = _unpack_fp16(vc, BLOCK_N, D, G, BITS)
+            if FAST_UNPACK:
+                vcode = _unpack_fp16_asm(vc, BLOCK_N, D, G, BITS)
+            else:
+                vcode = _unpack_fp16(vc, BLOCK_N, D, G, BITS)
             if NG == 1:
                 vs = tl.load(vs_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
                 vz = tl.load(vz_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
@@ -172,7 +246,8 @@ def _partial_kernel(
     o = acc / tl.where(nonempty, l_i, 1.0)[None, :]
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     row = (b * H + hq) * s_total + split
-    tl.store(o_ptr + row[None, :] * D + cols[:, None], o, mask=hmask[None, :])
+    ocols = tl.where(split < num_splits, cperm, cols)  # quantized splits accumulate in kernel channel order
+    tl.store(o_ptr + row[None, :] * D + ocols[:, None], o, mask=hmask[None, :])
     tl.store(lse_ptr + row, lse, mask=hmask)
 
 
@@ -267,7 +342,7 @@ def paged_decode_attention(
     recent_len: Optional[torch.Tensor] = None,
     sm_scale: Optional[float] = None, output_frame: str = "original",
     num_splits: Optional[int] = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-    merge_warps: int = 4,
+    merge_warps: int = 4, fast_unpack: bool = False,
 ) -> torch.Tensor:
     """Triton decode attention of one query per sequence; same contract as ``oscar.paged.decode_attention_torch``.
 
@@ -298,6 +373,8 @@ def paged_decode_attention(
     check(int_len.shape[0] >= B and int_len.dtype == torch.int32, f"int_len must be int32 [B={B}], got {int_len.dtype}")
     check(output_frame in ("original", "rotated"), f"output_frame={output_frame!r} must be 'original' or 'rotated'")
     check(is_pow2(block_n) and block_n >= 16, f"block_n={block_n} must be a power of two >= 16")
+    check(not fast_unpack or (bits == 2 and q.device.type == "cuda"),
+          f"fast_unpack (inline PTX) needs INT2 on a CUDA device, got bits={bits} on {q.device}")
     dev = q.device
     rep = H // hkv
     hp = max(16, next_pow2(rep))
@@ -349,7 +426,7 @@ def paged_decode_attention(
         o_part, lse_part, tps, num_splits,
         HKV=hkv, REP=rep, HP=hp, D=d, G=group_size, BITS=bits, PAGE_SIZE=page_size, BLOCK_N=block_n,
         HAS_SINK=sink is not None, HAS_RECENT=recent is not None,
-        DOT_T=tl.bfloat16 if dev.type == "cuda" else tl.float32,
+        DOT_T=tl.bfloat16 if dev.type == "cuda" else tl.float32, FAST_UNPACK=fast_unpack,
         num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty(B, H, d, dtype=q.dtype, device=dev)

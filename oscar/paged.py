@@ -286,8 +286,13 @@ def decode_attention(
     output_frame: str = "original",
     backend: Backend = "torch",
     num_splits: Optional[int] = None,
+    kernel_options: Optional[dict] = None,
 ) -> torch.Tensor:
-    """Decode attention of one query per sequence over BF16 sink + quantized pages + BF16 recent."""
+    """Decode attention of one query per sequence over BF16 sink + quantized pages + BF16 recent.
+
+    ``num_splits`` and ``kernel_options`` (``block_n``, ``num_warps``, ``num_stages``, ``fast_unpack``)
+    tune the Triton kernel and are ignored by the torch twin.
+    """
     _check_backend(backend)
     kwargs = dict(sink_k=sink_k, sink_v=sink_v, sink_len=sink_len, recent_k=recent_k, recent_v=recent_v,
                   recent_len=recent_len, sm_scale=sm_scale, output_frame=output_frame)
@@ -298,7 +303,7 @@ def decode_attention(
     return paged_decode_attention(
         q, k_pages.codes, k_pages.scale, k_pages.zero, v_pages.codes, v_pages.scale, v_pages.zero,
         page_table, int_len, bits=k_pages.bits, group_size=k_pages.group_size,
-        R_K=kt.R, mu_K=kt.mu, R_V=vt.R, mu_V=vt.mu, num_splits=num_splits, **kwargs)
+        R_K=kt.R, mu_K=kt.mu, R_V=vt.R, mu_V=vt.mu, num_splits=num_splits, **(kernel_options or {}), **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -74,12 +74,12 @@ def _to(x, device):
     return x
 
 
-def _run_both(device, sc, output_frame="original", num_splits=None):
+def _run_both(device, sc, output_frame="original", num_splits=None, kernel_options=None):
     q, kp, vp, pt, il, seg, kt, vt, _, _ = sc
     ref = decode_attention(q, kp, vp, pt, il, kt, vt, output_frame=output_frame, backend="torch", **seg)
     out = decode_attention(_to(q, device), _to(kp, device), _to(vp, device), _to(pt, device), _to(il, device),
                            _to(kt, device), _to(vt, device), output_frame=output_frame, backend="triton",
-                           num_splits=num_splits, **_to(seg, device))
+                           num_splits=num_splits, kernel_options=kernel_options, **_to(seg, device))
     return ref.float(), out.float().cpu()
 
 
@@ -117,6 +117,18 @@ def test_decode_split_merge_and_rotated_frame(device, num_splits):
     for frame in ("original", "rotated"):
         ref, out = _run_both(device, sc, output_frame=frame, num_splits=num_splits)
         assert _rel(out, ref) < REL_TOL, frame
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX runs on a CUDA device only")
+@pytest.mark.parametrize("case", [c for c in CASES if c[3] == 2], ids=lambda c: f"d{c[0]}-H{c[1]}-kv{c[2]}-g{c[4]}")
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_decode_fast_unpack_cuda(case, block_n):
+    """The inline-PTX unpack path gives the portable path's answer."""
+    d, H, hkv, bits, g, ps, il, sl, rl, S0, W = case
+    sc = _scenario(B=len(il), H=H, hkv=hkv, d=d, bits=bits, g=g, ps=ps, int_lens=il, sink_lens=sl,
+                   recent_lens=rl, S0=S0, W=W, seed=sum(il) + d + bits)
+    ref, out = _run_both("cuda", sc, kernel_options={"fast_unpack": True, "block_n": block_n})
+    assert _rel(out, ref) < REL_TOL
 
 
 @pytest.mark.parametrize("device", DEVICES)

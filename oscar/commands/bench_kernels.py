@@ -322,10 +322,11 @@ def _variants(spec: str) -> list[dict[str, Any]]:
     if spec:
         return [json.loads(v) for v in spec.split(";")]
     out = []
-    for bn in (64, 128):
-        for nw in (4, 8):
-            for st in (2, 3):
-                out.append({"block_n": bn, "num_warps": nw, "num_stages": st})
+    for fast in (False, True):
+        for bn in (64, 128):
+            for nw in (4, 8):
+                for st in (2, 3):
+                    out.append({"block_n": bn, "num_warps": nw, "num_stages": st, "fast_unpack": fast})
     return out
 
 
@@ -373,7 +374,7 @@ def run(opts: dict[str, Any]) -> int:
         score: dict[str, list[float]] = {}
         for r in ok:  # geometric-mean speed relative to the best per (B, T), split multiplier included
             best = min(x["us"] for x in ok if x["batch"] == r["batch"] and x["context"] == r["context"])
-            key = json.dumps({k: r[k] for k in ("block_n", "num_warps", "num_stages")}, sort_keys=True)
+            key = json.dumps({k: r[k] for k in ("block_n", "num_warps", "num_stages", "fast_unpack")}, sort_keys=True)
             score.setdefault(key, []).append(math.log(r["us"] / best))
         best_cfg = json.loads(min(score, key=lambda k: sum(score[k]) / len(score[k])))
         print(f"best config {best_cfg}", flush=True)
