@@ -1,0 +1,77 @@
+"""`python -m oscar clip [overrides] [force=true]`: fit clip ratios, write the calibration artifact.
+
+Reads the `rotations` output and the `dump` statistics (held-back rows, metrics) and writes the
+final artifact `<artifacts_dir>/<model>/<method>/` (`rotations.safetensors` + `meta.json`, or
+`output=`): clip ratios fitted per (layer, KV head) for `clip: fit`, fixed or 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from oscar.commands._stage import (
+    StageResult,
+    artifact_dir,
+    clip_hash,
+    pop_flags,
+    recorded_hash,
+    rotations_dir,
+    rotations_hash,
+    single_thread,
+)
+
+
+def run_clip(cfg: Any, *, force: bool = False, out: Path | None = None, stats: Any = None, rotations: Path | None = None) -> StageResult:
+    """Stage `clip` for a composed configuration."""
+    from oscar.artifact import load_artifact, save_artifact
+    from oscar.commands.rotations import load_stats
+    from oscar.methods import CalibrationMissing, fit_clip
+
+    t0 = time.perf_counter()
+    target = Path(out) if out is not None else artifact_dir(cfg)
+    h = clip_hash(cfg)
+    if not force and recorded_hash(target / "meta.json", "pipeline", "clip_hash") == h and (target / "rotations.safetensors").is_file():
+        return StageResult("clip", target, True, time.perf_counter() - t0, h)
+    src = Path(rotations) if rotations is not None else rotations_dir(cfg)
+    found = recorded_hash(src / "meta.json", "pipeline", "rotations_hash")
+    if found is None:
+        raise CalibrationMissing(
+            f"no rotations at {src}; run: python -m oscar rotations model={cfg.model.name} method={cfg.method.name}"
+        )
+    if found != rotations_hash(cfg):
+        raise CalibrationMissing(
+            f"rotations at {src} were made with configuration hash {found}, the current configuration hashes to "
+            f"{rotations_hash(cfg)}; rerun: python -m oscar rotations model={cfg.model.name} method={cfg.method.name} force=true"
+        )
+    art = load_artifact(src)
+    clip = str(cfg.method.clip) if str(cfg.method.kind) not in ("bf16", "kivi") else "none"
+    if stats is None and clip == "fit":
+        stats = load_stats(cfg)
+    with single_thread():
+        art = fit_clip(
+            art, cfg.method, stats=stats,
+            clip_grid_k=list(cfg.calibration.clip_grid_k), clip_grid_v=list(cfg.calibration.clip_grid_v),
+        )
+    art.meta["pipeline"] = {**art.meta.get("pipeline", {}), "clip_hash": h}
+    art.meta.pop("tensors_sha256", None)
+    save_artifact(art, target)
+    return StageResult("clip", target, False, time.perf_counter() - t0, h)
+
+
+def main(argv: list[str]) -> int:
+    """Compose the configuration, run `clip`, print where the artifact is."""
+    from oscar.config import compose
+
+    flags, overrides = pop_flags(argv, {"force": False})
+    cfg = compose(overrides)
+    try:
+        result = run_clip(cfg, force=bool(flags["force"]), out=Path(str(cfg.output)) if cfg.output else None)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"oscar clip: {exc}", file=sys.stderr)
+        return 1
+    state = "up to date (skipped)" if result.skipped else f"written in {result.seconds:.1f} s"
+    print(f"clip: {result.path} {state}")
+    return 0

@@ -1,0 +1,94 @@
+"""`python -m oscar dump [overrides] [force=true]`: run calibration text, write statistics.
+
+Writes `<results_dir>/stats/<model>/<calibration>/` (or `output=`): `stats.safetensors` +
+`stats.json` (`oscar.stats.CalibrationStats`): float64 sums C_Q/C_S/C_K/C_V per (layer, KV head)
+over the calibration windows, plus up to `calibration.holdout_tokens` raw key/value rows per
+(layer, head) from held-back windows (never part of the sums) for clip fitting and `auto`.
+Skipped when the output exists with the same configuration hash, unless `force=true`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from oscar.commands._stage import StageResult, dump_hash, pop_flags, recorded_hash, stats_dir
+
+
+def collect_statistics(model: Any, tokenizer: Any, cal_cfg: Any, *, progress: bool = True) -> Any:
+    """Capture the model on the calibration windows (sums) and held-back windows (sample rows)."""
+    from oscar.artifact import model_config_fields, model_config_hash
+    from oscar.capture import run_captured
+    from oscar.data.corpora import calibration_splits
+    from oscar.models import model_dims
+    from oscar.stats import CalibrationStats
+
+    dims = model_dims(model)
+    splits = calibration_splits(tokenizer, cal_cfg)
+    fields = model_config_fields(model)
+    stats = CalibrationStats(
+        dims.num_layers, dims.num_heads, dims.num_kv_heads, dims.head_dim, max_samples=int(cal_cfg.holdout_tokens)
+    )
+
+    def accumulate(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor) -> None:
+        stats.update(layer, q=q, k=k, v=v, attn_out=s)
+
+    def keep_rows(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor) -> None:
+        stats.add_samples(layer, k, v)
+
+    t0 = time.perf_counter()
+    seen = run_captured(model, splits.calibration, accumulate, progress="dump: calibration" if progress else None)
+    held = run_captured(model, splits.holdout, keep_rows, progress="dump: held-back" if progress else None) if splits.holdout else 0
+    stats.meta.update({
+        "model": {"fields": fields, "config_hash": model_config_hash(**fields), "model_type": model.config.model_type},
+        "calibration": {
+            "data_id": splits.data_id,
+            "tokens": seen,
+            "holdout_tokens": held,
+            "token_hash": splits.hash(),
+            "seed": int(cal_cfg.seed),
+            "seq_len": int(cal_cfg.seq_len),
+            "num_windows": len(splits.calibration),
+        },
+        "capture_seconds": time.perf_counter() - t0,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+    })
+    return stats
+
+
+def run_dump(cfg: Any, *, model: Any = None, tokenizer: Any = None, force: bool = False, out: Path | None = None) -> StageResult:
+    """Stage `dump` for a composed configuration (loads the model unless one is given)."""
+    from oscar.models import load_model
+
+    t0 = time.perf_counter()
+    target = Path(out) if out is not None else (Path(str(cfg.output)) if cfg.get("output") else stats_dir(cfg))
+    h = dump_hash(cfg)
+    if not force and recorded_hash(target / "stats.json", "meta", "stage_hash") == h and (target / "stats.safetensors").is_file():
+        return StageResult("dump", target, True, time.perf_counter() - t0, h)
+    if model is None:
+        torch.manual_seed(int(cfg.seed))
+        model, tokenizer = load_model(cfg.model, device=cfg.device)
+    stats = collect_statistics(model, tokenizer, cfg.calibration)
+    stats.meta.update({"stage_hash": h, "model_name": str(cfg.model.name), "calibration_name": str(cfg.calibration.name)})
+    stats.save(target)
+    return StageResult("dump", target, False, time.perf_counter() - t0, h)
+
+
+def main(argv: list[str]) -> int:
+    """Compose the configuration, run `dump`, print where the statistics are."""
+    from oscar.config import compose
+
+    flags, overrides = pop_flags(argv, {"force": False})
+    cfg = compose(overrides)
+    try:
+        result = run_dump(cfg, force=bool(flags["force"]))
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+        print(f"oscar dump: {exc}", file=sys.stderr)
+        return 1
+    state = "up to date (skipped)" if result.skipped else f"written in {result.seconds:.1f} s"
+    print(f"dump: {result.path} {state}")
+    return 0

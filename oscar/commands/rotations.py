@@ -1,0 +1,110 @@
+"""`python -m oscar rotations [overrides] [force=true]`: eigenbases and the method's rotations.
+
+Reads the statistics of `dump` and writes `<results_dir>/rotations/<model>/<method>/` (or
+`output=`) in the artifact format with clip ratios 1 (for `auto`: each head's chosen candidate
+with its own fitted ratio, since the choice is made under real clipped quantization). Methods
+that need no calibration are built in code from the seed.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from oscar.commands._stage import (
+    StageResult,
+    dump_hash,
+    pop_flags,
+    recorded_hash,
+    rotations_dir,
+    rotations_hash,
+    single_thread,
+    stats_dir,
+)
+
+
+def load_stats(cfg: Any, path: Path | None = None) -> Any:
+    """The `dump` statistics of a configuration, refusing missing or stale ones with the fix."""
+    from oscar.methods import CalibrationMissing
+    from oscar.stats import CalibrationStats
+
+    src = Path(path) if path is not None else stats_dir(cfg)
+    if not (src / "stats.json").is_file():
+        raise CalibrationMissing(
+            f"no calibration statistics at {src}; run: python -m oscar dump model={cfg.model.name} "
+            f"calibration={cfg.calibration.name} (or python -m oscar calibrate ...)"
+        )
+    found = recorded_hash(src / "stats.json", "meta", "stage_hash")
+    if found != dump_hash(cfg):
+        raise CalibrationMissing(
+            f"statistics at {src} were made with configuration hash {found}, the current model/calibration "
+            f"configuration hashes to {dump_hash(cfg)}; rerun: python -m oscar dump model={cfg.model.name} force=true"
+        )
+    return CalibrationStats.load(src)
+
+
+def model_geometry(cfg: Any, stats: Any) -> dict[str, Any]:
+    """Layers, KV heads, head_dim and config hash, from the statistics or (without them) the model entry."""
+    if stats is not None:
+        meta = stats.meta.get("model", {})
+        return {
+            "num_layers": stats.num_layers, "num_kv_heads": stats.num_kv_heads, "head_dim": stats.head_dim,
+            "config_hash": meta.get("config_hash", ""),
+        }
+    from oscar.models import load_model
+    from oscar.artifact import config_hash_of
+
+    model, _ = load_model(cfg.model, device="cpu")
+    fields = config_hash_of(model)
+    return {
+        "num_layers": int(cfg.model.num_layers), "num_kv_heads": int(cfg.model.num_kv_heads),
+        "head_dim": int(cfg.model.head_dim), "config_hash": fields,
+    }
+
+
+def calibration_meta(stats: Any) -> dict[str, Any]:
+    """The `calibration` block of an artifact's meta (data id, tokens, token hash, seed)."""
+    return dict(stats.meta.get("calibration", {})) if stats is not None else {}
+
+
+def run_rotations(cfg: Any, *, force: bool = False, out: Path | None = None, stats: Any = None) -> StageResult:
+    """Stage `rotations` for a composed configuration."""
+    from oscar.artifact import save_artifact
+    from oscar.methods import build_rotations, needs_statistics
+
+    t0 = time.perf_counter()
+    target = Path(out) if out is not None else rotations_dir(cfg)
+    h = rotations_hash(cfg)
+    if not force and recorded_hash(target / "meta.json", "pipeline", "rotations_hash") == h and (target / "rotations.safetensors").is_file():
+        return StageResult("rotations", target, True, time.perf_counter() - t0, h)
+    if stats is None and needs_statistics(cfg.method):
+        stats = load_stats(cfg)
+    geom = model_geometry(cfg, stats)
+    with single_thread():
+        art = build_rotations(
+            cfg.method,
+            num_layers=geom["num_layers"], num_kv_heads=geom["num_kv_heads"], head_dim=geom["head_dim"],
+            stats=stats, clip_grid_k=list(cfg.calibration.clip_grid_k), clip_grid_v=list(cfg.calibration.clip_grid_v),
+            model_id=str(cfg.model.name), config_hash=geom["config_hash"], calibration=calibration_meta(stats),
+        )
+    art.meta["pipeline"] = {"rotations_hash": h, "stats_hash": dump_hash(cfg) if stats is not None else None}
+    save_artifact(art, target)
+    return StageResult("rotations", target, False, time.perf_counter() - t0, h)
+
+
+def main(argv: list[str]) -> int:
+    """Compose the configuration, run `rotations`, print where they are."""
+    from oscar.config import compose
+
+    flags, overrides = pop_flags(argv, {"force": False})
+    cfg = compose(overrides)
+    try:
+        result = run_rotations(cfg, force=bool(flags["force"]), out=Path(str(cfg.output)) if cfg.output else None)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"oscar rotations: {exc}", file=sys.stderr)
+        return 1
+    state = "up to date (skipped)" if result.skipped else f"written in {result.seconds:.1f} s"
+    print(f"rotations: {result.path} {state}")
+    return 0

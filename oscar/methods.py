@@ -1,0 +1,201 @@
+"""Method configuration -> per (layer, KV head) key/value rotations, means and clip ratios.
+
+A method (`conf/method/*.yaml`) is a cache configuration. Methods without calibration (`bf16`,
+`int2`, `quarot`, `saw_int4`, `turboquant`, `kivi2`) get their rotations built in code from the
+seed; `oscar*` and `auto` need calibration statistics (`python -m oscar dump`). The numerical
+work is the math core's (`oscar.calibration.build_artifact`); this module validates the method,
+applies the effective group size, and turns a method into an artifact in two steps that match
+the pipeline stages: `rotations` (eigenbases and candidates, clip ratios left at 1) and `clip`
+(per-head clip fits on held-back rows for `clip: fit`, or the fixed ratios).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from oscar.rotation import ROTATION_KINDS, NEEDS_COVARIANCE
+
+METHOD_KINDS = ("bf16", "rotated", "kivi", "turboquant")
+ROTATION_CHOICES = (*ROTATION_KINDS, "auto")
+CLIP_MODES = ("fit", "fixed", "none")
+KEY_TARGETS = ("query", "raw", "geomean")
+VALUE_TARGETS = ("output", "raw", "geomean")
+
+
+class MethodError(ValueError):
+    """A method configuration that OSCAR cannot build."""
+
+
+class CalibrationMissing(FileNotFoundError):
+    """A method that needs calibration statistics or an artifact that does not exist yet."""
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    value = cfg.get(key, default) if isinstance(cfg, Mapping) or hasattr(cfg, "get") else getattr(cfg, key, default)
+    return default if value is None else value
+
+
+def effective_group_size(method_cfg: Any, head_dim: int) -> int:
+    """`min(method.group_size, head_dim)` (docs/DESIGN.md "Effective group size"); refuses non-divisors."""
+    g = min(int(_get(method_cfg, "group_size", 128)), int(head_dim))
+    if g <= 0 or head_dim % g:
+        valid = [x for x in range(4, head_dim + 1, 4) if head_dim % x == 0]
+        raise MethodError(
+            f"method {_get(method_cfg, 'name', '?')!r}: group_size {g} does not divide head_dim {head_dim}; "
+            f"valid group sizes: {valid}"
+        )
+    return g
+
+
+def validate_method(method_cfg: Any) -> None:
+    """Refuse unknown kinds, rotations, targets and clip modes, naming the valid options."""
+    name = _get(method_cfg, "name", "?")
+    kind = str(_get(method_cfg, "kind", "rotated"))
+    if kind not in METHOD_KINDS:
+        raise MethodError(f"method {name!r}: unknown kind {kind!r}; valid: {', '.join(METHOD_KINDS)}")
+    for side in ("key_rotation", "value_rotation"):
+        value = str(_get(method_cfg, side, "identity"))
+        if value not in ROTATION_CHOICES:
+            raise MethodError(f"method {name!r}: {side}={value!r}; valid: {', '.join(ROTATION_CHOICES)}")
+    kt, vt = str(_get(method_cfg, "key_target", "query")), str(_get(method_cfg, "value_target", "output"))
+    if kt not in KEY_TARGETS:
+        raise MethodError(f"method {name!r}: key_target={kt!r}; valid: {', '.join(KEY_TARGETS)}")
+    if vt not in VALUE_TARGETS:
+        raise MethodError(f"method {name!r}: value_target={vt!r}; valid: {', '.join(VALUE_TARGETS)}")
+    clip = str(_get(method_cfg, "clip", "fit"))
+    if clip not in CLIP_MODES:
+        raise MethodError(f"method {name!r}: clip={clip!r}; valid: {', '.join(CLIP_MODES)}")
+    auto = [str(_get(method_cfg, s, "identity")) == "auto" for s in ("key_rotation", "value_rotation")]
+    if any(auto) and not all(auto):
+        raise MethodError(f"method {name!r}: auto must apply to both key_rotation and value_rotation")
+
+
+def needs_statistics(method_cfg: Any) -> bool:
+    """True when the method's rotations, means or clip ratios come from calibration statistics."""
+    if str(_get(method_cfg, "kind", "rotated")) in ("bf16", "kivi"):
+        return False
+    rotations = {str(_get(method_cfg, s, "identity")) for s in ("key_rotation", "value_rotation")}
+    return (
+        bool(rotations & {*NEEDS_COVARIANCE, "auto"})
+        or bool(_get(method_cfg, "center", False))
+        or str(_get(method_cfg, "clip", "fit")) == "fit"
+    )
+
+
+def _method_dict(method_cfg: Any, **overrides: Any) -> dict[str, Any]:
+    from omegaconf import DictConfig, OmegaConf
+
+    data = OmegaConf.to_container(method_cfg, resolve=True) if isinstance(method_cfg, DictConfig) else dict(method_cfg)
+    if str(data.get("kind", "rotated")) in ("bf16", "kivi"):
+        data = {**data, "key_rotation": "identity", "value_rotation": "identity", "clip": "none", "center": False}
+    data.update(overrides)
+    return data  # type: ignore[return-value]
+
+
+def build_rotations(
+    method_cfg: Any,
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    stats: Any = None,
+    clip_grid_k: Any = (1.0,),
+    clip_grid_v: Any = (1.0,),
+    model_id: str = "",
+    config_hash: str = "",
+    calibration: dict[str, Any] | None = None,
+) -> Any:
+    """Stage `rotations`: the method's per-head rotations and means; clip ratios 1 except for `auto`.
+
+    `auto` selects each head's candidate with its own fitted clip ratio (the selection is defined
+    under real clipped quantization), so its ratios are already final here.
+    """
+    from oscar.calibration import build_artifact
+
+    validate_method(method_cfg)
+    if needs_statistics(method_cfg) and stats is None:
+        raise CalibrationMissing(
+            f"method {_get(method_cfg, 'name', '?')!r} needs calibration statistics; run "
+            "python -m oscar dump (or calibrate) for this model first"
+        )
+    is_auto = str(_get(method_cfg, "key_rotation", "identity")) == "auto"
+    method = _method_dict(method_cfg) if is_auto else _method_dict(method_cfg, clip="none")
+    art = build_artifact(
+        method,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        group_size=effective_group_size(method_cfg, head_dim),
+        stats=stats,
+        clip_grid_k=list(clip_grid_k),
+        clip_grid_v=list(clip_grid_v),
+        model_id=model_id,
+        config_hash=config_hash,
+        calibration=calibration,
+    )
+    art.meta["method"] = _method_dict(method_cfg)
+    return art
+
+
+def fit_clip(artifact: Any, method_cfg: Any, *, stats: Any = None, clip_grid_k: Any, clip_grid_v: Any) -> Any:
+    """Stage `clip`: set each head's clip ratios on a rotations artifact (fit, fixed or none)."""
+    from oscar.calibration import fit_layer_clip
+
+    validate_method(method_cfg)
+    clip = str(_get(method_cfg, "clip", "fit"))
+    if str(_get(method_cfg, "kind", "rotated")) in ("bf16", "kivi"):
+        clip = "none"
+    bits = int(_get(method_cfg, "bits", 2))
+    hkv = artifact.num_kv_heads
+    g = effective_group_size(method_cfg, artifact.head_dim)
+    fits_meta: list[dict[str, Any]] = []
+    for layer in range(artifact.num_layers):
+        for side, tag, grid, fixed in (
+            ("key", "K", clip_grid_k, float(_get(method_cfg, "rho_k", 1.0))),
+            ("value", "V", clip_grid_v, float(_get(method_cfg, "rho_v", 1.0))),
+        ):
+            if clip == "fit":
+                if stats is None:
+                    raise CalibrationMissing("clip=fit needs calibration statistics with held-back rows (python -m oscar dump)")
+                fits = fit_layer_clip(
+                    stats, layer, side, getattr(artifact, f"R_{tag}")[layer].to(torch.float64),
+                    getattr(artifact, f"mu_{tag}")[layer].to(torch.float64), list(grid), bits=bits, group_size=g,
+                )
+                rho = torch.tensor([f.rho for f in fits], dtype=torch.float32)
+                fits_meta += [
+                    {"layer": layer, "head": h, "side": side, "rho": f.rho, "distortion": f.distortion}
+                    for h, f in enumerate(fits)
+                ]
+            else:
+                rho = torch.full((hkv,), fixed if clip == "fixed" else 1.0, dtype=torch.float32)
+            getattr(artifact, f"rho_{tag}")[layer] = rho
+    artifact.meta["clip"] = {"mode": clip, "grid_k": list(clip_grid_k), "grid_v": list(clip_grid_v), "fits": fits_meta}
+    artifact.validate()
+    return artifact
+
+
+def in_code_artifact(method_cfg: Any, *, num_layers: int, num_kv_heads: int, head_dim: int, **kwargs: Any) -> Any:
+    """The complete artifact of a method that needs no statistics (rotations from the seed, fixed clip)."""
+    if needs_statistics(method_cfg):
+        raise CalibrationMissing(
+            f"method {_get(method_cfg, 'name', '?')!r} needs calibration; run python -m oscar calibrate method="
+            f"{_get(method_cfg, 'name', '?')}"
+        )
+    art = build_rotations(method_cfg, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, **kwargs)
+    return fit_clip(art, method_cfg, clip_grid_k=(1.0,), clip_grid_v=(1.0,))
+
+
+def auto_choices_table(artifact: Any) -> list[dict[str, Any]]:
+    """Flat rows (layer, head, key/value choice, clip, distortion) of an `auto` artifact's choices."""
+    rows = []
+    for c in artifact.meta.get("choices", []):
+        rows.append({
+            "layer": c["layer"], "head": c["head"],
+            "key_choice": c["key_target"] + ("+center" if c["center_k"] else ""),
+            "value_choice": c["value_target"] + ("+center" if c["center_v"] else ""),
+            "rho_k": c.get("rho_k"), "rho_v": c.get("rho_v"),
+            "key_distortion": c["key_distortion"], "value_distortion": c["value_distortion"],
+        })
+    return rows
