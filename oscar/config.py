@@ -113,6 +113,7 @@ class VariantConfig:
 
     name: str = MISSING  # path-safe label, e.g. "s4-r16"; cells live under <method>+<name>
     overrides: list[str] = field(default_factory=list)
+    flags: list[str] = field(default_factory=list)  # verb flags (not Hydra keys), e.g. "seq_len=512"
 
 
 TABLE_KINDS = ("eval", "fidelity", "kernels")
@@ -137,11 +138,13 @@ class TableConfig:
     seeds: list[int] = field(default_factory=list)
     variants: list[VariantConfig] = field(default_factory=list)
     overrides: list[str] = field(default_factory=list)  # applied to every cell of this table
+    flags: list[str] = field(default_factory=list)  # verb flags of every cell (`oscar eval`/`fidelity` options)
+    item_overrides: dict[str, list[str]] = field(default_factory=dict)  # per benchmark / corpus, e.g. sizes
     rows: list[str] = field(default_factory=lambda: ["method"])  # axes from TABLE_AXES
     columns: list[str] = field(default_factory=lambda: ["benchmark"])
     metrics: list[str] = field(default_factory=lambda: ["acc"])  # result.json metric names shown
     lower_is_better: bool = False
-    figure: str = ""  # "" (none) | bar | line | per_layer
+    figure: str = ""  # "" (none) | bar | line | per_layer | by_position
     caption: str = ""
 
 

@@ -24,6 +24,8 @@ METRIC_ALIASES: dict[str, tuple[str, ...]] = {
     "kl": ("kl", "kl.next_token", "kl_next_token", "kl.token", "next_token_kl"),
     "ppl": ("ppl", "perplexity"),
 }
+# result.json metric -> column of per_layer.csv (`oscar fidelity`).
+PER_LAYER_COLUMNS = {"mse.qk": "qk_mse", "mse.sv": "sv_mse", "mse.k": "k_mse", "mse.v": "v_mse", "kl.attn": "attn_kl"}
 CELL_KEYS = ("model", "method", "variant", "method_label", "benchmark", "corpus", "seed")
 LONG_COLUMNS = [*CELL_KEYS, "metric", "value", "n", "stand_in_for", "wall_s", "result"]
 
@@ -156,26 +158,33 @@ def summarize(plan: TablePlan, long: pd.DataFrame) -> pd.DataFrame:
                     f"{result}: no metric matching {name!r} for table {plan.table}; it has {sorted(available)}"
                 )
             row = group[group["metric"] == metric].iloc[0].to_dict()
-            row.update(metric=name, source_metric=metric)
+            values = dict(zip(group["metric"], group["value"]))
+            row.update(metric=name, source_metric=metric, ci_lo=values.get(f"{metric}.ci_lo", math.nan),
+                       ci_hi=values.get(f"{metric}.ci_hi", math.nan))
             picked.append(row)
     frame = pd.DataFrame(picked)
     group_keys = [*keys, "metric"]
     summary = (
         frame.groupby(group_keys, sort=False, dropna=False)
         .agg(mean=("value", "mean"), std=("value", "std"), seeds=("value", "size"), n=("n", "max"),
-             stand_in_for=("stand_in_for", "first"), source_metric=("source_metric", "first"))
+             stand_in_for=("stand_in_for", "first"), source_metric=("source_metric", "first"),
+             ci_lo=("ci_lo", "mean"), ci_hi=("ci_hi", "mean"))
         .reset_index()
     )
     summary["std"] = summary["std"].fillna(0.0)
     return summary
 
 
-def _format_value(metric: str, mean: float, std: float, seeds: int) -> str:
-    scale = 100.0 if metric == "acc" or metric.startswith("acc.") else 1.0
-    digits = 1 if scale == 100.0 else 4
-    text = f"{mean * scale:.{digits}f}" if scale == 100.0 else f"{mean:.{digits}g}"
+def _format_value(metric: str, mean: float, std: float, seeds: int, ci: tuple[float, float] = (math.nan, math.nan)) -> str:
+    """`mean`, `mean ± std` over seeds, or `mean [lo, hi]` with a one-seed confidence interval."""
+    percent = metric == "acc" or metric.startswith("acc.")
+    def fmt(x: float) -> str:
+        return f"{x * 100:.1f}" if percent else f"{x:.4g}"
+    text = fmt(mean)
     if seeds > 1:
-        text += f" ± {std * scale:.{digits}f}" if scale == 100.0 else f" ± {std:.2g}"
+        text += f" ± {fmt(std)}"
+    elif not any(math.isnan(c) for c in ci):
+        text += f" [{fmt(ci[0])}, {fmt(ci[1])}]"
     return text
 
 
@@ -203,7 +212,8 @@ def pivot(plan: TablePlan, summary: pd.DataFrame) -> tuple[list[str], list[str],
                 text_row.append("–")
                 mean_row.append(math.nan)
             else:
-                text_row.append(_format_value(record["metric"], record["mean"], record["std"], int(record["seeds"])))
+                ci = (float(record.get("ci_lo", math.nan)), float(record.get("ci_hi", math.nan)))
+                text_row.append(_format_value(record["metric"], record["mean"], record["std"], int(record["seeds"]), ci))
                 mean_row.append(float(record["mean"]))
         cells.append(text_row)
         means.append(mean_row)
@@ -230,6 +240,8 @@ def _best(means: list[list[float]], lower_is_better: bool) -> set[tuple[int, int
         column = [(means[i][j], i) for i in range(len(means)) if not math.isnan(means[i][j])]
         if len(column) < 2:
             continue
+        if len({value for value, _ in column}) == 1:
+            continue  # a tie across the whole column marks nothing
         target = min(column)[0] if lower_is_better else max(column)[0]
         best.update((i, j) for value, i in column if value == target)
     return best
@@ -244,11 +256,13 @@ def notes(plan: TablePlan, summary: pd.DataFrame) -> list[str]:
     seeds = int(summary["seeds"].max()) if len(summary) else 0
     if seeds > 1:
         lines.append(f"Mean ± std over {seeds} seeds.")
+    elif summary["ci_lo"].notna().any():
+        lines.append("[lo, hi]: 95% bootstrap confidence interval.")
     sources = sorted({f"{m} = {s}" for m, s in zip(summary["metric"], summary["source_metric"]) if m != s})
     if sources:
         lines.append("Metrics: " + ", ".join(sources) + ".")
     direction = "lower" if plan.spec.get("lower_is_better") else "higher"
-    lines.append(f"Best per column in bold ({direction} is better).")
+    lines.append(f"Best per column in bold ({direction} is better; ties unmarked).")
     return lines
 
 
@@ -261,6 +275,8 @@ def render_markdown(plan: TablePlan, summary: pd.DataFrame) -> str:
     best = _best(means, bool(plan.spec.get("lower_is_better")))
     head = " / ".join(plan.spec.get("rows", ["method"]))
     lines = [f"### {plan.spec.get('title') or plan.table} ({plan.experiment})", ""]
+    if plan.spec.get("caption"):
+        lines += [str(plan.spec["caption"]), ""]
     lines.append("| " + " | ".join([head, *col_labels]) + " |")
     lines.append("|" + "---|" * (len(col_labels) + 1))
     for i, label in enumerate(row_labels):
@@ -296,7 +312,8 @@ def render_latex(plan: TablePlan, summary: pd.DataFrame) -> str:
     for i, label in enumerate(row_labels):
         shown = [rf"\textbf{{{latex_escape(c)}}}" if (i, j) in best else latex_escape(c) for j, c in enumerate(cells[i])]
         lines.append(" & ".join([latex_escape(label), *shown]) + r" \\")
-    caption = " ".join([plan.spec.get("title") or plan.table, *notes(plan, summary)])
+    title = str(plan.spec.get("title") or plan.table).rstrip(".") + "."
+    caption = " ".join(x for x in [title, str(plan.spec.get("caption") or ""), *notes(plan, summary)] if x)
     lines += [
         r"\bottomrule",
         r"\end{tabular}",
@@ -309,7 +326,7 @@ def render_latex(plan: TablePlan, summary: pd.DataFrame) -> str:
 
 def render_csv(plan: TablePlan, summary: pd.DataFrame) -> str:
     """Tidy CSV of the summary (numeric mean, std, seeds, items per cell)."""
-    columns = [c for c in (*CELL_KEYS, "metric", "source_metric", "mean", "std", "seeds", "n", "stand_in_for")
+    columns = [c for c in (*CELL_KEYS, "metric", "source_metric", "mean", "std", "ci_lo", "ci_hi", "seeds", "n", "stand_in_for")
                if c in summary.columns]
     return summary[columns].to_csv(index=False)
 
@@ -326,8 +343,8 @@ def render_figure(plan: TablePlan, summary: pd.DataFrame, path: str | Path, root
 
     kind = plan.spec.get("figure") or "bar"
     metrics = list(dict.fromkeys(summary["metric"]))
-    if kind == "per_layer":
-        fig = _per_layer_figure(plan, plt, root)
+    if kind in ("per_layer", "by_position"):
+        fig = _per_layer_figure(plan, plt, root, by_position=kind == "by_position")
     else:
         fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
         for ax, metric in zip(axes[0], metrics):
@@ -337,7 +354,9 @@ def render_figure(plan: TablePlan, summary: pd.DataFrame, path: str | Path, root
             elif kind == "bar":
                 _bars(ax, plan, part, metric)
             else:
-                raise ReportError(f"table {plan.table}: figure {kind!r} is not valid; valid: bar, line, per_layer")
+                raise ReportError(
+                    f"table {plan.table}: figure {kind!r} is not valid; valid: bar, line, per_layer, by_position"
+                )
         fig.suptitle(f"{plan.spec.get('title') or plan.table} ({plan.experiment})")
         fig.tight_layout()
     _save(fig, path)
@@ -382,26 +401,49 @@ def _tuple(key: Any) -> tuple[Any, ...]:
     return key if isinstance(key, tuple) else (key,)
 
 
-def _per_layer_figure(plan: TablePlan, plt: Any, root: str | Path) -> Any:
-    """One panel per wanted metric, one line per cell, layer on the x axis (from per_layer.csv)."""
-    wanted = list(plan.spec.get("metrics") or [])
+def _per_layer_figure(plan: TablePlan, plt: Any, root: str | Path, by_position: bool = False) -> Any:
+    """Curves from each cell's per_layer.csv, one line per cell.
+
+    `per_layer`: one panel per wanted metric, layer on the x axis. `by_position`: attention KL
+    per position bucket (`attn_kl@lo-hi` columns) averaged over layers, position on the x axis.
+    """
     frames = []
     for cell in plan.cells:
         path = Path(root) / cell["result_dir"] / "per_layer.csv"
         try:
             frame = pd.read_csv(path)
-        except (OSError, pd.errors.ParserError) as exc:
+        except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
             raise ReportError(f"cannot read {path}: {exc}") from exc
         if "layer" not in frame.columns:
             raise ReportError(f"{path} has no 'layer' column (columns: {list(frame.columns)})")
         frame["label"] = cell["method_label"]
         frames.append(frame)
     data = pd.concat(frames, ignore_index=True)
+    title = f"{plan.spec.get('title') or plan.table} ({plan.experiment})"
+    if by_position:
+        buckets = [c for c in data.columns if str(c).startswith("attn_kl@")]
+        if not buckets:
+            raise ReportError(f"per_layer.csv of table {plan.table} has no attn_kl@<lo>-<hi> columns: {list(data.columns)}")
+        fig, ax = plt.subplots(figsize=(6, 4))
+        mids = [sum(int(x) for x in c.split("@", 1)[1].split("-")) / 2 for c in buckets]
+        for label, group in data.groupby("label", sort=False):
+            ax.plot(mids, [group[c].mean() for c in buckets], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("token position")
+        ax.set_ylabel("attention KL to BF16 (mean over layers)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_title(title)
+        fig.tight_layout()
+        return fig
+    wanted = list(plan.spec.get("metrics") or [])
     fig, axes = plt.subplots(1, len(wanted), figsize=(5.5 * len(wanted), 4), squeeze=False)
     for ax, name in zip(axes[0], wanted):
-        column = pick_metric([c for c in data.columns if c not in ("layer", "label")], name)
+        candidates = [c for c in data.columns if c not in ("layer", "label")]
+        column = PER_LAYER_COLUMNS.get(name) if PER_LAYER_COLUMNS.get(name) in candidates else pick_metric(candidates, name)
         if column is None:
-            raise ReportError(f"per_layer.csv of table {plan.table} has no column matching {name!r}: {list(data.columns)}")
+            raise ReportError(f"per_layer.csv of table {plan.table} has no column matching {name!r}: {candidates}")
         for label, group in data.groupby("label", sort=False):
             per_layer = group.groupby("layer")[column].mean()
             ax.plot(per_layer.index, per_layer.values, marker=".", label=label)
@@ -410,7 +452,7 @@ def _per_layer_figure(plan: TablePlan, plt: Any, root: str | Path) -> Any:
         ax.set_ylabel(column)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{plan.spec.get('title') or plan.table} ({plan.experiment})")
+    fig.suptitle(title)
     fig.tight_layout()
     return fig
 

@@ -69,11 +69,9 @@ def git_commit(root: str | Path = ".") -> str:
 
 @contextlib.contextmanager
 def store_lock(uri: str, fallback_dir: str | Path) -> Iterator[None]:
-    """Serialise writers of one tracking store (parallel jobs share a SQLite file)."""
-    if uri.startswith("sqlite:///"):
-        lock_path = Path(uri[len("sqlite:///"):] + ".lock")
-    else:
-        lock_path = Path(fallback_dir) / ".mlflow.lock"
+    """Serialise writers of one tracking store (parallel jobs share a SQLite file); one lock file per URI."""
+    name = hashlib.sha256(uri.encode()).hexdigest()[:12]
+    lock_path = Path(fallback_dir) / f".mlflow-{name}.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)

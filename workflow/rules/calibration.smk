@@ -36,7 +36,6 @@ rule rotations:
     params:
         python=PYTHON,
         overrides=lambda wc: quoted(calibration_of(wc).overrides),
-        stats=lambda wc: calibration_of(wc).stats_dir,
         outdir=lambda wc, output: str(Path(output.rotations).parent),
     log:
         "logs/rotations/{model}/{method}.log",
@@ -50,7 +49,7 @@ rule rotations:
     conda:
         "../../envs/oscar.yaml"
     shell:
-        "{params.python} -m oscar rotations {params.overrides} stats={params.stats} output={params.outdir} > {log} 2>&1"
+        "{params.python} -m oscar rotations {params.overrides} output={params.outdir} > {log} 2>&1"
 
 
 rule clip:
@@ -64,8 +63,6 @@ rule clip:
     params:
         python=PYTHON,
         overrides=lambda wc: quoted(calibration_of(wc).overrides),
-        stats=lambda wc: calibration_of(wc).stats_dir,
-        rotations=lambda wc, input: str(Path(input.rotations).parent),
         outdir=lambda wc, output: str(Path(output.rotations).parent),
     log:
         "logs/clip/{model}/{method}.log",
@@ -79,5 +76,4 @@ rule clip:
     conda:
         "../../envs/oscar.yaml"
     shell:
-        "{params.python} -m oscar clip {params.overrides} stats={params.stats} rotations={params.rotations} "
-        "output={params.outdir} > {log} 2>&1"
+        "{params.python} -m oscar clip {params.overrides} output={params.outdir} > {log} 2>&1"

@@ -141,11 +141,6 @@ def _artifact_input(cell):
     return [f"{calib.artifact_dir}/meta.json"] if calib else []
 
 
-def _artifact_override(cell):
-    calib = artifact_for(cell)
-    return [f"artifact={calib.artifact_dir}"] if calib else []
-
-
 def _table_cells(wildcards):
     plan = PLAN.tables[wildcards.table]
     files = []

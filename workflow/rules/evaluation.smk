@@ -10,7 +10,7 @@ rule eval_cell:
         records="results/eval/{model}/{method}/{benchmark}/seed{seed}/items.jsonl",
     params:
         python=PYTHON,
-        overrides=lambda wc: quoted(eval_cell(wc).overrides + tuple(_artifact_override(eval_cell(wc)))),
+        overrides=lambda wc: quoted(eval_cell(wc).flags + eval_cell(wc).overrides),
         outdir=lambda wc, output: str(Path(output.result).parent),
     log:
         "logs/eval_cell/{model}/{method}/{benchmark}/seed{seed}.log",
@@ -24,7 +24,7 @@ rule eval_cell:
     conda:
         "../../envs/oscar.yaml"
     shell:
-        "{params.python} -m oscar eval {params.overrides} output={params.outdir} > {log} 2>&1"
+        "{params.python} -m oscar eval threads={threads} {params.overrides} output={params.outdir} > {log} 2>&1"
 
 
 rule fidelity_cell:
@@ -36,7 +36,7 @@ rule fidelity_cell:
         per_layer="results/fidelity/{model}/{method}/{corpus}/per_layer.csv",
     params:
         python=PYTHON,
-        overrides=lambda wc: quoted(fidelity_cell(wc).overrides + tuple(_artifact_override(fidelity_cell(wc)))),
+        overrides=lambda wc: quoted(fidelity_cell(wc).flags + fidelity_cell(wc).overrides),
         outdir=lambda wc, output: str(Path(output.result).parent),
     log:
         "logs/fidelity_cell/{model}/{method}/{corpus}.log",
@@ -50,4 +50,4 @@ rule fidelity_cell:
     conda:
         "../../envs/oscar.yaml"
     shell:
-        "{params.python} -m oscar fidelity {params.overrides} output={params.outdir} > {log} 2>&1"
+        "{params.python} -m oscar fidelity threads={threads} {params.overrides} output={params.outdir} > {log} 2>&1"

@@ -24,3 +24,6 @@ rule bench_kernels:
         "../../envs/oscar.yaml"
     shell:
         "{params.python} -m oscar bench-kernels output={output.csv} > {log} 2>&1"
+
+
+ruleorder: bench_kernels > report_table

@@ -100,6 +100,7 @@ class Cell:
     item: str  # benchmark (eval) or corpus (fidelity)
     seed: int
     overrides: tuple[str, ...]
+    flags: tuple[str, ...] = ()  # verb flags, passed through to `oscar eval` / `oscar fidelity`
 
     @property
     def method_label(self) -> str:
@@ -162,6 +163,7 @@ class TablePlan:
         for cell in self.cells:
             record = asdict(cell)
             record["overrides"] = list(cell.overrides)
+            record["flags"] = list(cell.flags)
             record.update(method_label=cell.method_label, result_dir=cell.result_dir, config_path=cell.config_path)
             if cell.kind == "eval":
                 record["benchmark"] = cell.item
@@ -236,23 +238,30 @@ class Plan:
             items = list(table.corpora)
             if not items:
                 raise ConfigError(f"experiment.tables.{name}: a fidelity table needs corpora")
-        variants = {str(v.name): list(v.overrides) for v in table.variants} or {"": []}
+        variants = {str(v.name): (list(v.overrides), list(v.flags)) for v in table.variants} or {"": ([], [])}
         for model in models:
             for method in methods:
-                for variant, variant_overrides in variants.items():
+                for variant, (variant_overrides, variant_flags) in variants.items():
                     for item in items:
                         for seed in seeds:
-                            self._add_cell(plan, model, method, variant, list(variant_overrides), item, int(seed))
+                            self._add_cell(plan, model, method, variant, variant_overrides, variant_flags, item, int(seed))
 
     def _add_cell(
-        self, plan: TablePlan, model: str, method: str, variant: str, variant_overrides: list[str], item: str, seed: int
+        self,
+        plan: TablePlan,
+        model: str,
+        method: str,
+        variant: str,
+        variant_overrides: list[str],
+        variant_flags: list[str],
+        item: str,
+        seed: int,
     ) -> None:
         groups = [f"model={model}", f"method={method}"]
         if plan.kind == "eval":
             groups.append(f"benchmark={item}")
-        extra = list(plan.spec["overrides"])
-        if plan.kind == "fidelity":
-            extra = [f"fidelity.corpus={item}"] + extra if self._has_fidelity() else extra
+        extra = list(plan.spec["overrides"]) + list((plan.spec.get("item_overrides") or {}).get(item, []))
+        flags = _merge_flags(list(plan.spec["flags"]) + variant_flags + ([f"corpus={item}"] if plan.kind == "fidelity" else []))
         overrides = self._overrides(groups, extra, variant_overrides) + [f"seed={seed}"]
         cfg = self._composer.compose(overrides, tables=False)
         calib = None
@@ -262,8 +271,8 @@ class Plan:
                 overrides += calib_overrides
                 cfg = self._composer.compose(overrides, tables=False)
             calib = Calibration(model, str(cfg.method.name), str(cfg.calibration.name), tuple(overrides))
-        cell = Cell(plan.name, plan.kind, model, method, variant, item, seed, tuple(overrides))
-        self._register_config(cell.config_path, _cell_view(cfg), plan.name)
+        cell = Cell(plan.name, plan.kind, model, method, variant, item, seed, tuple(overrides), flags)
+        self._register_config(cell.config_path, _cell_view(cfg, flags), plan.name)
         self.cells.setdefault(cell.result_dir, cell)
         plan.cells.append(cell)
         if calib is not None:
@@ -272,9 +281,6 @@ class Plan:
             calib = self.calibrations.setdefault(calib.artifact_dir, calib)
             self.stats.setdefault(calib.stats_dir, calib)
             self.cell_calibration[cell.result_dir] = calib
-
-    def _has_fidelity(self) -> bool:
-        return "fidelity" in self.base
 
     def _calibration_names(self, cfg: DictConfig, groups: list[str], method: str, suffix: str) -> list[str]:
         """Name overrides that give a cell its own calibration artifact (and statistics) when needed.
@@ -330,9 +336,22 @@ class Plan:
         return [n for n, t in self.tables.items() if kind is None or t.kind == kind]
 
 
-def _cell_view(cfg: DictConfig) -> DictConfig:
+def _cell_view(cfg: DictConfig, flags: tuple[str, ...]) -> DictConfig:
     """What a cell's resolved configuration file holds: everything that can change its outputs."""
-    return OmegaConf.create({k: v for k, v in to_dict(cfg).items() if k not in CELL_SECTIONS_DROPPED})
+    view = {k: v for k, v in to_dict(cfg).items() if k not in CELL_SECTIONS_DROPPED}
+    view["verb_flags"] = dict(f.split("=", 1) for f in flags)
+    return OmegaConf.create(view)
+
+
+def _merge_flags(flags: list[str]) -> tuple[str, ...]:
+    """Verb flags `key=value`, later ones winning, in first-seen key order."""
+    merged: dict[str, str] = {}
+    for flag in flags:
+        key, sep, value = flag.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"verb flag {flag!r} is not key=value")
+        merged[key] = value
+    return tuple(f"{k}={v}" for k, v in merged.items())
 
 
 def _artifact_view(cfg: DictConfig) -> dict[str, Any]:
