@@ -107,6 +107,7 @@ def percentile_clip(x: torch.Tensor, rho: ClipRatio) -> tuple[torch.Tensor, torc
     Returns `(clipped float32, tau float32 [...])`.
     """
     x = x.to(torch.float32)
+    _check_finite(x, "percentile_clip input")
     d = x.shape[-1]
     r = _clip_ratio_tensor(rho, x.shape[:-1], x.device)
     s, _ = x.abs().sort(dim=-1)

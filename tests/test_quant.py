@@ -194,6 +194,11 @@ def test_single_token_and_one_dimensional_rows():
     assert torch.equal(dequantize(q), fake_quantize(x.view(1, 1, 96), 2, 32).view(96))
 
 
+def test_empty_batches_quantize_to_empty_codes():
+    q = quantize(torch.zeros(0, 4, 128), 2, 64, clip_ratio=0.9)
+    assert q.codes.shape == (0, 4, 32) and q.scale.shape == (0, 4, 2) and dequantize(q).shape == (0, 4, 128)
+
+
 def test_quantize_accepts_half_inputs_as_float32():
     x = torch.randn(5, 64).to(torch.bfloat16)
     assert torch.equal(dequantize(quantize(x, 4, 32)), dequantize(quantize(x.float(), 4, 32)))
@@ -205,6 +210,8 @@ def test_non_finite_inputs_are_refused(value):
     x[1, 5] = value
     with pytest.raises(ValueError, match="non-finite"):
         quantize(x, 2, 32)
+    with pytest.raises(ValueError, match="non-finite"):
+        percentile_clip(x, 0.9)
 
 
 def test_bad_formats_are_refused_with_the_value():
