@@ -308,8 +308,10 @@ class OscarLayer(CacheLayerMixin):
         uniform = valid is None and len(set(self.sink_len)) == 1 and len(set(self.recent_len)) == 1
         if not needs_quant and uniform:
             out = self._attend_bf16_contiguous(module, query, kb, vb, scale)
-        else:
+        elif n == 1:
             out = self._attend_segments(query, kb, vb, valid, scale, decode_eq, old)
+        else:
+            out = self._attend_chunk_dequantized(query, kb, vb, valid, scale, decode_eq, old)
         self._write(kb, vb, valid)
         return out
 
@@ -412,6 +414,83 @@ class OscarLayer(CacheLayerMixin):
                     o = o + mass.unsqueeze(-1) * self.rot.mu_v[None, :, None, None, :]  # type: ignore[union-attr]
                 parts.append((o, lse))
         return ungroup(merge_segments(parts)).to(query.dtype)
+
+    def _unrotate(self, rows_rot: torch.Tensor, which: str) -> torch.Tensor:
+        """Rotated-frame rows back to the original frame: `x_rot @ R.T + mu`."""
+        r = self.rot
+        assert r is not None
+        rot, mu = (r.r_k, r.mu_k) if which == "k" else (r.r_v, r.mu_v)
+        out = rotate_per_kv_head(rows_rot, rot.transpose(-1, -2))
+        if mu is not None:
+            out = out + mu[None, :, None, :]
+        return out
+
+    def _attend_chunk_dequantized(
+        self,
+        query: torch.Tensor,
+        kb: torch.Tensor,
+        vb: torch.Tensor,
+        valid: Optional[torch.Tensor],
+        scale: float,
+        decode_eq: bool,
+        old: Sequence[int],
+        block: int = 256,
+    ) -> torch.Tensor:
+        """Chunk of `n > 1` queries: one softmax over BF16 rows and dequantized rows (rotated back to
+        the original frame, which gives the same logits as the rotated-frame form), with per-query
+        visibility masks; queries go in blocks and each block reads only the columns it can see."""
+        sp = self.spec
+        n = query.shape[2]
+        sink_pos, rec_pos, chunk_pos = self._positions(valid, n, old)
+        keys = [self.sink_k.float(), self.recent_k.float(), kb.float()]
+        vals = [self.sink_v.float(), self.recent_v.float(), vb.float()]
+        pos = [sink_pos, rec_pos, chunk_pos]
+        is_q = [False, False, False]
+        if sp.kind == "rotated":
+            if any(i > 0 for i in self.int_lengths()):
+                k_rot, svalid = self.k_store.gather_dequantized()
+                v_rot, _ = self.v_store.gather_dequantized()
+                keys.append(self._unrotate(k_rot, "k"))
+                vals.append(self._unrotate(v_rot, "v"))
+                idx = torch.arange(svalid.shape[1], device=self.device)[None, :] + sp.sink
+                pos.append(torch.where(svalid, idx, torch.full_like(idx, -1)))
+                is_q.append(True)
+            if decode_eq:
+                keys.append(self._unrotate(quant.dequantize(self._quantize(torch.cat([self.recent_k, kb], dim=2), "k")), "k"))
+                vals.append(self._unrotate(quant.dequantize(self._quantize(torch.cat([self.recent_v, vb], dim=2), "v")), "v"))
+                pos.append(torch.cat([rec_pos, chunk_pos], dim=1))
+                is_q.append(True)
+        k_all = torch.cat(keys, dim=2)
+        v_all = torch.cat(vals, dim=2)
+        p_all = torch.cat(pos, dim=1)[:, None, :]  # [B, 1, L]
+        q_flag = torch.cat([torch.full((p.shape[1],), f, dtype=torch.bool, device=self.device) for p, f in zip(pos, is_q)])
+        qf = query.float()
+        out = torch.zeros_like(qf)
+        for start in range(0, n, block):
+            t = chunk_pos[:, start : start + block, None]  # [B, nb, 1]
+            vis = (p_all >= 0) & (p_all <= t) & (t >= 0)
+            if decode_eq and sp.kind == "rotated":
+                in_window = (p_all < sp.sink) | (p_all > t - sp.recent)
+                vis = vis & torch.where(q_flag[None, None, :], ~in_window, in_window)
+            cols = vis.any(dim=1).any(dim=0).nonzero().flatten()
+            if cols.numel() == 0:
+                continue
+            vis = vis[:, :, cols]
+            seen = vis.any(dim=-1, keepdim=True)
+            vis = vis | ~seen  # padding queries: attend to something, zeroed below
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qf[:, :, start : start + block],
+                k_all[:, :, cols],
+                v_all[:, :, cols],
+                attn_mask=vis[:, None],
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[:, :, start : start + block] = o * seen[:, None].to(o.dtype)
+        if sp.fold_values:
+            assert self.rot is not None
+            out = ungroup(rotate_per_kv_head(group_queries(out, self.hkv), self.rot.r_v))
+        return out.to(query.dtype)
 
     def _write(self, kb: torch.Tensor, vb: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
         """Store the chunk's real tokens per sequence: fill the sink, then the recent window, demoting

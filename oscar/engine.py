@@ -1,0 +1,296 @@
+"""Engine facade (docs/DESIGN.md, "Engine API"): a model + a KV-cache method, ready to generate and score.
+
+`Engine.from_config(cfg)` loads the model, builds the method's per-(layer, KV head) rotations, means
+and clip ratios (in code for the methods without calibration, from the calibration artifact for
+the others), switches the model to the "oscar" attention, and, when it owns the model, folds the
+value rotations into `o_proj`. Every call makes a fresh cache.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from oscar import attention
+from oscar.cache import CacheSpec, LayerRotations, OscarCache, new_cache
+from oscar.generate import SamplingParams, cache_kwarg, generate_tokens, positions_from_mask, truncate_at_stop
+
+SUPPORTED_METHOD_KINDS = ("bf16", "rotated")
+
+
+class MethodNotSupported(NotImplementedError):
+    """A method whose cache the embedded engine cannot build."""
+
+
+def _geometry(model: Any) -> tuple[int, int, int, int]:
+    cfg = model.config
+    layers = int(cfg.num_hidden_layers)
+    heads = int(cfg.num_attention_heads)
+    hkv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    return layers, heads, hkv, d
+
+
+def effective_group_size(method_cfg: Any, head_dim: int) -> int:
+    """`min(method.group_size, head_dim)` (docs/DESIGN.md, "Effective group size")."""
+    try:
+        from oscar.methods import effective_group_size as impl  # type: ignore[attr-defined]
+
+        return int(impl(method_cfg, head_dim))
+    except (ImportError, AttributeError):
+        return min(int(method_cfg.group_size), head_dim)
+
+
+def artifact_dir(cfg: Any) -> Path:
+    """`<artifacts_dir>/<model>/<method>/` of a composed configuration."""
+    return Path(str(cfg.artifacts_dir)) / str(cfg.model.name) / str(cfg.method.name)
+
+
+def _fixed_rho(method_cfg: Any, hkv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    clip = str(method_cfg.clip)
+    if clip == "none":
+        return torch.ones(hkv), torch.ones(hkv)
+    return torch.full((hkv,), float(method_cfg.rho_k)), torch.full((hkv,), float(method_cfg.rho_v))
+
+
+def rotations_in_code(method_cfg: Any, model: Any) -> list[LayerRotations]:
+    """Per-layer rotations of a method that needs no calibration (identity, H, block H, H.P, random)."""
+    from oscar.rotation import build_rotation
+
+    layers, _, hkv, d = _geometry(model)
+    g = effective_group_size(method_cfg, d)
+    rho_k, rho_v = _fixed_rho(method_cfg, hkv)
+    out = []
+    for layer in range(layers):
+        mats = {}
+        for side, kind in (("k", str(method_cfg.key_rotation)), ("v", str(method_cfg.value_rotation))):
+            per_head = []
+            for h in range(hkv):
+                seed = int(method_cfg.seed) * 1_000_003 + (layer * hkv + h) * 2 + (side == "v")
+                per_head.append(build_rotation(kind, d, group_size=g, seed=seed, dtype=torch.float32))
+            mats[side] = torch.stack(per_head)
+        out.append(LayerRotations(mats["k"], mats["v"], None, None, rho_k.clone(), rho_v.clone()))
+    return out
+
+
+def rotations_from_artifact(path: Path, method_cfg: Any, model: Any) -> list[LayerRotations]:
+    """Per-layer rotations, means and clip ratios from a calibration artifact directory."""
+    from safetensors.torch import load_file
+
+    layers, _, hkv, d = _geometry(model)
+    tensor_file = path / "rotations.safetensors"
+    if not tensor_file.exists():
+        raise FileNotFoundError(
+            f"calibration artifact {tensor_file} is missing; create it with: "
+            f"python -m oscar calibrate model=<model> method={method_cfg.name}"
+        )
+    try:
+        from oscar.calibration import load_artifact  # type: ignore[attr-defined]
+
+        load_artifact(path, model=model)  # checks config hash and geometry against the model
+    except ImportError:
+        pass
+    tensors = load_file(str(tensor_file))
+    center = bool(method_cfg.center)
+    clip = str(method_cfg.clip)
+    out = []
+    for layer in range(layers):
+        def get(name: str) -> Optional[torch.Tensor]:
+            return tensors.get(f"layers.{layer}.{name}")
+
+        r_k, r_v = get("R_K"), get("R_V")
+        if r_k is None or r_v is None:
+            raise ValueError(f"artifact {tensor_file} has no layers.{layer}.R_K / R_V")
+        if tuple(r_k.shape) != (hkv, d, d):
+            raise ValueError(f"artifact {tensor_file}: layers.{layer}.R_K has shape {tuple(r_k.shape)}, the model needs {(hkv, d, d)}")
+        mu_k, mu_v = (get("mu_K"), get("mu_V")) if center else (None, None)
+        if clip == "fit":
+            rho_k, rho_v = get("rho_K"), get("rho_V")
+            if rho_k is None or rho_v is None:
+                raise ValueError(f"artifact {tensor_file} has no fitted clip ratios for layer {layer} (method clip=fit)")
+        else:
+            rho_k, rho_v = _fixed_rho(method_cfg, hkv)
+        out.append(LayerRotations(r_k.float(), r_v.float(), mu_k, mu_v, rho_k.float(), rho_v.float()))
+    return out
+
+
+def cache_spec(method_cfg: Any, model: Any, rotations: Optional[list[LayerRotations]] = None, *, mode: str = "serving", fold_values: bool = False) -> CacheSpec:
+    """The cache configuration of a method on a model."""
+    kind = str(method_cfg.kind)
+    if kind == "bf16":
+        return CacheSpec(kind="bf16", mode=mode)
+    if kind not in SUPPORTED_METHOD_KINDS:
+        raise MethodNotSupported(
+            f"method {method_cfg.name!r} has kind {kind!r}; the embedded engine's cache supports kinds {SUPPORTED_METHOD_KINDS}"
+        )
+    _, _, _, d = _geometry(model)
+    if rotations is None:
+        rotations = rotations_in_code(method_cfg, model)
+    return CacheSpec(
+        kind="rotated",
+        bits=int(method_cfg.bits),
+        group_size=effective_group_size(method_cfg, d),
+        sink=int(method_cfg.sink),
+        recent=int(method_cfg.recent),
+        page_size=int(method_cfg.page_size),
+        layers=rotations,
+        fold_values=fold_values,
+        mode=mode,
+    )
+
+
+class Engine:
+    """A causal LM with a KV-cache method: generation, scoring and log-likelihoods."""
+
+    def __init__(self, model: Any, tokenizer: Any, method_cfg: Any, rotations: Optional[list[LayerRotations]] = None, *, fold_values: bool = False):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.method = method_cfg
+        attention.enable(model)
+        self.kind = str(method_cfg.kind)
+        if self.kind != "bf16" and rotations is None:
+            if bool(method_cfg.needs_calibration):
+                raise ValueError(f"method {method_cfg.name!r} needs calibration: pass rotations or use Engine.from_config")
+            rotations = rotations_in_code(method_cfg, model)
+        self.rotations = rotations
+        self.fold_handle = None
+        self.fold_values = bool(fold_values and self.kind == "rotated")
+        if self.fold_values:
+            from oscar.surgery import fold_value_rotations
+
+            self.fold_handle = fold_value_rotations(model, rotations)  # type: ignore[arg-type]
+        self.device = next(model.parameters()).device
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, fold_values: bool = True) -> "Engine":
+        """Load `cfg.model` on `cfg.device` and set up `cfg.method` (artifact from `cfg.artifacts_dir`)."""
+        from oscar.models import load_model
+
+        model, tokenizer = load_model(cfg.model, device=str(cfg.device) if str(cfg.device) != "auto" else None)
+        method = cfg.method
+        rotations = None
+        if str(method.kind) != "bf16":
+            if bool(method.needs_calibration):
+                rotations = rotations_from_artifact(artifact_dir(cfg), method, model)
+            else:
+                rotations = rotations_in_code(method, model)
+        return cls(model, tokenizer, method, rotations, fold_values=fold_values)
+
+    def new_cache(self, mode: str = "serving") -> OscarCache:
+        """A fresh cache of this engine's method."""
+        return new_cache(self.model, cache_spec(self.method, self.model, self.rotations, mode=mode, fold_values=self.fold_values))
+
+    # -- scoring ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def score(self, input_ids: torch.Tensor, mode: str = "serving", attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits `[B, T, V]` of one teacher-forced pass through a fresh cache.
+
+        `serving`: a normal prefill (full precision inside the pass); `decode_equivalent`: every
+        position sees the quantized history exactly as it would while decoding token by token.
+        """
+        ids = input_ids.to(self.device)
+        if ids.dim() == 1:
+            ids = ids[None]
+        mask = None if attention_mask is None else attention_mask.to(self.device)
+        pos = positions_from_mask(mask) if mask is not None else None
+        cache = self.new_cache(mode)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kwarg(self.model): cache})
+        return out.logits
+
+    @torch.no_grad()
+    def loglikelihood(self, contexts: Sequence[str], continuations: Sequence[str], mode: str = "serving") -> list[tuple[float, bool]]:
+        """Sum of log-probabilities of each continuation given its context, and whether greedy decoding
+        would produce it; one request at a time (no padding)."""
+        if len(contexts) != len(continuations):
+            raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuations")
+        results = []
+        for ctx, cont in zip(contexts, continuations):
+            ctx_ids = self.tokenizer(ctx, add_special_tokens=False)["input_ids"] if ctx else []
+            full = self.tokenizer(ctx + cont, add_special_tokens=False)["input_ids"]
+            n_ctx = _common_prefix(ctx_ids, full)
+            if n_ctx == len(full):
+                raise ValueError(f"continuation {cont!r} adds no token to its context")
+            if n_ctx == 0:
+                bos = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.tokenizer.eos_token_id
+                full, n_ctx = [int(bos)] + full, 1
+            logits = self.score(torch.tensor([full]), mode=mode)[0].float()
+            logp = torch.log_softmax(logits[n_ctx - 1 : len(full) - 1], dim=-1)
+            target = torch.tensor(full[n_ctx:], device=logp.device)
+            lp = float(logp.gather(-1, target[:, None]).sum())
+            greedy = bool((logp.argmax(dim=-1) == target).all())
+            results.append((lp, greedy))
+        return results
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[str],
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        stop: Optional[Sequence[str]] = None,
+    ) -> list[str]:
+        """Complete each prompt (batched, left-padded); text after a stop string is cut."""
+        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop or ()))
+        tok = self.tokenizer
+        encoded = [tok(p, add_special_tokens=True)["input_ids"] for p in prompts]
+        eos = tok.eos_token_id
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if gen_eos is not None:
+            eos_ids += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+        decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+        outs = generate_tokens(self.model, encoded, params, self.new_cache, eos_ids, pad, decode)
+        texts = [decode(o) for o in outs]
+        return [truncate_at_stop(t, params.stop) for t in texts]
+
+    def close(self) -> None:
+        """Undo the o_proj surgery (the model is usable with other caches again)."""
+        if self.fold_handle is not None:
+            self.fold_handle.undo()
+            self.fold_handle = None
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def next_token_kl(logits_ref: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Per-position KL(ref || method) of next-token distributions, float64 `[..., T]`."""
+    lp_ref = torch.log_softmax(logits_ref.double(), dim=-1)
+    lp = torch.log_softmax(logits.double(), dim=-1)
+    return (lp_ref.exp() * (lp_ref - lp)).sum(dim=-1)
+
+
+def perplexity(logits: torch.Tensor, input_ids: torch.Tensor) -> float:
+    """exp of the mean next-token cross-entropy of `input_ids` under `logits` `[B, T, V]`."""
+    lp = torch.log_softmax(logits[:, :-1].double(), dim=-1)
+    nll = -lp.gather(-1, input_ids[:, 1:, None].to(lp.device)).squeeze(-1)
+    return math.exp(float(nll.mean()))
+
+
+__all__ = [
+    "Engine",
+    "MethodNotSupported",
+    "artifact_dir",
+    "cache_spec",
+    "effective_group_size",
+    "next_token_kl",
+    "perplexity",
+    "rotations_from_artifact",
+    "rotations_in_code",
+]
+

@@ -1,0 +1,167 @@
+"""Batched text generation over any KV cache: greedy and sampling (temperature, top-k, top-p, seed),
+stop sequences, a token budget; CPU and CUDA.
+
+Prompts of different lengths are left-padded; the padding mask travels with every forward pass
+(the OSCAR cache stores no padding, so a padded row behaves as the prompt alone). Positions are
+counted per row from its first real token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+
+def cache_kwarg(model: Any) -> str:
+    """Name of the forward argument that takes the KV cache (`cache` in transformers >= 5.2x)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@dataclass
+class SamplingParams:
+    """Decoding settings; `temperature == 0` means greedy."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 0")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must lie in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 means no top-k filter)")
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Mask logits `[B, V]` outside the top-k and the smallest nucleus of mass >= top_p with -inf."""
+    out = logits.clone()
+    if top_k and top_k < out.shape[-1]:
+        kth = torch.topk(out, top_k, dim=-1).values[..., -1:]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(out, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+        drop_sorted = before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        out = out.masked_fill(drop, float("-inf"))
+    return out
+
+
+def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Pick one token per row from last-position logits `[B, V]`."""
+    if params.temperature == 0:
+        return logits.argmax(dim=-1)
+    scaled = filter_logits(logits.float() / params.temperature, params.top_k, params.top_p)
+    probs = torch.softmax(scaled, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded `input_ids` and attention mask `[B, T]` for token lists of different lengths."""
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise ValueError("every prompt must have at least one token")
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for b, s in enumerate(sequences):
+        ids[b, width - len(s) :] = torch.tensor(list(s), dtype=torch.long)
+        mask[b, width - len(s) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Per-row positions counted from the first real token (padding gets 0)."""
+    return (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def generate_tokens(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    make_cache: Callable[[], Any],
+    eos_token_ids: Sequence[int] = (),
+    pad_token_id: int = 0,
+    decode: Optional[Callable[[list[int]], str]] = None,
+) -> list[list[int]]:
+    """Generate up to `max_new_tokens` per prompt; rows stop at an EOS token or a stop string.
+
+    `make_cache()` returns a fresh KV cache (an `OscarCache` or any transformers Cache). Stop strings
+    need `decode` (token ids -> text). Returned lists exclude the prompt and the EOS token.
+    """
+    device = next(model.parameters()).device
+    ids, mask = left_pad(prompts, pad_token_id, device)
+    bsz = ids.shape[0]
+    generator = None
+    if params.temperature > 0:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(int(params.seed))
+    if params.stop and decode is None:
+        raise ValueError("stop sequences need a decode function (token ids -> text)")
+    eos = torch.tensor(sorted(set(int(e) for e in eos_token_ids)), device=device, dtype=torch.long)
+    out: list[list[int]] = [[] for _ in range(bsz)]
+    done = [False] * bsz
+    if params.max_new_tokens == 0:
+        return out
+    cache = make_cache()
+    kw = cache_kwarg(model)
+    has_pad = bool((mask == 0).any())
+    pos = positions_from_mask(mask)
+    logits = model(
+        input_ids=ids,
+        attention_mask=mask if has_pad else None,
+        position_ids=pos,
+        use_cache=True,
+        **{kw: cache},
+    ).logits[:, -1, :]
+    next_pos = pos[:, -1:] + 1
+    for step in range(params.max_new_tokens):
+        tok = next_tokens(logits, params, generator)
+        for b in range(bsz):
+            if done[b]:
+                continue
+            t = int(tok[b])
+            if eos.numel() and bool((eos == t).any()):
+                done[b] = True
+                continue
+            out[b].append(t)
+            if params.stop and any(s in decode(out[b]) for s in params.stop):  # type: ignore[misc]
+                done[b] = True
+        if all(done) or step == params.max_new_tokens - 1:
+            break
+        mask = torch.cat([mask, torch.ones(bsz, 1, dtype=mask.dtype, device=device)], dim=1)
+        logits = model(
+            input_ids=tok[:, None],
+            attention_mask=mask if has_pad else None,
+            position_ids=next_pos,
+            use_cache=True,
+            **{kw: cache},
+        ).logits[:, -1, :]
+        next_pos = next_pos + 1
+    return out
+
+
+def truncate_at_stop(text: str, stop: Sequence[str]) -> str:
+    """Cut `text` at the earliest occurrence of any stop string."""
+    cut = len(text)
+    for s in stop:
+        i = text.find(s)
+        if i >= 0:
+            cut = min(cut, i)
+    return text[:cut]
+
+
+__all__ = ["SamplingParams", "filter_logits", "generate_tokens", "left_pad", "next_tokens", "positions_from_mask", "truncate_at_stop"]
