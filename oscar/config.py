@@ -319,6 +319,15 @@ class Composer:
 
 def validate(cfg: DictConfig | dict, settings: list[tuple[str, Any]] | None = None) -> DictConfig:
     """Merge a configuration into the schema, apply `key=value` settings, refuse missing or mistyped values."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return _validate(cfg, settings)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"invalid configuration: {exc}") from exc
+
+
+def _validate(cfg: DictConfig | dict, settings: list[tuple[str, Any]] | None) -> DictConfig:
     merged = cfg if _is_schema_typed(cfg) else OmegaConf.merge(OmegaConf.structured(OscarConfig), cfg)
     for dotted, value in settings or []:
         parent_key, _, leaf = dotted.rpartition(".")

@@ -206,9 +206,9 @@ def _mirror_cell(client: Any, experiment_id: str, parent: str, cell: dict[str, A
     run = client.create_run(experiment_id, run_name=run_name, start_time=start_ms)
     run_id = run.info.run_id
     _log_batch(client, run_id, _flat_params(config_path), metric_names(cell["kind"], item, result["metrics"]), tags)
-    for path in files:
+    for path, folder in zip(files, (None, "config", None)):
         if path.is_file():
-            client.log_artifact(run_id, str(path))
+            client.log_artifact(run_id, str(path), artifact_path=folder)
     wall_ms = int(float(result.get("wall_s") or 0) * 1000)
     client.set_terminated(run_id, status="FINISHED", end_time=start_ms + wall_ms)
     return run_id
