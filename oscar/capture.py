@@ -1,7 +1,7 @@
 """Activation capture without forking modeling code: a registered transformers attention function.
 
 `capturing(model, sink)` switches the model to the attention implementation `oscar_capture`
-(registered through `transformers.AttentionInterface`). It receives exactly what the model's own
+(`oscar_capture_eager` for `base="eager"`), registered through `transformers.AttentionInterface`. It receives exactly what the model's own
 attention would: post-RoPE queries `[B, H, T, d]`, keys and values `[B, Hkv, T, d]` (after any
 q/k norm and partial rotary), computes the attention with the wrapped implementation (`sdpa` or
 the model's `eager`), hands `(layer, q, k, v, s)` to the sink, with `s` the per-head attention
@@ -17,10 +17,11 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-CAPTURE_IMPL = "oscar_capture"
+CAPTURE_IMPL = "oscar_capture"  # wraps sdpa (mask from sdpa_mask, may be None = causal)
+CAPTURE_IMPL_EAGER = "oscar_capture_eager"  # wraps the model's eager attention (explicit eager_mask)
 _SINK_ATTR = "_oscar_capture_sink"
 _BASE_ATTR = "_oscar_capture_base"
-BASES = ("sdpa", "eager")
+BASES = {"sdpa": CAPTURE_IMPL, "eager": CAPTURE_IMPL_EAGER}
 
 
 class CaptureSink(Protocol):
@@ -65,14 +66,19 @@ def _capture_attention(
 
 
 def register_capture_attention() -> None:
-    """Register `oscar_capture` with transformers' attention and mask interfaces (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+    """Register the capture implementations with transformers' attention and mask interfaces (idempotent).
 
-    if CAPTURE_IMPL not in AttentionInterface._global_mapping:
-        AttentionInterface.register(CAPTURE_IMPL, _capture_attention)
-    if CAPTURE_IMPL not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-        AttentionMaskInterface.register(CAPTURE_IMPL, sdpa_mask)
+    Each needs the mask its base expects: `sdpa_mask` may return None for a plain causal
+    forward (SDPA then applies causality itself), the eager attention needs the explicit mask.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, eager_mask, sdpa_mask
+
+    for impl, mask_fn in ((CAPTURE_IMPL, sdpa_mask), (CAPTURE_IMPL_EAGER, eager_mask)):
+        if impl not in AttentionInterface._global_mapping:
+            AttentionInterface.register(impl, _capture_attention)
+        if impl not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+            AttentionMaskInterface.register(impl, mask_fn)
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -93,7 +99,7 @@ def capturing(model: torch.nn.Module, sink: CaptureSink, base: str = "sdpa") -> 
     for m in modules:
         setattr(m, _SINK_ATTR, sink)
         setattr(m, _BASE_ATTR, base)
-    model.set_attn_implementation(CAPTURE_IMPL)
+    model.set_attn_implementation(BASES[base])
     try:
         yield model
     finally:

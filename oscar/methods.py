@@ -147,6 +147,11 @@ def fit_clip(artifact: Any, method_cfg: Any, *, stats: Any = None, clip_grid_k: 
     clip = str(_get(method_cfg, "clip", "fit"))
     if str(_get(method_cfg, "kind", "rotated")) in ("bf16", "kivi"):
         clip = "none"
+    if str(_get(method_cfg, "key_rotation", "identity")) == "auto":
+        # auto chose each head's candidate together with its clip ratio (same grid, rows and
+        # metric as a refit here), so the ratios of the rotations stage are final
+        artifact.meta["clip"] = {"mode": clip, "grid_k": list(clip_grid_k), "grid_v": list(clip_grid_v), "fits": "selected with the rotation (auto)"}
+        return artifact
     bits = int(_get(method_cfg, "bits", 2))
     hkv = artifact.num_kv_heads
     g = effective_group_size(method_cfg, artifact.head_dim)

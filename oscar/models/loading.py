@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from oscar.models.adapters import ModelDims, check_head_dim, get_adapter
 
 DENSE_STAMP = "oscar_dense.json"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 class ModelNotInstalled(RuntimeError):
@@ -96,7 +96,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def resolve_dtype(dtype: Union[str, torch.dtype, None], model_cfg: DictConfig) -> torch.dtype:
-    """A torch dtype from a name (`float32`, `bfloat16`, `float16`) or the model's default."""
+    """A torch dtype from a name (`float32`, `bfloat16`, `float16`, `float64`) or the model's default."""
     if isinstance(dtype, torch.dtype):
         return dtype
     name = str(dtype if dtype is not None else model_cfg.dtype)
@@ -234,6 +234,8 @@ def load_model(
             ) from exc
 
     check_model_matches(model, model_cfg)
+    if torch_dtype == torch.float64 and getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
+        model.set_experts_implementation("eager")  # grouped matmul kernels have no float64
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.to(target_device)
