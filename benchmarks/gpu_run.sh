@@ -8,7 +8,7 @@ OUTDIR=${OUT:-$PWD/reports/kernels}
 mkdir -p "$OUTDIR"
 W=/tmp/oscar_w
 rm -rf "$W" && mkdir -p "$W"
-cp -r oscar tests pyproject.toml "$W"/ && cp -r kernels "$W"/oscar/kernels
+cp -r oscar tests benchmarks pyproject.toml "$W"/ && cp -r kernels "$W"/oscar/kernels
 cd "$W" || exit 1
 export PYTHONPATH="$W" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
@@ -16,3 +16,9 @@ timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests/test_kernels_quantize.py 
   tests/test_paged.py -q -p no:cacheprovider -k "cuda or test_pool or twin_equals" 2>&1 | tee "$OUTDIR/pytest_cuda.log" | tail -25
 timeout "${BENCH_TIMEOUT:-420}" python3 -m oscar bench-kernels output="$OUTDIR/decode_attention.csv" "$@" 2>&1 \
   | tee "$OUTDIR/bench.log" | grep -v "^tune" | tail -80
+if [ -n "${PROFILE:-}" ]; then
+  timeout "${PROFILE_TIMEOUT:-120}" ncu --clock-control none -k regex:_partial_kernel -s 2 -c 1 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+    --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    python3 benchmarks/profile_decode.py $PROFILE 2>&1 | tee "$OUTDIR/ncu.txt" | grep -vE "^==PROF==|^\s*$" | tail -90
+fi

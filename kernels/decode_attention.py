@@ -70,38 +70,39 @@ def _unpack_fp16_asm(packed, BLOCK_N: tl.constexpr, D: tl.constexpr, G: tl.const
     NG: tl.constexpr = D // G
     c0, c1, c2, c3 = tl.inline_asm_elementwise(
         asm="""{
-        .reg .b32 a, lo, hi;
+        .reg .b32 a, lo, hi, m;
+        mov.b32 m, 0x64006400;
         and.b32 a, $8, 0x03030303;
         prmt.b32 lo, a, 0, 0x4140;
         prmt.b32 hi, a, 0, 0x4342;
-        or.b32 lo, lo, 0x64006400;
-        or.b32 hi, hi, 0x64006400;
-        sub.f16x2 $0, lo, 0x64006400;
-        sub.f16x2 $1, hi, 0x64006400;
+        or.b32 lo, lo, m;
+        or.b32 hi, hi, m;
+        sub.f16x2 $0, lo, m;
+        sub.f16x2 $1, hi, m;
         shr.b32 a, $8, 2;
         and.b32 a, a, 0x03030303;
         prmt.b32 lo, a, 0, 0x4140;
         prmt.b32 hi, a, 0, 0x4342;
-        or.b32 lo, lo, 0x64006400;
-        or.b32 hi, hi, 0x64006400;
-        sub.f16x2 $2, lo, 0x64006400;
-        sub.f16x2 $3, hi, 0x64006400;
+        or.b32 lo, lo, m;
+        or.b32 hi, hi, m;
+        sub.f16x2 $2, lo, m;
+        sub.f16x2 $3, hi, m;
         shr.b32 a, $8, 4;
         and.b32 a, a, 0x03030303;
         prmt.b32 lo, a, 0, 0x4140;
         prmt.b32 hi, a, 0, 0x4342;
-        or.b32 lo, lo, 0x64006400;
-        or.b32 hi, hi, 0x64006400;
-        sub.f16x2 $4, lo, 0x64006400;
-        sub.f16x2 $5, hi, 0x64006400;
+        or.b32 lo, lo, m;
+        or.b32 hi, hi, m;
+        sub.f16x2 $4, lo, m;
+        sub.f16x2 $5, hi, m;
         shr.b32 a, $8, 6;
         and.b32 a, a, 0x03030303;
         prmt.b32 lo, a, 0, 0x4140;
         prmt.b32 hi, a, 0, 0x4342;
-        or.b32 lo, lo, 0x64006400;
-        or.b32 hi, hi, 0x64006400;
-        sub.f16x2 $6, lo, 0x64006400;
-        sub.f16x2 $7, hi, 0x64006400;
+        or.b32 lo, lo, m;
+        or.b32 hi, hi, m;
+        sub.f16x2 $6, lo, m;
+        sub.f16x2 $7, hi, m;
         }""",
         constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
         args=[packed],
@@ -141,19 +142,17 @@ def _bf16_segment(k_ptr, v_ptr, n, stride_t, qT, m_i, l_i, acc,
 
 @triton.jit
 def _partial_kernel(
-    qr_ptr, qo_ptr, qmu_ptr,
+    qr_ptr, qmu_ptr,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-    stride_cp, stride_ch, stride_cs,
-    stride_mp, stride_mh, stride_ms,
+    stride_cp, stride_ch,
+    stride_mp, stride_mh,
     pt_ptr, stride_ptb, len_ptr,
-    sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
-    rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
     o_ptr, lse_ptr,
     tokens_per_split, num_splits,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-    BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SINK: tl.constexpr, HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr, FAST_UNPACK: tl.constexpr,
+    BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
 ):
+    """One split of the quantized segment for one (sequence, KV head): normalized output + LSE."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // HKV
@@ -167,88 +166,173 @@ def _partial_kernel(
     hq = kvh * REP + heads
     cols = tl.arange(0, D)
     cperm = _channel_perm(D, G, BITS)
-    q_off = (b * H + hq)[:, None] * D + cols[None, :]
     m_i = tl.full([HP], float("-inf"), tl.float32)
     l_i = tl.zeros([HP], tl.float32)
     acc = tl.zeros([D, HP], tl.float32)
-    if split < num_splits:
-        n = tl.load(len_ptr + b)
-        start = split * tokens_per_split
-        end = tl.minimum(start + tokens_per_split, n)
-        q = tl.load(qr_ptr + (b * H + hq)[:, None] * D + cperm[None, :], mask=hmask[:, None], other=0.0).to(tl.float16)
-        qT = tl.trans(q)
-        qmu = tl.load(qmu_ptr + b * H + hq, mask=hmask, other=0.0)
-        qsum = tl.sum(q.to(tl.float32), axis=1)
-        accz = tl.zeros([HP], tl.float32)
-        bcols = tl.arange(0, NB)
-        gcols = tl.arange(0, NG)
-        for t0 in range(start, end, BLOCK_N):
-            toks = t0 + tl.arange(0, BLOCK_N)
-            tmask = toks < end
-            page = tl.load(pt_ptr + b * stride_ptb + toks // PAGE_SIZE, mask=tmask, other=0).to(tl.int64)
-            slot = toks % PAGE_SIZE
-            crow = page * stride_cp + kvh * stride_ch + slot * stride_cs
-            mrow = page * stride_mp + kvh * stride_mh + slot * stride_ms
-            kc = tl.load(kc_ptr + crow[:, None] + bcols[None, :], mask=tmask[:, None], other=0)
-            if FAST_UNPACK:
-                kcode = _unpack_fp16_asm(kc, BLOCK_N, D, G, BITS)
-            else:
-                kcode = _unpack_fp16(kc, BLOCK_N, D, G, BITS)
-            if NG == 1:
-                ks = tl.load(ks_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
-                kz = tl.load(kz_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
-                s = tl.dot(kcode, qT) * ks[:, None] + kz[:, None] * qsum[None, :]
-            else:
-                ks = tl.load(ks_ptr + mrow[:, None] + gcols[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-                kz = tl.load(kz_ptr + mrow[:, None] + gcols[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-                k3 = tl.reshape(kcode, (BLOCK_N, NG, G)).to(tl.float32) * ks[:, :, None] + kz[:, :, None]
-                s = tl.dot(tl.reshape(k3, (BLOCK_N, D)).to(tl.float16), qT)
-            s = s + qmu[None, :]
-            s = tl.where(tmask[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            vc = tl.load(vc_ptr + crow[:, None] + bcols[None, :], mask=tmask[:, None], other=0)
-            if FAST_UNPACK:
-                vcode = _unpack_fp16_asm(vc, BLOCK_N, D, G, BITS)
-            else:
-                vcode = _unpack_fp16(vc, BLOCK_N, D, G, BITS)
-            if NG == 1:
-                vs = tl.load(vs_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
-                vz = tl.load(vz_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
-                acc = acc * alpha[None, :] + tl.dot(tl.trans(vcode), (p * vs[:, None]).to(tl.float16))
-                accz = accz * alpha + tl.sum(p * vz[:, None], axis=0)
-            else:
-                vs = tl.load(vs_ptr + mrow[:, None] + gcols[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-                vz = tl.load(vz_ptr + mrow[:, None] + gcols[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-                v3 = tl.reshape(vcode, (BLOCK_N, NG, G)).to(tl.float32) * vs[:, :, None] + vz[:, :, None]
-                acc = acc * alpha[None, :] + tl.dot(tl.trans(tl.reshape(v3, (BLOCK_N, D)).to(tl.float16)),
-                                                    p.to(tl.float16))
-            m_i = m_new
-        acc = acc + accz[None, :]
+    n = tl.load(len_ptr + b)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, n)
+    q16 = tl.load(qr_ptr + (b * H + hq)[:, None] * D + cperm[None, :], mask=hmask[:, None], other=0.0).to(tl.float16)
+    q16T = tl.trans(q16)
+    qmu = tl.load(qmu_ptr + b * H + hq, mask=hmask, other=0.0)
+    qsum = tl.sum(q16.to(tl.float32), axis=1)
+    accz = tl.zeros([HP], tl.float32)
+    bcols = tl.arange(0, NB)
+    gcols = tl.arange(0, NG)
+    rows = tl.arange(0, BLOCK_N)
+    # Page-major walk: a block is BLOCK_N consecutive slots of one page (BLOCK_N <= PAGE_SIZE,
+    # split starts aligned to pages), so its codes are one contiguous run of bytes; the next
+    # block's page id, codes and scales are loaded before this block is computed.
+    c_off = rows[:, None] * NB + bcols[None, :]
+    pt_row = pt_ptr + b * stride_ptb
+    pg = tl.load(pt_row + start // PAGE_SIZE, mask=start < end, other=0).to(tl.int64)
+    cb = pg * stride_cp + kvh * stride_ch + (start % PAGE_SIZE) * NB
+    mb = pg * stride_mp + kvh * stride_mh + (start % PAGE_SIZE) * NG
+    nmask = (start + rows) < end
+    kc_n = tl.load(kc_ptr + cb + c_off, mask=nmask[:, None], other=0)
+    vc_n = tl.load(vc_ptr + cb + c_off, mask=nmask[:, None], other=0)
+    if NG == 1:
+        ks_n = tl.load(ks_ptr + mb + rows, mask=nmask, other=0.0)
+        kz_n = tl.load(kz_ptr + mb + rows, mask=nmask, other=0.0)
+        vs_n = tl.load(vs_ptr + mb + rows, mask=nmask, other=0.0)
+        vz_n = tl.load(vz_ptr + mb + rows, mask=nmask, other=0.0)
     else:
-        q = tl.load(qo_ptr + q_off, mask=hmask[:, None], other=0.0).to(DOT_T)
-        qT = tl.trans(q)
-        if split == num_splits:
-            if HAS_SINK:
-                n = tl.load(slen_ptr + b)
-                base = b * stride_sb + kvh * stride_sh
-                m_i, l_i, acc = _bf16_segment(sk_ptr + base, sv_ptr + base, n, stride_st, qT, m_i, l_i, acc,
-                                              BLOCK_N, D, HP, DOT_T)
+        m_off = rows[:, None] * NG + gcols[None, :]
+        ks_n = tl.load(ks_ptr + mb + m_off, mask=nmask[:, None], other=0.0)
+        kz_n = tl.load(kz_ptr + mb + m_off, mask=nmask[:, None], other=0.0)
+        vs_n = tl.load(vs_ptr + mb + m_off, mask=nmask[:, None], other=0.0)
+        vz_n = tl.load(vz_ptr + mb + m_off, mask=nmask[:, None], other=0.0)
+    for t0 in range(start, end, BLOCK_N):
+        kc = kc_n
+        vc = vc_n
+        ks = ks_n.to(tl.float32)
+        kz = kz_n.to(tl.float32)
+        vs = vs_n.to(tl.float32)
+        vz = vz_n.to(tl.float32)
+        tmask = nmask
+        t1 = t0 + BLOCK_N
+        pg = tl.load(pt_row + t1 // PAGE_SIZE, mask=t1 < end, other=0).to(tl.int64)
+        cb = pg * stride_cp + kvh * stride_ch + (t1 % PAGE_SIZE) * NB
+        mb = pg * stride_mp + kvh * stride_mh + (t1 % PAGE_SIZE) * NG
+        nmask = (t1 + rows) < end
+        kc_n = tl.load(kc_ptr + cb + c_off, mask=nmask[:, None], other=0)
+        vc_n = tl.load(vc_ptr + cb + c_off, mask=nmask[:, None], other=0)
+        if NG == 1:
+            ks_n = tl.load(ks_ptr + mb + rows, mask=nmask, other=0.0)
+            kz_n = tl.load(kz_ptr + mb + rows, mask=nmask, other=0.0)
+            vs_n = tl.load(vs_ptr + mb + rows, mask=nmask, other=0.0)
+            vz_n = tl.load(vz_ptr + mb + rows, mask=nmask, other=0.0)
         else:
-            if HAS_RECENT:
-                n = tl.load(rlen_ptr + b)
-                base = b * stride_rb + kvh * stride_rh
-                m_i, l_i, acc = _bf16_segment(rk_ptr + base, rv_ptr + base, n, stride_rt, qT, m_i, l_i, acc,
-                                              BLOCK_N, D, HP, DOT_T)
+            ks_n = tl.load(ks_ptr + mb + m_off, mask=nmask[:, None], other=0.0)
+            kz_n = tl.load(kz_ptr + mb + m_off, mask=nmask[:, None], other=0.0)
+            vs_n = tl.load(vs_ptr + mb + m_off, mask=nmask[:, None], other=0.0)
+            vz_n = tl.load(vz_ptr + mb + m_off, mask=nmask[:, None], other=0.0)
+        if FAST_UNPACK:
+            kcode = _unpack_fp16_asm(kc, BLOCK_N, D, G, BITS)
+        else:
+            kcode = _unpack_fp16(kc, BLOCK_N, D, G, BITS)
+        if NG == 1:
+            s = tl.dot(kcode, q16T) * ks[:, None] + kz[:, None] * qsum[None, :]
+        else:
+            k3 = tl.reshape(kcode, (BLOCK_N, NG, G)).to(tl.float32) * ks[:, :, None] + kz[:, :, None]
+            s = tl.dot(tl.reshape(k3, (BLOCK_N, D)).to(tl.float16), q16T)
+        s = s + qmu[None, :]
+        s = tl.where(tmask[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        if FAST_UNPACK:
+            vcode = _unpack_fp16_asm(vc, BLOCK_N, D, G, BITS)
+        else:
+            vcode = _unpack_fp16(vc, BLOCK_N, D, G, BITS)
+        if NG == 1:
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(vcode), (p * vs[:, None]).to(tl.float16))
+            accz = accz * alpha + tl.sum(p * vz[:, None], axis=0)
+        else:
+            v3 = tl.reshape(vcode, (BLOCK_N, NG, G)).to(tl.float32) * vs[:, :, None] + vz[:, :, None]
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(tl.reshape(v3, (BLOCK_N, D)).to(tl.float16)),
+                                                p.to(tl.float16))
+        m_i = m_new
+    acc = acc + accz[None, :]
     nonempty = l_i > 0.0
     o = acc / tl.where(nonempty, l_i, 1.0)[None, :]
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     row = (b * H + hq) * s_total + split
-    ocols = tl.where(split < num_splits, cperm, cols)  # quantized splits accumulate in kernel channel order
-    tl.store(o_ptr + row[None, :] * D + ocols[:, None], o, mask=hmask[None, :])
+    tl.store(o_ptr + row[None, :] * D + cperm[:, None], o, mask=hmask[None, :])  # kernel channel order -> actual
     tl.store(lse_ptr + row, lse, mask=hmask)
+
+
+@triton.jit
+def _bf16_partial_kernel(
+    qo_ptr,
+    sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
+    rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
+    o_ptr, lse_ptr, num_splits,
+    HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SINK: tl.constexpr, HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr,
+):
+    """The BF16 sink (program 1 = 0) or recent window (= 1) of one (sequence, KV head): output + LSE."""
+    pid = tl.program_id(0)
+    which = tl.program_id(1)
+    b = pid // HKV
+    kvh = pid % HKV
+    H: tl.constexpr = HKV * REP
+    heads = tl.arange(0, HP)
+    hmask = heads < REP
+    hq = kvh * REP + heads
+    cols = tl.arange(0, D)
+    m_i = tl.full([HP], float("-inf"), tl.float32)
+    l_i = tl.zeros([HP], tl.float32)
+    acc = tl.zeros([D, HP], tl.float32)
+    qb = tl.load(qo_ptr + (b * H + hq)[:, None] * D + cols[None, :], mask=hmask[:, None], other=0.0).to(DOT_T)
+    qbT = tl.trans(qb)
+    if which == 0:
+        if HAS_SINK:
+            n = tl.load(slen_ptr + b)
+            base = b * stride_sb + kvh * stride_sh
+            m_i, l_i, acc = _bf16_segment(sk_ptr + base, sv_ptr + base, n, stride_st, qbT, m_i, l_i, acc,
+                                          BLOCK_N, D, HP, DOT_T)
+    else:
+        if HAS_RECENT:
+            n = tl.load(rlen_ptr + b)
+            base = b * stride_rb + kvh * stride_rh
+            m_i, l_i, acc = _bf16_segment(rk_ptr + base, rv_ptr + base, n, stride_rt, qbT, m_i, l_i, acc,
+                                          BLOCK_N, D, HP, DOT_T)
+    nonempty = l_i > 0.0
+    o = acc / tl.where(nonempty, l_i, 1.0)[None, :]
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    row = (b * H + hq) * (num_splits + 2) + num_splits + which
+    tl.store(o_ptr + row[None, :] * D + cols[:, None], o, mask=hmask[None, :])
+    tl.store(lse_ptr + row, lse, mask=hmask)
+
+
+@triton.jit
+def _prep_kernel(q_ptr, rk_ptr, muk_ptr, qr_ptr, qo_ptr, qmu_ptr, scale,
+                 HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
+                 HAS_RK: tl.constexpr, HAS_MUK: tl.constexpr, PRECISION: tl.constexpr):
+    """Scaled query (log2 domain), rotated query ``q @ R_K`` and ``q . mu_K`` for one (sequence, KV head)."""
+    pid = tl.program_id(0)
+    b = pid // HKV
+    kvh = pid % HKV
+    H: tl.constexpr = HKV * REP
+    heads = tl.arange(0, HP)
+    hmask = heads < REP
+    rows = b * H + kvh * REP + heads
+    cols = tl.arange(0, D)
+    q = tl.load(q_ptr + rows[:, None] * D + cols[None, :], mask=hmask[:, None], other=0.0).to(tl.float32) * scale
+    tl.store(qo_ptr + rows[:, None] * D + cols[None, :], q, mask=hmask[:, None])
+    if HAS_RK:
+        rot = tl.load(rk_ptr + kvh * D * D + cols[:, None] * D + cols[None, :])
+        qr = tl.dot(q, rot, input_precision=PRECISION)
+    else:
+        qr = q
+    tl.store(qr_ptr + rows[:, None] * D + cols[None, :], qr, mask=hmask[:, None])
+    if HAS_MUK:
+        qmu = tl.sum(q * tl.load(muk_ptr + kvh * D + cols)[None, :], axis=1)
+    else:
+        qmu = tl.zeros([HP], tl.float32)
+    tl.store(qmu_ptr + rows, qmu, mask=hmask)
 
 
 @triton.jit
@@ -256,6 +340,7 @@ def _merge_kernel(
     o_ptr, lse_ptr, out_ptr, rv_ptr, muv_ptr, num_splits,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
     SP: tl.constexpr, HAS_RV: tl.constexpr, HAS_MUV: tl.constexpr, OUT_ROTATED: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // HKV
@@ -305,11 +390,11 @@ def _merge_kernel(
             o_bf = o_bf - tl.load(muv_ptr + kvh * D + cols)[None, :]
         if HAS_RV:
             rot = tl.load(rv_ptr + kvh * D * D + cols[:, None] * D + cols[None, :])
-            o_bf = tl.dot(o_bf, rot, input_precision="ieee")
+            o_bf = tl.dot(o_bf, rot, input_precision=PRECISION)
     else:
         if HAS_RV:
             rot_t = tl.load(rv_ptr + kvh * D * D + cols[None, :] * D + cols[:, None])
-            o_int = tl.dot(o_int, rot_t, input_precision="ieee")
+            o_int = tl.dot(o_int, rot_t, input_precision=PRECISION)
         if HAS_MUV:
             o_int = o_int + tl.load(muv_ptr + kvh * D + cols)[None, :]
     m = tl.maximum(lse_int, lse_bf)
@@ -341,8 +426,8 @@ def paged_decode_attention(
     recent_k: Optional[torch.Tensor] = None, recent_v: Optional[torch.Tensor] = None,
     recent_len: Optional[torch.Tensor] = None,
     sm_scale: Optional[float] = None, output_frame: str = "original",
-    num_splits: Optional[int] = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-    merge_warps: int = 4, fast_unpack: bool = False,
+    num_splits: Optional[int] = None, block_n: int = 64, num_warps: int = 8, num_stages: int = 2,
+    merge_warps: int = 8, fast_unpack: bool = False, rot_precision: str = "tf32x3",
 ) -> torch.Tensor:
     """Triton decode attention of one query per sequence; same contract as ``oscar.paged.decode_attention_torch``.
 
@@ -366,7 +451,9 @@ def paged_decode_attention(
     for name, t in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
         check(tuple(t.shape) == meta_shape and t.dtype == torch.bfloat16 and t.stride() == k_scale.stride(),
               f"{name} must be bf16 {meta_shape} with the strides of k_scale, got {t.dtype} {tuple(t.shape)}")
-    check(k_codes.stride(-1) == 1 and k_scale.stride(-1) == 1, "codes and scales must be contiguous in their last dim")
+    check(k_codes.stride(-1) == 1 and k_codes.stride(-2) == nbytes and k_scale.stride(-1) == 1
+          and k_scale.stride(-2) == d // group_size,
+          "codes and scales must be contiguous within a page (slot stride = row size)")
     check(is_pow2(page_size), f"page_size={page_size} must be a power of two")
     check(page_table.dim() == 2 and page_table.shape[0] >= B and page_table.dtype == torch.int32,
           f"page_table must be int32 [B={B}, M], got {page_table.dtype} {tuple(page_table.shape)}")
@@ -380,15 +467,18 @@ def paged_decode_attention(
     hp = max(16, next_pow2(rep))
     scale = (1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)) * LOG2E
 
-    q32 = q.to(torch.float32) * scale
-    qg = q32.view(B, hkv, rep, d)
-    q_rot = qg if R_K is None else torch.matmul(qg, R_K.to(dev, torch.float32).unsqueeze(0))
-    if mu_K is not None:
-        qmu = (qg * mu_K.to(dev, torch.float32)[None, :, None, :]).sum(-1).reshape(B, H).contiguous()
-    else:
-        qmu = torch.zeros(B, H, dtype=torch.float32, device=dev)
-    q_rot = q_rot.reshape(B, H, d).contiguous()
-    q_orig = q32.contiguous()
+    precision = "ieee" if dev.type != "cuda" else rot_precision
+    qc = q.contiguous()
+    q_rot = torch.empty(B, H, d, dtype=torch.float32, device=dev)
+    q_orig = torch.empty(B, H, d, dtype=torch.float32, device=dev)
+    qmu = torch.empty(B, H, dtype=torch.float32, device=dev)
+    rk_t = R_K.to(dev, torch.float32).contiguous() if R_K is not None else q_rot
+    muk = mu_K.to(dev, torch.float32).contiguous() if mu_K is not None else q_rot
+    launchable(_prep_kernel, dev)[(B * hkv,)](
+        qc, rk_t, muk, q_rot, q_orig, qmu, scale,
+        HKV=hkv, REP=rep, HP=hp, D=d, HAS_RK=R_K is not None, HAS_MUK=mu_K is not None, PRECISION=precision,
+        num_warps=8,
+    )
 
     def _segment(k, v, n, name):
         if k is None:
@@ -406,7 +496,9 @@ def paged_decode_attention(
     capacity = int(page_table.shape[1]) * page_size
     if num_splits is None:
         num_splits = default_num_splits(B, hkv, capacity, block_n)
-    tps = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
+    block_n = min(block_n, page_size)
+    check(block_n >= 16, f"page_size={page_size} must be >= 16 for the Triton kernel")
+    tps = triton.cdiv(triton.cdiv(capacity, num_splits), page_size) * page_size
     s_total = num_splits + 2
     o_part = torch.empty(B, H, s_total, d, dtype=torch.float32, device=dev)
     lse_part = torch.empty(B, H, s_total, dtype=torch.float32, device=dev)
@@ -415,27 +507,32 @@ def paged_decode_attention(
     rk, rv, rl = recent if recent is not None else (dummy, dummy, dummy)
     s_strides = (sk.stride(0), sk.stride(1), sk.stride(2)) if sink is not None else (0, 0, 0)
     r_strides = (rk.stride(0), rk.stride(1), rk.stride(2)) if recent is not None else (0, 0, 0)
-    launchable(_partial_kernel, dev)[(B * hkv, s_total)](
-        q_rot, q_orig, qmu,
+    launchable(_partial_kernel, dev)[(B * hkv, num_splits)](
+        q_rot, qmu,
         k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
-        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
+        k_codes.stride(0), k_codes.stride(1),
+        k_scale.stride(0), k_scale.stride(1),
         page_table, page_table.stride(0), int_len,
-        sk, sv, sl, *s_strides,
-        rk, rv, rl, *r_strides,
         o_part, lse_part, tps, num_splits,
         HKV=hkv, REP=rep, HP=hp, D=d, G=group_size, BITS=bits, PAGE_SIZE=page_size, BLOCK_N=block_n,
+        FAST_UNPACK=fast_unpack, num_warps=num_warps, num_stages=num_stages,
+    )
+    launchable(_bf16_partial_kernel, dev)[(B * hkv, 2)](
+        q_orig,
+        sk, sv, sl, *s_strides,
+        rk, rv, rl, *r_strides,
+        o_part, lse_part, num_splits,
+        HKV=hkv, REP=rep, HP=hp, D=d, BLOCK_N=32,
         HAS_SINK=sink is not None, HAS_RECENT=recent is not None,
-        DOT_T=tl.bfloat16 if dev.type == "cuda" else tl.float32, FAST_UNPACK=fast_unpack,
-        num_warps=num_warps, num_stages=num_stages,
+        DOT_T=tl.bfloat16 if dev.type == "cuda" else tl.float32, num_warps=8,
     )
     out = torch.empty(B, H, d, dtype=q.dtype, device=dev)
     rv_t = R_V.to(dev, torch.float32).contiguous() if R_V is not None else dummy
     muv = mu_V.to(dev, torch.float32).contiguous() if mu_V is not None else dummy
     launchable(_merge_kernel, dev)[(B * hkv,)](
         o_part, lse_part, out, rv_t, muv, num_splits,
-        HKV=hkv, REP=rep, HP=hp, D=d, SP=16,
+        HKV=hkv, REP=rep, HP=hp, D=d, SP=4,
         HAS_RV=R_V is not None, HAS_MUV=mu_V is not None, OUT_ROTATED=output_frame == "rotated",
-        num_warps=merge_warps,
+        PRECISION=precision, num_warps=merge_warps,
     )
     return out

@@ -6,7 +6,8 @@ and zero, planar packing within each group, and stores codes, scale and zero at 
 (`page * page_size + offset`). The torch twin is `oscar.paged.rotate_quantize_pack_torch`, which
 calls `oscar.quant`; with no rotation the codes match it bit for bit (IEEE divisions,
 `tl.math.div_rn`); with a rotation the float32 matrix product sums in another order than torch's,
-so a few codes at rounding boundaries may differ by one.
+so a few codes at rounding boundaries may differ by one (on the GPU the product runs as 3xTF32,
+``rot_precision="tf32x3"``, about float32 accuracy; ``"ieee"`` is exact float32 FMA but spills).
 """
 
 from __future__ import annotations
@@ -39,9 +40,7 @@ def _rotate_quantize_kernel(
     stride_xt,
     r_ptr,
     mu_ptr,
-    lo_ptr,
-    hi_ptr,
-    w_ptr,
+    rho_ptr,
     codes_ptr,
     scale_ptr,
     zero_ptr,
@@ -60,6 +59,7 @@ def _rotate_quantize_kernel(
     HAS_ROT: tl.constexpr,
     HAS_MU: tl.constexpr,
     CLIP: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
@@ -76,14 +76,16 @@ def _rotate_quantize_kernel(
         x = x - tl.load(mu_ptr + h * D + cols)[None, :]
     if HAS_ROT:
         rot = tl.load(r_ptr + h * D * D + cols[:, None] * D + cols[None, :])
-        x = tl.dot(x, rot, input_precision="ieee")
+        x = tl.dot(x, rot, input_precision=PRECISION)
     if CLIP:
         # k-th smallest |x| by a radix select on the float bits (non-negative floats order like
         # their bit patterns): fast on the GPU and in the interpreter, unlike a full sort.
         abits = tl.abs(x).to(tl.int32, bitcast=True)
-        lo = tl.load(lo_ptr + h)
-        hi = tl.load(hi_ptr + h)
-        w = tl.load(w_ptr + h)
+        pos = tl.load(rho_ptr + h).to(tl.float32) * (D - 1)  # float32 product, as oscar.quant
+        lo_f = tl.floor(pos)
+        w = pos - lo_f
+        lo = lo_f.to(tl.int32)
+        hi = tl.ceil(pos).to(tl.int32)
         ans_lo = tl.zeros([BLOCK_T], dtype=tl.int32)
         ans_hi = tl.zeros([BLOCK_T], dtype=tl.int32)
         for i in range(31):
@@ -132,14 +134,6 @@ def _rotate_quantize_kernel(
     tl.store(zero_ptr + s_off, zero_bf, mask=rmask[:, None])
 
 
-def clip_positions(rho: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(lo, hi, w)` of the quantile position `float32(rho) * (d - 1)`, exactly as `oscar.quant.percentile_clip`."""
-    pos = rho.to(torch.float32) * float(d - 1)
-    lo = pos.floor()
-    hi = pos.ceil()
-    return lo.to(torch.int32), hi.to(torch.int32), (pos - lo).contiguous()
-
-
 def rotate_quantize_pack(
     x: torch.Tensor,
     slots: torch.Tensor,
@@ -154,7 +148,8 @@ def rotate_quantize_pack(
     rho: Optional[torch.Tensor] = None,
     src_index: Optional[torch.Tensor] = None,
     block_t: int = 16,
-    num_warps: int = 4,
+    num_warps: int = 8,
+    rot_precision: str = "tf32x3",
 ) -> None:
     """Quantize rows into pool slots in place (Triton).
 
@@ -197,9 +192,7 @@ def rotate_quantize_pack(
         mu = mu.to(device=dev, dtype=torch.float32).contiguous()
     if rho is not None:
         check(tuple(rho.shape) == (hkv,), f"rho must be [{hkv}], got {tuple(rho.shape)}")
-        lo, hi, w = (t.to(dev) for t in clip_positions(rho, d))
-    else:
-        lo = hi = w = None
+        rho = rho.to(device=dev, dtype=torch.float32).contiguous()
     if src_index is not None:
         check(src_index.shape == (n,), f"src_index must be [N={n}], got {tuple(src_index.shape)}")
         stride_xt = x.stride(2)
@@ -211,11 +204,12 @@ def rotate_quantize_pack(
         x, src_index if src_index is not None else dummy, slots, n,
         x.stride(0), x.stride(1), stride_xt,
         R if R is not None else dummy, mu if mu is not None else dummy,
-        lo if lo is not None else dummy, hi if hi is not None else dummy, w if w is not None else dummy,
+        rho if rho is not None else dummy,
         codes, scale, zero,
         codes.stride(0), codes.stride(1), codes.stride(2),
         scale.stride(0), scale.stride(1), scale.stride(2),
         PAGE_SIZE=page_size, D=d, G=group_size, BITS=bits, BLOCK_T=block_t,
         HAS_SRC=src_index is not None, HAS_ROT=R is not None, HAS_MU=mu is not None, CLIP=rho is not None,
+        PRECISION="ieee" if dev.type != "cuda" else rot_precision,
         num_warps=num_warps,
     )
