@@ -11,6 +11,7 @@ the pipeline stages: `rotations` (eigenbases and candidates, clip ratios left at
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -204,3 +205,92 @@ def auto_choices_table(artifact: Any) -> list[dict[str, Any]]:
             "key_distortion": c["key_distortion"], "value_distortion": c["value_distortion"],
         })
     return rows
+
+
+def _oscar_reference(table: list[dict[str, Any]], target: str) -> float | None:
+    for row in table:
+        if row["target"] == target and not row["center"]:
+            return float(row["distortion"])
+    return None
+
+
+def auto_choices_rows(artifact_meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (layer, KV head) of an `auto` artifact: the winners and their distortion relative to
+    OSCAR's own target (`query` keys / `output` values, uncentered, with its fitted clip)."""
+    rows = []
+    for c in artifact_meta.get("choices", []):
+        ref_k = _oscar_reference(c.get("key_table", []), "query")
+        ref_v = _oscar_reference(c.get("value_table", []), "output")
+        rows.append({
+            "layer": int(c["layer"]),
+            "head": int(c["head"]),
+            "key_choice": c["key_target"] + ("+center" if c["center_k"] else ""),
+            "rho_k": c.get("rho_k"),
+            "key_distortion": float(c["key_distortion"]),
+            "key_vs_oscar": float(c["key_distortion"]) / ref_k if ref_k else None,
+            "value_choice": c["value_target"] + ("+center" if c["center_v"] else ""),
+            "rho_v": c.get("rho_v"),
+            "value_distortion": float(c["value_distortion"]),
+            "value_vs_oscar": float(c["value_distortion"]) / ref_v if ref_v else None,
+        })
+    return rows
+
+
+def write_auto_choices(artifact_meta: dict[str, Any], prefix: str | Path, title: str = "") -> tuple[Path, Path]:
+    """Write `<prefix>.csv` (per layer and head) and `<prefix>.md` (counts and per-layer summary)."""
+    import csv
+    import io
+    import math
+    from collections import Counter
+
+    from oscar.stats import atomic_write_text
+
+    rows = auto_choices_rows(artifact_meta)
+    if not rows:
+        raise MethodError("the artifact has no auto choices (method is not auto?)")
+    prefix = Path(prefix)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    csv_path = prefix.with_suffix(".csv")
+    atomic_write_text(csv_path, buf.getvalue())
+
+    def geo(values: list[float]) -> float:
+        vals = [v for v in values if v and v > 0]
+        return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")
+
+    cal = artifact_meta.get("calibration", {})
+    lines = [
+        f"# `auto` choices{': ' + title if title else ''}",
+        "",
+        f"Model `{artifact_meta.get('model', {}).get('id', '?')}`, group size {artifact_meta.get('group_size')}, "
+        f"{artifact_meta.get('bits')} bits; calibration `{cal.get('data_id', '?')}` {cal.get('tokens', '?')} tokens "
+        f"(hash {cal.get('token_hash', '?')}), selection on {cal.get('holdout_tokens', '?')} held-back tokens.",
+        "Distortion: mean squared logit error (keys, metric C_Q) / output error (values, metric C_S) after real "
+        "INT quantization with each candidate's fitted clip. `vs OSCAR`: geometric mean over heads of "
+        "distortion(choice) / distortion(OSCAR target, uncentered); below 1 means `auto` improves on OSCAR.",
+        "",
+        "| side | choice | heads |",
+        "|---|---|---|",
+    ]
+    for side in ("key", "value"):
+        for choice, n in Counter(r[f"{side}_choice"] for r in rows).most_common():
+            lines.append(f"| {side} | {choice} | {n} |")
+    lines += [
+        "",
+        f"Geometric mean vs OSCAR: keys {geo([r['key_vs_oscar'] for r in rows]):.3f}, "
+        f"values {geo([r['value_vs_oscar'] for r in rows]):.3f}.",
+        "",
+        "| layer | key choices (per KV head) | keys vs OSCAR | value choices (per KV head) | values vs OSCAR |",
+        "|---|---|---|---|---|",
+    ]
+    for layer in sorted({r["layer"] for r in rows}):
+        lr = [r for r in rows if r["layer"] == layer]
+        lines.append(
+            f"| {layer} | {', '.join(r['key_choice'] for r in lr)} | {geo([r['key_vs_oscar'] for r in lr]):.3f} "
+            f"| {', '.join(r['value_choice'] for r in lr)} | {geo([r['value_vs_oscar'] for r in lr]):.3f} |"
+        )
+    md_path = prefix.with_suffix(".md")
+    atomic_write_text(md_path, "\n".join(lines) + "\n")
+    return csv_path, md_path

@@ -2,7 +2,9 @@
 
 Each stage is skipped when its output exists with the same configuration hash (unless
 `force=true`). `output=` redirects the final artifact; statistics and rotations keep their
-standard paths under `results_dir`. Methods that need no statistics skip `dump`.
+standard paths under `results_dir`. Methods that need no statistics skip `dump`. For `auto`,
+the per-(layer, head) choices are also written as `choices.csv` / `choices.md` beside the
+artifact, and to `<report>.csv` / `<report>.md` when `report=<path prefix>` is given.
 """
 
 from __future__ import annotations
@@ -30,18 +32,35 @@ def run_calibrate(cfg: Any, *, force: bool = False, out: Path | None = None) -> 
         stats = load_stats(cfg, results[-1].path)
     results.append(run_rotations(cfg, force=force, stats=stats))
     results.append(run_clip(cfg, force=force, out=out, stats=stats, rotations=results[-1].path))
+    if str(cfg.method.key_rotation) == "auto":
+        write_choices(results[-1].path, results[-1].path / "choices", str(cfg.model.name))
     return results
+
+
+def write_choices(artifact: Path, prefix: Path, title: str) -> tuple[Path, Path]:
+    """Tables of an `auto` artifact's per-(layer, head) choices (`oscar.methods.write_auto_choices`)."""
+    import json
+
+    from oscar.methods import write_auto_choices
+
+    meta = json.loads((Path(artifact) / "meta.json").read_text())
+    return write_auto_choices(meta, prefix, title)
 
 
 def main(argv: list[str]) -> int:
     """Compose the configuration, run the three stages, print a summary with timings."""
     from oscar.config import compose
 
-    flags, overrides = pop_flags(argv, {"force": False})
+    flags, overrides = pop_flags(argv, {"force": False, "report": ""})
     cfg = compose(overrides)
     t0 = time.perf_counter()
     try:
         results = run_calibrate(cfg, force=bool(flags["force"]), out=Path(str(cfg.output)) if cfg.output else None)
+        if flags["report"]:
+            if str(cfg.method.key_rotation) != "auto":
+                raise ValueError(f"report= writes auto choices; method {cfg.method.name!r} is not auto")
+            for path in write_choices(results[-1].path, Path(flags["report"]), str(cfg.model.name)):
+                print(f"report    {path}")
     except (FileNotFoundError, ValueError) as exc:
         print(f"oscar calibrate: {exc}", file=sys.stderr)
         return 1
