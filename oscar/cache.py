@@ -34,7 +34,8 @@ from oscar.attention import (
     ungroup,
 )
 
-CACHE_KINDS = ("bf16", "rotated")
+CACHE_KINDS = ("bf16", "rotated", "kivi", "turboquant")
+SIMULATED_KINDS = ("kivi", "turboquant")
 MODES = ("serving", "decode_equivalent")
 
 
@@ -78,6 +79,7 @@ class CacheSpec:
     fold_values: bool = False  # True: o_proj carries R_V (oscar.surgery); attention returns rotated frame
     mode: str = "serving"  # serving | decode_equivalent
     store_dtype: torch.dtype = torch.bfloat16
+    seed: int = 0  # turboquant: seeds of the per-(layer, head) random rotations
 
     def __post_init__(self) -> None:
         if self.kind not in CACHE_KINDS:
@@ -86,8 +88,8 @@ class CacheSpec:
             raise ValueError(f"attention mode {self.mode!r} is not valid; valid modes are {MODES}")
         if self.sink < 0 or self.recent < 0:
             raise ValueError(f"sink={self.sink} and recent={self.recent} must be non-negative")
-        if self.kind == "rotated":
-            if self.recent < 1:
+        if self.kind in ("rotated", "kivi", "turboquant"):
+            if self.recent < 1 and self.kind != "kivi":
                 raise ValueError(f"recent={self.recent}: the rotated cache needs a recent window of at least 1 token")
             if self.page_size < 1 or self.page_size & (self.page_size - 1):
                 raise ValueError(f"page_size={self.page_size} must be a power of two")
@@ -543,13 +545,167 @@ class OscarLayer(CacheLayerMixin):
         self.recent_v = torch.cat([self.recent_v, pad.clone()], dim=2)
 
 
+class SimulatedLayer(OscarLayer):
+    """Accuracy-only baselines (KIVI-2, TurboQuant): the layer keeps every token in BF16 and attends to
+    the quantize-dequantize image of the tokens the method would hold quantized at that moment.
+
+    Boundaries for a query at position `t` (`T = t + 1` tokens): TurboQuant quantizes tokens
+    `[S0, T - W)` per token; KIVI quantizes values `[0, T - R)` per token and keys in whole blocks of
+    `G` tokens `[0, ((T - R) // G) * G)` per channel (`oscar.baselines.kivi_split`). Both are exact
+    functions of the token (or its block), so decode steps and decode-equivalent chunks agree.
+    Memory is not real here: `nbytes` reports the accounting of the method's format.
+    """
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate a growing BF16 history; TurboQuant builds its per-head quantizers."""
+        b, hkv, _, d = key_states.shape
+        self.batch, self.hkv, self.d = b, hkv, d
+        self.device = key_states.device
+        self.hist_k = torch.zeros(b, hkv, 64, d, dtype=self.spec.store_dtype, device=self.device)
+        self.hist_v = torch.zeros_like(self.hist_k)
+        self.hist_len = [0] * b
+        self.sink_len = [0] * b
+        self.recent_len = [0] * b
+        if self.spec.kind == "turboquant":
+            from oscar.baselines import TurboQuantizer
+
+            base = int(self.spec.seed) * 1_000_003 + self.layer_idx * hkv * 2
+            self.tq_k = [TurboQuantizer(d, self.spec.bits, seed=base + 2 * h) for h in range(hkv)]
+            self.tq_v = [TurboQuantizer(d, self.spec.bits, seed=base + 2 * h + 1) for h in range(hkv)]
+        self.keys = self.values = None
+        self.is_initialized = True
+
+    def int_lengths(self) -> list[int]:
+        """Tokens currently held quantized (values; KIVI keys may lag by a partial block)."""
+        if not self.is_initialized:
+            return []
+        t = torch.tensor(self.hist_len)
+        _, v_end, start = self._bounds(t)
+        return [int(x) for x in (v_end - start).clamp(min=0).tolist()]
+
+    def lengths(self) -> list[int]:
+        """Stored tokens per sequence."""
+        return list(self.hist_len)
+
+    def nbytes(self) -> int:
+        """Bytes the method's format would hold (accounting; this simulation keeps BF16 copies)."""
+        if not self.is_initialized:
+            return 0
+        bits_total = 0.0
+        for n in self.hist_len:
+            if n:
+                bits_total += self.expected_bits(n) * n * self.hkv * self.d * 2
+        return int(round(bits_total / 8))
+
+    def expected_bits(self, n: int) -> float:
+        """Accounting bits per element for one sequence of `n` tokens."""
+        sp = self.spec
+        if sp.kind == "turboquant":
+            from oscar.baselines import turboquant_bits_per_element
+
+            n_q = max(0, n - sp.sink - sp.recent)
+            return (n_q * turboquant_bits_per_element(self.d, sp.bits) + (n - n_q) * 16) / n
+        from oscar.baselines import kivi_split
+
+        n_k, n_v = kivi_split(n, sp.group_size, sp.recent)
+        g = sp.group_size
+        k_bits = n_k * self.d * sp.bits + (n_k // g) * self.d * 2 * 16 + (n - n_k) * self.d * 16
+        v_bits = n_v * self.d * sp.bits + n_v * (self.d // min(g, self.d)) * 2 * 16 + (n - n_v) * self.d * 16
+        return (k_bits + v_bits) / (2 * n * self.d)
+
+    def _bounds(self, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(key end, value end, start) of the quantized range for sequences of `total` tokens."""
+        sp = self.spec
+        if sp.kind == "turboquant":
+            end = (total - sp.recent).clamp(min=sp.sink)
+            return end, end, sp.sink
+        v_end = (total - sp.recent).clamp(min=0)
+        return torch.div(v_end, sp.group_size, rounding_mode="floor") * sp.group_size, v_end, 0
+
+    def _fake(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize-dequantize images of history rows `[B, Hkv, L, d]` (KIVI keys: whole blocks only)."""
+        sp = self.spec
+        if sp.kind == "turboquant":
+            kq = torch.stack([self.tq_k[h].fake_quantize(k[:, h].float()) for h in range(self.hkv)], dim=1)
+            vq = torch.stack([self.tq_v[h].fake_quantize(v[:, h].float()) for h in range(self.hkv)], dim=1)
+            return kq, vq
+        from oscar.baselines import kivi_fake_quantize
+
+        kq, vq = kivi_fake_quantize(k.float(), v.float(), sp.bits, sp.group_size, residual=0)
+        return kq, vq  # keys of an incomplete last block stay full precision (never visible as quantized)
+
+    def attend_and_write(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        valid: Optional[torch.Tensor],
+        scale: float,
+    ) -> torch.Tensor:
+        """Append the chunk to the history, then one softmax per query over the token versions
+        (BF16 / quantized key and value) that the method would hold for that query."""
+        sp = self.spec
+        n = query.shape[2]
+        old = torch.tensor(self.hist_len, device=self.device)
+        self._append(key.to(sp.store_dtype), value.to(sp.store_dtype), valid)
+        length = max(self.hist_len)
+        hk, hv = self.hist_k[:, :, :length], self.hist_v[:, :, :length]
+        kq, vq = self._fake(hk, hv)
+        if valid is None:
+            chunk_pos = old[:, None] + torch.arange(n, device=self.device)[None, :]
+        else:
+            chunk_pos = torch.where(valid, old[:, None] + valid.long().cumsum(dim=1) - 1, torch.full_like(valid, -1, dtype=torch.long))
+        serving_chunk = n > 1 and sp.mode == "serving"
+        total = old[:, None].expand(-1, n) if serving_chunk else chunk_pos + 1
+        k_end, v_end, start = self._bounds(total)
+        j = torch.arange(length, device=self.device)[None, None, :]
+        hist_len = torch.tensor(self.hist_len, device=self.device)[:, None, None]
+        t = chunk_pos[:, :, None]
+        seen_ok = (j <= t) & (j < hist_len) & (t >= 0)
+        k_q = (j >= start) & (j < k_end[:, :, None])
+        v_q = (j >= start) & (j < v_end[:, :, None])
+        keys = torch.cat([hk.float(), kq, hk.float()], dim=2)
+        vals = torch.cat([hv.float(), vq, vq], dim=2)
+        vis = torch.cat([seen_ok & ~k_q & ~v_q, seen_ok & k_q & v_q, seen_ok & ~k_q & v_q], dim=2)
+        seen = vis.any(dim=-1, keepdim=True)
+        vis = vis | ~seen
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.float(), keys, vals, attn_mask=vis[:, None], scale=scale, enable_gqa=True
+        )
+        out = out * seen[:, None].to(out.dtype)
+        return out.to(query.dtype)
+
+    def _append(self, kb: torch.Tensor, vb: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
+        for b in range(self.batch):
+            if valid is None:
+                k, v = kb[b], vb[b]
+            else:
+                cols = valid[b].nonzero().flatten()
+                k, v = kb[b][:, cols], vb[b][:, cols]
+            m, r = k.shape[1], self.hist_len[b]
+            if m == 0:
+                continue
+            if r + m > self.hist_k.shape[2]:
+                cap = max(r + m, 2 * self.hist_k.shape[2])
+                pad = self.hist_k.new_zeros(self.batch, self.hkv, cap - self.hist_k.shape[2], self.d)
+                self.hist_k = torch.cat([self.hist_k, pad], dim=2)
+                self.hist_v = torch.cat([self.hist_v, pad.clone()], dim=2)
+            self.hist_k[b, :, r : r + m] = k
+            self.hist_v[b, :, r : r + m] = v
+            self.hist_len[b] = r + m
+
+
 class OscarCache(Cache):
     """transformers `Cache` holding one `OscarLayer` per decoder layer."""
 
     def __init__(self, spec: CacheSpec, num_layers: int):
         if spec.kind == "rotated" and len(spec.layers) != num_layers:
             raise ValueError(f"the cache spec has rotations for {len(spec.layers)} layers but the model has {num_layers}")
-        layers = [OscarLayer(spec, spec.layers[i] if spec.kind == "rotated" else None, i) for i in range(num_layers)]
+        if spec.kind in SIMULATED_KINDS:
+            layers: list[OscarLayer] = [SimulatedLayer(spec, None, i) for i in range(num_layers)]
+        else:
+            layers = [OscarLayer(spec, spec.layers[i] if spec.kind == "rotated" else None, i) for i in range(num_layers)]
         super().__init__(layers=layers)
         self.spec = spec
 
@@ -607,6 +763,8 @@ __all__ = [
     "OscarCache",
     "OscarLayer",
     "PagedRows",
+    "SIMULATED_KINDS",
+    "SimulatedLayer",
     "expected_bits",
     "new_cache",
     "spec_for_model",

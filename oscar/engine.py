@@ -18,7 +18,7 @@ from oscar import attention
 from oscar.cache import CacheSpec, LayerRotations, OscarCache, new_cache
 from oscar.generate import SamplingParams, cache_kwarg, generate_tokens, positions_from_mask, truncate_at_stop
 
-SUPPORTED_METHOD_KINDS = ("bf16", "rotated")
+SUPPORTED_METHOD_KINDS = ("bf16", "rotated", "kivi", "turboquant")
 
 
 class MethodNotSupported(NotImplementedError):
@@ -36,12 +36,9 @@ def _geometry(model: Any) -> tuple[int, int, int, int]:
 
 def effective_group_size(method_cfg: Any, head_dim: int) -> int:
     """`min(method.group_size, head_dim)` (docs/DESIGN.md, "Effective group size")."""
-    try:
-        from oscar.methods import effective_group_size as impl  # type: ignore[attr-defined]
+    from oscar.methods import effective_group_size as impl
 
-        return int(impl(method_cfg, head_dim))
-    except (ImportError, AttributeError):
-        return min(int(method_cfg.group_size), head_dim)
+    return int(impl(method_cfg, head_dim))
 
 
 def artifact_dir(cfg: Any) -> Path:
@@ -49,72 +46,46 @@ def artifact_dir(cfg: Any) -> Path:
     return Path(str(cfg.artifacts_dir)) / str(cfg.model.name) / str(cfg.method.name)
 
 
-def _fixed_rho(method_cfg: Any, hkv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    clip = str(method_cfg.clip)
-    if clip == "none":
-        return torch.ones(hkv), torch.ones(hkv)
-    return torch.full((hkv,), float(method_cfg.rho_k)), torch.full((hkv,), float(method_cfg.rho_v))
+def layer_rotations(artifact: Any) -> list[LayerRotations]:
+    """Per-layer cache state from a `CalibrationArtifact` (all-zero means become "no centering")."""
+    out = []
+    for layer in range(artifact.num_layers):
+        t = artifact.layer(layer)
+        mu_k, mu_v = t["mu_K"], t["mu_V"]
+        out.append(
+            LayerRotations(
+                t["R_K"].float(),
+                t["R_V"].float(),
+                None if mu_k is None or not bool(mu_k.any()) else mu_k.float(),
+                None if mu_v is None or not bool(mu_v.any()) else mu_v.float(),
+                t["rho_K"].float(),
+                t["rho_V"].float(),
+            )
+        )
+    return out
 
 
 def rotations_in_code(method_cfg: Any, model: Any) -> list[LayerRotations]:
-    """Per-layer rotations of a method that needs no calibration (identity, H, block H, H.P, random)."""
-    from oscar.rotation import build_rotation
+    """Per-layer rotations of a method that needs no calibration (identity, H, block H, random ...)."""
+    from oscar.methods import in_code_artifact
 
     layers, _, hkv, d = _geometry(model)
-    g = effective_group_size(method_cfg, d)
-    rho_k, rho_v = _fixed_rho(method_cfg, hkv)
-    out = []
-    for layer in range(layers):
-        mats = {}
-        for side, kind in (("k", str(method_cfg.key_rotation)), ("v", str(method_cfg.value_rotation))):
-            per_head = []
-            for h in range(hkv):
-                seed = int(method_cfg.seed) * 1_000_003 + (layer * hkv + h) * 2 + (side == "v")
-                per_head.append(build_rotation(kind, d, group_size=g, seed=seed, dtype=torch.float32))
-            mats[side] = torch.stack(per_head)
-        out.append(LayerRotations(mats["k"], mats["v"], None, None, rho_k.clone(), rho_v.clone()))
-    return out
+    return layer_rotations(in_code_artifact(method_cfg, num_layers=layers, num_kv_heads=hkv, head_dim=d))
 
 
 def rotations_from_artifact(path: Path, method_cfg: Any, model: Any) -> list[LayerRotations]:
-    """Per-layer rotations, means and clip ratios from a calibration artifact directory."""
-    from safetensors.torch import load_file
+    """Per-layer rotations, means and clip ratios from a calibration artifact directory (checked
+    against the model's geometry, group size and bits)."""
+    from oscar.artifact import load_artifact
 
-    layers, _, hkv, d = _geometry(model)
-    tensor_file = path / "rotations.safetensors"
-    if not tensor_file.exists():
+    _, _, _, d = _geometry(model)
+    if not (path / "rotations.safetensors").exists():
         raise FileNotFoundError(
-            f"calibration artifact {tensor_file} is missing; create it with: "
+            f"calibration artifact {path} is missing; create it with: "
             f"python -m oscar calibrate model=<model> method={method_cfg.name}"
         )
-    try:
-        from oscar.calibration import load_artifact  # type: ignore[attr-defined]
-
-        load_artifact(path, model=model)  # checks config hash and geometry against the model
-    except ImportError:
-        pass
-    tensors = load_file(str(tensor_file))
-    center = bool(method_cfg.center)
-    clip = str(method_cfg.clip)
-    out = []
-    for layer in range(layers):
-        def get(name: str) -> Optional[torch.Tensor]:
-            return tensors.get(f"layers.{layer}.{name}")
-
-        r_k, r_v = get("R_K"), get("R_V")
-        if r_k is None or r_v is None:
-            raise ValueError(f"artifact {tensor_file} has no layers.{layer}.R_K / R_V")
-        if tuple(r_k.shape) != (hkv, d, d):
-            raise ValueError(f"artifact {tensor_file}: layers.{layer}.R_K has shape {tuple(r_k.shape)}, the model needs {(hkv, d, d)}")
-        mu_k, mu_v = (get("mu_K"), get("mu_V")) if center else (None, None)
-        if clip == "fit":
-            rho_k, rho_v = get("rho_K"), get("rho_V")
-            if rho_k is None or rho_v is None:
-                raise ValueError(f"artifact {tensor_file} has no fitted clip ratios for layer {layer} (method clip=fit)")
-        else:
-            rho_k, rho_v = _fixed_rho(method_cfg, hkv)
-        out.append(LayerRotations(r_k.float(), r_v.float(), mu_k, mu_v, rho_k.float(), rho_v.float()))
-    return out
+    art = load_artifact(path, model=model, group_size=effective_group_size(method_cfg, d), bits=int(method_cfg.bits))
+    return layer_rotations(art)
 
 
 def cache_spec(method_cfg: Any, model: Any, rotations: Optional[list[LayerRotations]] = None, *, mode: str = "serving", fold_values: bool = False) -> CacheSpec:
@@ -127,6 +98,10 @@ def cache_spec(method_cfg: Any, model: Any, rotations: Optional[list[LayerRotati
             f"method {method_cfg.name!r} has kind {kind!r}; the embedded engine's cache supports kinds {SUPPORTED_METHOD_KINDS}"
         )
     _, _, _, d = _geometry(model)
+    if kind == "kivi":
+        return CacheSpec(kind="kivi", bits=int(method_cfg.bits), group_size=int(method_cfg.group_size), sink=0, recent=int(method_cfg.recent), mode=mode)
+    if kind == "turboquant":
+        return CacheSpec(kind="turboquant", bits=int(method_cfg.bits), group_size=d, sink=int(method_cfg.sink), recent=int(method_cfg.recent), mode=mode, seed=int(method_cfg.seed))
     if rotations is None:
         rotations = rotations_in_code(method_cfg, model)
     return CacheSpec(
@@ -151,7 +126,7 @@ class Engine:
         self.method = method_cfg
         attention.enable(model)
         self.kind = str(method_cfg.kind)
-        if self.kind != "bf16" and rotations is None:
+        if self.kind == "rotated" and rotations is None:
             if bool(method_cfg.needs_calibration):
                 raise ValueError(f"method {method_cfg.name!r} needs calibration: pass rotations or use Engine.from_config")
             rotations = rotations_in_code(method_cfg, model)
@@ -172,7 +147,7 @@ class Engine:
         model, tokenizer = load_model(cfg.model, device=str(cfg.device) if str(cfg.device) != "auto" else None)
         method = cfg.method
         rotations = None
-        if str(method.kind) != "bf16":
+        if str(method.kind) == "rotated":
             if bool(method.needs_calibration):
                 rotations = rotations_from_artifact(artifact_dir(cfg), method, model)
             else:
