@@ -48,7 +48,7 @@ def _valid_rows(x: torch.Tensor, mask: torch.Tensor | None, name: str) -> torch.
         return x.reshape(n_heads, b * t, d)
     if tuple(mask.shape) != (b, t):
         raise ValueError(f"attention mask of shape {tuple(mask.shape)} does not match [B, T] = [{b}, {t}] of {name}")
-    keep = mask.to(torch.bool).reshape(-1)
+    keep = mask.to(device=x.device, dtype=torch.bool).reshape(-1)
     return x.reshape(n_heads, b * t, d)[:, keep]
 
 
@@ -166,7 +166,11 @@ class CalibrationStats:
         attn_out: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
     ) -> None:
-        """Add one batch: `q`, `attn_out` `[B, H, T, d]`, `k`, `v` `[B, Hkv, T, d]`, `mask` `[B, T]` valid tokens."""
+        """Add one batch: `q`, `attn_out` `[B, H, T, d]`, `k`, `v` `[B, Hkv, T, d]`, `mask` `[B, T]` valid tokens.
+
+        Inputs may live on any device; products are formed there in float64 and added to the
+        CPU accumulators.
+        """
         st = self._check_layer(layer)
         t = st.tensors
         hkv = self.num_kv_heads
@@ -178,8 +182,9 @@ class CalibrationStats:
             rows = _valid_rows(x, mask, label)
             if heads != hkv:
                 rows = _group_queries(rows, hkv, label)
-            t[f"C_{name}"] += rows.transpose(1, 2) @ rows
-            t[f"m_{name}"] += rows.sum(1)
+            # products on the input's device (e.g. GPU), accumulators stay on the CPU
+            t[f"C_{name}"] += (rows.transpose(1, 2) @ rows).cpu()
+            t[f"m_{name}"] += rows.sum(1).cpu()
             t[f"n_{name}"] += rows.shape[1]
 
     def add_samples(self, layer: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> None:
@@ -192,7 +197,7 @@ class CalibrationStats:
         if room <= 0:
             return
         for name, x in (("K_samples", k), ("V_samples", v)):
-            rows = _valid_rows(x, mask, name)[:, :room].to(torch.float32)
+            rows = _valid_rows(x, mask, name)[:, :room].to(torch.float32).cpu()
             store[name] = torch.cat([store[name], rows], dim=1)
 
     def merge(self, other: "CalibrationStats") -> "CalibrationStats":

@@ -38,8 +38,15 @@ def attention_like_sample(
     key_mean: float = 3.0,
     q_decay: float = 4.0,
     k_decay: float = 16.0,
+    outlier_channels: int = 0,
+    outlier_scale: float = 6.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(Q, K)` float64 `[n, d]` rows (module docstring); `shared=0` makes the two bases unrelated."""
+    """`(Q, K)` float64 `[n, d]` rows (module docstring); `shared=0` makes the two bases unrelated.
+
+    `outlier_channels > 0` multiplies that many original-frame key channels (seeded random
+    positions) by `outlier_scale`
+    (the per-channel outliers real key caches show, which Hadamard rotations exist to spread).
+    """
     if not 0 <= shared <= d:
         raise ValueError(f"shared={shared} must lie in 0..d={d}")
     gen = torch.Generator().manual_seed(seed)
@@ -51,6 +58,10 @@ def attention_like_sample(
     lam_k = torch.exp(-idx / k_decay) * 2 + 0.05
     k = (torch.randn(n, d, generator=gen, dtype=torch.float64) * lam_k.sqrt()) @ a.T + key_mean * a[:, 0]
     q = (torch.randn(n, d, generator=gen, dtype=torch.float64) * lam_q.sqrt()) @ qb.T
+    if outlier_channels:
+        # at seeded random positions: channels 0..d/G-1 would be freed by H.P by coincidence
+        idx = torch.randperm(d, generator=gen)[:outlier_channels]
+        k[:, idx] *= outlier_scale
     return q, k
 
 
