@@ -16,12 +16,9 @@ from oscar.config import ConfigError  # noqa: E402
 validate(config, schema="../schemas/config.schema.yaml")
 
 try:
-    PLAN = Plan(parse_user_overrides(config.get("overrides")))
+    PLAN = Plan(parse_user_overrides(config.get("overrides")), root=".")
 except ConfigError as exc:
     raise WorkflowError(f"invalid configuration, no job was run: {exc}") from None
-
-PLAN.write_configs()
-PLAN.write_table_plans()
 EXPERIMENT = PLAN.experiment
 
 
@@ -77,29 +74,53 @@ def quoted(overrides):
     return " ".join(shlex.quote(o) for o in overrides)
 
 
-def _lookup(mapping, key, what):
-    if key not in mapping:
-        raise WorkflowError(
-            f"{key} is not a {what} of experiment {EXPERIMENT!r}; "
-            "ask for a named target (reproduce_table2, ...) or add it to conf/experiment/"
-        )
-    return mapping[key]
+def _not_planned(key, what):
+    return WorkflowError(
+        f"{key} is not a {what} of experiment {EXPERIMENT!r}; "
+        "ask for a named target (reproduce_table2, ...) or add it to conf/experiment/"
+    )
+
+
+def table_plan(table):
+    """The plan of one table (composed on first use); a bad configuration stops before any job."""
+    try:
+        return PLAN.table(table)
+    except KeyError:
+        raise _not_planned(table, "table") from None
+    except ConfigError as exc:
+        raise WorkflowError(f"invalid configuration, no job was run: {exc}") from None
+
+
+def _find(mapping, key, what):
+    try:
+        found = PLAN.find(mapping, key)
+    except ConfigError as exc:
+        raise WorkflowError(f"invalid configuration, no job was run: {exc}") from None
+    if found is None:
+        raise _not_planned(key, what)
+    return found
 
 
 def eval_cell(wildcards):
-    return _lookup(PLAN.cells, f"results/eval/{wildcards.model}/{wildcards.method}/{wildcards.benchmark}/seed{wildcards.seed}", "planned eval cell")
+    """The planned eval cell of a job's wildcards."""
+    key = f"results/eval/{wildcards.model}/{wildcards.method}/{wildcards.benchmark}/seed{wildcards.seed}"
+    return _find("cells", key, "planned eval cell")
 
 
 def fidelity_cell(wildcards):
-    return _lookup(PLAN.cells, f"results/fidelity/{wildcards.model}/{wildcards.method}/{wildcards.corpus}", "planned fidelity cell")
+    """The planned fidelity cell of a job's wildcards."""
+    key = f"results/fidelity/{wildcards.model}/{wildcards.method}/{wildcards.corpus}"
+    return _find("cells", key, "planned fidelity cell")
 
 
 def calibration_of(wildcards):
-    return _lookup(PLAN.calibrations, f"results/calibration/{wildcards.model}/{wildcards.method}", "planned calibration")
+    """The planned calibration artifact of a job's wildcards."""
+    return _find("calibrations", f"results/calibration/{wildcards.model}/{wildcards.method}", "planned calibration")
 
 
 def stats_of(wildcards):
-    return _lookup(PLAN.stats, f"results/stats/{wildcards.model}/{wildcards.calibration}", "planned statistics")
+    """The planned statistics of a job's wildcards."""
+    return _find("stats", f"results/stats/{wildcards.model}/{wildcards.calibration}", "planned statistics")
 
 
 def artifact_for(cell):
@@ -109,7 +130,7 @@ def artifact_for(cell):
 
 def table_targets(table):
     """Files that finish one table or figure: report files, figure, MLflow mirror."""
-    plan = _lookup(PLAN.tables, table, "table")
+    plan = table_plan(table)
     if plan.kind == "kernels":
         return kernel_targets()
     stem = f"reports/{EXPERIMENT}/{table}"
@@ -122,16 +143,17 @@ def table_targets(table):
 
 
 def all_targets():
+    """Every table and figure of the experiment, and the kernel benchmarks where a GPU is present."""
     targets = []
-    for name, plan in PLAN.tables.items():
-        if plan.kind != "kernels":
+    for name in PLAN.table_names:
+        if table_plan(name).kind != "kernels":
             targets += table_targets(name)
     return targets + kernel_targets()
 
 
 def kernel_targets():
     """Kernel benchmark outputs where a GPU is present, nothing otherwise."""
-    if not HAS_GPU or "kernels" not in PLAN.tables:
+    if not HAS_GPU or "kernels" not in PLAN.table_names:
         return []
     return [f"reports/{EXPERIMENT}/kernels.csv"]
 
@@ -142,9 +164,8 @@ def _artifact_input(cell):
 
 
 def _table_cells(wildcards):
-    plan = PLAN.tables[wildcards.table]
     files = []
-    for cell in plan.cells:
+    for cell in table_plan(wildcards.table).cells:
         files.append(f"{cell.result_dir}/result.json")
         if cell.kind == "fidelity":
             files.append(f"{cell.result_dir}/per_layer.csv")
@@ -159,5 +180,5 @@ def _check_experiment(wildcards):
             f"reports/{wildcards.experiment}/... belongs to experiment {wildcards.experiment!r}; "
             f"this run composes experiment {EXPERIMENT!r} (pass --config overrides='[experiment={wildcards.experiment}]')"
         )
-    _lookup(PLAN.tables, wildcards.table, "table")
+    table_plan(wildcards.table)
     return PLAN.table_plan_path(wildcards.table)

@@ -175,32 +175,64 @@ class TablePlan:
 
 
 class Plan:
-    """The workflow's cells, calibrations and tables for one composed experiment."""
+    """The workflow's cells, calibrations and tables for one composed experiment.
 
-    def __init__(self, user_overrides: list[str], conf_dir: str | None = None) -> None:
+    Tables are planned on demand (`table(name)`), so a run that asks for one table composes only
+    its cells; looking up a path that no planned table holds plans the rest. With `root`, every
+    resolved configuration and table plan is written there as soon as it is planned (only files
+    whose content changed are rewritten).
+    """
+
+    def __init__(self, user_overrides: list[str], conf_dir: str | None = None, root: str | Path | None = None) -> None:
         self.user_overrides = list(user_overrides)
+        self.root = Path(root) if root is not None else None
         self.axes, self.settings = split_axis_overrides(self.user_overrides)
-        self.tables: dict[str, TablePlan] = {}
+        # settings of the study (`experiment.*`) shape the grid; every other one goes to each cell
+        self.cell_settings = [s for s in self.settings if not s.lstrip("+~").startswith("experiment")]
+        self.tables: dict[str, TablePlan] = {}  # planned so far
         self.cells: dict[str, Cell] = {}  # result_dir -> cell
         self.calibrations: dict[str, Calibration] = {}  # artifact_dir -> calibration
         self.stats: dict[str, Calibration] = {}  # stats_dir -> one calibration using it
         self.cell_calibration: dict[str, Calibration] = {}  # result_dir -> the artifact it reads
         self._configs: dict[str, DictConfig] = {}  # config path -> resolved config
         self._owner: dict[str, str] = {}  # config path -> table that defined it first
-        kwargs = {"conf_dir": conf_dir} if conf_dir else {}
-        with Composer(**kwargs) as composer:
-            self._composer = composer
-            self.base = composer.compose(self.settings + ([f"seed={self.axes['seed']}"] if "seed" in self.axes else []))
-            self.experiment = str(self.base.experiment.name)
-            for key, fixed in (("results_dir", "results"), ("artifacts_dir", "results/calibration")):
-                if str(self.base[key]) != fixed:
-                    raise ConfigError(
-                        f"{key}={self.base[key]!r}: the workflow keeps its files under {fixed!r} of its working "
-                        "directory; run it elsewhere with `snakemake --directory DIR` instead"
-                    )
-            for name in self.base.experiment.tables:
+        self._written: set[str] = set()
+        self._composer = Composer(**({"conf_dir": conf_dir} if conf_dir else {}))
+        with self._composer:
+            # axis selections are composed once here too, so a bad one fails before any planning
+            self.base = self._composer.compose(self.settings + [f"{k}={v}" for k, v in self.axes.items()])
+        self.experiment = str(self.base.experiment.name)
+        for key, fixed in (("results_dir", "results"), ("artifacts_dir", "results/calibration")):
+            if str(self.base[key]) != fixed:
+                raise ConfigError(
+                    f"{key}={self.base[key]!r}: the workflow keeps its files under {fixed!r} of its working "
+                    "directory; run it elsewhere with `snakemake --directory DIR` instead"
+                )
+        self.table_names = [str(n) for n in self.base.experiment.tables]
+
+    def table(self, name: str) -> TablePlan:
+        """The plan of one table, composing its cells the first time it is asked for."""
+        if name not in self.tables:
+            if name not in self.table_names:
+                raise KeyError(name)
+            with self._composer:
                 self._plan_table(name)
-        del self._composer
+            if self.root is not None:
+                self._flush(name)
+        return self.tables[name]
+
+    def plan_all(self) -> None:
+        """Plan every table of the experiment (checks that no two tables disagree on a path)."""
+        for name in self.table_names:
+            self.table(name)
+
+    def find(self, mapping: str, key: str) -> Any:
+        """`cells`, `calibrations`, `stats` or `cell_calibration` entry, planning more tables if needed."""
+        found = getattr(self, mapping).get(key)
+        if found is None and len(self.tables) < len(self.table_names):
+            self.plan_all()
+            found = getattr(self, mapping).get(key)
+        return found
 
     # ----- composition ---------------------------------------------------------------------------
 
@@ -216,7 +248,7 @@ class Plan:
 
     def _overrides(self, groups: list[str], extra: list[str], variant: list[str]) -> list[str]:
         """Override order: group choices, experiment, table, the user's settings, then the variant's."""
-        return groups + list(self.base.experiment.overrides) + extra + self.settings + variant
+        return groups + list(self.base.experiment.overrides) + extra + self.cell_settings + variant
 
     def _plan_table(self, name: str) -> None:
         table = self.base.experiment.tables[name]
@@ -312,17 +344,26 @@ class Plan:
 
     # ----- outputs -------------------------------------------------------------------------------
 
+    def _flush(self, table: str) -> None:
+        """Write the configs registered so far and the plan of `table` under `root`."""
+        for path, cfg in self._configs.items():
+            if path not in self._written:
+                write_resolved(cfg, self.root / path)
+                self._written.add(path)
+        _write_if_changed(self.root / self.table_plan_path(table), self.tables[table].to_json(self.experiment))
+
     def write_configs(self, root: str | Path = ".") -> int:
-        """Write every resolved config (only those whose content changed); returns how many changed."""
+        """Write every resolved config planned so far (only those whose content changed); returns how many changed."""
         root = Path(root)
         return sum(write_resolved(cfg, root / path) for path, cfg in self._configs.items())
 
     def write_table_plans(self, root: str | Path = ".") -> None:
-        """Write `results/plan/<experiment>/<table>.json` for every table (only when changed)."""
+        """Write `results/plan/<experiment>/<table>.json` for every planned table (only when changed)."""
         for name, table in self.tables.items():
             _write_if_changed(Path(root) / self.table_plan_path(name), table.to_json(self.experiment))
 
     def table_plan_path(self, table: str) -> str:
+        """Where the plan of a table is written."""
         return f"results/plan/{self.experiment}/{table}.json"
 
     def resources(self, stage: str) -> ResourcesConfig:
@@ -332,8 +373,6 @@ class Plan:
             return ResourcesConfig(**to_dict(configured))
         return DEFAULT_RESOURCES[stage]
 
-    def table_names(self, kind: str | None = None) -> list[str]:
-        return [n for n, t in self.tables.items() if kind is None or t.kind == kind]
 
 
 def _cell_view(cfg: DictConfig, flags: tuple[str, ...]) -> DictConfig:
