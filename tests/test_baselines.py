@@ -21,6 +21,15 @@ from oscar.quant import fake_quantize, unpack_codes
 from oscar.rotation import random_orthogonal
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Small matrices: one intra-op thread is fastest and immune to oversubscribed cores."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("t,g,r,expected", [(0, 32, 128, (0, 0)), (100, 32, 128, (0, 0)), (128, 32, 128, (0, 0)),
                                             (160, 32, 128, (32, 32)), (200, 32, 128, (64, 72)), (37, 4, 0, (36, 37))])
 def test_kivi_split(t, g, r, expected):

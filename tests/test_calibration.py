@@ -34,6 +34,16 @@ from oscar.calibration import (
 from oscar.quant import dequantize, quantize
 from oscar.rotation import build_rotation, eigenbasis, random_orthogonal
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Small matrices: one intra-op thread is fastest and immune to oversubscribed cores."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 B, H, HKV, T, D = 2, 6, 2, 24, 64
 
 
@@ -342,6 +352,7 @@ def test_artifact_round_trip_is_exact_and_json_plus_safetensors(tmp_path):
         ({"group_size": 64}, r"group_size=32, but the model has group_size=64"),
     ],
 )
+
 def test_artifact_mismatch_is_refused_naming_both_values(tmp_path, kwargs, message):
     save_artifact(_artifact(), tmp_path / "a")
     with pytest.raises(ArtifactMismatch, match=message):

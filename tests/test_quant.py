@@ -22,6 +22,16 @@ from oscar.quant import (
     unpack_codes,
 )
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Small matrices: one intra-op thread is fastest and immune to oversubscribed cores."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 HEAD_DIMS = (64, 80, 96, 128, 160, 192, 256)
 GROUPS = (32, 64, 128)
 

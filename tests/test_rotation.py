@@ -19,6 +19,16 @@ from oscar.rotation import (
     random_orthogonal,
 )
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Small matrices: one intra-op thread is fastest and immune to oversubscribed cores."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 HEAD_DIMS = (64, 80, 96, 128, 160, 192, 256)
 
 
