@@ -1,0 +1,175 @@
+"""Calibration stages end to end on a tiny random Qwen3 (head_dim 128, GQA 2) loaded through the
+online path (a local snapshot in `model.hf_id`): dump -> rotations -> clip, resume, errors."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from oscar.artifact import ArtifactMismatch, load_artifact
+from oscar.commands import calibrate as calibrate_cmd
+from oscar.commands.calibrate import run_calibrate
+from oscar.commands.clip import run_clip
+from oscar.commands.dump import run_dump
+from oscar.commands.rotations import run_rotations
+from oscar.config import ConfigError, compose
+from oscar.methods import CalibrationMissing
+from oscar.models import load_model
+from oscar.models.tiny import save_random_model
+from oscar.rotation import bit_reversal, hadamard
+from oscar.stats import CalibrationStats
+
+WORDS = "alpha beta gamma delta key value query cache token rotate quantize group head layer model text".split()
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("calib")
+    snapshot = save_random_model("qwen3", root / "qwen3", seed=0, num_heads=4, num_kv_heads=2, head_dim=128, hidden_size=256)
+    rng = random.Random(0)
+    corpus = root / "corpus.txt"
+    corpus.write_text(" ".join(rng.choice(WORDS) for _ in range(4000)))
+    return root, snapshot, corpus
+
+
+def _cfg(tiny_setup, results, *extra: str):
+    root, snapshot, corpus = tiny_setup
+    return compose([
+        "model=qwen3-8b", f"model.hf_id={snapshot}", "model.num_layers=2", "model.num_heads=4",
+        "model.num_kv_heads=2", "model.head_dim=128", "model.hidden_size=256", "model.dtype=float32",
+        "calibration.corpus=file", f"calibration.path={corpus}", "calibration.num_tokens=256",
+        "calibration.seq_len=64", "calibration.holdout_tokens=96", f"results_dir={results}", "device=cpu", *extra,
+    ])
+
+
+def test_pipeline_writes_a_loadable_artifact(tiny_setup, tmp_path):
+    cfg = _cfg(tiny_setup, tmp_path, "method=oscar")
+    results = run_calibrate(cfg)
+    assert [r.stage for r in results] == ["dump", "rotations", "clip"]
+    assert not any(r.skipped for r in results)
+    stats_dir, art_dir = results[0].path, results[2].path
+    assert stats_dir == tmp_path / "stats" / "qwen3-8b" / "default"
+    assert art_dir == tmp_path / "calibration" / "qwen3-8b" / "oscar"
+
+    stats = CalibrationStats.load(stats_dir)
+    assert stats.meta["calibration"]["tokens"] == 256
+    assert stats.meta["calibration"]["holdout_tokens"] == 96
+    assert int(stats.layers[0]["n_K"][0]) == 256 and int(stats.layers[0]["n_Q"][0]) == 2 * 256
+    assert stats.samples[1]["K_samples"].shape == (2, 96, 128)  # held-back rows, not in the sums
+
+    model, _ = load_model(cfg.model)
+    art = load_artifact(art_dir, model=model)
+    assert art.meta["calibration"]["token_hash"] == stats.meta["calibration"]["token_hash"]
+    assert art.meta["group_size"] == 128 and art.meta["bits"] == 2
+    for layer in range(2):
+        hp = hadamard(128) @ bit_reversal(128)
+        for h in range(2):  # OSCAR: R = U.H.P with U an eigenbasis of C_Q / n_Q (keys), C_S / n_S (values)
+            for side, which in (("K", "Q"), ("V", "S")):
+                c = stats.second_moment(layer, which)[h]
+                u = getattr(art, f"R_{side}")[layer][h].double() @ hp.T
+                eig = torch.linalg.eigvalsh(c).flip(0)
+                torch.testing.assert_close(getattr(art, f"eig_{side}")[layer][h].double(), eig, rtol=1e-5, atol=1e-6 * float(eig[0]))
+                torch.testing.assert_close(u.T @ c @ u, torch.diag(eig), rtol=0, atol=1e-5 * float(eig[0]))
+        for rho, grid in ((art.rho_K[layer], cfg.calibration.clip_grid_k), (art.rho_V[layer], cfg.calibration.clip_grid_v)):
+            assert all(min(abs(r - g) for g in grid) < 1e-6 for r in rho.tolist()), (rho, list(grid))
+
+
+def test_stages_resume_and_rerun_on_change(tiny_setup, tmp_path):
+    cfg = _cfg(tiny_setup, tmp_path, "method=oscar_hp")
+    first = run_calibrate(cfg)
+    again = run_calibrate(cfg)
+    assert all(r.skipped for r in again)
+    forced = run_calibrate(cfg, force=True)
+    assert not any(r.skipped for r in forced)
+    changed = _cfg(tiny_setup, tmp_path, "method=oscar_hp", "calibration.num_tokens=192")
+    rerun = run_calibrate(changed)
+    assert not rerun[0].skipped and rerun[0].stage_hash != first[0].stage_hash
+    assert CalibrationStats.load(rerun[0].path).meta["calibration"]["tokens"] == 192
+
+
+def test_deterministic_for_a_seed(tiny_setup, tmp_path):
+    arts = []
+    for sub in ("a", "b"):
+        cfg = _cfg(tiny_setup, tmp_path / sub, "method=oscar_raw")
+        arts.append(load_artifact(run_calibrate(cfg)[-1].path))
+    for name in ("R_K", "R_V", "rho_K", "rho_V"):
+        for x, y in zip(getattr(arts[0], name), getattr(arts[1], name)):
+            assert torch.equal(x, y), name
+
+
+def test_auto_records_choices_no_worse_than_oscar(tiny_setup, tmp_path):
+    cfg = _cfg(tiny_setup, tmp_path, "method=auto")
+    art_dir = run_calibrate(cfg)[-1].path
+    meta = json.loads((art_dir / "meta.json").read_text())
+    choices = meta["choices"]
+    assert {(c["layer"], c["head"]) for c in choices} == {(l, h) for l in range(2) for h in range(2)}
+    for c in choices:
+        oscar_k = [r["distortion"] for r in c["key_table"] if r["target"] == "query" and not r["center"]][0]
+        oscar_v = [r["distortion"] for r in c["value_table"] if r["target"] == "output" and not r["center"]][0]
+        assert c["key_distortion"] <= oscar_k and c["value_distortion"] <= oscar_v
+        assert c["key_distortion"] == min(r["distortion"] for r in c["key_table"])
+        assert len(c["key_table"]) == 8  # 4 targets x with/without centering
+    art = load_artifact(art_dir)
+    for c in choices:
+        mu = art.mu_K[c["layer"]][c["head"]]
+        assert bool(mu.abs().sum() > 0) == c["center_k"]
+    csv_lines = (art_dir / "choices.csv").read_text().splitlines()
+    assert len(csv_lines) == 1 + len(choices)
+    assert "Geometric mean vs OSCAR" in (art_dir / "choices.md").read_text()
+
+
+def test_methods_without_calibration_skip_dump(tiny_setup, tmp_path):
+    cfg = _cfg(tiny_setup, tmp_path, "method=quarot")
+    results = run_calibrate(cfg)
+    assert [r.stage for r in results] == ["rotations", "clip"]
+    art = load_artifact(results[-1].path)
+    assert torch.allclose(art.R_K[0][0].double(), hadamard(128), atol=1e-7)
+    assert art.rho_K[0].tolist() == [1.0, 1.0]
+    assert not (tmp_path / "stats").exists()
+
+
+def test_missing_and_stale_statistics_are_refused(tiny_setup, tmp_path):
+    cfg = _cfg(tiny_setup, tmp_path, "method=oscar")
+    with pytest.raises(CalibrationMissing, match="python -m oscar dump model=qwen3-8b"):
+        run_rotations(cfg)
+    with pytest.raises(CalibrationMissing, match="python -m oscar rotations"):
+        run_clip(cfg)
+    run_dump(cfg)
+    stale = _cfg(tiny_setup, tmp_path, "method=oscar", "calibration.seed=5")
+    with pytest.raises(CalibrationMissing, match="force=true"):
+        run_rotations(stale)
+
+
+def test_artifact_of_another_geometry_is_refused(tiny_setup, tmp_path):
+    cfg = _cfg(tiny_setup, tmp_path, "method=quarot")
+    art_dir = run_calibrate(cfg)[-1].path
+    other = save_random_model("qwen3", tmp_path / "other", num_layers=3, num_heads=4, num_kv_heads=2, head_dim=128, hidden_size=256)
+    from oscar.models.tiny import tiny_model_cfg
+
+    model, _ = load_model(tiny_model_cfg("qwen3", other))
+    with pytest.raises(ArtifactMismatch, match="num_layers|config_hash"):
+        load_artifact(art_dir, model=model)
+
+
+def test_output_override_and_cli_main(tiny_setup, tmp_path, capsys):
+    root, snapshot, corpus = tiny_setup
+    out = tmp_path / "custom"
+    argv = [
+        "model=qwen3-8b", f"model.hf_id={snapshot}", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
+        "model.head_dim=128", "model.hidden_size=256", "model.dtype=float32", "calibration.corpus=file",
+        f"calibration.path={corpus}", "calibration.num_tokens=256", "calibration.seq_len=64",
+        "calibration.holdout_tokens=96", f"results_dir={tmp_path}", "device=cpu", "method=oscar_hp", f"output={out}",
+    ]
+    assert calibrate_cmd.main(argv) == 0
+    assert (out / "rotations.safetensors").is_file() and (out / "meta.json").is_file()
+    assert "calibrate: qwen3-8b / oscar_hp done" in capsys.readouterr().out
+    assert calibrate_cmd.main([*argv[:-1], "method=oscar_hp", "report=x"]) == 1
+    assert "not auto" in capsys.readouterr().err
+
+
+def test_unknown_model_names_the_options():
+    with pytest.raises(ConfigError, match="smollm2-135m"):
+        compose(["model=gpt-5"])
