@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Real CPU runs behind reports/eval/smollm2_135m.md (SmolLM2-135M, BF16 vs QuaRot-INT2 vs OSCAR).
+# Small limits: a 2-core machine shared with other jobs. BF16 windows shrunk to sink=16, recent=64 so
+# that short prompts actually read the INT2 cache (defaults 64/256 would leave MMLU prompts untouched).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+W="method.sink=16 method.recent=64"
+PY=${PYTHON:-python3}
+for m in quarot oscar; do
+  $PY -m oscar fidelity model=smollm2-135m method=$m $W windows=2 seq_len=512 modes=decode_equivalent threads=2 progress=false
+done
+for m in bf16 quarot oscar; do
+  $PY -m oscar eval model=smollm2-135m method=$m benchmark=mmlu benchmark.limit=30 \
+      benchmark.extra.score_mode=decode_equivalent $W seed=0 threads=2 progress=false
+done
+for m in quarot oscar; do
+  $PY -m oscar fidelity model=smollm2-135m method=$m $W windows=1 seq_len=512 prefill=496 modes=serving \
+      attention=false threads=2 progress=false output=results/fidelity/smollm2-135m/$m/paul_graham-serving
+done
