@@ -237,3 +237,29 @@ def test_temp_directories_are_removed():
     run_python("print(1)", limits=FAST)
     after = {p.name for p in Path(tempfile.gettempdir()).glob("oscar-sbx-*")}
     assert after <= before
+
+
+@pytest.mark.parametrize("code, marker", [
+    ("import socket\nsocket.socket()\n", "socket creation"),
+    ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n", "signals to other processes"),
+    ("import subprocess\nsubprocess.run(['true'])\n", "subprocess.Popen"),
+    ("while True:\n    pass\n", None),
+    ("x = bytearray(4 << 30)\n", "MemoryError"),
+])
+def test_fallback_hook_layer_contains_hostile_programs(code, marker):
+    from oscar.eval.sandbox import _run
+
+    res = _run(code, None, FAST, "hooks")
+    assert res.isolation == "hooks" and not res.passed
+    if marker is None:
+        assert res.status == "timeout"
+    else:
+        assert marker in res.stderr
+
+
+def test_fallback_hook_layer_blocks_writes_outside(tmp_path):
+    from oscar.eval.sandbox import _run
+
+    target = tmp_path / "escaped_hooks.txt"
+    res = _run(f"open({str(target)!r}, 'w').write('x')\n", None, FAST, "hooks")
+    assert not res.passed and not target.exists() and "outside the working directory" in res.stderr

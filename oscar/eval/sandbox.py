@@ -170,7 +170,10 @@ def isolation_mode() -> str:
         )
     except (OSError, subprocess.TimeoutExpired):
         return "hooks"
-    return "namespaces" if probe.returncode == 0 else "hooks"
+    if probe.returncode != 0:
+        return "hooks"
+    trial = _run("print('ok')", None, SandboxLimits(timeout_s=20, cpu_s=10), "namespaces")
+    return "namespaces" if trial.passed and trial.stdout.strip() == "ok" else "hooks"
 
 
 def _hidden_dirs() -> list[str]:
@@ -199,8 +202,11 @@ def _read_tail(path: Path, limit: int) -> str:
 
 def run_python(code: str, stdin: str | None = None, limits: SandboxLimits | None = None) -> ExecResult:
     """Run Python source `code` in the sandbox and return its status and captured output."""
-    limits = limits or SandboxLimits()
-    mode = isolation_mode()
+    return _run(code, stdin, limits or SandboxLimits(), isolation_mode())
+
+
+def _run(code: str, stdin: str | None, limits: SandboxLimits, mode: str) -> ExecResult:
+    """One sandboxed run with an explicit isolation layer."""
     uid = gid = _sandbox_uid()
     base = Path(tempfile.mkdtemp(prefix="oscar-sbx-"))
     workdir = base / "work"
