@@ -38,21 +38,40 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _unpack_fp16(packed, BLOCK_N: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
-    """uint8 ``[BLOCK_N, D*BITS/8]`` planar-packed codes -> exact fp16 codes ``[BLOCK_N, D]``.
+def _magic_fp16(w, shift: tl.constexpr, MASK: tl.constexpr):
+    """Field ``(w >> shift) & MASK`` of int32 words as an exact fp16 (``0x6400 | c`` is ``1024 + c``)."""
+    return (((w >> shift) & MASK) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
 
-    Channels come out in the kernel order ``c' = g*G + j*PER + p`` (byte ``j`` of group ``g``,
-    plane ``p``), i.e. actual channel ``_channel_perm(c')``: no shuffles, the query and the output
-    are permuted instead.
+
+@triton.jit
+def _quad(a, b, c, d):
+    """Four same-shape tensors -> one with a new last axis of 4, in the order a, b, c, d."""
+    return tl.reshape(tl.join(tl.join(a, c), tl.join(b, d)), a.shape + [4])
+
+
+@triton.jit
+def _unpack_fp16(words, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """int32 words ``[BLOCK_N, D*BITS/32]`` of planar-packed codes -> exact fp16 codes ``[BLOCK_N, D]``.
+
+    Channels come out in the kernel order ``c' = j*PER + p`` within each group (byte ``j`` of the
+    group, plane ``p``), i.e. actual channel ``_channel_perm(c')``: no shuffles, the query and the
+    output are permuted instead. Byte ``i`` of a word is byte ``4*word + i`` of the row.
     """
-    PER: tl.constexpr = 8 // BITS
-    NG: tl.constexpr = D // G
     MASK: tl.constexpr = (1 << BITS) - 1
-    c = tl.reshape(packed.to(tl.int16), (BLOCK_N, NG, G // PER, 1))
-    shifts = (tl.arange(0, PER) * BITS).to(tl.int16)
-    planes = (c >> shifts[None, None, None, :]) & MASK
-    magic = (planes | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-    return tl.reshape(magic, (BLOCK_N, D))
+    # per plane p: the four bytes of each word on a new last axis; then the planes on the last axis
+    f0 = _quad(_magic_fp16(words, 0, MASK), _magic_fp16(words, 8, MASK),
+               _magic_fp16(words, 16, MASK), _magic_fp16(words, 24, MASK))
+    f1 = _quad(_magic_fp16(words, BITS, MASK), _magic_fp16(words, 8 + BITS, MASK),
+               _magic_fp16(words, 16 + BITS, MASK), _magic_fp16(words, 24 + BITS, MASK))
+    if BITS == 2:
+        f2 = _quad(_magic_fp16(words, 4, MASK), _magic_fp16(words, 12, MASK),
+                   _magic_fp16(words, 20, MASK), _magic_fp16(words, 28, MASK))
+        f3 = _quad(_magic_fp16(words, 6, MASK), _magic_fp16(words, 14, MASK),
+                   _magic_fp16(words, 22, MASK), _magic_fp16(words, 30, MASK))
+        out = _quad(f0, f1, f2, f3)
+    else:
+        out = tl.join(f0, f1)
+    return tl.reshape(out, (BLOCK_N, D))
 
 
 @triton.jit
@@ -64,58 +83,43 @@ def _channel_perm(D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
     return (cp // G) * G + (r % PER) * (G // PER) + r // PER
 
 
+def _asm_byte_source(i: int) -> str:
+    """PTX for ``_asm_byte``: byte ``i`` of two words into fp16x2 registers, one per INT2 plane."""
+    sel = ((4 + i) << 12) | ((4 + i) << 8) | (i << 4) | i  # d = [a.i, a.i, b.i, b.i]
+    lines = [".reg .b32 t, u, m;", "mov.b32 m, 0x64006400;", f"prmt.b32 t, $4, $5, {sel};"]
+    for p in range(4):
+        lines += [f"shr.b32 u, t, {2 * p};", "and.b32 u, u, 0x00030003;", "or.b32 u, u, m;", f"sub.f16x2 ${p}, u, m;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_ASM_B0 = tl.constexpr(_asm_byte_source(0))
+_ASM_B1 = tl.constexpr(_asm_byte_source(1))
+_ASM_B2 = tl.constexpr(_asm_byte_source(2))
+_ASM_B3 = tl.constexpr(_asm_byte_source(3))
+
+
 @triton.jit
-def _unpack_fp16_asm(packed, BLOCK_N: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
-    """``_unpack_fp16`` with four codes per 32-bit register in inline PTX (GPU only, INT2 only)."""
-    NG: tl.constexpr = D // G
-    c0, c1, c2, c3 = tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 a, lo, hi, m;
-        mov.b32 m, 0x64006400;
-        and.b32 a, $8, 0x03030303;
-        prmt.b32 lo, a, 0, 0x4140;
-        prmt.b32 hi, a, 0, 0x4342;
-        or.b32 lo, lo, m;
-        or.b32 hi, hi, m;
-        sub.f16x2 $0, lo, m;
-        sub.f16x2 $1, hi, m;
-        shr.b32 a, $8, 2;
-        and.b32 a, a, 0x03030303;
-        prmt.b32 lo, a, 0, 0x4140;
-        prmt.b32 hi, a, 0, 0x4342;
-        or.b32 lo, lo, m;
-        or.b32 hi, hi, m;
-        sub.f16x2 $2, lo, m;
-        sub.f16x2 $3, hi, m;
-        shr.b32 a, $8, 4;
-        and.b32 a, a, 0x03030303;
-        prmt.b32 lo, a, 0, 0x4140;
-        prmt.b32 hi, a, 0, 0x4342;
-        or.b32 lo, lo, m;
-        or.b32 hi, hi, m;
-        sub.f16x2 $4, lo, m;
-        sub.f16x2 $5, hi, m;
-        shr.b32 a, $8, 6;
-        and.b32 a, a, 0x03030303;
-        prmt.b32 lo, a, 0, 0x4140;
-        prmt.b32 hi, a, 0, 0x4342;
-        or.b32 lo, lo, m;
-        or.b32 hi, hi, m;
-        sub.f16x2 $6, lo, m;
-        sub.f16x2 $7, hi, m;
-        }""",
-        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
-        args=[packed],
+def _asm_byte(words, SRC: tl.constexpr):
+    """Inline PTX: the four INT2 planes of one byte of each int32 word as fp16, two words per instance."""
+    return tl.inline_asm_elementwise(
+        asm=SRC,
+        constraints="=r,=r,=r,=r,r,r",
+        args=[words],
         dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
         is_pure=True,
-        pack=4,
+        pack=2,
     )
-    c0 = tl.reshape(c0, (BLOCK_N, NG, G // 4))
-    c1 = tl.reshape(c1, (BLOCK_N, NG, G // 4))
-    c2 = tl.reshape(c2, (BLOCK_N, NG, G // 4))
-    c3 = tl.reshape(c3, (BLOCK_N, NG, G // 4))
-    planes = tl.join(tl.join(c0, c2), tl.join(c1, c3))  # [n, g, j, i, k] holds plane 2i + k
-    return tl.reshape(planes, (BLOCK_N, D))
+
+
+@triton.jit
+def _unpack_fp16_asm(words, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """``_unpack_fp16`` for INT2 with the field extraction in inline PTX (GPU only): ~1.6 instructions a code."""
+    a0, a1, a2, a3 = _asm_byte(words, _ASM_B0)
+    b0, b1, b2, b3 = _asm_byte(words, _ASM_B1)
+    c0, c1, c2, c3 = _asm_byte(words, _ASM_B2)
+    d0, d1, d2, d3 = _asm_byte(words, _ASM_B3)
+    out = _quad(_quad(a0, b0, c0, d0), _quad(a1, b1, c1, d1), _quad(a2, b2, c2, d2), _quad(a3, b3, c3, d3))
+    return tl.reshape(out, (BLOCK_N, D))
 
 
 @triton.jit
@@ -160,7 +164,7 @@ def _partial_kernel(
     H: tl.constexpr = HKV * REP
     s_total = num_splits + 2
     NG: tl.constexpr = D // G
-    NB: tl.constexpr = D * BITS // 8
+    NW: tl.constexpr = D * BITS // 32  # int32 words per row
     heads = tl.arange(0, HP)
     hmask = heads < REP
     hq = kvh * REP + heads
@@ -177,16 +181,16 @@ def _partial_kernel(
     qmu = tl.load(qmu_ptr + b * H + hq, mask=hmask, other=0.0)
     qsum = tl.sum(q16.to(tl.float32), axis=1)
     accz = tl.zeros([HP], tl.float32)
-    bcols = tl.arange(0, NB)
+    wcols = tl.arange(0, NW)
     gcols = tl.arange(0, NG)
     rows = tl.arange(0, BLOCK_N)
     # Page-major walk: a block is BLOCK_N consecutive slots of one page (BLOCK_N <= PAGE_SIZE,
     # split starts aligned to pages), so its codes are one contiguous run of bytes; the next
     # block's page id, codes and scales are loaded before this block is computed.
-    c_off = rows[:, None] * NB + bcols[None, :]
+    c_off = rows[:, None] * NW + wcols[None, :]
     pt_row = pt_ptr + b * stride_ptb
     pg = tl.load(pt_row + start // PAGE_SIZE, mask=start < end, other=0).to(tl.int64)
-    cb = pg * stride_cp + kvh * stride_ch + (start % PAGE_SIZE) * NB
+    cb = pg * stride_cp + kvh * stride_ch + (start % PAGE_SIZE) * NW
     mb = pg * stride_mp + kvh * stride_mh + (start % PAGE_SIZE) * NG
     nmask = (start + rows) < end
     kc_n = tl.load(kc_ptr + cb + c_off, mask=nmask[:, None], other=0)
@@ -212,7 +216,7 @@ def _partial_kernel(
         tmask = nmask
         t1 = t0 + BLOCK_N
         pg = tl.load(pt_row + t1 // PAGE_SIZE, mask=t1 < end, other=0).to(tl.int64)
-        cb = pg * stride_cp + kvh * stride_ch + (t1 % PAGE_SIZE) * NB
+        cb = pg * stride_cp + kvh * stride_ch + (t1 % PAGE_SIZE) * NW
         mb = pg * stride_mp + kvh * stride_mh + (t1 % PAGE_SIZE) * NG
         nmask = (t1 + rows) < end
         kc_n = tl.load(kc_ptr + cb + c_off, mask=nmask[:, None], other=0)
@@ -228,9 +232,9 @@ def _partial_kernel(
             vs_n = tl.load(vs_ptr + mb + m_off, mask=nmask[:, None], other=0.0)
             vz_n = tl.load(vz_ptr + mb + m_off, mask=nmask[:, None], other=0.0)
         if FAST_UNPACK:
-            kcode = _unpack_fp16_asm(kc, BLOCK_N, D, G, BITS)
+            kcode = _unpack_fp16_asm(kc, BLOCK_N, D, BITS)
         else:
-            kcode = _unpack_fp16(kc, BLOCK_N, D, G, BITS)
+            kcode = _unpack_fp16(kc, BLOCK_N, D, BITS)
         if NG == 1:
             s = tl.dot(kcode, q16T) * ks[:, None] + kz[:, None] * qsum[None, :]
         else:
@@ -243,9 +247,9 @@ def _partial_kernel(
         p = tl.exp2(s - m_new[None, :])
         l_i = l_i * alpha + tl.sum(p, axis=0)
         if FAST_UNPACK:
-            vcode = _unpack_fp16_asm(vc, BLOCK_N, D, G, BITS)
+            vcode = _unpack_fp16_asm(vc, BLOCK_N, D, BITS)
         else:
-            vcode = _unpack_fp16(vc, BLOCK_N, D, G, BITS)
+            vcode = _unpack_fp16(vc, BLOCK_N, D, BITS)
         if NG == 1:
             acc = acc * alpha[None, :] + tl.dot(tl.trans(vcode), (p * vs[:, None]).to(tl.float16))
             accz = accz * alpha + tl.sum(p * vz[:, None], axis=0)
@@ -440,7 +444,7 @@ def paged_decode_attention(
     check(bits in (2, 4), f"bits={bits} is not supported; valid values are 2 and 4")
     npages, hkv, page_size, nbytes = (int(s) for s in k_codes.shape)
     check(H % hkv == 0, f"query heads H={H} must be a multiple of KV heads Hkv={hkv}")
-    check(is_pow2(d) and 16 <= d <= 256, f"head_dim={d} must be a power of two in [16, 256]")
+    check(is_pow2(d) and 32 <= d <= 256, f"head_dim={d} must be a power of two in [32, 256]")
     check(is_pow2(group_size) and group_size <= d and group_size % (8 // bits) == 0,
           f"group_size={group_size} must be a power of two dividing head_dim={d}")
     check(nbytes == d * bits // 8 and k_codes.dtype == torch.uint8,
@@ -507,10 +511,11 @@ def paged_decode_attention(
     rk, rv, rl = recent if recent is not None else (dummy, dummy, dummy)
     s_strides = (sk.stride(0), sk.stride(1), sk.stride(2)) if sink is not None else (0, 0, 0)
     r_strides = (rk.stride(0), rk.stride(1), rk.stride(2)) if recent is not None else (0, 0, 0)
+    kw, vw = k_codes.view(torch.int32), v_codes.view(torch.int32)  # 4 packed bytes per load element
     launchable(_partial_kernel, dev)[(B * hkv, num_splits)](
         q_rot, qmu,
-        k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-        k_codes.stride(0), k_codes.stride(1),
+        kw, k_scale, k_zero, vw, v_scale, v_zero,
+        kw.stride(0), kw.stride(1),
         k_scale.stride(0), k_scale.stride(1),
         page_table, page_table.stride(0), int_len,
         o_part, lse_part, tps, num_splits,

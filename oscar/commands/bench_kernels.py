@@ -330,8 +330,7 @@ def _variants(spec: str) -> list[dict[str, Any]]:
     for fast in (False, True):
         for bn in (32, 64):
             for nw in (4, 8):
-                for st in (1, 2):
-                    out.append({"block_n": bn, "num_warps": nw, "num_stages": st, "fast_unpack": fast})
+                out.append({"block_n": bn, "num_warps": nw, "num_stages": 2, "fast_unpack": fast})
     return out
 
 
