@@ -40,8 +40,8 @@ def _cfg(tiny_setup, results, *extra: str):
     return compose([
         "model=qwen3-8b", f"model.hf_id={snapshot}", "model.num_layers=2", "model.num_heads=4",
         "model.num_kv_heads=2", "model.head_dim=128", "model.hidden_size=256", "model.dtype=float32",
-        "calibration.corpus=file", f"calibration.path={corpus}", "calibration.num_tokens=256",
-        "calibration.seq_len=64", "calibration.holdout_tokens=96", f"results_dir={results}", "device=cpu", *extra,
+        "calibration.corpus=file", f"calibration.path={corpus}", "calibration.num_tokens=128",
+        "calibration.seq_len=64", "calibration.holdout_tokens=64", f"results_dir={results}", "device=cpu", *extra,
     ])
 
 
@@ -55,10 +55,10 @@ def test_pipeline_writes_a_loadable_artifact(tiny_setup, tmp_path):
     assert art_dir == tmp_path / "calibration" / "qwen3-8b" / "oscar"
 
     stats = CalibrationStats.load(stats_dir)
-    assert stats.meta["calibration"]["tokens"] == 256
-    assert stats.meta["calibration"]["holdout_tokens"] == 96
-    assert int(stats.layers[0]["n_K"][0]) == 256 and int(stats.layers[0]["n_Q"][0]) == 2 * 256
-    assert stats.samples[1]["K_samples"].shape == (2, 96, 128)  # held-back rows, not in the sums
+    assert stats.meta["calibration"]["tokens"] == 128
+    assert stats.meta["calibration"]["holdout_tokens"] == 64
+    assert int(stats.layers[0]["n_K"][0]) == 128 and int(stats.layers[0]["n_Q"][0]) == 2 * 128
+    assert stats.samples[1]["K_samples"].shape == (2, 64, 128)  # held-back rows, not in the sums
 
     model, _ = load_model(cfg.model)
     art = load_artifact(art_dir, model=model)
@@ -84,12 +84,13 @@ def test_stages_resume_and_rerun_on_change(tiny_setup, tmp_path):
     assert all(r.skipped for r in again)
     forced = run_calibrate(cfg, force=True)
     assert not any(r.skipped for r in forced)
-    changed = _cfg(tiny_setup, tmp_path, "method=oscar_hp", "calibration.num_tokens=192")
+    changed = _cfg(tiny_setup, tmp_path, "method=oscar_hp", "calibration.num_tokens=96")
     rerun = run_calibrate(changed)
     assert not rerun[0].skipped and rerun[0].stage_hash != first[0].stage_hash
-    assert CalibrationStats.load(rerun[0].path).meta["calibration"]["tokens"] == 192
+    assert CalibrationStats.load(rerun[0].path).meta["calibration"]["tokens"] == 96
 
 
+@pytest.mark.slow
 def test_deterministic_for_a_seed(tiny_setup, tmp_path):
     arts = []
     for sub in ("a", "b"):
@@ -160,8 +161,8 @@ def test_output_override_and_cli_main(tiny_setup, tmp_path, capsys):
     argv = [
         "model=qwen3-8b", f"model.hf_id={snapshot}", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
         "model.head_dim=128", "model.hidden_size=256", "model.dtype=float32", "calibration.corpus=file",
-        f"calibration.path={corpus}", "calibration.num_tokens=256", "calibration.seq_len=64",
-        "calibration.holdout_tokens=96", f"results_dir={tmp_path}", "device=cpu", "method=oscar_hp", f"output={out}",
+        f"calibration.path={corpus}", "calibration.num_tokens=128", "calibration.seq_len=64",
+        "calibration.holdout_tokens=64", f"results_dir={tmp_path}", "device=cpu", "method=oscar_hp", f"output={out}",
     ]
     assert calibrate_cmd.main(argv) == 0
     assert (out / "rotations.safetensors").is_file() and (out / "meta.json").is_file()

@@ -1,0 +1,179 @@
+"""Method configs -> rotations, means and clip ratios: validation, in-code methods, stats-based methods."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from oscar.commands._stage import single_thread
+from oscar.config import compose
+from oscar.methods import (
+    CalibrationMissing,
+    MethodError,
+    auto_choices_rows,
+    build_rotations,
+    effective_group_size,
+    fit_clip,
+    in_code_artifact,
+    needs_statistics,
+    validate_method,
+    write_auto_choices,
+)
+from oscar.clipfit import measured_distortion
+from oscar.rotation import bit_reversal, block_hadamard, build_rotation, hadamard
+from oscar.stats import CalibrationStats
+
+ALL_METHODS = ["bf16", "int2", "quarot", "saw_int4", "turboquant", "kivi2", "oscar", "oscar_center", "oscar_hp",
+               "oscar_raw", "oscar_up", "oscar_uh", "auto"]
+GEOM = dict(num_layers=2, num_kv_heads=2, head_dim=64)
+
+
+@functools.lru_cache(maxsize=None)
+def method(name: str, *overrides: str):
+    return compose([f"method={name}", *[f"method.{o}" for o in overrides]]).method
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Thousands of tiny quantizations: one intra-op thread is much faster on a shared CPU."""
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def stats():
+    """Synthetic statistics with anisotropic q/k/v/outputs and held-back rows."""
+    gen = torch.Generator().manual_seed(0)
+    st = CalibrationStats(2, 4, 2, 64, max_samples=128)
+    scales = torch.logspace(0, -2, 64, dtype=torch.float64)
+    for layer in range(2):
+        for _ in range(2):
+            q = torch.randn(1, 4, 200, 64, generator=gen, dtype=torch.float64) * scales
+            k = torch.randn(1, 2, 200, 64, generator=gen, dtype=torch.float64) * scales.flip(0) + 0.3
+            v = torch.randn(1, 2, 200, 64, generator=gen, dtype=torch.float64) - 0.2
+            s = torch.randn(1, 4, 200, 64, generator=gen, dtype=torch.float64) * scales
+            st.update(layer, q=q, k=k, v=v, attn_out=s)
+        st.add_samples(layer, k[:, :, :128], v[:, :, :128])
+    return st
+
+
+@pytest.mark.parametrize("name", ALL_METHODS)
+def test_every_configured_method_validates(name):
+    validate_method(method(name))
+
+
+def test_statistics_needed_exactly_where_the_method_uses_them():
+    need = {n: needs_statistics(method(n)) for n in ALL_METHODS}
+    assert {n for n, v in need.items() if not v} == {"bf16", "int2", "quarot", "saw_int4", "turboquant", "kivi2"}
+    assert needs_statistics(method("quarot", "clip=fit"))  # fitted clipping reads held-back rows
+    assert not needs_statistics(method("oscar_hp", "clip=fixed"))
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("key_rotation=uhq", "valid: identity, hadamard"),
+        ("value_target=query", "valid: output, raw, geomean"),
+        ("key_target=output", "valid: query, raw, geomean"),
+        ("clip=auto", "valid: fit, fixed, none"),
+        ("kind=lloyd", "valid: bf16, rotated, kivi, turboquant"),
+        ("value_rotation=hadamard", "auto must apply to both"),
+    ],
+)
+def test_invalid_methods_name_the_valid_options(override, match):
+    base = "auto" if "value_rotation" in override else "oscar"
+    with pytest.raises(MethodError, match=match):
+        validate_method(method(base, override))
+
+
+def test_effective_group_size():
+    assert effective_group_size(method("oscar"), 64) == 64
+    assert effective_group_size(method("oscar"), 128) == 128
+    assert effective_group_size(method("kivi2"), 128) == 32
+    with pytest.raises(MethodError, match=r"group_size 48 does not divide head_dim 64; valid group sizes: \[4, 8, 16, 32, 64\]"):
+        effective_group_size(method("oscar", "group_size=48"), 64)
+
+
+def test_in_code_methods_match_their_definitions():
+    quarot = in_code_artifact(method("quarot"), **GEOM)
+    int2 = in_code_artifact(method("int2"), **GEOM)
+    saw = in_code_artifact(method("saw_int4", "group_size=32"), **GEOM)
+    bf16 = in_code_artifact(method("bf16"), **GEOM)
+    for layer in range(2):
+        for h in range(2):
+            assert torch.allclose(quarot.R_K[layer][h].double(), hadamard(64), atol=1e-7)
+            assert torch.equal(int2.R_V[layer][h], torch.eye(64))
+            assert torch.allclose(saw.R_K[layer][h].double(), block_hadamard(64, 32), atol=1e-7)
+            assert torch.equal(bf16.R_K[layer][h], torch.eye(64))
+        assert quarot.rho_K[layer].tolist() == [1.0, 1.0]
+        assert torch.equal(quarot.mu_K[layer], torch.zeros(2, 64))
+    assert quarot.meta["method"]["name"] == "quarot"
+
+
+def test_random_rotations_are_seeded_per_layer_and_head():
+    a = in_code_artifact(method("turboquant"), **GEOM)
+    b = in_code_artifact(method("turboquant"), **GEOM)
+    c = in_code_artifact(method("turboquant", "seed=1"), **GEOM)
+    assert torch.equal(a.R_K[0], b.R_K[0])
+    assert not torch.equal(a.R_K[0], c.R_K[0])
+    assert not torch.allclose(a.R_K[0][0], a.R_K[0][1]) and not torch.allclose(a.R_K[0][0], a.R_K[1][0])
+    assert not torch.allclose(a.R_K[0][0], a.R_V[0][0])
+    r = a.R_K[1][1].double()
+    torch.testing.assert_close(r.T @ r, torch.eye(64, dtype=torch.float64), atol=1e-6, rtol=0)
+
+
+def test_calibrated_methods_refuse_missing_statistics():
+    with pytest.raises(CalibrationMissing, match="python -m oscar dump"):
+        build_rotations(method("oscar"), **GEOM)
+    with pytest.raises(CalibrationMissing, match="needs calibration"):
+        in_code_artifact(method("oscar_raw"), **GEOM)
+
+
+def test_targets_follow_the_method(stats):
+    hp = hadamard(64) @ bit_reversal(64)
+    oscar = build_rotations(method("oscar"), stats=stats, **GEOM)
+    raw = build_rotations(method("oscar_raw"), stats=stats, **GEOM)
+    center = build_rotations(method("oscar_center"), stats=stats, **GEOM)
+    for layer in range(2):
+        for h in range(2):
+            for art, side, which in ((oscar, "K", "Q"), (oscar, "V", "S"), (raw, "K", "K"), (raw, "V", "V")):
+                want = build_rotation("uhp", 64, cov=stats.second_moment(layer, which)[h])
+                torch.testing.assert_close(getattr(art, f"R_{side}")[layer][h].double(), want, atol=1e-6, rtol=0)
+            torch.testing.assert_close(center.mu_K[layer][h].double(), stats.mean(layer, "K")[h], atol=1e-6, rtol=0)
+        assert oscar.rho_K[layer].tolist() == [1.0, 1.0]  # rotations stage: clip not fitted yet
+        assert torch.equal(oscar.mu_V[layer], torch.zeros(2, 64))
+    torch.testing.assert_close(
+        build_rotations(method("oscar_hp", "clip=fixed"), **GEOM).R_K[0][0].double(), hp, atol=1e-7, rtol=0
+    )
+
+
+def test_fit_clip_modes(stats):
+    grid_k, grid_v = [0.9, 0.95, 1.0], [0.85, 0.9, 1.0]
+    fixed = fit_clip(build_rotations(method("oscar", "clip=fixed"), stats=stats, **GEOM), method("oscar", "clip=fixed"),
+                     clip_grid_k=grid_k, clip_grid_v=grid_v)
+    assert torch.allclose(fixed.rho_K[1], torch.tensor([0.96, 0.96])) and torch.allclose(fixed.rho_V[1], torch.tensor([0.92, 0.92]))
+    art = build_rotations(method("oscar"), stats=stats, **GEOM)
+    fitted = fit_clip(art, method("oscar"), stats=stats, clip_grid_k=grid_k, clip_grid_v=grid_v)
+    metric = stats.second_moment(0, "Q")[1]
+    rows = stats.samples[0]["K_samples"][1]
+    per_rho = {g: measured_distortion(rows, fitted.R_K[0][1].double(), metric, rho=g, group_size=64) for g in grid_k}
+    assert float(fitted.rho_K[0][1]) == pytest.approx(min(per_rho, key=per_rho.get))
+    assert fitted.meta["clip"]["mode"] == "fit" and len(fitted.meta["clip"]["fits"]) == 2 * 2 * 2
+    with pytest.raises(CalibrationMissing, match="clip=fit needs"):
+        fit_clip(art, method("oscar"), clip_grid_k=grid_k, clip_grid_v=grid_v)
+
+
+def test_auto_choices_tables(stats, tmp_path):
+    art = build_rotations(method("auto"), stats=stats, clip_grid_k=[0.95, 1.0], clip_grid_v=[0.9, 1.0], **GEOM)
+    rows = auto_choices_rows(art.meta)
+    assert len(rows) == 4 and {r["layer"] for r in rows} == {0, 1}
+    assert all(r["key_vs_oscar"] <= 1.0 and r["value_vs_oscar"] <= 1.0 for r in rows)
+    csv_path, md_path = write_auto_choices(art.meta, tmp_path / "choices", "synthetic")
+    assert len(csv_path.read_text().splitlines()) == 5
+    md = md_path.read_text()
+    counts = [int(line.rsplit("|", 2)[1]) for line in md.splitlines() if line.startswith("| key |")]
+    assert sum(counts) == 4
+    with pytest.raises(MethodError, match="no auto choices"):
+        write_auto_choices(build_rotations(method("oscar"), stats=stats, **GEOM).meta, tmp_path / "x")
