@@ -155,6 +155,7 @@ def _partial_kernel(
     tokens_per_split, num_splits,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
+    HEADS_IN_M: tl.constexpr,
 ):
     """One split of the quantized segment for one (sequence, KV head): normalized output + LSE."""
     pid = tl.program_id(0)
@@ -173,6 +174,7 @@ def _partial_kernel(
     m_i = tl.full([HP], float("-inf"), tl.float32)
     l_i = tl.zeros([HP], tl.float32)
     acc = tl.zeros([D, HP], tl.float32)
+    acch = tl.zeros([HP, D], tl.float32)
     n = tl.load(len_ptr + b)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, n)
@@ -235,35 +237,62 @@ def _partial_kernel(
             kcode = _unpack_fp16_asm(kc, BLOCK_N, D, BITS)
         else:
             kcode = _unpack_fp16(kc, BLOCK_N, D, BITS)
-        if NG == 1:
-            s = tl.dot(kcode, q16T) * ks[:, None] + kz[:, None] * qsum[None, :]
+        if HEADS_IN_M:
+            if NG == 1:
+                sh = tl.dot(q16, tl.trans(kcode)) * ks[None, :] + qsum[:, None] * kz[None, :]
+            else:
+                k3 = tl.reshape(kcode, (BLOCK_N, NG, G)).to(tl.float32) * ks[:, :, None] + kz[:, :, None]
+                sh = tl.dot(q16, tl.trans(tl.reshape(k3, (BLOCK_N, D)).to(tl.float16)))
+            sh = sh + qmu[:, None]
+            sh = tl.where(tmask[None, :], sh, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sh, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            ph = tl.exp2(sh - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(ph, axis=1)
+            if FAST_UNPACK:
+                vcode = _unpack_fp16_asm(vc, BLOCK_N, D, BITS)
+            else:
+                vcode = _unpack_fp16(vc, BLOCK_N, D, BITS)
+            if NG == 1:
+                acch = acch * alpha[:, None] + tl.dot((ph * vs[None, :]).to(tl.float16), vcode)
+                accz = accz * alpha + tl.sum(ph * vz[None, :], axis=1)
+            else:
+                v3 = tl.reshape(vcode, (BLOCK_N, NG, G)).to(tl.float32) * vs[:, :, None] + vz[:, :, None]
+                acch = acch * alpha[:, None] + tl.dot(ph.to(tl.float16),
+                                                      tl.reshape(v3, (BLOCK_N, D)).to(tl.float16))
         else:
-            k3 = tl.reshape(kcode, (BLOCK_N, NG, G)).to(tl.float32) * ks[:, :, None] + kz[:, :, None]
-            s = tl.dot(tl.reshape(k3, (BLOCK_N, D)).to(tl.float16), q16T)
-        s = s + qmu[None, :]
-        s = tl.where(tmask[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        if FAST_UNPACK:
-            vcode = _unpack_fp16_asm(vc, BLOCK_N, D, BITS)
-        else:
-            vcode = _unpack_fp16(vc, BLOCK_N, D, BITS)
-        if NG == 1:
-            acc = acc * alpha[None, :] + tl.dot(tl.trans(vcode), (p * vs[:, None]).to(tl.float16))
-            accz = accz * alpha + tl.sum(p * vz[:, None], axis=0)
-        else:
-            v3 = tl.reshape(vcode, (BLOCK_N, NG, G)).to(tl.float32) * vs[:, :, None] + vz[:, :, None]
-            acc = acc * alpha[None, :] + tl.dot(tl.trans(tl.reshape(v3, (BLOCK_N, D)).to(tl.float16)),
-                                                p.to(tl.float16))
+            if NG == 1:
+                s = tl.dot(kcode, q16T) * ks[:, None] + kz[:, None] * qsum[None, :]
+            else:
+                k3 = tl.reshape(kcode, (BLOCK_N, NG, G)).to(tl.float32) * ks[:, :, None] + kz[:, :, None]
+                s = tl.dot(tl.reshape(k3, (BLOCK_N, D)).to(tl.float16), q16T)
+            s = s + qmu[None, :]
+            s = tl.where(tmask[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            if FAST_UNPACK:
+                vcode = _unpack_fp16_asm(vc, BLOCK_N, D, BITS)
+            else:
+                vcode = _unpack_fp16(vc, BLOCK_N, D, BITS)
+            if NG == 1:
+                acc = acc * alpha[None, :] + tl.dot(tl.trans(vcode), (p * vs[:, None]).to(tl.float16))
+                accz = accz * alpha + tl.sum(p * vz[:, None], axis=0)
+            else:
+                v3 = tl.reshape(vcode, (BLOCK_N, NG, G)).to(tl.float32) * vs[:, :, None] + vz[:, :, None]
+                acc = acc * alpha[None, :] + tl.dot(tl.trans(tl.reshape(v3, (BLOCK_N, D)).to(tl.float16)),
+                                                    p.to(tl.float16))
         m_i = m_new
-    acc = acc + accz[None, :]
     nonempty = l_i > 0.0
-    o = acc / tl.where(nonempty, l_i, 1.0)[None, :]
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     row = (b * H + hq) * s_total + split
-    tl.store(o_ptr + row[None, :] * D + cperm[:, None], o, mask=hmask[None, :])  # kernel channel order -> actual
+    if HEADS_IN_M:
+        oh = (acch + accz[:, None]) / tl.where(nonempty, l_i, 1.0)[:, None]
+        tl.store(o_ptr + row[:, None] * D + cperm[None, :], oh, mask=hmask[:, None])  # kernel order -> actual
+    else:
+        o = (acc + accz[None, :]) / tl.where(nonempty, l_i, 1.0)[None, :]
+        tl.store(o_ptr + row[None, :] * D + cperm[:, None], o, mask=hmask[None, :])  # kernel order -> actual
     tl.store(lse_ptr + row, lse, mask=hmask)
 
 
@@ -431,7 +460,7 @@ def paged_decode_attention(
     recent_len: Optional[torch.Tensor] = None,
     sm_scale: Optional[float] = None, output_frame: str = "original",
     num_splits: Optional[int] = None, block_n: int = 64, num_warps: int = 8, num_stages: int = 2,
-    merge_warps: int = 8, fast_unpack: bool = False, rot_precision: str = "tf32x3",
+    merge_warps: int = 8, fast_unpack: bool = False, rot_precision: str = "tf32x3", heads_in_m: bool = False,
 ) -> torch.Tensor:
     """Triton decode attention of one query per sequence; same contract as ``oscar.paged.decode_attention_torch``.
 
@@ -520,7 +549,7 @@ def paged_decode_attention(
         page_table, page_table.stride(0), int_len,
         o_part, lse_part, tps, num_splits,
         HKV=hkv, REP=rep, HP=hp, D=d, G=group_size, BITS=bits, PAGE_SIZE=page_size, BLOCK_N=block_n,
-        FAST_UNPACK=fast_unpack, num_warps=num_warps, num_stages=num_stages,
+        FAST_UNPACK=fast_unpack, HEADS_IN_M=heads_in_m, num_warps=num_warps, num_stages=num_stages,
     )
     launchable(_bf16_partial_kernel, dev)[(B * hkv, 2)](
         q_orig,

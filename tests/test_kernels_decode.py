@@ -109,25 +109,27 @@ def test_decode_matches_dequantize_then_attend(device, case):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("num_splits", [1, 3, 7])
-def test_decode_split_merge_and_rotated_frame(device, num_splits):
-    """Any number of splits (empty ones included) gives the same answer, in both output frames."""
-    sc = _scenario(B=2, H=8, hkv=2, d=64, bits=2, g=64, ps=16, int_lens=[45, 80], sink_lens=[4, 2],
+@pytest.mark.parametrize("num_splits,heads_in_m,g", [(1, False, 64), (3, False, 64), (7, False, 64),
+                                                     (3, True, 64), (7, True, 32)])
+def test_decode_split_merge_and_rotated_frame(device, num_splits, heads_in_m, g):
+    """Any number of splits (empty ones included) and either MMA orientation give the same answer, both frames."""
+    sc = _scenario(B=2, H=8, hkv=2, d=64, bits=2, g=g, ps=16, int_lens=[45, 80], sink_lens=[4, 2],
                    recent_lens=[8, 5], S0=4, W=8, seed=11)
     for frame in ("original", "rotated"):
-        ref, out = _run_both(device, sc, output_frame=frame, num_splits=num_splits)
+        ref, out = _run_both(device, sc, output_frame=frame, num_splits=num_splits,
+                             kernel_options={"heads_in_m": heads_in_m})
         assert _rel(out, ref) < REL_TOL, frame
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX runs on a CUDA device only")
 @pytest.mark.parametrize("case", [c for c in CASES if c[3] == 2], ids=lambda c: f"d{c[0]}-H{c[1]}-kv{c[2]}-g{c[4]}")
-@pytest.mark.parametrize("block_n", [64, 128])
-def test_decode_fast_unpack_cuda(case, block_n):
+@pytest.mark.parametrize("heads_in_m", [False, True])
+def test_decode_fast_unpack_cuda(case, heads_in_m):
     """The inline-PTX unpack path gives the portable path's answer."""
     d, H, hkv, bits, g, ps, il, sl, rl, S0, W = case
     sc = _scenario(B=len(il), H=H, hkv=hkv, d=d, bits=bits, g=g, ps=ps, int_lens=il, sink_lens=sl,
                    recent_lens=rl, S0=S0, W=W, seed=sum(il) + d + bits)
-    ref, out = _run_both("cuda", sc, kernel_options={"fast_unpack": True, "block_n": block_n})
+    ref, out = _run_both("cuda", sc, kernel_options={"fast_unpack": True, "heads_in_m": heads_in_m})
     assert _rel(out, ref) < REL_TOL
 
 

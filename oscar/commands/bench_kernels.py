@@ -327,10 +327,11 @@ def _variants(spec: str) -> list[dict[str, Any]]:
     if spec:
         return [json.loads(v) for v in spec.split(";")]
     out = []
-    for fast in (False, True):
+    for him in (False, True):
         for bn in (32, 64):
             for nw in (4, 8):
-                out.append({"block_n": bn, "num_warps": nw, "num_stages": 2, "fast_unpack": fast})
+                out.append({"block_n": bn, "num_warps": nw, "num_stages": 2, "fast_unpack": True, "heads_in_m": him})
+    out.append({"block_n": 64, "num_warps": 4, "num_stages": 2, "fast_unpack": False, "heads_in_m": True})
     return out
 
 
@@ -378,7 +379,8 @@ def run(opts: dict[str, Any]) -> int:
         score: dict[str, list[float]] = {}
         for r in ok:  # geometric-mean speed relative to the best per (B, T), split multiplier included
             best = min(x["us"] for x in ok if x["batch"] == r["batch"] and x["context"] == r["context"])
-            key = json.dumps({k: r[k] for k in ("block_n", "num_warps", "num_stages", "fast_unpack")}, sort_keys=True)
+            key = json.dumps({k: r[k] for k in ("block_n", "num_warps", "num_stages", "fast_unpack", "heads_in_m")},
+                             sort_keys=True)
             score.setdefault(key, []).append(math.log(r["us"] / best))
         best_cfg = json.loads(min(score, key=lambda k: sum(score[k]) / len(score[k])))
         print(f"best config {best_cfg}", flush=True)
