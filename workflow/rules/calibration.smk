@@ -8,7 +8,6 @@ rule dump:
         stats="results/stats/{model}/{calibration}/stats.safetensors",
         meta="results/stats/{model}/{calibration}/stats.json",
     params:
-        python=PYTHON,
         overrides=lambda wc: quoted(stats_of(wc).overrides),
         outdir=lambda wc, output: str(Path(output.stats).parent),
     log:
@@ -23,7 +22,7 @@ rule dump:
     conda:
         "../../envs/oscar.yaml"
     shell:
-        "{params.python} -m oscar dump {params.overrides} output={params.outdir} > {log} 2>&1"
+        "$OSCAR_PYTHON -m oscar dump {params.overrides} output={params.outdir} > {log} 2>&1"
 
 
 rule rotations:
@@ -34,7 +33,6 @@ rule rotations:
         rotations="results/rotations/{model}/{method}/rotations.safetensors",
         meta="results/rotations/{model}/{method}/meta.json",
     params:
-        python=PYTHON,
         overrides=lambda wc: quoted(calibration_of(wc).overrides),
         outdir=lambda wc, output: str(Path(output.rotations).parent),
     log:
@@ -49,7 +47,7 @@ rule rotations:
     conda:
         "../../envs/oscar.yaml"
     shell:
-        "{params.python} -m oscar rotations {params.overrides} output={params.outdir} > {log} 2>&1"
+        "$OSCAR_PYTHON -m oscar rotations {params.overrides} output={params.outdir} > {log} 2>&1"
 
 
 rule clip:
@@ -61,7 +59,6 @@ rule clip:
         rotations="results/calibration/{model}/{method}/rotations.safetensors",
         meta="results/calibration/{model}/{method}/meta.json",
     params:
-        python=PYTHON,
         overrides=lambda wc: quoted(calibration_of(wc).overrides),
         outdir=lambda wc, output: str(Path(output.rotations).parent),
     log:
@@ -76,4 +73,4 @@ rule clip:
     conda:
         "../../envs/oscar.yaml"
     shell:
-        "{params.python} -m oscar clip {params.overrides} output={params.outdir} > {log} 2>&1"
+        "$OSCAR_PYTHON -m oscar clip {params.overrides} output={params.outdir} > {log} 2>&1"

@@ -33,7 +33,9 @@ def _python():
     return sys.executable
 
 
-PYTHON = _python()
+# Jobs call `$OSCAR_PYTHON -m oscar ...`, set by the shell prefix rather than a rule parameter,
+# so switching interpreters (or --sdm conda) does not count as a parameter change of every job.
+shell.prefix(f"set -euo pipefail; export OSCAR_PYTHON={shlex.quote(_python())}; ")
 
 
 def _gpu_present():
@@ -129,7 +131,7 @@ def artifact_for(cell):
 
 
 def table_targets(table):
-    """Files that finish one table or figure: report files, figure, MLflow mirror."""
+    """Files that finish one table or figure: its cells, report files, figure, MLflow mirror."""
     plan = table_plan(table)
     if plan.kind == "kernels":
         return kernel_targets()
@@ -139,7 +141,8 @@ def table_targets(table):
         targets.append(f"{stem}.png")
     if PLAN.base.tracking.enabled:
         targets.append(f"results/tracking/{EXPERIMENT}/{table}.json")
-    return targets
+    # the cells themselves are targets too: a deleted cell is recomputed (alone), then the table
+    return targets + [f"{cell.result_dir}/result.json" for cell in plan.cells]
 
 
 def all_targets():

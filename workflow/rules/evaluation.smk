@@ -9,7 +9,6 @@ rule eval_cell:
         result="results/eval/{model}/{method}/{benchmark}/seed{seed}/result.json",
         records="results/eval/{model}/{method}/{benchmark}/seed{seed}/items.jsonl",
     params:
-        python=PYTHON,
         overrides=lambda wc: quoted(eval_cell(wc).flags + eval_cell(wc).overrides),
         outdir=lambda wc, output: str(Path(output.result).parent),
     log:
@@ -24,7 +23,7 @@ rule eval_cell:
     conda:
         "../../envs/oscar.yaml"
     shell:
-        "{params.python} -m oscar eval threads={threads} {params.overrides} output={params.outdir} > {log} 2>&1"
+        "$OSCAR_PYTHON -m oscar eval threads={threads} {params.overrides} output={params.outdir} > {log} 2>&1"
 
 
 rule fidelity_cell:
@@ -35,7 +34,6 @@ rule fidelity_cell:
         result="results/fidelity/{model}/{method}/{corpus}/result.json",
         per_layer="results/fidelity/{model}/{method}/{corpus}/per_layer.csv",
     params:
-        python=PYTHON,
         overrides=lambda wc: quoted(fidelity_cell(wc).flags + fidelity_cell(wc).overrides),
         outdir=lambda wc, output: str(Path(output.result).parent),
     log:
@@ -50,4 +48,4 @@ rule fidelity_cell:
     conda:
         "../../envs/oscar.yaml"
     shell:
-        "{params.python} -m oscar fidelity threads={threads} {params.overrides} output={params.outdir} > {log} 2>&1"
+        "$OSCAR_PYTHON -m oscar fidelity threads={threads} {params.overrides} output={params.outdir} > {log} 2>&1"

@@ -9,8 +9,6 @@ rule bench_kernels:
             category="{experiment}",
             subcategory="kernels",
         ),
-    params:
-        python=PYTHON,
     log:
         "logs/bench_kernels/{experiment}.log",
     benchmark:
@@ -23,7 +21,7 @@ rule bench_kernels:
     conda:
         "../../envs/oscar.yaml"
     shell:
-        "{params.python} -m oscar bench-kernels output={output.csv} > {log} 2>&1"
+        "$OSCAR_PYTHON -m oscar bench-kernels output={output.csv} > {log} 2>&1"
 
 
 ruleorder: bench_kernels > report_table

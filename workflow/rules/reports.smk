@@ -7,8 +7,6 @@ rule aggregate_table:
         cells=_table_cells,
     output:
         "results/tables/{experiment}/{table}.csv",
-    params:
-        python=PYTHON,
     log:
         "logs/aggregate_table/{experiment}/{table}.log",
     threads: res("report", "threads")
@@ -19,7 +17,7 @@ rule aggregate_table:
     conda:
         "../../envs/oscar.yaml"
     shell:
-        "{params.python} -m oscar aggregate --plan {input.plan} --output {output} > {log} 2>&1"
+        "$OSCAR_PYTHON -m oscar aggregate --plan {input.plan} --output {output} > {log} 2>&1"
 
 
 rule report_table:
@@ -36,8 +34,6 @@ rule report_table:
         ),
         md="reports/{experiment}/{table}.md",
         tex="reports/{experiment}/{table}.tex",
-    params:
-        python=PYTHON,
     log:
         "logs/report_table/{experiment}/{table}.log",
     threads: res("report", "threads")
@@ -48,7 +44,7 @@ rule report_table:
     conda:
         "../../envs/oscar.yaml"
     shell:
-        "{params.python} -m oscar report --plan {input.plan} --table {input.table} --output-dir reports/{wildcards.experiment} "
+        "$OSCAR_PYTHON -m oscar report --plan {input.plan} --table {input.table} --output-dir reports/{wildcards.experiment} "
         "--formats csv md tex > {log} 2>&1"
 
 
@@ -64,8 +60,6 @@ rule figure_table:
             subcategory="{table}",
             labels={"table": "{table}", "format": "figure"},
         ),
-    params:
-        python=PYTHON,
     log:
         "logs/figure_table/{experiment}/{table}.log",
     threads: res("report", "threads")
@@ -76,7 +70,7 @@ rule figure_table:
     conda:
         "../../envs/oscar.yaml"
     shell:
-        "{params.python} -m oscar report --plan {input.plan} --table {input.table} --output-dir reports/{wildcards.experiment} "
+        "$OSCAR_PYTHON -m oscar report --plan {input.plan} --table {input.table} --output-dir reports/{wildcards.experiment} "
         "--formats png > {log} 2>&1"
 
 
@@ -87,8 +81,6 @@ rule track_table:
         reports=lambda wc: [p for p in table_targets(wc.table) if p.startswith("reports/")],
     output:
         "results/tracking/{experiment}/{table}.json",
-    params:
-        python=PYTHON,
     log:
         "logs/track_table/{experiment}/{table}.log",
     threads: 1
@@ -99,4 +91,4 @@ rule track_table:
     conda:
         "../../envs/oscar.yaml"
     shell:
-        "{params.python} -m oscar report --plan {input.plan} --track --track-output {output} > {log} 2>&1"
+        "$OSCAR_PYTHON -m oscar report --plan {input.plan} --track --track-output {output} > {log} 2>&1"

@@ -302,7 +302,7 @@ class Plan:
             if calib_overrides:
                 overrides += calib_overrides
                 cfg = self._composer.compose(overrides, tables=False)
-            calib = Calibration(model, str(cfg.method.name), str(cfg.calibration.name), tuple(overrides))
+            calib = Calibration(model, str(cfg.method.name), str(cfg.calibration.name), _calibration_overrides(overrides))
         cell = Cell(plan.name, plan.kind, model, method, variant, item, seed, tuple(overrides), flags)
         self._register_config(cell.config_path, _cell_view(cfg, flags), plan.name)
         self.cells.setdefault(cell.result_dir, cell)
@@ -373,6 +373,24 @@ class Plan:
             return ResourcesConfig(**to_dict(configured))
         return DEFAULT_RESOURCES[stage]
 
+
+
+def _calibration_overrides(overrides: list[str]) -> tuple[str, ...]:
+    """The overrides a calibration job gets: only what can change statistics or the artifact.
+
+    Keeping the others (benchmark settings, run-time windows, the eval seed) out of the job's
+    parameters means changing them reruns evaluation cells but never recalibrates.
+    """
+    kept = []
+    for item in overrides:
+        key = item.partition("=")[0].lstrip("+~")
+        root, _, leaf = key.partition(".")
+        if root not in STATS_KEYS and root not in ARTIFACT_KEYS:
+            continue
+        if root == "method" and leaf in RUNTIME_ONLY_METHOD_FIELDS:
+            continue
+        kept.append(item)
+    return tuple(kept)
 
 
 def _cell_view(cfg: DictConfig, flags: tuple[str, ...]) -> DictConfig:
