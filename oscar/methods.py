@@ -236,7 +236,7 @@ def auto_choices_rows(artifact_meta: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def write_auto_choices(artifact_meta: dict[str, Any], prefix: str | Path, title: str = "") -> tuple[Path, Path]:
+def write_auto_choices(artifact_meta: dict[str, Any], prefix: str | Path, title: str = "", note: str = "") -> tuple[Path, Path]:
     """Write `<prefix>.csv` (per layer and head) and `<prefix>.md` (counts and per-layer summary)."""
     import csv
     import io
@@ -253,7 +253,7 @@ def write_auto_choices(artifact_meta: dict[str, Any], prefix: str | Path, title:
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
-    csv_path = prefix.with_suffix(".csv")
+    csv_path = prefix.parent / (prefix.name + ".csv")  # not with_suffix: names like "qwen2.5-coder" have dots
     atomic_write_text(csv_path, buf.getvalue())
 
     def geo(values: list[float]) -> float:
@@ -270,6 +270,7 @@ def write_auto_choices(artifact_meta: dict[str, Any], prefix: str | Path, title:
         "Distortion: mean squared logit error (keys, metric C_Q) / output error (values, metric C_S) after real "
         "INT quantization with each candidate's fitted clip. `vs OSCAR`: geometric mean over heads of "
         "distortion(choice) / distortion(OSCAR target, uncentered); below 1 means `auto` improves on OSCAR.",
+        *([note] if note else []),
         "",
         "| side | choice | heads |",
         "|---|---|---|",
@@ -291,6 +292,6 @@ def write_auto_choices(artifact_meta: dict[str, Any], prefix: str | Path, title:
             f"| {layer} | {', '.join(r['key_choice'] for r in lr)} | {geo([r['key_vs_oscar'] for r in lr]):.3f} "
             f"| {', '.join(r['value_choice'] for r in lr)} | {geo([r['value_vs_oscar'] for r in lr]):.3f} |"
         )
-    md_path = prefix.with_suffix(".md")
+    md_path = prefix.parent / (prefix.name + ".md")
     atomic_write_text(md_path, "\n".join(lines) + "\n")
     return csv_path, md_path

@@ -170,7 +170,8 @@ def test_auto_choices_tables(stats, tmp_path):
     rows = auto_choices_rows(art.meta)
     assert len(rows) == 4 and {r["layer"] for r in rows} == {0, 1}
     assert all(r["key_vs_oscar"] <= 1.0 and r["value_vs_oscar"] <= 1.0 for r in rows)
-    csv_path, md_path = write_auto_choices(art.meta, tmp_path / "choices", "synthetic")
+    csv_path, md_path = write_auto_choices(art.meta, tmp_path / "choices_qwen2.5-coder", "synthetic")
+    assert csv_path.name == "choices_qwen2.5-coder.csv"
     assert len(csv_path.read_text().splitlines()) == 5
     md = md_path.read_text()
     counts = [int(line.rsplit("|", 2)[1]) for line in md.splitlines() if line.startswith("| key |")]

