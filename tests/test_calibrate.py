@@ -174,3 +174,17 @@ def test_output_override_and_cli_main(tiny_setup, tmp_path, capsys):
 def test_unknown_model_names_the_options():
     with pytest.raises(ConfigError, match="smollm2-135m"):
         compose(["model=gpt-5"])
+
+
+def test_diagnostic_samples_are_bounded_raw_rows(tiny_setup, tmp_path):
+    from safetensors.torch import load_file
+
+    cfg = _cfg(tiny_setup, tmp_path, "method=oscar", "calibration.sample_rows=80")
+    result = run_dump(cfg)
+    samples = load_file(str(result.path / "samples.safetensors"))
+    assert samples["layers.1.Q"].shape == (4, 80, 128) and samples["layers.1.K"].shape == (2, 80, 128)
+    assert samples["layers.0.S"].shape == (4, 80, 128) and samples["layers.0.V"].dtype == torch.float32
+    stats = CalibrationStats.load(result.path)
+    assert stats.meta["diagnostic_samples"]["rows"] == 80
+    k = samples["layers.1.K"].double()  # the first 64 rows are the first calibration window: its C_K share
+    assert float((k[0].T @ k[0]).trace()) < float(stats.layers[1]["C_K"][0].trace())

@@ -4,6 +4,9 @@ Writes `<results_dir>/stats/<model>/<calibration>/` (or `output=`): `stats.safet
 `stats.json` (`oscar.stats.CalibrationStats`): float64 sums C_Q/C_S/C_K/C_V per (layer, KV head)
 over the calibration windows, plus up to `calibration.holdout_tokens` raw key/value rows per
 (layer, head) from held-back windows (never part of the sums) for clip fitting and `auto`.
+With `calibration.sample_rows > 0`, also `samples.safetensors`: the first `sample_rows` tokens of
+raw post-RoPE Q, K, V and per-head outputs S per layer (`layers.{l}.Q` `[H, n, d]`, `.K`/`.V`
+`[Hkv, n, d]`, `.S` `[H, n, d]`, float32) for diagnostics.
 Skipped when the output exists with the same configuration hash, unless `force=true`.
 """
 
@@ -19,7 +22,37 @@ import torch
 from oscar.commands._stage import StageResult, dump_hash, pop_flags, recorded_hash, stats_dir
 
 
-def collect_statistics(model: Any, tokenizer: Any, cal_cfg: Any, *, progress: bool = True) -> Any:
+class RowSampler:
+    """Keeps the first `limit` token rows of q/k/v/S per layer (float32) for diagnostics."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = int(limit)
+        self.rows: dict[int, dict[str, torch.Tensor]] = {}
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor) -> None:
+        """Append the batch's first rows (batch 0) until `limit` tokens are kept for `layer`."""
+        store = self.rows.setdefault(layer, {})
+        have = store["K"].shape[1] if "K" in store else 0
+        room = self.limit - have
+        if room <= 0:
+            return
+        for name, x in (("Q", q), ("K", k), ("V", v), ("S", s)):
+            piece = x[0, :, :room].to(torch.float32).cpu()
+            store[name] = torch.cat([store[name], piece], dim=1) if name in store else piece
+
+    def save(self, path: Path) -> None:
+        """Write `layers.{l}.{Q,K,V,S}` to a safetensors file atomically."""
+        from safetensors.torch import save_file
+
+        from oscar.stats import atomic_write
+
+        tensors = {f"layers.{l}.{n}": t.contiguous() for l, d in sorted(self.rows.items()) for n, t in d.items()}
+        atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
+
+
+def collect_statistics(
+    model: Any, tokenizer: Any, cal_cfg: Any, *, progress: bool = True, sampler: RowSampler | None = None
+) -> Any:
     """Capture the model on the calibration windows (sums) and held-back windows (sample rows)."""
     from oscar.artifact import model_config_fields, model_config_hash
     from oscar.capture import run_captured
@@ -36,6 +69,8 @@ def collect_statistics(model: Any, tokenizer: Any, cal_cfg: Any, *, progress: bo
 
     def accumulate(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor) -> None:
         stats.update(layer, q=q, k=k, v=v, attn_out=s)
+        if sampler is not None:
+            sampler(layer, q, k, v, s)
 
     def keep_rows(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor) -> None:
         stats.add_samples(layer, k, v)
@@ -72,8 +107,13 @@ def run_dump(cfg: Any, *, model: Any = None, tokenizer: Any = None, force: bool 
     if model is None:
         torch.manual_seed(int(cfg.seed))
         model, tokenizer = load_model(cfg.model, device=cfg.device)
-    stats = collect_statistics(model, tokenizer, cfg.calibration)
+    sample_rows = int(cfg.calibration.get("sample_rows", 0) or 0)
+    sampler = RowSampler(sample_rows) if sample_rows > 0 else None
+    stats = collect_statistics(model, tokenizer, cfg.calibration, sampler=sampler)
     stats.meta.update({"stage_hash": h, "model_name": str(cfg.model.name), "calibration_name": str(cfg.calibration.name)})
+    if sampler is not None:
+        sampler.save(target / "samples.safetensors")
+        stats.meta["diagnostic_samples"] = {"file": "samples.safetensors", "rows": sample_rows}
     stats.save(target)
     return StageResult("dump", target, False, time.perf_counter() - t0, h)
 
