@@ -7,6 +7,9 @@ from snakemake.utils import min_version
 min_version("8.0")
 
 
+report: "workflow/report/workflow.rst"
+
+
 include: "workflow/rules/common.smk"
 include: "workflow/rules/calibration.smk"
 include: "workflow/rules/evaluation.smk"

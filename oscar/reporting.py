@@ -418,6 +418,8 @@ def _per_layer_figure(plan: TablePlan, plt: Any, root: str | Path, by_position: 
             raise ReportError(f"{path} has no 'layer' column (columns: {list(frame.columns)})")
         frame["label"] = cell["method_label"]
         frames.append(frame)
+    from matplotlib.ticker import MaxNLocator
+
     data = pd.concat(frames, ignore_index=True)
     title = f"{plan.spec.get('title') or plan.table} ({plan.experiment})"
     if by_position:
@@ -448,6 +450,7 @@ def _per_layer_figure(plan: TablePlan, plt: Any, root: str | Path, by_position: 
             per_layer = group.groupby("layer")[column].mean()
             ax.plot(per_layer.index, per_layer.values, marker=".", label=label)
         ax.set_yscale("log")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("layer")
         ax.set_ylabel(column)
         ax.grid(alpha=0.3)

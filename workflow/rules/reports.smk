@@ -34,6 +34,9 @@ rule report_table:
         ),
         md="reports/{experiment}/{table}.md",
         tex="reports/{experiment}/{table}.tex",
+    params:
+        title=lambda wc: table_plan(wc.table).spec.get("title") or wc.table,
+        caption=lambda wc: table_plan(wc.table).spec.get("caption") or "",
     log:
         "logs/report_table/{experiment}/{table}.log",
     threads: res("report", "threads")
@@ -60,6 +63,9 @@ rule figure_table:
             subcategory="{table}",
             labels={"table": "{table}", "format": "figure"},
         ),
+    params:
+        title=lambda wc: table_plan(wc.table).spec.get("title") or wc.table,
+        caption=lambda wc: table_plan(wc.table).spec.get("caption") or "",
     log:
         "logs/figure_table/{experiment}/{table}.log",
     threads: res("report", "threads")
