@@ -142,6 +142,14 @@ def test_stub_pipeline_table_mlflow_and_resume(tmp_path):
     assert {c.split()[0] for c in calls} == {"dump", "rotations", "clip", "eval"}
     _check_table_and_runs(work, {"bf16": "**75.0**", "int2": "25.0", "oscar": "50.0"})
 
+    # the Snakemake HTML report carries the tables with their captions
+    html = tmp_path / "report.html"
+    report = subprocess.run(wf.command("reproduce_table2", "[experiment=tiny]") + ["--report", str(html)], cwd=ROOT,
+                            env=wf.env, capture_output=True, text=True, timeout=600, check=False)
+    assert report.returncode == 0, report.stderr[-2000:]
+    text = html.read_text()
+    assert "Accuracy by KV-cache method and benchmark" in text and "OSCAR experiment workflow" in text
+
     # a second invocation does nothing
     again = wf.run()
     assert wf.take_calls() == []
