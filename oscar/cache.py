@@ -50,11 +50,11 @@ class LayerRotations:
     rho_k: Optional[torch.Tensor] = None  # [Hkv]
     rho_v: Optional[torch.Tensor] = None  # [Hkv]
 
-    def to(self, device: torch.device) -> "LayerRotations":
-        """Copy onto `device` as float32."""
+    def to(self, device: torch.device, dtype: torch.dtype = torch.float32) -> "LayerRotations":
+        """Copy onto `device` as `dtype` (float32, or float64 for exactness tests)."""
 
         def mv(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            return None if t is None else t.to(device=device, dtype=torch.float32)
+            return None if t is None else t.to(device=device, dtype=dtype)
 
         return LayerRotations(mv(self.r_k), mv(self.r_v), mv(self.mu_k), mv(self.mu_v), mv(self.rho_k), mv(self.rho_v))
 
@@ -187,6 +187,7 @@ class OscarLayer(CacheLayerMixin):
         b, hkv, _, d = key_states.shape
         self.batch, self.hkv, self.d = b, hkv, d
         self.device = key_states.device
+        self.cdt = torch.float64 if key_states.dtype == torch.float64 else torch.float32  # attention math
         sp = self.spec
         dt = sp.store_dtype
         self.sink_k = torch.zeros(b, hkv, sp.sink, d, dtype=dt, device=self.device)
@@ -200,7 +201,7 @@ class OscarLayer(CacheLayerMixin):
             if self.rot is None:
                 raise ValueError(f"layer {self.layer_idx}: the rotated cache needs LayerRotations")
             quant.check_format(sp.bits, sp.group_size, d)
-            self.rot = self.rot.to(self.device)
+            self.rot = self.rot.to(self.device, self.cdt)
             if tuple(self.rot.r_k.shape) != (hkv, d, d) or tuple(self.rot.r_v.shape) != (hkv, d, d):
                 raise ValueError(
                     f"layer {self.layer_idx}: rotations of shape {tuple(self.rot.r_k.shape)} / {tuple(self.rot.r_v.shape)} "
@@ -335,7 +336,7 @@ class OscarLayer(CacheLayerMixin):
         out, _ = sdpa_attention_forward(module, query, keys, values, mask, scaling=scale)
         out = out.transpose(1, 2)
         if self.spec.fold_values:
-            out = ungroup(rotate_per_kv_head(group_queries(out.float(), self.hkv), self.rot.r_v)).to(query.dtype)
+            out = ungroup(rotate_per_kv_head(group_queries(out.to(self.cdt), self.hkv), self.rot.r_v)).to(query.dtype)
         return out
 
     def _positions(self, valid: Optional[torch.Tensor], n: int, old: Sequence[int]) -> tuple[torch.Tensor, ...]:
@@ -369,13 +370,13 @@ class OscarLayer(CacheLayerMixin):
         """General path: BF16 segment, stored INT segment and (decode-equivalent) on-the-fly INT rows."""
         sp = self.spec
         n = query.shape[2]
-        qg = group_queries(query.float(), self.hkv)
+        qg = group_queries(query.to(self.cdt), self.hkv)
         sink_pos, rec_pos, chunk_pos = self._positions(valid, n, old)
         t = chunk_pos[:, :, None]  # [B, n, 1] query positions
         q_ok = (chunk_pos >= 0)[:, :, None]
 
-        k_bf = torch.cat([self.sink_k, self.recent_k, kb], dim=2).float()
-        v_bf = torch.cat([self.sink_v, self.recent_v, vb], dim=2).float()
+        k_bf = torch.cat([self.sink_k, self.recent_k, kb], dim=2).to(self.cdt)
+        v_bf = torch.cat([self.sink_v, self.recent_v, vb], dim=2).to(self.cdt)
         pos_bf = torch.cat([sink_pos, rec_pos, chunk_pos], dim=1)[:, None, :]  # [B, 1, L]
         vis_bf = q_ok & (pos_bf >= 0) & (pos_bf <= t)
         if decode_eq and sp.kind == "rotated":
@@ -389,14 +390,15 @@ class OscarLayer(CacheLayerMixin):
             if any(i > 0 for i in self.int_lengths()):
                 k_rot, svalid = self.k_store.gather_dequantized()
                 v_rot, _ = self.v_store.gather_dequantized()
+                k_rot, v_rot = k_rot.to(self.cdt), v_rot.to(self.cdt)
                 vis = q_ok & svalid[:, None, :]
                 int_parts.append(int_segment(qg, k_rot, v_rot, vis[:, None, None], scale, rot.r_k, rot.mu_k))
             if decode_eq:
                 pos_q = torch.cat([rec_pos, chunk_pos], dim=1)[:, None, :]
                 vis_q = q_ok & (pos_q >= sp.sink) & (pos_q <= t - sp.recent)
                 if bool(vis_q.any()):
-                    kq = quant.dequantize(self._quantize(torch.cat([self.recent_k, kb], dim=2), "k"))
-                    vq = quant.dequantize(self._quantize(torch.cat([self.recent_v, vb], dim=2), "v"))
+                    kq = quant.dequantize(self._quantize(torch.cat([self.recent_k, kb], dim=2), "k")).to(self.cdt)
+                    vq = quant.dequantize(self._quantize(torch.cat([self.recent_v, vb], dim=2), "v")).to(self.cdt)
                     int_parts.append(int_segment(qg, kq, vq, vis_q[:, None, None], scale, rot.r_k, rot.mu_k))
 
         parts = []
@@ -422,7 +424,7 @@ class OscarLayer(CacheLayerMixin):
         r = self.rot
         assert r is not None
         rot, mu = (r.r_k, r.mu_k) if which == "k" else (r.r_v, r.mu_v)
-        out = rotate_per_kv_head(rows_rot, rot.transpose(-1, -2))
+        out = rotate_per_kv_head(rows_rot.to(self.cdt), rot.transpose(-1, -2))
         if mu is not None:
             out = out + mu[None, :, None, :]
         return out
@@ -444,8 +446,8 @@ class OscarLayer(CacheLayerMixin):
         sp = self.spec
         n = query.shape[2]
         sink_pos, rec_pos, chunk_pos = self._positions(valid, n, old)
-        keys = [self.sink_k.float(), self.recent_k.float(), kb.float()]
-        vals = [self.sink_v.float(), self.recent_v.float(), vb.float()]
+        keys = [self.sink_k.to(self.cdt), self.recent_k.to(self.cdt), kb.to(self.cdt)]
+        vals = [self.sink_v.to(self.cdt), self.recent_v.to(self.cdt), vb.to(self.cdt)]
         pos = [sink_pos, rec_pos, chunk_pos]
         is_q = [False, False, False]
         if sp.kind == "rotated":
@@ -466,7 +468,7 @@ class OscarLayer(CacheLayerMixin):
         v_all = torch.cat(vals, dim=2)
         p_all = torch.cat(pos, dim=1)[:, None, :]  # [B, 1, L]
         q_flag = torch.cat([torch.full((p.shape[1],), f, dtype=torch.bool, device=self.device) for p, f in zip(pos, is_q)])
-        qf = query.float()
+        qf = query.to(self.cdt)
         out = torch.zeros_like(qf)
         for start in range(0, n, block):
             t = chunk_pos[:, start : start + block, None]  # [B, nb, 1]
@@ -561,6 +563,7 @@ class SimulatedLayer(OscarLayer):
         b, hkv, _, d = key_states.shape
         self.batch, self.hkv, self.d = b, hkv, d
         self.device = key_states.device
+        self.cdt = torch.float32
         self.hist_k = torch.zeros(b, hkv, 64, d, dtype=self.spec.store_dtype, device=self.device)
         self.hist_v = torch.zeros_like(self.hist_k)
         self.hist_len = [0] * b

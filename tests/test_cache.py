@@ -26,15 +26,15 @@ def tiny_llama(kv_heads: int = 2, heads: int = 4, dtype: torch.dtype = torch.flo
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
-def random_rotations(model, seed: int = 0, center: bool = True, rho: float = 0.9) -> list[LayerRotations]:
+def random_rotations(model, seed: int = 0, center: bool = True, rho: float = 0.9, dtype: torch.dtype = torch.float32) -> list[LayerRotations]:
     """Random orthogonal R_K/R_V, random means and clip ratios: exercises every term of the math."""
     cfg = model.config
     hkv, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
     g = torch.Generator().manual_seed(seed)
     out = []
     for layer in range(cfg.num_hidden_layers):
-        rk = torch.stack([random_orthogonal(d, seed=seed + 100 * layer + h, dtype=torch.float32) for h in range(hkv)])
-        rv = torch.stack([random_orthogonal(d, seed=seed + 100 * layer + h + 50, dtype=torch.float32) for h in range(hkv)])
+        rk = torch.stack([random_orthogonal(d, seed=seed + 100 * layer + h, dtype=dtype) for h in range(hkv)])
+        rv = torch.stack([random_orthogonal(d, seed=seed + 100 * layer + h + 50, dtype=dtype) for h in range(hkv)])
         mu_k = 0.1 * torch.randn(hkv, d, generator=g) if center else None
         mu_v = 0.1 * torch.randn(hkv, d, generator=g) if center else None
         out.append(LayerRotations(rk, rv, mu_k, mu_v, torch.full((hkv,), rho), torch.full((hkv,), rho)))

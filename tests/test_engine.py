@@ -1,0 +1,96 @@
+"""Engine facade on the real SmolLM2-135M: a fast smoke test and a slow next-token KL study."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from oscar.config import compose
+from oscar.engine import Engine, cache_spec, next_token_kl, perplexity, rotations_in_code
+
+
+def method(name: str, **overrides):
+    base = OmegaConf.to_container(compose([f"method={name}"]).method, resolve=True)
+    base.update(overrides)
+    return OmegaConf.create(base)
+
+
+def test_method_configs_map_to_cache_specs() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))
+    assert cache_spec(method("bf16"), model).kind == "bf16"
+    spec = cache_spec(method("quarot"), model)
+    assert (spec.kind, spec.bits, spec.group_size, spec.sink, spec.recent) == ("rotated", 2, 32, 64, 256)  # G = min(128, d=32)
+    h = spec.layers[0].r_k[0].double()
+    assert torch.allclose(h.abs(), torch.full_like(h, 32**-0.5))  # normalized Hadamard
+    assert cache_spec(method("saw_int4"), model).bits == 4
+    kivi = cache_spec(method("kivi2"), model)
+    assert (kivi.kind, kivi.group_size, kivi.sink, kivi.recent) == ("kivi", 32, 0, 128)
+    assert cache_spec(method("turboquant"), model).kind == "turboquant"
+    rots = rotations_in_code(method("int2"), model)
+    assert torch.equal(rots[1].r_v[0], torch.eye(32))
+
+
+@pytest.mark.model
+def test_engine_smoke_on_smollm2(smollm2) -> None:
+    model, tok, _ = smollm2
+    text = "The most important thing in a startup is to make something people want. " * 4
+    ids = torch.tensor([tok(text)["input_ids"][:48]])
+    bf16 = Engine(model, tok, method("bf16"))
+    ref = bf16.score(ids)
+    with torch.no_grad():
+        plain = model(ids, use_cache=False).logits
+    assert next_token_kl(plain, ref).max() < 1e-2  # BF16 rounding of K/V only
+    int2 = Engine(model, tok, method("int2", sink=4, recent=8))
+    quarot = Engine(model, tok, method("quarot", sink=4, recent=8))
+    kl_int2 = next_token_kl(ref, int2.score(ids, mode="decode_equivalent"))[0]
+    kl_quarot = next_token_kl(ref, quarot.score(ids, mode="decode_equivalent"))[0]
+    assert kl_int2[:12].abs().max() < 1e-9  # positions inside sink + recent are untouched
+    assert kl_int2[12:].mean() > 0.05
+    assert kl_quarot[12:].mean() < kl_int2[12:].mean()
+    served = int2.score(ids, mode="serving")  # a normal prefill never reads quantized rows
+    assert next_token_kl(ref, served).max() < 1e-6
+    assert perplexity(ref, ids) < perplexity(int2.score(ids, mode="decode_equivalent"), ids)
+    (lp, greedy), = int2.loglikelihood(["The most important thing in a startup is to make"], [" something"])
+    assert lp < 0 and isinstance(greedy, bool)
+    out = bf16.generate(["The capital of France is"], max_new_tokens=6)
+    assert isinstance(out[0], str) and len(out[0]) > 0
+    again = int2.generate(["The capital of France is", "Hello"], max_new_tokens=6, temperature=0.8, top_p=0.9, seed=3)
+    assert again == int2.generate(["The capital of France is", "Hello"], max_new_tokens=6, temperature=0.8, top_p=0.9, seed=3)
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_rotated_int2_methods_beat_naive_int2_by_a_wide_margin(smollm2, tmp_path) -> None:
+    """S0=4, W=16 over ~2k held-out tokens. Measured here (CPU, 2 threads): see the assertion
+    message; the margin asserted is that every rotated INT2 method's KL is below half of naive INT2's."""
+    from oscar.commands.clip import run_clip
+    from oscar.commands.dump import run_dump
+    from oscar.commands.rotations import load_stats, run_rotations
+    from oscar.data.corpora import eval_sequences
+    from oscar.engine import artifact_dir, rotations_from_artifact
+
+    model, tok, _ = smollm2
+    small_cal = ["calibration.num_tokens=1024", "calibration.seq_len=512", "calibration.holdout_tokens=512", f"results_dir={tmp_path}"]
+    windows = eval_sequences(tok, compose(small_cal).calibration, 2048, seq_len=2048)
+    ids = windows[0][None]
+    ref = Engine(model, tok, method("bf16")).score(ids)
+    kls = {}
+    for name in ("int2", "quarot", "oscar_hp", "oscar", "oscar_raw"):
+        m = method(name, sink=4, recent=16)
+        rotations = None
+        if name in ("oscar", "oscar_raw"):
+            cfg = compose([f"method={name}", *small_cal])
+            stats_dir = run_dump(cfg, model=model, tokenizer=tok).path
+            stats = load_stats(cfg, stats_dir)
+            rot = run_rotations(cfg, stats=stats).path
+            run_clip(cfg, stats=stats, rotations=rot)
+            rotations = rotations_from_artifact(artifact_dir(cfg), m, model)
+        elif name == "oscar_hp":
+            m = method(name, sink=4, recent=16, clip="none")
+        logits = Engine(model, tok, m, rotations).score(ids, mode="decode_equivalent")
+        kls[name] = float(next_token_kl(ref, logits)[0, 20:].mean())
+    for name in ("quarot", "oscar_hp", "oscar", "oscar_raw"):
+        assert kls[name] < 0.5 * kls["int2"], kls
