@@ -146,9 +146,9 @@ def test_capture_refuses_cached_forward(tiny):
         from transformers import DynamicCache
 
         cache = DynamicCache(config=model.config)
-        model(input_ids=ids[:, :4], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :4], cache=cache, use_cache=True)
         with pytest.raises(RuntimeError, match="use_cache=False"):
-            model(input_ids=ids[:, 4:], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, 4:], cache=cache, use_cache=True)
 
 
 def test_capture_rejects_unknown_base(tiny):
