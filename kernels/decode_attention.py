@@ -1,26 +1,30 @@
 """Paged INT2/INT4 decode attention, split-K, GQA-aware, merged with the BF16 sink and recent segments.
 
-Two launches per call, both with a fixed grid (lengths and page tables are read from device
+Four launches per call, all with fixed grids (lengths and page tables are read from device
 tensors, so the call can be captured in a CUDA graph):
 
-1. ``_partial_kernel``, grid ``(B * Hkv, num_splits + 2)``. Programs ``split < num_splits`` walk
-   a contiguous range of quantized tokens of one sequence and one KV head, reading each page once
-   for all ``H / Hkv`` query heads of the group. Tokens sit in the M dimension of the matrix
-   products (scores as ``K q^T`` ``[BLOCK_N, heads]``, outputs as ``V^T p`` ``[d, heads]``), so no
-   MMA rows are wasted on padding heads. Codes unpack with one shift and mask per plane, turned
-   into exact fp16 by the magic-number trick (``0x6400 | c`` is ``1024 + c``). With one group per
-   row (``G == d``) dequantization is folded into the products: ``s = scale * (q . c) + zero *
+1. ``_prep_kernel`` ``(B * Hkv,)``: the query scaled into the log2 domain, rotated once
+   (``q @ R_K``, 3xTF32 on the GPU) and ``q . mu_K``.
+2. ``_partial_kernel`` ``(B * Hkv, num_splits)``: each program walks a page-aligned range of
+   quantized tokens of one sequence and one KV head, page by page (contiguous int32-word loads of
+   the next block issued before the current block is computed), reading each page once for all
+   ``H / Hkv`` query heads of the group. Tokens sit in the M dimension of the products (scores
+   ``K q^T`` ``[BLOCK_N, heads]``, output ``V^T p`` ``[d, heads]``; ``heads_in_m`` flips that).
+   Codes become exact fp16 by the magic number (``0x6400 | c`` is ``1024 + c``), in a channel
+   order that needs no shuffles (the query and the output are permuted instead); with
+   ``fast_unpack`` the field extraction is inline PTX (GPU only). With one group per row
+   (``G == d``) dequantization is folded into the products: ``s = scale * (q . c) + zero *
    sum(q)`` and ``o = sum (p * scale) c + sum p * zero``; with several groups the codes are
-   dequantized to fp16 before the product. Program ``num_splits`` attends over the BF16 sink and
-   ``num_splits + 1`` over the BF16 recent window (bf16 tensor-core products on the GPU; float32
-   under the interpreter, whose bf16 products are wrong). Every program writes a normalized
-   partial output and its log-sum-exp (base 2).
-2. ``_merge_kernel``, grid ``(B * Hkv,)``: log-sum-exp merge of the quantized splits, change of
-   frame (``o_rot @ R_V^T + mu_V``, or the BF16 part into the rotated frame), merge with the BF16
-   segments, cast to the query dtype.
+   dequantized to fp16 before the product.
+3. ``_bf16_partial_kernel`` ``(B * Hkv, chunks)``: the BF16 sink and recent window in chunks of
+   64 tokens (bf16 tensor-core products on the GPU; float32 under the interpreter, whose bf16
+   products are wrong).
+4. ``_merge_kernel`` ``(B * Hkv,)``: log-sum-exp merge of the quantized partials, change of
+   frame (``o_rot @ R_V^T + mu_V``, or the BF16 part into the rotated frame), merge with the
+   BF16 partials, cast to the query dtype.
 
-The query is rotated once (``q @ R_K``) and ``q . mu_K`` computed once per call by the launcher.
-The torch twin is ``oscar.paged.decode_attention_torch`` (float32 dequantize-then-attend).
+Every partial is a normalized output and its log-sum-exp (base 2). The torch twin is
+``oscar.paged.decode_attention_torch`` (float32 dequantize-then-attend).
 """
 
 from __future__ import annotations
@@ -123,11 +127,11 @@ def _unpack_fp16_asm(words, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.con
 
 
 @triton.jit
-def _bf16_segment(k_ptr, v_ptr, n, stride_t, qT, m_i, l_i, acc,
+def _bf16_segment(k_ptr, v_ptr, start, n, stride_t, qT, m_i, l_i, acc,
                   BLOCK_N: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DOT_T: tl.constexpr):
-    """Online-softmax pass over ``n`` BF16 rows of one head: returns updated ``(m, l, acc [D, HP])``."""
+    """Online-softmax pass over BF16 rows ``start..n-1`` of one head: returns updated ``(m, l, acc [D, HP])``."""
     cols = tl.arange(0, D)
-    for t0 in range(0, n, BLOCK_N):
+    for t0 in range(start, n, BLOCK_N):
         toks = t0 + tl.arange(0, BLOCK_N)
         tmask = toks < n
         off = toks.to(tl.int64)[:, None] * stride_t + cols[None, :]
@@ -152,7 +156,7 @@ def _partial_kernel(
     stride_mp, stride_mh,
     pt_ptr, stride_ptb, len_ptr,
     o_ptr, lse_ptr,
-    tokens_per_split, num_splits,
+    tokens_per_split, s_total,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
     HEADS_IN_M: tl.constexpr,
@@ -163,7 +167,6 @@ def _partial_kernel(
     b = pid // HKV
     kvh = pid % HKV
     H: tl.constexpr = HKV * REP
-    s_total = num_splits + 2
     NG: tl.constexpr = D // G
     NW: tl.constexpr = D * BITS // 32  # int32 words per row
     heads = tl.arange(0, HP)
@@ -301,13 +304,13 @@ def _bf16_partial_kernel(
     qo_ptr,
     sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
     rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
-    o_ptr, lse_ptr, num_splits,
+    o_ptr, lse_ptr, num_splits, sink_chunks, num_bf,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SINK: tl.constexpr, HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr,
+    CHUNK: tl.constexpr, HAS_SINK: tl.constexpr, HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr,
 ):
-    """The BF16 sink (program 1 = 0) or recent window (= 1) of one (sequence, KV head): output + LSE."""
+    """One CHUNK of the BF16 sink (chunks ``0..sink_chunks-1``) or recent window (the rest): output + LSE."""
     pid = tl.program_id(0)
-    which = tl.program_id(1)
+    chunk = tl.program_id(1)
     b = pid // HKV
     kvh = pid % HKV
     H: tl.constexpr = HKV * REP
@@ -320,22 +323,24 @@ def _bf16_partial_kernel(
     acc = tl.zeros([D, HP], tl.float32)
     qb = tl.load(qo_ptr + (b * H + hq)[:, None] * D + cols[None, :], mask=hmask[:, None], other=0.0).to(DOT_T)
     qbT = tl.trans(qb)
-    if which == 0:
+    if chunk < sink_chunks:
         if HAS_SINK:
             n = tl.load(slen_ptr + b)
             base = b * stride_sb + kvh * stride_sh
-            m_i, l_i, acc = _bf16_segment(sk_ptr + base, sv_ptr + base, n, stride_st, qbT, m_i, l_i, acc,
+            m_i, l_i, acc = _bf16_segment(sk_ptr + base, sv_ptr + base, chunk * CHUNK,
+                                          tl.minimum(n, (chunk + 1) * CHUNK), stride_st, qbT, m_i, l_i, acc,
                                           BLOCK_N, D, HP, DOT_T)
     else:
         if HAS_RECENT:
             n = tl.load(rlen_ptr + b)
             base = b * stride_rb + kvh * stride_rh
-            m_i, l_i, acc = _bf16_segment(rk_ptr + base, rv_ptr + base, n, stride_rt, qbT, m_i, l_i, acc,
-                                          BLOCK_N, D, HP, DOT_T)
+            c = chunk - sink_chunks
+            m_i, l_i, acc = _bf16_segment(rk_ptr + base, rv_ptr + base, c * CHUNK, tl.minimum(n, (c + 1) * CHUNK),
+                                          stride_rt, qbT, m_i, l_i, acc, BLOCK_N, D, HP, DOT_T)
     nonempty = l_i > 0.0
     o = acc / tl.where(nonempty, l_i, 1.0)[None, :]
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    row = (b * H + hq) * (num_splits + 2) + num_splits + which
+    row = (b * H + hq) * (num_splits + num_bf) + num_splits + chunk
     tl.store(o_ptr + row[None, :] * D + cols[:, None], o, mask=hmask[None, :])
     tl.store(lse_ptr + row, lse, mask=hmask)
 
@@ -369,8 +374,33 @@ def _prep_kernel(q_ptr, rk_ptr, muk_ptr, qr_ptr, qo_ptr, qmu_ptr, scale,
 
 
 @triton.jit
+def _merge_range(o_ptr, lse_ptr, base, lo, hi, hmask, HP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr):
+    """Log-sum-exp merge of partial rows ``lo..hi-1`` (per head ``base + s``): ``(o [HP, D], lse [HP])``."""
+    cols = tl.arange(0, D)
+    o_acc = tl.zeros([HP, D], tl.float32)
+    m_acc = tl.full([HP], float("-inf"), tl.float32)
+    l_acc = tl.zeros([HP], tl.float32)
+    for s0 in range(lo, hi, SP):
+        sp = s0 + tl.arange(0, SP)
+        smask = sp < hi
+        lse = tl.load(lse_ptr + base[:, None] + sp[None, :], mask=hmask[:, None] & smask[None, :], other=float("-inf"))
+        m_new = tl.maximum(m_acc, tl.max(lse, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_acc - m_safe)
+        w = tl.exp2(lse - m_safe[:, None])
+        l_acc = l_acc * alpha + tl.sum(w, axis=1)
+        o3 = tl.load(o_ptr + (base[:, None, None] + sp[None, :, None]) * D + cols[None, None, :],
+                     mask=(hmask[:, None] & smask[None, :])[:, :, None], other=0.0)
+        o_acc = o_acc * alpha[:, None] + tl.sum(o3 * w[:, :, None], axis=1)
+        m_acc = m_new
+    has = l_acc > 0.0
+    o_acc = o_acc / tl.where(has, l_acc, 1.0)[:, None]
+    return o_acc, tl.where(has, m_acc + tl.log2(tl.where(has, l_acc, 1.0)), float("-inf"))
+
+
+@triton.jit
 def _merge_kernel(
-    o_ptr, lse_ptr, out_ptr, rv_ptr, muv_ptr, num_splits,
+    o_ptr, lse_ptr, out_ptr, rv_ptr, muv_ptr, num_splits, num_bf,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
     SP: tl.constexpr, HAS_RV: tl.constexpr, HAS_MUV: tl.constexpr, OUT_ROTATED: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -383,40 +413,9 @@ def _merge_kernel(
     hmask = heads < REP
     hq = kvh * REP + heads
     cols = tl.arange(0, D)
-    base = (b * H + hq) * (num_splits + 2)
-    # quantized splits
-    o_int = tl.zeros([HP, D], tl.float32)
-    m_int = tl.full([HP], float("-inf"), tl.float32)
-    l_int = tl.zeros([HP], tl.float32)
-    for s0 in range(0, num_splits, SP):
-        sp = s0 + tl.arange(0, SP)
-        smask = sp < num_splits
-        lse = tl.load(lse_ptr + base[:, None] + sp[None, :], mask=hmask[:, None] & smask[None, :], other=float("-inf"))
-        m_new = tl.maximum(m_int, tl.max(lse, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_int - m_safe)
-        w = tl.exp2(lse - m_safe[:, None])
-        l_int = l_int * alpha + tl.sum(w, axis=1)
-        o3 = tl.load(o_ptr + (base[:, None, None] + sp[None, :, None]) * D + cols[None, None, :],
-                     mask=(hmask[:, None] & smask[None, :])[:, :, None], other=0.0)
-        o_int = o_int * alpha[:, None] + tl.sum(o3 * w[:, :, None], axis=1)
-        m_int = m_new
-    has_int = l_int > 0.0
-    o_int = o_int / tl.where(has_int, l_int, 1.0)[:, None]
-    lse_int = tl.where(has_int, m_int + tl.log2(tl.where(has_int, l_int, 1.0)), float("-inf"))
-    # BF16 splits (sink, recent)
-    lse_a = tl.load(lse_ptr + base + num_splits, mask=hmask, other=float("-inf"))
-    lse_b = tl.load(lse_ptr + base + num_splits + 1, mask=hmask, other=float("-inf"))
-    o_a = tl.load(o_ptr + (base + num_splits)[:, None] * D + cols[None, :], mask=hmask[:, None], other=0.0)
-    o_b = tl.load(o_ptr + (base + num_splits + 1)[:, None] * D + cols[None, :], mask=hmask[:, None], other=0.0)
-    m_bf = tl.maximum(lse_a, lse_b)
-    m_bf_safe = tl.where(m_bf == float("-inf"), 0.0, m_bf)
-    wa = tl.exp2(lse_a - m_bf_safe)
-    wb = tl.exp2(lse_b - m_bf_safe)
-    l_bf = wa + wb
-    has_bf = l_bf > 0.0
-    o_bf = (o_a * wa[:, None] + o_b * wb[:, None]) / tl.where(has_bf, l_bf, 1.0)[:, None]
-    lse_bf = tl.where(has_bf, m_bf_safe + tl.log2(tl.where(has_bf, l_bf, 1.0)), float("-inf"))
+    base = (b * H + hq) * (num_splits + num_bf)
+    o_int, lse_int = _merge_range(o_ptr, lse_ptr, base, 0, num_splits, hmask, HP, D, SP)
+    o_bf, lse_bf = _merge_range(o_ptr, lse_ptr, base, num_splits, num_splits + num_bf, hmask, HP, D, SP)
     # frames
     if OUT_ROTATED:
         if HAS_MUV:
@@ -459,8 +458,9 @@ def paged_decode_attention(
     recent_k: Optional[torch.Tensor] = None, recent_v: Optional[torch.Tensor] = None,
     recent_len: Optional[torch.Tensor] = None,
     sm_scale: Optional[float] = None, output_frame: str = "original",
-    num_splits: Optional[int] = None, block_n: int = 64, num_warps: int = 8, num_stages: int = 2,
-    merge_warps: int = 8, fast_unpack: bool = False, rot_precision: str = "tf32x3", heads_in_m: bool = False,
+    num_splits: Optional[int] = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+    merge_warps: int = 8, fast_unpack: Optional[bool] = None, rot_precision: str = "tf32x3",
+    heads_in_m: bool = False,
 ) -> torch.Tensor:
     """Triton decode attention of one query per sequence; same contract as ``oscar.paged.decode_attention_torch``.
 
@@ -493,6 +493,8 @@ def paged_decode_attention(
     check(int_len.shape[0] >= B and int_len.dtype == torch.int32, f"int_len must be int32 [B={B}], got {int_len.dtype}")
     check(output_frame in ("original", "rotated"), f"output_frame={output_frame!r} must be 'original' or 'rotated'")
     check(is_pow2(block_n) and block_n >= 16, f"block_n={block_n} must be a power of two >= 16")
+    if fast_unpack is None:  # default: inline PTX where it runs (fastest on the H200, reports/kernels)
+        fast_unpack = bits == 2 and q.device.type == "cuda"
     check(not fast_unpack or (bits == 2 and q.device.type == "cuda"),
           f"fast_unpack (inline PTX) needs INT2 on a CUDA device, got bits={bits} on {q.device}")
     dev = q.device
@@ -532,7 +534,11 @@ def paged_decode_attention(
     block_n = min(block_n, page_size)
     check(block_n >= 16, f"page_size={page_size} must be >= 16 for the Triton kernel")
     tps = triton.cdiv(triton.cdiv(capacity, num_splits), page_size) * page_size
-    s_total = num_splits + 2
+    chunk = 64
+    sink_chunks = triton.cdiv(int(sink[0].shape[2]), chunk) if sink is not None else 0
+    recent_chunks = triton.cdiv(int(recent[0].shape[2]), chunk) if recent is not None else 0
+    num_bf = max(1, sink_chunks + recent_chunks)
+    s_total = num_splits + num_bf
     o_part = torch.empty(B, H, s_total, d, dtype=torch.float32, device=dev)
     lse_part = torch.empty(B, H, s_total, dtype=torch.float32, device=dev)
     dummy = lse_part
@@ -547,16 +553,16 @@ def paged_decode_attention(
         kw.stride(0), kw.stride(1),
         k_scale.stride(0), k_scale.stride(1),
         page_table, page_table.stride(0), int_len,
-        o_part, lse_part, tps, num_splits,
+        o_part, lse_part, tps, s_total,
         HKV=hkv, REP=rep, HP=hp, D=d, G=group_size, BITS=bits, PAGE_SIZE=page_size, BLOCK_N=block_n,
         FAST_UNPACK=fast_unpack, HEADS_IN_M=heads_in_m, num_warps=num_warps, num_stages=num_stages,
     )
-    launchable(_bf16_partial_kernel, dev)[(B * hkv, 2)](
+    launchable(_bf16_partial_kernel, dev)[(B * hkv, num_bf)](
         q_orig,
         sk, sv, sl, *s_strides,
         rk, rv, rl, *r_strides,
-        o_part, lse_part, num_splits,
-        HKV=hkv, REP=rep, HP=hp, D=d, BLOCK_N=32,
+        o_part, lse_part, num_splits, sink_chunks, num_bf,
+        HKV=hkv, REP=rep, HP=hp, D=d, BLOCK_N=32, CHUNK=chunk,
         HAS_SINK=sink is not None, HAS_RECENT=recent is not None,
         DOT_T=tl.bfloat16 if dev.type == "cuda" else tl.float32, num_warps=8,
     )
@@ -564,7 +570,7 @@ def paged_decode_attention(
     rv_t = R_V.to(dev, torch.float32).contiguous() if R_V is not None else dummy
     muv = mu_V.to(dev, torch.float32).contiguous() if mu_V is not None else dummy
     launchable(_merge_kernel, dev)[(B * hkv,)](
-        o_part, lse_part, out, rv_t, muv, num_splits,
+        o_part, lse_part, out, rv_t, muv, num_splits, num_bf,
         HKV=hkv, REP=rep, HP=hp, D=d, SP=4,
         HAS_RV=R_V is not None, HAS_MUV=mu_V is not None, OUT_ROTATED=output_frame == "rotated",
         PRECISION=precision, num_warps=merge_warps,

@@ -44,6 +44,13 @@ def _rotate_quantize_kernel(
     codes_ptr,
     scale_ptr,
     zero_ptr,
+    x2_ptr,
+    r2_ptr,
+    mu2_ptr,
+    rho2_ptr,
+    codes2_ptr,
+    scale2_ptr,
+    zero2_ptr,
     stride_cp,
     stride_ch,
     stride_cs,
@@ -63,6 +70,14 @@ def _rotate_quantize_kernel(
 ):
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
+    if tl.program_id(2) == 1:  # second tensor of a pair (V of a K/V demotion): same shapes and strides
+        x_ptr = x2_ptr
+        r_ptr = r2_ptr
+        mu_ptr = mu2_ptr
+        rho_ptr = rho2_ptr
+        codes_ptr = codes2_ptr
+        scale_ptr = scale2_ptr
+        zero_ptr = zero2_ptr
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < n_rows
     cols = tl.arange(0, D)
@@ -134,30 +149,8 @@ def _rotate_quantize_kernel(
     tl.store(zero_ptr + s_off, zero_bf, mask=rmask[:, None])
 
 
-def rotate_quantize_pack(
-    x: torch.Tensor,
-    slots: torch.Tensor,
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor,
-    *,
-    bits: int,
-    group_size: int,
-    R: Optional[torch.Tensor] = None,
-    mu: Optional[torch.Tensor] = None,
-    rho: Optional[torch.Tensor] = None,
-    src_index: Optional[torch.Tensor] = None,
-    block_t: int = 16,
-    num_warps: int = 8,
-    rot_precision: str = "tf32x3",
-) -> None:
-    """Quantize rows into pool slots in place (Triton).
-
-    `x` `[N, Hkv, d]` rows in the original frame, or `[N, Hkv, T, d]` with `src_index` `[N]`
-    choosing row `x[n, :, src_index[n]]` (demotion out of a recent window). `slots` `[N]` int
-    (`page * page_size + offset`). `codes` `[P, Hkv, page_size, d*bits//8]` uint8, `scale`/`zero`
-    `[P, Hkv, page_size, d//G]` bf16. `R` `[Hkv, d, d]`, `mu` `[Hkv, d]`, `rho` `[Hkv]` optional.
-    """
+def _kernel_args(x, slots, codes, scale, zero, bits, group_size, R, mu, rho, src_index):
+    """Validate one tensor's inputs; return (pointer args, stride args, constexpr flags)."""
     check(bits in (2, 4), f"bits={bits} is not supported; valid values are 2 and 4")
     d = int(x.shape[-1])
     check(x.dim() == (4 if src_index is not None else 3),
@@ -182,8 +175,6 @@ def rotate_quantize_pack(
     dev = x.device
     for name, t in (("slots", slots), ("codes", codes), ("scale", scale), ("zero", zero)):
         check(t.device == dev, f"{name} is on {t.device} but x is on {dev}")
-    if n == 0:
-        return
     if R is not None:
         check(tuple(R.shape) == (hkv, d, d), f"R must be [{hkv}, {d}, {d}], got {tuple(R.shape)}")
         R = R.to(device=dev, dtype=torch.float32).contiguous()
@@ -195,21 +186,83 @@ def rotate_quantize_pack(
         rho = rho.to(device=dev, dtype=torch.float32).contiguous()
     if src_index is not None:
         check(src_index.shape == (n,), f"src_index must be [N={n}], got {tuple(src_index.shape)}")
-        stride_xt = x.stride(2)
-    else:
-        stride_xt = 0
     dummy = slots
-    grid = (triton.cdiv(n, block_t), hkv)
+    ptrs = (x, R if R is not None else dummy, mu if mu is not None else dummy, rho if rho is not None else dummy,
+            codes, scale, zero)
+    strides = (x.stride(0), x.stride(1), x.stride(2) if src_index is not None else 0,
+               codes.stride(0), codes.stride(1), codes.stride(2), scale.stride(0), scale.stride(1), scale.stride(2))
+    flags = dict(PAGE_SIZE=page_size, D=d, G=group_size, BITS=bits, HAS_SRC=src_index is not None,
+                 HAS_ROT=R is not None, HAS_MU=mu is not None, CLIP=rho is not None)
+    return ptrs, strides, flags, (n, hkv)
+
+
+def _launch(first, second, slots, src_index, block_t, num_warps, rot_precision):
+    ptrs, strides, flags, (n, hkv) = first
+    if second is not None:
+        check(second[1] == strides and second[2] == flags and second[3] == (n, hkv),
+              "the two tensors of a pair must have equal shapes, strides and transform flags")
+        ptrs2 = second[0]
+    else:
+        ptrs2 = ptrs
+    if n == 0:
+        return
+    x, r, mu, rho, codes, scale, zero = ptrs
+    dev = x.device
+    grid = (triton.cdiv(n, block_t), hkv, 1 if second is None else 2)
     launchable(_rotate_quantize_kernel, dev)[grid](
-        x, src_index if src_index is not None else dummy, slots, n,
-        x.stride(0), x.stride(1), stride_xt,
-        R if R is not None else dummy, mu if mu is not None else dummy,
-        rho if rho is not None else dummy,
-        codes, scale, zero,
-        codes.stride(0), codes.stride(1), codes.stride(2),
-        scale.stride(0), scale.stride(1), scale.stride(2),
-        PAGE_SIZE=page_size, D=d, G=group_size, BITS=bits, BLOCK_T=block_t,
-        HAS_SRC=src_index is not None, HAS_ROT=R is not None, HAS_MU=mu is not None, CLIP=rho is not None,
-        PRECISION="ieee" if dev.type != "cuda" else rot_precision,
-        num_warps=num_warps,
+        x, src_index if src_index is not None else slots, slots, n,
+        strides[0], strides[1], strides[2], r, mu, rho, codes, scale, zero, *ptrs2,
+        *strides[3:], BLOCK_T=block_t, PRECISION="ieee" if dev.type != "cuda" else rot_precision,
+        num_warps=num_warps, **flags,
     )
+
+
+def rotate_quantize_pack(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    *,
+    bits: int,
+    group_size: int,
+    R: Optional[torch.Tensor] = None,
+    mu: Optional[torch.Tensor] = None,
+    rho: Optional[torch.Tensor] = None,
+    src_index: Optional[torch.Tensor] = None,
+    block_t: int = 16,
+    num_warps: int = 8,
+    rot_precision: str = "tf32x3",
+) -> None:
+    """Quantize rows into pool slots in place (Triton).
+
+    `x` `[N, Hkv, d]` rows in the original frame, or `[N, Hkv, T, d]` with `src_index` `[N]`
+    choosing row `x[n, :, src_index[n]]` (demotion out of a recent window). `slots` `[N]` int
+    (`page * page_size + offset`). `codes` `[P, Hkv, page_size, d*bits//8]` uint8, `scale`/`zero`
+    `[P, Hkv, page_size, d//G]` bf16. `R` `[Hkv, d, d]`, `mu` `[Hkv, d]`, `rho` `[Hkv]` optional.
+    """
+    args = _kernel_args(x, slots, codes, scale, zero, bits, group_size, R, mu, rho, src_index)
+    _launch(args, None, slots, src_index, block_t, num_warps, rot_precision)
+
+
+def rotate_quantize_pack_pair(
+    xk: torch.Tensor,
+    xv: torch.Tensor,
+    slots: torch.Tensor,
+    k_pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    v_pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    bits: int,
+    group_size: int,
+    k_transform: tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None, None),
+    v_transform: tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None, None),
+    src_index: Optional[torch.Tensor] = None,
+    block_t: int = 16,
+    num_warps: int = 8,
+    rot_precision: str = "tf32x3",
+) -> None:
+    """K and V rows into their pools in one launch (same slots); pages are ``(codes, scale, zero)``,
+    transforms ``(R, mu, rho)``. Both tensors need the same shapes, strides and transform kinds."""
+    a = _kernel_args(xk, slots, *k_pages, bits, group_size, *k_transform, src_index)
+    b = _kernel_args(xv, slots, *v_pages, bits, group_size, *v_transform, src_index)
+    _launch(a, b, slots, src_index, block_t, num_warps, rot_precision)

@@ -108,6 +108,7 @@ def rotate_quantize_pack_torch(x: torch.Tensor, slots: torch.Tensor, pages: Quan
     _check_rows(rows, pages, slots)
     if n == 0:
         return
+    rows, slots = rows.to(pages.codes.device), slots.to(pages.codes.device)
     xf = rows.to(torch.float32)
     if t.mu is not None:
         xf = xf - t.mu.to(xf.device, torch.float32)
@@ -152,6 +153,24 @@ def rotate_quantize_pack(x: torch.Tensor, slots: torch.Tensor, pages: QuantPages
 
     kernel(x, slots, pages.codes, pages.scale, pages.zero, bits=pages.bits, group_size=pages.group_size,
            R=t.R, mu=t.mu, rho=t.rho, src_index=src_index)
+
+
+def rotate_quantize_pack_kv(xk: torch.Tensor, xv: torch.Tensor, slots: torch.Tensor, k_pages: QuantPages,
+                            v_pages: QuantPages, kt: HeadTransform, vt: HeadTransform,
+                            src_index: Optional[torch.Tensor] = None, backend: Backend = "torch") -> None:
+    """K and V rows into their pages at the same slots; one fused launch on the Triton backend when possible."""
+    _check_backend(backend)
+    same_kind = all((a is None) == (b is None) for a, b in ((kt.R, vt.R), (kt.mu, vt.mu), (kt.rho, vt.rho)))
+    if backend == "torch" or not same_kind or xk.stride() != xv.stride() or xk.dtype != xv.dtype:
+        rotate_quantize_pack(xk, slots, k_pages, kt, src_index=src_index, backend=backend)
+        rotate_quantize_pack(xv, slots, v_pages, vt, src_index=src_index, backend=backend)
+        return
+    from oscar.kernels.quantize import rotate_quantize_pack_pair
+
+    rotate_quantize_pack_pair(xk, xv, slots, (k_pages.codes, k_pages.scale, k_pages.zero),
+                              (v_pages.codes, v_pages.scale, v_pages.zero), bits=k_pages.bits,
+                              group_size=k_pages.group_size, k_transform=(kt.R, kt.mu, kt.rho),
+                              v_transform=(vt.R, vt.mu, vt.rho), src_index=src_index)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,14 +408,13 @@ class PagedKVPool:
     def write(self, layer: int, k_rows: torch.Tensor, v_rows: torch.Tensor, slots: torch.Tensor,
               kt: HeadTransform, vt: HeadTransform, backend: Backend = "torch") -> None:
         """Quantize K and V rows ``[N, Hkv, d]`` (original frame) of ``layer`` into ``slots``."""
-        rotate_quantize_pack(k_rows, slots, self.k[layer], kt, backend=backend)
-        rotate_quantize_pack(v_rows, slots, self.v[layer], vt, backend=backend)
+        rotate_quantize_pack_kv(k_rows, v_rows, slots, self.k[layer], self.v[layer], kt, vt, backend=backend)
 
     def demote(self, layer: int, recent_k: torch.Tensor, recent_v: torch.Tensor, src_index: torch.Tensor,
                slots: torch.Tensor, kt: HeadTransform, vt: HeadTransform, backend: Backend = "torch") -> None:
         """Quantize ``recent_*[n, :, src_index[n]]`` (``[N, Hkv, W, d]`` windows) into ``slots`` [N]."""
-        rotate_quantize_pack(recent_k, slots, self.k[layer], kt, src_index=src_index, backend=backend)
-        rotate_quantize_pack(recent_v, slots, self.v[layer], vt, src_index=src_index, backend=backend)
+        rotate_quantize_pack_kv(recent_k, recent_v, slots, self.k[layer], self.v[layer], kt, vt,
+                                src_index=src_index, backend=backend)
 
     def read(self, layer: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized float32 K and V ``[Hkv, T, d]`` of sequence ``b`` in the rotated frame."""
@@ -420,6 +438,7 @@ __all__ = [
     "decode_attention_torch",
     "gather_dequantize",
     "rotate_quantize_pack",
+    "rotate_quantize_pack_kv",
     "rotate_quantize_pack_torch",
     "slots_for",
 ]

@@ -28,7 +28,8 @@ def _rows(n: int, h: int, d: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def _pair(hkv: int, d: int, bits: int, g: int, pages: int, ps: int, device: str):
-    return (QuantPages.empty(pages, hkv, ps, d, bits, g, device), QuantPages.empty(pages, hkv, ps, d, bits, g, device))
+    """(reference pages on CPU, kernel pages on ``device``)."""
+    return (QuantPages.empty(pages, hkv, ps, d, bits, g, "cpu"), QuantPages.empty(pages, hkv, ps, d, bits, g, device))
 
 
 def _equal_pages(a: QuantPages, b: QuantPages) -> None:
@@ -107,3 +108,27 @@ def test_quantize_kernel_rejects_bad_shapes():
     bad = QuantPages.empty(2, 2, 4, 96, 2, 32)
     with pytest.raises(ValueError, match="head_dim=96"):
         rotate_quantize_pack(torch.zeros(1, 2, 96), torch.arange(1), bad, HeadTransform(), backend="triton")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_kv_demotion_matches_twin(device):
+    """K and V demoted in one launch equal the torch twin (no rotation: bit-exact)."""
+    from oscar.paged import rotate_quantize_pack_kv
+
+    gen = torch.Generator().manual_seed(9)
+    B, hkv, W, d, ps = 6, 2, 8, 128, 4
+    rk = torch.randn(B, hkv, W, d, generator=gen).to(torch.bfloat16)
+    rv = torch.randn(B, hkv, W, d, generator=gen).to(torch.bfloat16)
+    src = torch.randint(0, W, (B,), generator=gen)
+    slots = torch.randperm(4 * ps, generator=gen)[:B]
+    kt = HeadTransform(mu=torch.randn(hkv, d, generator=gen), rho=torch.tensor([0.95, 0.9]))
+    vt = HeadTransform(mu=torch.randn(hkv, d, generator=gen), rho=torch.tensor([0.85, 1.0]))
+    ref_k, out_k = _pair(hkv, d, 2, 128, 4, ps, device)
+    ref_v, out_v = _pair(hkv, d, 2, 128, 4, ps, device)
+    rotate_quantize_pack_kv(rk, rv, slots, ref_k, ref_v, kt, vt, src_index=src, backend="torch")
+    rotate_quantize_pack_kv(rk.to(device), rv.to(device), slots.to(device), out_k, out_v,
+                            HeadTransform(mu=kt.mu.to(device), rho=kt.rho.to(device)),
+                            HeadTransform(mu=vt.mu.to(device), rho=vt.rho.to(device)),
+                            src_index=src.to(device), backend="triton")
+    _equal_pages(ref_k, out_k)
+    _equal_pages(ref_v, out_v)
