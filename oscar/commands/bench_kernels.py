@@ -272,7 +272,7 @@ def bench_quantize(B: int, d: int, hkv: int, opts: dict[str, Any], l2: int) -> l
     """Demotion (B rows of K and V, rotation + centering + clip) and prefill quantization (B*1024 rows)."""
     import torch
 
-    from oscar.paged import HeadTransform, QuantPages, rotate_quantize_pack
+    from oscar.paged import HeadTransform, QuantPages, rotate_quantize_pack, rotate_quantize_pack_kv
 
     g = torch.Generator(device="cuda").manual_seed(1)
     bits, ps, W = opts["bits"], opts["page_size"], opts["recent"]
@@ -287,9 +287,8 @@ def bench_quantize(B: int, d: int, hkv: int, opts: dict[str, Any], l2: int) -> l
             src = torch.randn(n_rows, hkv, W, d, device="cuda", generator=g).to(torch.bfloat16)
             idx = torch.randint(0, W, (n_rows,), device="cuda", generator=g)
 
-            def f():
-                rotate_quantize_pack(src, slots, pages[0], t, src_index=idx, backend="triton")
-                rotate_quantize_pack(src, slots, pages[1], t, src_index=idx, backend="triton")
+            def f():  # K and V of one layer, one fused launch
+                rotate_quantize_pack_kv(src, src, slots, pages[0], pages[1], t, t, src_index=idx, backend="triton")
         else:
             src = torch.randn(n_rows, hkv, d, device="cuda", generator=g).to(torch.bfloat16)
 
