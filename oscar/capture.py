@@ -136,6 +136,6 @@ def run_captured(
     with capturing(model, sink, base=base):
         for ids in tqdm(sequences, desc=progress, disable=progress is None, leave=False):
             batch = ids.view(1, -1).to(device)
-            model(input_ids=batch, use_cache=False)
+            model(input_ids=batch, use_cache=False, logits_to_keep=1)  # only attention matters here
             seen += int(batch.numel())
     return seen
