@@ -44,6 +44,10 @@ def eval_rows(results: Path, model: str, baseline: str = "bf16") -> list[dict[st
             mine = {(rec["id"], r["seed"]): _item_score(rec) for r, recs in runs for rec in recs}
             ref = {(rec["id"], r["seed"]): _item_score(rec) for r, recs in base for rec in recs}
             row["vs_baseline"] = paired_bootstrap(mine, ref)
+            pred = {(rec["id"], r["seed"]): rec.get("prediction") for r, recs in runs for rec in recs}
+            base_pred = {(rec["id"], r["seed"]): rec.get("prediction") for r, recs in base for rec in recs}
+            common = set(pred) & set(base_pred)
+            row["agreement"] = sum(pred[k] == base_pred[k] for k in common) / len(common)
         rows.append(row)
     return rows
 
@@ -68,16 +72,22 @@ def _ci(d: dict | None) -> str:
     return f"{100 * d['diff']:+.1f} [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}]"
 
 
+def _agreement(row: dict) -> str:
+    return "-" if "agreement" not in row else f"{100 * row['agreement']:.0f}%"
+
+
 def render_markdown(eval_rs: list[dict], fid_rs: list[dict]) -> str:
     """Markdown tables of the eval and fidelity rows."""
     lines = []
     if eval_rs:
-        lines += ["| benchmark | method | metric | mean ± std over seeds (%) | seeds | n | diff vs BF16, 95% paired bootstrap CI (pts) |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["| benchmark | method | metric | mean ± std over seeds (%) | seeds | n | diff vs BF16, 95% paired bootstrap CI (pts) | same prediction as BF16 |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in eval_rs:
             bench = r["benchmark"] + (f" (stand-in for {r['stand_in_for']})" if r["stand_in_for"] else "")
-            lines.append(f"| {bench} | {r['method']} | {r['metric']} | {_pct_pm(r['mean'], r['std'])} | "
-                         f"{','.join(map(str, r['seeds']))} | {r['n']} | {_ci(r.get('vs_baseline'))} |")
+            spread = _pct_pm(r["mean"], r["std"]) if len(r["seeds"]) > 1 else f"{100 * r['mean']:.1f} (one seed)"
+            lines.append(f"| {bench} | {r['method']} | {r['metric']} | {spread} | "
+                         f"{','.join(map(str, r['seeds']))} | {r['n']} | {_ci(r.get('vs_baseline'))} | "
+                         f"{_agreement(r)} |")
     if fid_rs:
         lines += ["", "| method | cell | mode | next-token KL vs BF16 [95% CI] | ppl method / BF16 | tokens |",
                   "|---|---|---|---|---|---|"]

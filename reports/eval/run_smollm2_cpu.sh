@@ -17,3 +17,13 @@ for m in quarot oscar; do
   $PY -m oscar fidelity model=smollm2-135m method=$m $W windows=1 seq_len=512 prefill=496 modes=serving \
       attention=false threads=2 progress=false output=results/fidelity/smollm2-135m/$m/paul_graham-serving
 done
+# out-of-domain text (Debian jargon file; calibration used the essays)
+for m in quarot oscar; do
+  $PY -m oscar fidelity model=smollm2-135m method=$m $W corpus=jargon windows=2 seq_len=512 modes=decode_equivalent \
+      threads=2 progress=false
+done
+# a small generation cell: NIAH at 512 tokens (4 items, greedy, 12 new tokens)
+for m in bf16 quarot oscar; do
+  $PY -m oscar eval model=smollm2-135m method=$m benchmark=niah benchmark.context_lengths=[512] \
+      benchmark.extra.samples_per_length=4 benchmark.batch_size=4 benchmark.max_new_tokens=12 $W seed=0 threads=2 progress=false
+done
