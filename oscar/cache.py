@@ -76,7 +76,9 @@ class CacheSpec:
     recent: int = 256
     page_size: int = 64
     layers: list[LayerRotations] = field(default_factory=list)
-    fold_values: bool = False  # True: o_proj carries R_V (oscar.surgery); attention returns rotated frame
+    fold_values: bool = False  # True: o_proj carries R_V and mu_V (oscar.surgery); attention returns (o - mu_V) @ R_V
+    backend: str = "torch"  # torch | triton: decode steps through oscar.paged.decode_attention(backend="triton")
+    paged_decode: bool = False  # decode steps through oscar.paged.decode_attention even on the torch backend
     mode: str = "serving"  # serving | decode_equivalent
     store_dtype: torch.dtype = torch.bfloat16
     seed: int = 0  # turboquant: seeds of the per-(layer, head) random rotations
@@ -95,6 +97,8 @@ class CacheSpec:
                 raise ValueError(f"page_size={self.page_size} must be a power of two")
             if self.bits not in quant.SUPPORTED_BITS:
                 raise ValueError(f"bits={self.bits} is not supported; valid values are {quant.SUPPORTED_BITS}")
+        if self.backend not in ("torch", "triton"):
+            raise ValueError(f"backend={self.backend!r} is not valid; choose 'torch' or 'triton'")
         if self.fold_values and self.kind != "rotated":
             raise ValueError("fold_values needs a rotated cache (the bf16 cache has no value rotation)")
 
@@ -311,6 +315,9 @@ class OscarLayer(CacheLayerMixin):
         uniform = valid is None and len(set(self.sink_len)) == 1 and len(set(self.recent_len)) == 1
         if not needs_quant and uniform:
             out = self._attend_bf16_contiguous(module, query, kb, vb, scale)
+        elif n == 1 and sp.kind == "rotated" and (sp.backend == "triton" or sp.paged_decode):
+            self._write(kb, vb, valid)
+            return self._attend_paged(query, scale)
         elif n == 1:
             out = self._attend_segments(query, kb, vb, valid, scale, decode_eq, old)
         else:
@@ -336,7 +343,7 @@ class OscarLayer(CacheLayerMixin):
         out, _ = sdpa_attention_forward(module, query, keys, values, mask, scaling=scale)
         out = out.transpose(1, 2)
         if self.spec.fold_values:
-            out = ungroup(rotate_per_kv_head(group_queries(out.to(self.cdt), self.hkv), self.rot.r_v)).to(query.dtype)
+            out = self._to_folded_frame(out.to(self.cdt)).to(query.dtype)
         return out
 
     def _positions(self, valid: Optional[torch.Tensor], n: int, old: Sequence[int]) -> tuple[torch.Tensor, ...]:
@@ -402,14 +409,11 @@ class OscarLayer(CacheLayerMixin):
                     int_parts.append(int_segment(qg, kq, vq, vis_q[:, None, None], scale, rot.r_k, rot.mu_k))
 
         parts = []
-        if sp.fold_values:
+        if sp.fold_values:  # every segment in the folded frame (o - mu_V) @ R_V; INT rows already are
             assert self.rot is not None
-            parts.append((rotate_per_kv_head(o_bf, self.rot.r_v), lse_bf))
-            mu_rot = None if self.rot.mu_v is None else torch.einsum("hd,hde->he", self.rot.mu_v, self.rot.r_v)
-            for o_rot, lse, mass in int_parts:
-                if mu_rot is not None:
-                    o_rot = o_rot + mass.unsqueeze(-1) * mu_rot[None, :, None, None, :]
-                parts.append((o_rot, lse))
+            o_bf_c = o_bf if self.rot.mu_v is None else o_bf - self.rot.mu_v[None, :, None, None, :]
+            parts.append((rotate_per_kv_head(o_bf_c, self.rot.r_v), lse_bf))
+            parts += [(o_rot, lse) for o_rot, lse, _ in int_parts]
         else:
             parts.append((o_bf, lse_bf))
             for o_rot, lse, mass in int_parts:
@@ -418,6 +422,37 @@ class OscarLayer(CacheLayerMixin):
                     o = o + mass.unsqueeze(-1) * self.rot.mu_v[None, :, None, None, :]  # type: ignore[union-attr]
                 parts.append((o, lse))
         return ungroup(merge_segments(parts)).to(query.dtype)
+
+    def _attend_paged(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """Decode step over the stored segments with `oscar.paged.decode_attention` (Triton kernel on
+        `backend="triton"`); the new token is already written."""
+        from oscar import paged
+
+        r = self.rot
+        assert r is not None
+        sp = self.spec
+        kt = paged.HeadTransform(r.r_k.float(), None if r.mu_k is None else r.mu_k.float(), r.rho_k)
+        vt = paged.HeadTransform(r.r_v.float(), None if r.mu_v is None else r.mu_v.float(), r.rho_v)
+        ks, vs = self.k_store, self.v_store
+        out = paged.decode_attention(
+            query[:, :, 0],
+            paged.QuantPages(ks.codes, ks.scale, ks.zero, sp.bits, sp.group_size),
+            paged.QuantPages(vs.codes, vs.scale, vs.zero, sp.bits, sp.group_size),
+            ks.page_table(),
+            torch.tensor(ks.lengths, dtype=torch.int32, device=self.device),
+            kt,
+            vt,
+            sink_k=self.sink_k,
+            sink_v=self.sink_v,
+            sink_len=torch.tensor(self.sink_len, dtype=torch.int32, device=self.device),
+            recent_k=self.recent_k,
+            recent_v=self.recent_v,
+            recent_len=torch.tensor(self.recent_len, dtype=torch.int32, device=self.device),
+            sm_scale=scale,
+            output_frame="rotated" if sp.fold_values else "original",
+            backend=sp.backend,
+        )
+        return out[:, :, None, :]
 
     def _unrotate(self, rows_rot: torch.Tensor, which: str) -> torch.Tensor:
         """Rotated-frame rows back to the original frame: `x_rot @ R.T + mu`."""
@@ -492,9 +527,16 @@ class OscarLayer(CacheLayerMixin):
             )
             out[:, :, start : start + block] = o * seen[:, None].to(o.dtype)
         if sp.fold_values:
-            assert self.rot is not None
-            out = ungroup(rotate_per_kv_head(group_queries(out, self.hkv), self.rot.r_v))
+            out = self._to_folded_frame(out)
         return out.to(query.dtype)
+
+    def _to_folded_frame(self, out: torch.Tensor) -> torch.Tensor:
+        """`[B, H, n, d]` attention output (weights summing to 1) -> `(o - mu_V) @ R_V` per KV head."""
+        assert self.rot is not None
+        og = group_queries(out, self.hkv)
+        if self.rot.mu_v is not None:
+            og = og - self.rot.mu_v[None, :, None, None, :]
+        return ungroup(rotate_per_kv_head(og, self.rot.r_v))
 
     def _write(self, kb: torch.Tensor, vb: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
         """Store the chunk's real tokens per sequence: fill the sink, then the recent window, demoting

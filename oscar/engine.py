@@ -88,7 +88,15 @@ def rotations_from_artifact(path: Path, method_cfg: Any, model: Any) -> list[Lay
     return layer_rotations(art)
 
 
-def cache_spec(method_cfg: Any, model: Any, rotations: Optional[list[LayerRotations]] = None, *, mode: str = "serving", fold_values: bool = False) -> CacheSpec:
+def cache_spec(
+    method_cfg: Any,
+    model: Any,
+    rotations: Optional[list[LayerRotations]] = None,
+    *,
+    mode: str = "serving",
+    fold_values: bool = False,
+    backend: str = "torch",
+) -> CacheSpec:
     """The cache configuration of a method on a model."""
     kind = str(method_cfg.kind)
     if kind == "bf16":
@@ -114,14 +122,25 @@ def cache_spec(method_cfg: Any, model: Any, rotations: Optional[list[LayerRotati
         layers=rotations,
         fold_values=fold_values,
         mode=mode,
+        backend=backend,
     )
 
 
 class Engine:
     """A causal LM with a KV-cache method: generation, scoring and log-likelihoods."""
 
-    def __init__(self, model: Any, tokenizer: Any, method_cfg: Any, rotations: Optional[list[LayerRotations]] = None, *, fold_values: bool = False):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        method_cfg: Any,
+        rotations: Optional[list[LayerRotations]] = None,
+        *,
+        fold_values: bool = False,
+        backend: str = "torch",
+    ):
         self.model = model
+        self.backend = backend
         self.tokenizer = tokenizer
         self.method = method_cfg
         attention.enable(model)
@@ -152,11 +171,12 @@ class Engine:
                 rotations = rotations_from_artifact(artifact_dir(cfg), method, model)
             else:
                 rotations = rotations_in_code(method, model)
-        return cls(model, tokenizer, method, rotations, fold_values=fold_values)
+        return cls(model, tokenizer, method, rotations, fold_values=fold_values, backend=str(cfg.backend))
 
     def new_cache(self, mode: str = "serving") -> OscarCache:
         """A fresh cache of this engine's method."""
-        return new_cache(self.model, cache_spec(self.method, self.model, self.rotations, mode=mode, fold_values=self.fold_values))
+        spec = cache_spec(self.method, self.model, self.rotations, mode=mode, fold_values=self.fold_values, backend=self.backend)
+        return new_cache(self.model, spec)
 
     # -- scoring ------------------------------------------------------------------------------
 

@@ -250,3 +250,35 @@ def test_errors_name_the_bad_value(llama) -> None:
     plain = tiny_llama()
     with pytest.raises(ValueError, match="'oscar'"):
         new_cache(plain, spec_for_model(plain, kind="bf16"))
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_paged_decode_path_equals_the_segment_path(fold: bool) -> None:
+    """Decode steps through oscar.paged.decode_attention (the path of the Triton kernel) against the
+    vectorized LSE-merge path, with folding, centering and clipping, after a padded prefill."""
+    from oscar.surgery import fold_value_rotations
+
+    model = tiny_llama(dtype=torch.float64)
+    enable(model)
+    rots = random_rotations(model, seed=5, dtype=torch.float64)
+    handle = fold_value_rotations(model, rots) if fold else None
+    prompts = torch.randint(0, 96, (2, 15), generator=torch.Generator().manual_seed(11))
+    mask = torch.ones_like(prompts)
+    mask[1, :4] = 0
+    nxt = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(12))
+    outs = []
+    for paged_decode in (False, True):
+        spec = spec_for_model(model, kind="rotated", rotations=rots, sink=2, recent=3, group_size=8, page_size=4, fold_values=fold, paged_decode=paged_decode)
+        cache = new_cache(model, spec)
+        m = mask.clone()
+        with torch.no_grad():
+            logits = [model(prompts, attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp(min=0), cache=cache).logits[:, -1:]]
+            for t in range(nxt.shape[1]):
+                m = torch.cat([m, torch.ones(2, 1, dtype=m.dtype)], dim=1)
+                pos = m.sum(-1, keepdim=True) - 1
+                logits.append(model(nxt[:, t : t + 1], attention_mask=m, position_ids=pos, cache=cache).logits)
+        outs.append(torch.cat(logits, dim=1))
+        assert cache.layers[0].int_lengths() == [15 + 9 - 5, 11 + 9 - 5]
+    if handle is not None:
+        handle.undo()
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

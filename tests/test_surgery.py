@@ -33,6 +33,7 @@ def test_folded_model_with_quantized_history_is_exact_in_float64() -> None:
     kw = dict(kind="rotated", rotations=rots, sink=2, recent=5, group_size=8, store_dtype=torch.float64)
     outs = {}
     original = [layer.self_attn.o_proj.weight.clone() for layer in model.model.layers]
+    assert all(layer.self_attn.o_proj.bias is None for layer in model.model.layers)
     for fold in (False, True):
         handle = fold_value_rotations(model, rots) if fold else None
         with torch.no_grad():
@@ -47,3 +48,4 @@ def test_folded_model_with_quantized_history_is_exact_in_float64() -> None:
         torch.testing.assert_close(outs[(True, mode)], outs[(False, mode)], rtol=1e-10, atol=1e-10)
     for layer, w in zip(model.model.layers, original):
         assert torch.equal(layer.self_attn.o_proj.weight, w)  # undo restores the weights exactly
+        assert layer.self_attn.o_proj.bias is None
