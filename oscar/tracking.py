@@ -30,9 +30,9 @@ MAX_PARAM_CHARS = 6000
 BATCH = 100
 
 
-def experiment_name(experiment: str, table: str) -> str:
-    """MLflow experiment of one table: `oscar/<experiment>/<table>`."""
-    return f"oscar/{experiment}/{table}"
+def experiment_name(experiment: str, table: str, prefix: str | None = None) -> str:
+    """MLflow experiment of one table: `oscar/<experiment>/<table>` (or `<prefix>/<table>`)."""
+    return f"{prefix}/{table}" if prefix else f"oscar/{experiment}/{table}"
 
 
 def metric_names(kind: str, item: str, metrics: dict[str, Any]) -> dict[str, float]:
@@ -122,6 +122,7 @@ def mirror_table(
     root: str | Path = ".",
     report_files: list[str | Path] | None = None,
     rule_of: dict[str, str] | None = None,
+    prefix: str | None = None,
 ) -> dict[str, Any]:
     """Mirror one table's cells and report files into MLflow; returns experiment, parent and child run ids."""
     import mlflow
@@ -133,7 +134,7 @@ def mirror_table(
     with store_lock(uri, root / "results" / "tracking"):
         mlflow.set_tracking_uri(uri)
         client = MlflowClient(tracking_uri=uri)
-        name = experiment_name(plan.experiment, plan.table)
+        name = experiment_name(plan.experiment, plan.table, prefix)
         found = client.get_experiment_by_name(name)
         experiment_id = found.experiment_id if found else client.create_experiment(name, artifact_location=_artifact_root(uri, root, name))
         parent = _parent_run(client, experiment_id, plan, commit)

@@ -38,6 +38,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--track", action="store_true", help="mirror the table's cells into MLflow")
     parser.add_argument("--track-output", help="JSON receipt of the MLflow run ids (with --track)")
     parser.add_argument("--uri", help="MLflow tracking URI (default: tracking.uri of the configuration)")
+    parser.add_argument("--experiment-prefix", help="MLflow experiment names <prefix>/<table> (default oscar/<experiment>)")
     args = parser.parse_args(argv)
     try:
         plan = TablePlan.load(args.plan)
@@ -78,7 +79,7 @@ def _track(plan: TablePlan, args: argparse.Namespace) -> None:
 
         uri = str(compose([f"experiment={plan.experiment}"] if _is_experiment(plan.experiment) else []).tracking.uri)
     reports = sorted(str(p) for p in Path(args.root, "reports", plan.experiment).glob(f"{plan.table}.*"))
-    receipt = mirror_table(plan, uri, root=args.root, report_files=reports)
+    receipt = mirror_table(plan, uri, root=args.root, report_files=reports, prefix=args.experiment_prefix)
     if args.track_output:
         write_receipt(receipt, args.track_output)
     print(f"oscar report: {len(receipt['children'])} runs under {receipt['experiment']} ({uri})")

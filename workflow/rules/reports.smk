@@ -87,6 +87,11 @@ rule track_table:
         reports=lambda wc: [p for p in table_targets(wc.table) if p.startswith("reports/")],
     output:
         "results/tracking/{experiment}/{table}.json",
+    params:
+        tracking=lambda wc: quoted(
+            ["--uri", str(PLAN.base.tracking.uri)]
+            + (["--experiment-prefix", str(PLAN.base.tracking.experiment)] if PLAN.base.tracking.experiment else [])
+        ),
     log:
         "logs/track_table/{experiment}/{table}.log",
     threads: 1
@@ -97,4 +102,4 @@ rule track_table:
     conda:
         "../../envs/oscar.yaml"
     shell:
-        "$OSCAR_PYTHON -m oscar report --plan {input.plan} --track --track-output {output} > {log} 2>&1"
+        "$OSCAR_PYTHON -m oscar report --plan {input.plan} --track --track-output {output} {params.tracking} > {log} 2>&1"
