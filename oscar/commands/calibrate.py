@@ -53,9 +53,9 @@ def main(argv: list[str]) -> int:
     from oscar.config import compose
 
     flags, overrides = pop_flags(argv, {"force": False, "report": ""})
-    cfg = compose(overrides)
     t0 = time.perf_counter()
     try:
+        cfg = compose(overrides)
         results = run_calibrate(cfg, force=bool(flags["force"]), out=Path(str(cfg.output)) if cfg.output else None)
         if flags["report"]:
             if str(cfg.method.key_rotation) != "auto":
@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
             note = f"Produced by `python -m oscar calibrate {' '.join(overrides)}` on {platform.machine()} ({platform.processor() or 'cpu'})."
             for path in write_choices(results[-1].path, Path(flags["report"]), str(cfg.model.name), note):
                 print(f"report    {path}")
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"oscar calibrate: {exc}", file=sys.stderr)
         return 1
     for r in results:

@@ -66,10 +66,10 @@ def main(argv: list[str]) -> int:
     from oscar.config import compose
 
     flags, overrides = pop_flags(argv, {"force": False})
-    cfg = compose(overrides)
     try:
+        cfg = compose(overrides)
         result = run_clip(cfg, force=bool(flags["force"]), out=Path(str(cfg.output)) if cfg.output else None)
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"oscar clip: {exc}", file=sys.stderr)
         return 1
     state = "up to date (skipped)" if result.skipped else f"written in {result.seconds:.1f} s"

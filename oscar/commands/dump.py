@@ -123,8 +123,8 @@ def main(argv: list[str]) -> int:
     from oscar.config import compose
 
     flags, overrides = pop_flags(argv, {"force": False})
-    cfg = compose(overrides)
     try:
+        cfg = compose(overrides)
         result = run_dump(cfg, force=bool(flags["force"]))
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"oscar dump: {exc}", file=sys.stderr)

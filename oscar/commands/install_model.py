@@ -14,10 +14,10 @@ def main(argv: list[str]) -> int:
     from oscar.models.install import InstallError, install_model
 
     flags, overrides = pop_flags(argv, {"force": False, "dense": True})
-    cfg = compose(overrides)
     try:
+        cfg = compose(overrides)
         report = install_model(cfg.model, cache_dense=bool(flags["dense"]), force=bool(flags["force"]))
-    except InstallError as exc:
+    except (InstallError, ValueError) as exc:
         print(f"oscar install-model: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(report.__dict__, indent=2))
