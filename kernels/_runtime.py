@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import triton
 
 _INTERPRETED: dict[int, Any] = {}
-
-
-def interpreting() -> bool:
-    """True when Triton was told to interpret kernels (`TRITON_INTERPRET=1`)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def _interpreted(fn: Any) -> Any:
