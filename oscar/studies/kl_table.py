@@ -73,8 +73,20 @@ def hardware() -> str:
     return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, CPU float32 weights"
 
 
-def run(models: list[str], methods: list[str], *, num_tokens: int, seq_len: int, sink: Optional[int], recent: Optional[int], results_dir: str, log=print) -> list[dict[str, Any]]:
-    """One row per (model, method): KL (all positions and positions past the windows), PPL, wall time."""
+def run(
+    models: list[str],
+    methods: list[str],
+    *,
+    num_tokens: int,
+    seq_len: int,
+    sink: Optional[int],
+    recent: Optional[int],
+    results_dir: str,
+    log=print,
+    on_row=None,
+) -> list[dict[str, Any]]:
+    """One row per (model, method): KL (all positions and positions past the windows), PPL, wall time.
+    `on_row(rows)` is called after every row (the command line rewrites its tables each time)."""
     from oscar.config import compose
     from oscar.data.corpora import eval_sequences
     from oscar.engine import Engine, artifact_dir, rotations_from_artifact
@@ -106,6 +118,8 @@ def run(models: list[str], methods: list[str], *, num_tokens: int, seq_len: int,
                 row["status"] = f"missing artifact: {exc}"
                 log(f"{model_name:22s} {name:14s} skipped ({exc})")
                 rows.append(row)
+                if on_row is not None:
+                    on_row(rows)
                 continue
             kl_all, kl_past, nll = [], [], []
             window_end = (row.get("sink", 0) or 0) + (row.get("recent", 0) or 0)
@@ -128,6 +142,8 @@ def run(models: list[str], methods: list[str], *, num_tokens: int, seq_len: int,
             )
             log(f"{model_name:22s} {name:14s} KL {row['kl']:.4f}  KL(past window) {row['kl_past_window']:.4f}  PPL {row['ppl']:.3f}  ({row['seconds']} s)")
             rows.append(row)
+            if on_row is not None:
+                on_row(rows)
         del model
     return rows
 
@@ -176,7 +192,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.methods.remove("bf16")
         args.methods.insert(0, "bf16")
     torch.set_num_threads(args.threads)
-    rows = run(args.models, args.methods, num_tokens=args.tokens, seq_len=args.seq_len, sink=args.sink, recent=args.recent, results_dir=args.results_dir)
     note = (
         f"Hardware: {hardware()}. Weights: GGUF Q4 packages dequantized to dense float32 (ASSETS.md); "
         "the reference is a BF16 KV cache over these same weights. Text: held-out Paul Graham essay windows "
@@ -185,6 +200,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         "KIVI-2 and TurboQuant are accuracy-only simulations (quantize-dequantize at the method's boundaries)."
     )
     command = "python -m oscar.studies.kl_table " + " ".join(sys.argv[1:] if argv is None else argv)
+    rows = run(
+        args.models, args.methods, num_tokens=args.tokens, seq_len=args.seq_len, sink=args.sink, recent=args.recent,
+        results_dir=args.results_dir, on_row=lambda rows: write_tables(rows, Path(args.out), command, note),
+    )
     write_tables(rows, Path(args.out), command, note)
     print(f"wrote {args.out}.csv and {args.out}.md")
     return 0
