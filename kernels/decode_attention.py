@@ -149,6 +149,47 @@ def _bf16_segment(k_ptr, v_ptr, start, n, stride_t, qT, m_i, l_i, acc,
 
 
 @triton.jit
+def _block_rows(pt_row, t, end, rows, kvh, stride_cp, stride_ch, stride_mp, stride_mh,
+                PAGE_SIZE: tl.constexpr, NW: tl.constexpr, NG: tl.constexpr, ROW_GATHER: tl.constexpr):
+    """Word offset of each row's codes, element offset of its scales, and the row mask, for block ``t``.
+
+    Without ``ROW_GATHER`` the block lies in one page (one page-table read); with it (pages
+    smaller than the block) every row looks its page up.
+    """
+    toks = t + rows
+    if ROW_GATHER:
+        pgs = tl.load(pt_row + toks // PAGE_SIZE, mask=toks < end, other=0).to(tl.int64)
+        slot = toks % PAGE_SIZE
+        cvec = pgs * stride_cp + kvh * stride_ch + slot * NW
+        mvec = pgs * stride_mp + kvh * stride_mh + slot * NG
+    else:
+        pg = tl.load(pt_row + t // PAGE_SIZE, mask=t < end, other=0).to(tl.int64)
+        cvec = pg * stride_cp + kvh * stride_ch + (t % PAGE_SIZE) * NW + rows * NW
+        mvec = pg * stride_mp + kvh * stride_mh + (t % PAGE_SIZE) * NG + rows * NG
+    return cvec, mvec, toks < end
+
+
+@triton.jit
+def _load_block(kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, cvec, mvec, nmask, wcols, gcols, NG: tl.constexpr):
+    """Codes (int32 words) and scales/zeros of K and V for one block of rows."""
+    c_off = cvec[:, None] + wcols[None, :]
+    kc = tl.load(kc_ptr + c_off, mask=nmask[:, None], other=0)
+    vc = tl.load(vc_ptr + c_off, mask=nmask[:, None], other=0)
+    if NG == 1:
+        ks = tl.load(ks_ptr + mvec, mask=nmask, other=0.0)
+        kz = tl.load(kz_ptr + mvec, mask=nmask, other=0.0)
+        vs = tl.load(vs_ptr + mvec, mask=nmask, other=0.0)
+        vz = tl.load(vz_ptr + mvec, mask=nmask, other=0.0)
+    else:
+        m_off = mvec[:, None] + gcols[None, :]
+        ks = tl.load(ks_ptr + m_off, mask=nmask[:, None], other=0.0)
+        kz = tl.load(kz_ptr + m_off, mask=nmask[:, None], other=0.0)
+        vs = tl.load(vs_ptr + m_off, mask=nmask[:, None], other=0.0)
+        vz = tl.load(vz_ptr + m_off, mask=nmask[:, None], other=0.0)
+    return kc, vc, ks, kz, vs, vz
+
+
+@triton.jit
 def _partial_kernel(
     qr_ptr, qmu_ptr,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
@@ -159,7 +200,7 @@ def _partial_kernel(
     tokens_per_split, s_total,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
-    HEADS_IN_M: tl.constexpr,
+    HEADS_IN_M: tl.constexpr, ROW_GATHER: tl.constexpr,
 ):
     """One split of the quantized segment for one (sequence, KV head): normalized output + LSE."""
     pid = tl.program_id(0)
@@ -190,27 +231,14 @@ def _partial_kernel(
     gcols = tl.arange(0, NG)
     rows = tl.arange(0, BLOCK_N)
     # Page-major walk: a block is BLOCK_N consecutive slots of one page (BLOCK_N <= PAGE_SIZE,
-    # split starts aligned to pages), so its codes are one contiguous run of bytes; the next
-    # block's page id, codes and scales are loaded before this block is computed.
-    c_off = rows[:, None] * NW + wcols[None, :]
+    # split starts aligned to pages), so its codes are one contiguous run of bytes (pages smaller
+    # than a block: ROW_GATHER, each row finds its page); the next block's page ids, codes and
+    # scales are loaded before this block is computed.
     pt_row = pt_ptr + b * stride_ptb
-    pg = tl.load(pt_row + start // PAGE_SIZE, mask=start < end, other=0).to(tl.int64)
-    cb = pg * stride_cp + kvh * stride_ch + (start % PAGE_SIZE) * NW
-    mb = pg * stride_mp + kvh * stride_mh + (start % PAGE_SIZE) * NG
-    nmask = (start + rows) < end
-    kc_n = tl.load(kc_ptr + cb + c_off, mask=nmask[:, None], other=0)
-    vc_n = tl.load(vc_ptr + cb + c_off, mask=nmask[:, None], other=0)
-    if NG == 1:
-        ks_n = tl.load(ks_ptr + mb + rows, mask=nmask, other=0.0)
-        kz_n = tl.load(kz_ptr + mb + rows, mask=nmask, other=0.0)
-        vs_n = tl.load(vs_ptr + mb + rows, mask=nmask, other=0.0)
-        vz_n = tl.load(vz_ptr + mb + rows, mask=nmask, other=0.0)
-    else:
-        m_off = rows[:, None] * NG + gcols[None, :]
-        ks_n = tl.load(ks_ptr + mb + m_off, mask=nmask[:, None], other=0.0)
-        kz_n = tl.load(kz_ptr + mb + m_off, mask=nmask[:, None], other=0.0)
-        vs_n = tl.load(vs_ptr + mb + m_off, mask=nmask[:, None], other=0.0)
-        vz_n = tl.load(vz_ptr + mb + m_off, mask=nmask[:, None], other=0.0)
+    cvec, mvec, nmask = _block_rows(pt_row, start, end, rows, kvh, stride_cp, stride_ch, stride_mp, stride_mh,
+                                    PAGE_SIZE, NW, NG, ROW_GATHER)
+    kc_n, vc_n, ks_n, kz_n, vs_n, vz_n = _load_block(kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, cvec, mvec,
+                                                     nmask, wcols, gcols, NG)
     for t0 in range(start, end, BLOCK_N):
         kc = kc_n
         vc = vc_n
@@ -219,23 +247,10 @@ def _partial_kernel(
         vs = vs_n.to(tl.float32)
         vz = vz_n.to(tl.float32)
         tmask = nmask
-        t1 = t0 + BLOCK_N
-        pg = tl.load(pt_row + t1 // PAGE_SIZE, mask=t1 < end, other=0).to(tl.int64)
-        cb = pg * stride_cp + kvh * stride_ch + (t1 % PAGE_SIZE) * NW
-        mb = pg * stride_mp + kvh * stride_mh + (t1 % PAGE_SIZE) * NG
-        nmask = (t1 + rows) < end
-        kc_n = tl.load(kc_ptr + cb + c_off, mask=nmask[:, None], other=0)
-        vc_n = tl.load(vc_ptr + cb + c_off, mask=nmask[:, None], other=0)
-        if NG == 1:
-            ks_n = tl.load(ks_ptr + mb + rows, mask=nmask, other=0.0)
-            kz_n = tl.load(kz_ptr + mb + rows, mask=nmask, other=0.0)
-            vs_n = tl.load(vs_ptr + mb + rows, mask=nmask, other=0.0)
-            vz_n = tl.load(vz_ptr + mb + rows, mask=nmask, other=0.0)
-        else:
-            ks_n = tl.load(ks_ptr + mb + m_off, mask=nmask[:, None], other=0.0)
-            kz_n = tl.load(kz_ptr + mb + m_off, mask=nmask[:, None], other=0.0)
-            vs_n = tl.load(vs_ptr + mb + m_off, mask=nmask[:, None], other=0.0)
-            vz_n = tl.load(vz_ptr + mb + m_off, mask=nmask[:, None], other=0.0)
+        cvec, mvec, nmask = _block_rows(pt_row, t0 + BLOCK_N, end, rows, kvh, stride_cp, stride_ch, stride_mp,
+                                        stride_mh, PAGE_SIZE, NW, NG, ROW_GATHER)
+        kc_n, vc_n, ks_n, kz_n, vs_n, vz_n = _load_block(kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, cvec, mvec,
+                                                         nmask, wcols, gcols, NG)
         if FAST_UNPACK:
             kcode = _unpack_fp16_asm(kc, BLOCK_N, D, BITS)
         else:
@@ -473,7 +488,8 @@ def paged_decode_attention(
     check(bits in (2, 4), f"bits={bits} is not supported; valid values are 2 and 4")
     npages, hkv, page_size, nbytes = (int(s) for s in k_codes.shape)
     check(H % hkv == 0, f"query heads H={H} must be a multiple of KV heads Hkv={hkv}")
-    check(is_pow2(d) and 32 <= d <= 256, f"head_dim={d} must be a power of two in [32, 256]")
+    check(is_pow2(d) and 16 <= d <= 256 and d * bits >= 32,
+          f"head_dim={d} must be a power of two in [16, 256] (at least one 32-bit word of codes per row)")
     check(is_pow2(group_size) and group_size <= d and group_size % (8 // bits) == 0,
           f"group_size={group_size} must be a power of two dividing head_dim={d}")
     check(nbytes == d * bits // 8 and k_codes.dtype == torch.uint8,
@@ -531,9 +547,8 @@ def paged_decode_attention(
     capacity = int(page_table.shape[1]) * page_size
     if num_splits is None:
         num_splits = default_num_splits(B, hkv, capacity, block_n)
-    block_n = min(block_n, page_size)
-    check(block_n >= 16, f"page_size={page_size} must be >= 16 for the Triton kernel")
-    tps = triton.cdiv(triton.cdiv(capacity, num_splits), page_size) * page_size
+    block_n = min(block_n, max(page_size, 16))  # pages under 16 slots: blocks gather rows over pages
+    tps = triton.cdiv(triton.cdiv(capacity, num_splits), max(page_size, block_n)) * max(page_size, block_n)
     chunk = 64
     sink_chunks = triton.cdiv(int(sink[0].shape[2]), chunk) if sink is not None else 0
     recent_chunks = triton.cdiv(int(recent[0].shape[2]), chunk) if recent is not None else 0
@@ -555,7 +570,8 @@ def paged_decode_attention(
         page_table, page_table.stride(0), int_len,
         o_part, lse_part, tps, s_total,
         HKV=hkv, REP=rep, HP=hp, D=d, G=group_size, BITS=bits, PAGE_SIZE=page_size, BLOCK_N=block_n,
-        FAST_UNPACK=fast_unpack, HEADS_IN_M=heads_in_m, num_warps=num_warps, num_stages=num_stages,
+        FAST_UNPACK=fast_unpack, HEADS_IN_M=heads_in_m, ROW_GATHER=page_size < block_n,
+        num_warps=num_warps, num_stages=num_stages,
     )
     launchable(_bf16_partial_kernel, dev)[(B * hkv, num_bf)](
         q_orig,

@@ -95,6 +95,8 @@ CASES = [
     (128, 8, 2, 4, 128, 16, [29, 16], [4, 4], [8, 8], 4, 8),  # INT4
     (64, 4, 1, 4, 32, 16, [47, 2], [3, 0], [5, 1], 4, 8),  # INT4, several groups
     (64, 8, 2, 2, 64, 16, [20, 3], [4, 70], [130, 64], 70, 130),  # windows over several 64-token chunks
+    (64, 4, 2, 2, 32, 4, [13, 30], [2, 2], [3, 0], 2, 3),  # pages of 4 slots: blocks gather rows over pages
+    (16, 4, 1, 2, 16, 8, [11, 5], [1, 1], [2, 2], 2, 4),  # head_dim 16 (one code word per row)
 ]
 
 
