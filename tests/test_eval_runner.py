@@ -188,3 +188,11 @@ def test_eval_verb_end_to_end_with_fake_engine(tmp_path, monkeypatch, capsys):
     assert main(argv) == 0  # up to date: no second run
     assert "up to date" in capsys.readouterr().err
     assert main(["eval", "benchmark=nonexistent"]) == 2
+
+
+def test_choice_kl_of_letter_distributions():
+    from oscar.eval.tables import _choice_kl
+
+    assert _choice_kl([-1.0, -2.0, -3.0, -4.0], [-1.0, -2.0, -3.0, -4.0]) == pytest.approx(0.0)
+    assert _choice_kl([-1.0, -2.0, -3.0, -4.0], [-11.0, -12.0, -13.0, -14.0]) == pytest.approx(0.0)  # shift-invariant
+    assert _choice_kl([-0.1, -5.0, -5.0, -5.0], [-5.0, -0.1, -5.0, -5.0]) > 1.0

@@ -48,6 +48,12 @@ def eval_rows(results: Path, model: str, baseline: str = "bf16") -> list[dict[st
             base_pred = {(rec["id"], r["seed"]): rec.get("prediction") for r, recs in base for rec in recs}
             common = set(pred) & set(base_pred)
             row["agreement"] = sum(pred[k] == base_pred[k] for k in common) / len(common)
+            lls = {(rec["id"], r["seed"]): rec["loglikelihoods"] for r, recs in runs for rec in recs if "loglikelihoods" in rec}
+            base_lls = {(rec["id"], r["seed"]): rec["loglikelihoods"] for r, recs in base for rec in recs
+                        if "loglikelihoods" in rec}
+            shared = sorted(set(lls) & set(base_lls), key=repr)
+            if shared:
+                row["choice_kl"] = sum(_choice_kl(base_lls[k], lls[k]) for k in shared) / len(shared)
         rows.append(row)
     return rows
 
@@ -72,8 +78,24 @@ def _ci(d: dict | None) -> str:
     return f"{100 * d['diff']:+.1f} [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}]"
 
 
+def _choice_kl(ref: list[float], got: list[float]) -> float:
+    """KL(ref || got) between the answer-letter distributions (log-likelihoods renormalized over the choices)."""
+    import math
+
+    def norm(lls: list[float]) -> list[float]:
+        top = max(lls)
+        z = top + math.log(sum(math.exp(x - top) for x in lls))
+        return [x - z for x in lls]
+
+    lr, lg = norm(ref), norm(got)
+    return sum(math.exp(a) * (a - b) for a, b in zip(lr, lg))
+
+
 def _agreement(row: dict) -> str:
-    return "-" if "agreement" not in row else f"{100 * row['agreement']:.0f}%"
+    text = "-" if "agreement" not in row else f"{100 * row['agreement']:.0f}%"
+    if "choice_kl" in row:
+        text += f" (letter KL {row['choice_kl']:.4f})"
+    return text
 
 
 def render_markdown(eval_rs: list[dict], fid_rs: list[dict]) -> str:
