@@ -94,3 +94,18 @@ def test_rotated_int2_methods_beat_naive_int2_by_a_wide_margin(smollm2, tmp_path
         kls[name] = float(next_token_kl(ref, logits)[0, 20:].mean())
     for name in ("quarot", "oscar_hp", "oscar", "oscar_raw"):
         assert kls[name] < 0.5 * kls["int2"], kls
+
+
+@pytest.mark.model
+def test_generate_verb_writes_completions(tmp_path, capsys) -> None:
+    import json
+
+    from oscar.commands.generate import main
+
+    out = tmp_path / "gen.jsonl"
+    rc = main(["model=smollm2-135m", "method=quarot", "device=cpu", "prompt=The capital of France is", "max_new_tokens=4", f"output={out}"])
+    assert rc == 0
+    record = json.loads(out.read_text().splitlines()[0])
+    assert record["method"] == "quarot" and record["prompt"] == "The capital of France is" and record["completion"]
+    assert "The capital of France is" in capsys.readouterr().out
+    assert main(["model=smollm2-135m", "method=quarot"]) == 2  # no prompt: usage error naming the fix

@@ -187,6 +187,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--results-dir", default="results", help="where calibration artifacts live (<dir>/calibration/...)")
     p.add_argument("--out", default="reports/methods/kl_ppl", help="output path without suffix (.csv and .md)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--merge", nargs="+", default=None, metavar="CSV", help="only combine earlier runs' CSVs into --out")
+    p.add_argument("--note", default="", help="extra sentence for the table header (e.g. what could not be measured)")
     args = p.parse_args(argv)
     if "bf16" in args.methods and args.methods[0] != "bf16":
         args.methods.remove("bf16")
@@ -199,7 +201,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         "'past the windows' averages only positions t >= S0 + W, where the quantized history exists. "
         "KIVI-2 and TurboQuant are accuracy-only simulations (quantize-dequantize at the method's boundaries)."
     )
+    if args.note:
+        note += " " + args.note
     command = "python -m oscar.studies.kl_table " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.merge:
+        import pandas as pd
+
+        frames = [pd.read_csv(path) for path in args.merge]
+        rows = pd.concat(frames, ignore_index=True).to_dict("records")
+        write_tables(rows, Path(args.out), command, note)
+        print(f"wrote {args.out}.csv and {args.out}.md")
+        return 0
     rows = run(
         args.models, args.methods, num_tokens=args.tokens, seq_len=args.seq_len, sink=args.sink, recent=args.recent,
         results_dir=args.results_dir, on_row=lambda rows: write_tables(rows, Path(args.out), command, note),
