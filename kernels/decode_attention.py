@@ -200,7 +200,7 @@ def _partial_kernel(
     tokens_per_split, s_total,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
-    HEADS_IN_M: tl.constexpr, ROW_GATHER: tl.constexpr,
+    HEADS_IN_M: tl.constexpr, ROW_GATHER: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """One split of the quantized segment for one (sequence, KV head): normalized output + LSE."""
     pid = tl.program_id(0)
@@ -235,22 +235,33 @@ def _partial_kernel(
     # than a block: ROW_GATHER, each row finds its page); the next block's page ids, codes and
     # scales are loaded before this block is computed.
     pt_row = pt_ptr + b * stride_ptb
-    cvec, mvec, nmask = _block_rows(pt_row, start, end, rows, kvh, stride_cp, stride_ch, stride_mp, stride_mh,
-                                    PAGE_SIZE, NW, NG, ROW_GATHER)
-    kc_n, vc_n, ks_n, kz_n, vs_n, vz_n = _load_block(kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, cvec, mvec,
-                                                     nmask, wcols, gcols, NG)
-    for t0 in range(start, end, BLOCK_N):
-        kc = kc_n
-        vc = vc_n
-        ks = ks_n.to(tl.float32)
-        kz = kz_n.to(tl.float32)
-        vs = vs_n.to(tl.float32)
-        vz = vz_n.to(tl.float32)
-        tmask = nmask
-        cvec, mvec, nmask = _block_rows(pt_row, t0 + BLOCK_N, end, rows, kvh, stride_cp, stride_ch, stride_mp,
-                                        stride_mh, PAGE_SIZE, NW, NG, ROW_GATHER)
+    if PREFETCH:
+        cvec, mvec, nmask = _block_rows(pt_row, start, end, rows, kvh, stride_cp, stride_ch, stride_mp, stride_mh,
+                                        PAGE_SIZE, NW, NG, ROW_GATHER)
         kc_n, vc_n, ks_n, kz_n, vs_n, vz_n = _load_block(kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, cvec, mvec,
                                                          nmask, wcols, gcols, NG)
+    for t0 in range(start, end, BLOCK_N):
+        if PREFETCH:  # this block was loaded one iteration ago; issue the next one now
+            kc = kc_n
+            vc = vc_n
+            ks = ks_n.to(tl.float32)
+            kz = kz_n.to(tl.float32)
+            vs = vs_n.to(tl.float32)
+            vz = vz_n.to(tl.float32)
+            tmask = nmask
+            cvec, mvec, nmask = _block_rows(pt_row, t0 + BLOCK_N, end, rows, kvh, stride_cp, stride_ch, stride_mp,
+                                            stride_mh, PAGE_SIZE, NW, NG, ROW_GATHER)
+            kc_n, vc_n, ks_n, kz_n, vs_n, vz_n = _load_block(kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, cvec,
+                                                             mvec, nmask, wcols, gcols, NG)
+        else:  # plain loads in the loop: Triton's software pipeliner (num_stages) keeps them in flight
+            cvec, mvec, tmask = _block_rows(pt_row, t0, end, rows, kvh, stride_cp, stride_ch, stride_mp,
+                                            stride_mh, PAGE_SIZE, NW, NG, ROW_GATHER)
+            kc, vc, ks, kz, vs, vz = _load_block(kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, cvec, mvec,
+                                                 tmask, wcols, gcols, NG)
+            ks = ks.to(tl.float32)
+            kz = kz.to(tl.float32)
+            vs = vs.to(tl.float32)
+            vz = vz.to(tl.float32)
         if FAST_UNPACK:
             kcode = _unpack_fp16_asm(kc, BLOCK_N, D, BITS)
         else:
@@ -475,13 +486,17 @@ def paged_decode_attention(
     sm_scale: Optional[float] = None, output_frame: str = "original",
     num_splits: Optional[int] = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
     merge_warps: int = 8, fast_unpack: Optional[bool] = None, rot_precision: str = "tf32x3",
-    heads_in_m: bool = False,
+    heads_in_m: bool = False, prefetch: bool = True, span_pages: bool = False, merge_sp: int = 4,
 ) -> torch.Tensor:
     """Triton decode attention of one query per sequence; same contract as ``oscar.paged.decode_attention_torch``.
 
     ``q`` ``[B, H, d]``; codes ``[P, Hkv, page_size, d*bits//8]`` uint8; scale/zero
     ``[P, Hkv, page_size, d//G]`` bf16; ``page_table`` int32 ``[B, M]``; ``int_len`` int32 ``[B]``;
     sink/recent ``[B, Hkv, S, d]`` with int32 valid lengths ``[B]``. Returns ``[B, H, d]`` in ``q.dtype``.
+    ``prefetch``: load the next block by hand before computing the current one (else plain loads
+    pipelined by Triton over ``num_stages``); ``span_pages``: let a block of ``block_n`` rows cover
+    several pages (each row looks its page up) instead of clamping ``block_n`` to the page size;
+    ``merge_sp``: partials merged per step of the merge kernel.
     """
     check(q.dim() == 3, f"q must be [B, H, d], got shape {tuple(q.shape)}")
     B, H, d = (int(s) for s in q.shape)
@@ -509,6 +524,7 @@ def paged_decode_attention(
     check(int_len.shape[0] >= B and int_len.dtype == torch.int32, f"int_len must be int32 [B={B}], got {int_len.dtype}")
     check(output_frame in ("original", "rotated"), f"output_frame={output_frame!r} must be 'original' or 'rotated'")
     check(is_pow2(block_n) and block_n >= 16, f"block_n={block_n} must be a power of two >= 16")
+    check(is_pow2(merge_sp), f"merge_sp={merge_sp} must be a power of two")
     if fast_unpack is None:  # default: inline PTX where it runs (fastest on the H200, reports/kernels)
         fast_unpack = bits == 2 and q.device.type == "cuda"
     check(not fast_unpack or (bits == 2 and q.device.type == "cuda"),
@@ -547,7 +563,8 @@ def paged_decode_attention(
     capacity = int(page_table.shape[1]) * page_size
     if num_splits is None:
         num_splits = default_num_splits(B, hkv, capacity, block_n)
-    block_n = min(block_n, max(page_size, 16))  # pages under 16 slots: blocks gather rows over pages
+    if not span_pages:  # a block stays within one page (pages under 16 slots: blocks gather rows over pages)
+        block_n = min(block_n, max(page_size, 16))
     tps = triton.cdiv(triton.cdiv(capacity, num_splits), max(page_size, block_n)) * max(page_size, block_n)
     chunk = 64
     sink_chunks = triton.cdiv(int(sink[0].shape[2]), chunk) if sink is not None else 0
@@ -570,7 +587,7 @@ def paged_decode_attention(
         page_table, page_table.stride(0), int_len,
         o_part, lse_part, tps, s_total,
         HKV=hkv, REP=rep, HP=hp, D=d, G=group_size, BITS=bits, PAGE_SIZE=page_size, BLOCK_N=block_n,
-        FAST_UNPACK=fast_unpack, HEADS_IN_M=heads_in_m, ROW_GATHER=page_size < block_n,
+        FAST_UNPACK=fast_unpack, HEADS_IN_M=heads_in_m, ROW_GATHER=page_size < block_n, PREFETCH=prefetch,
         num_warps=num_warps, num_stages=num_stages,
     )
     launchable(_bf16_partial_kernel, dev)[(B * hkv, num_bf)](
@@ -587,7 +604,7 @@ def paged_decode_attention(
     muv = mu_V.to(dev, torch.float32).contiguous() if mu_V is not None else dummy
     launchable(_merge_kernel, dev)[(B * hkv,)](
         o_part, lse_part, out, rv_t, muv, num_splits, num_bf,
-        HKV=hkv, REP=rep, HP=hp, D=d, SP=4,
+        HKV=hkv, REP=rep, HP=hp, D=d, SP=merge_sp,
         HAS_RV=R_V is not None, HAS_MUV=mu_V is not None, OUT_ROTATED=output_frame == "rotated",
         PRECISION=precision, num_warps=merge_warps,
     )

@@ -124,6 +124,20 @@ def test_decode_split_merge_and_rotated_frame(device, num_splits, heads_in_m, g)
         assert _rel(out, ref) < REL_TOL, frame
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("options", [{"prefetch": False, "num_stages": 3, "merge_sp": 16},
+                                     {"span_pages": True, "block_n": 32},
+                                     {"span_pages": True, "block_n": 64, "prefetch": False, "heads_in_m": True}],
+                         ids=["pipelined", "span32", "span64-pipelined-him"])
+def test_decode_block_options(device, options):
+    """Triton-pipelined loads and blocks spanning several pages (page 16) give the twin's answer."""
+    sc = _scenario(B=2, H=8, hkv=2, d=64, bits=2, g=64, ps=16, int_lens=[45, 100], sink_lens=[4, 2],
+                   recent_lens=[8, 5], S0=4, W=8, seed=13)
+    ref, out = _run_both(device, sc, num_splits=2, kernel_options=options)
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < REL_TOL
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX runs on a CUDA device only")
 @pytest.mark.parametrize("case", [c for c in CASES if c[3] == 2], ids=lambda c: f"d{c[0]}-H{c[1]}-kv{c[2]}-g{c[4]}")
 @pytest.mark.parametrize("heads_in_m", [False, True])

@@ -132,3 +132,23 @@ def test_fused_kv_demotion_matches_twin(device):
                             src_index=src.to(device), backend="triton")
     _equal_pages(ref_k, out_k)
     _equal_pages(ref_v, out_v)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_radix16_clip_select_equals_binary(device):
+    """The 16-ary clip-quantile search (default) picks the binary radix search's threshold: ties, zeros, tiny values."""
+    from oscar.kernels.quantize import rotate_quantize_pack as kernel
+
+    gen = torch.Generator().manual_seed(21)
+    n, hkv, d, ps = 5, 2, 64, 8
+    x = torch.randn(n, hkv, d, generator=gen)
+    x[0, 0, : d // 2] = 0.5  # many ties
+    x[1, 1] = 0.0  # all zero
+    x[2, 0, ::3] = 1e-40  # subnormals
+    x[3, 1] = torch.randint(-3, 4, (d,), generator=gen).float()  # few distinct magnitudes
+    rho = torch.tensor([0.9, 0.37], device=device)
+    slots = torch.arange(n, device=device)
+    pages = [QuantPages.empty(1, hkv, ps, d, 2, 16, device) for _ in range(2)]
+    for p, radix4 in zip(pages, (True, False)):
+        kernel(x.to(device), slots, p.codes, p.scale, p.zero, bits=2, group_size=16, rho=rho, radix4=radix4)
+    _equal_pages(pages[0], pages[1])
