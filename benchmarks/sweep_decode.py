@@ -31,19 +31,21 @@ SHAPES = [(128, 8, 32768), (128, 1, 32768), (128, 1, 4096), (128, 32, 131072), (
 # name -> (page_size, kernel options, split multipliers of default_num_splits)
 VARIANTS: dict[str, tuple[int, dict[str, Any], tuple[float, ...]]] = {
     "v5": (64, {"block_n": 64, "num_warps": 4, "num_stages": 2}, (1.0, 2.0)),
-    "p64_b64_pipe3": (64, {"block_n": 64, "num_warps": 4, "num_stages": 3, "prefetch": False}, (1.0, 2.0, 4.0)),
-    "p64_b128_span_w4": (64, {"block_n": 128, "num_warps": 4, "span_pages": True}, (1.0, 2.0, 4.0)),
-    "p64_b128_span_w8": (64, {"block_n": 128, "num_warps": 8, "span_pages": True}, (1.0, 2.0, 4.0)),
+    "v5_merge8": (64, {"block_n": 64, "num_warps": 4, "num_stages": 2, "merge_sp": 8}, (1.0, 2.0, 4.0)),
+    "p64_b64_pipe3": (64, {"block_n": 64, "num_warps": 4, "num_stages": 3, "prefetch": False, "merge_sp": 8},
+                      (1.0, 2.0, 4.0)),
+    "p64_b128_span_w4": (64, {"block_n": 128, "num_warps": 4, "span_pages": True, "merge_sp": 8}, (1.0, 2.0, 4.0)),
+    "p64_b128_span_w8": (64, {"block_n": 128, "num_warps": 8, "span_pages": True, "merge_sp": 8}, (1.0, 2.0, 4.0)),
     "p64_b128_span_pipe3_w8": (64, {"block_n": 128, "num_warps": 8, "num_stages": 3, "span_pages": True,
-                                    "prefetch": False}, (1.0, 2.0, 4.0)),
-    "p128_b128_w4": (128, {"block_n": 128, "num_warps": 4}, (1.0, 2.0, 4.0)),
-    "p128_b128_w8": (128, {"block_n": 128, "num_warps": 8}, (1.0, 2.0, 4.0)),
-    "p128_b128_pipe3_w8": (128, {"block_n": 128, "num_warps": 8, "num_stages": 3, "prefetch": False}, (2.0, 4.0)),
-    "him_p64_b128_span_w4": (64, {"block_n": 128, "num_warps": 4, "span_pages": True, "heads_in_m": True},
-                             (1.0, 2.0)),
+                                    "prefetch": False, "merge_sp": 8}, (1.0, 2.0, 4.0)),
+    "p128_b128_w4": (128, {"block_n": 128, "num_warps": 4, "merge_sp": 8}, (1.0, 2.0, 4.0)),
+    "p128_b128_w8": (128, {"block_n": 128, "num_warps": 8, "merge_sp": 8}, (1.0, 2.0, 4.0)),
+    "p128_b128_pipe3_w8": (128, {"block_n": 128, "num_warps": 8, "num_stages": 3, "prefetch": False,
+                                 "merge_sp": 8}, (1.0, 2.0, 4.0)),
+    "him_p64_b128_span_w4": (64, {"block_n": 128, "num_warps": 4, "span_pages": True, "heads_in_m": True,
+                                  "merge_sp": 8}, (1.0, 2.0)),
     "him_p128_b128_pipe3_w4": (128, {"block_n": 128, "num_warps": 4, "num_stages": 3, "prefetch": False,
-                                     "heads_in_m": True}, (1.0, 2.0)),
-    "v5_merge16": (64, {"block_n": 64, "num_warps": 4, "num_stages": 2, "merge_sp": 16}, (1.0, 2.0)),
+                                     "heads_in_m": True, "merge_sp": 8}, (1.0, 2.0)),
 }
 
 
