@@ -74,6 +74,7 @@ def test_model_fidelity_zero_for_identical_and_positive_for_int2(tiny):
     assert got["tokens.serving"] == 2 * 8 and got["tokens.decode_equivalent"] == 64
     lo, hi = got["kl.next_token.decode_equivalent.ci_lo"], got["kl.next_token.decode_equivalent.ci_hi"]
     assert lo <= got["kl.next_token.decode_equivalent"] <= hi
+    assert got["kl.next_token.serving.ci_lo"] < got["kl.next_token.serving.ci_hi"]
     assert curves["serving"].shape == (8,)
 
 

@@ -185,7 +185,10 @@ def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def block_bootstrap_ci(values: list[torch.Tensor], block: int = 64, n_boot: int = 2000, seed: int = 0,
                        alpha: float = 0.05) -> tuple[float, float]:
-    """Percentile CI of a per-token mean, resampling contiguous blocks of `block` tokens (serial correlation)."""
+    """Percentile CI of a per-token mean, resampling contiguous blocks of `block` tokens (serial correlation).
+
+    Callers shrink `block` for short measurements so that there are at least ~16 blocks to resample.
+    """
     blocks = [v[i:i + block] for v in values for i in range(0, int(v.numel()), block) if v[i:i + block].numel()]
     sums = torch.tensor([float(b.sum()) for b in blocks], dtype=torch.float64)
     counts = torch.tensor([float(b.numel()) for b in blocks], dtype=torch.float64)
@@ -213,7 +216,7 @@ def model_fidelity(engine: Any, reference: Any, windows: list[torch.Tensor], mod
             nll_m.append(token_nll(got, ids)[max(0, start - 1):])
             nll_r.append(token_nll(ref, ids)[max(0, start - 1):])
         kl_all = torch.cat(kls)
-        lo, hi = block_bootstrap_ci(kls)
+        lo, hi = block_bootstrap_ci(kls, block=max(1, min(64, int(kl_all.numel()) // 16)))
         metrics[f"kl.next_token.{mode}"] = float(kl_all.mean())
         metrics[f"kl.next_token.{mode}.ci_lo"] = lo
         metrics[f"kl.next_token.{mode}.ci_hi"] = hi
