@@ -44,8 +44,11 @@ VARIANTS: dict[str, tuple[int, dict[str, Any], tuple[float, ...]]] = {
                                  "merge_sp": 8}, (1.0, 2.0, 4.0)),
     "him_p64_b128_span_w4": (64, {"block_n": 128, "num_warps": 4, "span_pages": True, "heads_in_m": True,
                                   "merge_sp": 8}, (1.0, 2.0)),
-    "him_p128_b128_pipe3_w4": (128, {"block_n": 128, "num_warps": 4, "num_stages": 3, "prefetch": False,
-                                     "heads_in_m": True, "merge_sp": 8}, (1.0, 2.0)),
+    "mix_p64_b64": (64, {"block_n": 64, "num_warps": 4, "v_heads_in_m": True, "merge_sp": 8}, (1.0, 2.0, 4.0)),
+    "mix_p64_b128_span_w4": (64, {"block_n": 128, "num_warps": 4, "span_pages": True, "v_heads_in_m": True,
+                                  "merge_sp": 8}, (1.0, 2.0, 4.0)),
+    "mix_p128_b128_w8": (128, {"block_n": 128, "num_warps": 8, "v_heads_in_m": True, "merge_sp": 8},
+                         (1.0, 2.0, 4.0)),
 }
 
 

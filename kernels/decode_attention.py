@@ -200,7 +200,7 @@ def _partial_kernel(
     tokens_per_split, s_total,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
-    HEADS_IN_M: tl.constexpr, ROW_GATHER: tl.constexpr, PREFETCH: tl.constexpr,
+    HEADS_IN_M: tl.constexpr, ROW_GATHER: tl.constexpr, PREFETCH: tl.constexpr, V_HEADS_IN_M: tl.constexpr,
 ):
     """One split of the quantized segment for one (sequence, KV head): normalized output + LSE."""
     pid = tl.program_id(0)
@@ -306,17 +306,24 @@ def _partial_kernel(
             else:
                 vcode = _unpack_fp16(vc, BLOCK_N, D, BITS)
             if NG == 1:
-                acc = acc * alpha[None, :] + tl.dot(tl.trans(vcode), (p * vs[:, None]).to(tl.float16))
+                if V_HEADS_IN_M:  # transpose the small probability tile, not the codes
+                    acch = acch * alpha[:, None] + tl.dot(tl.trans((p * vs[:, None]).to(tl.float16)), vcode)
+                else:
+                    acc = acc * alpha[None, :] + tl.dot(tl.trans(vcode), (p * vs[:, None]).to(tl.float16))
                 accz = accz * alpha + tl.sum(p * vz[:, None], axis=0)
             else:
                 v3 = tl.reshape(vcode, (BLOCK_N, NG, G)).to(tl.float32) * vs[:, :, None] + vz[:, :, None]
-                acc = acc * alpha[None, :] + tl.dot(tl.trans(tl.reshape(v3, (BLOCK_N, D)).to(tl.float16)),
-                                                    p.to(tl.float16))
+                if V_HEADS_IN_M:
+                    acch = acch * alpha[:, None] + tl.dot(tl.trans(p.to(tl.float16)),
+                                                          tl.reshape(v3, (BLOCK_N, D)).to(tl.float16))
+                else:
+                    acc = acc * alpha[None, :] + tl.dot(tl.trans(tl.reshape(v3, (BLOCK_N, D)).to(tl.float16)),
+                                                        p.to(tl.float16))
         m_i = m_new
     nonempty = l_i > 0.0
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     row = (b * H + hq) * s_total + split
-    if HEADS_IN_M:
+    if HEADS_IN_M or V_HEADS_IN_M:
         oh = (acch + accz[:, None]) / tl.where(nonempty, l_i, 1.0)[:, None]
         tl.store(o_ptr + row[:, None] * D + cperm[None, :], oh, mask=hmask[:, None])  # kernel order -> actual
     else:
@@ -487,6 +494,7 @@ def paged_decode_attention(
     num_splits: Optional[int] = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
     merge_warps: int = 8, fast_unpack: Optional[bool] = None, rot_precision: str = "tf32x3",
     heads_in_m: bool = False, prefetch: bool = True, span_pages: bool = False, merge_sp: int = 4,
+    v_heads_in_m: bool = False,
 ) -> torch.Tensor:
     """Triton decode attention of one query per sequence; same contract as ``oscar.paged.decode_attention_torch``.
 
@@ -496,7 +504,8 @@ def paged_decode_attention(
     ``prefetch``: load the next block by hand before computing the current one (else plain loads
     pipelined by Triton over ``num_stages``); ``span_pages``: let a block of ``block_n`` rows cover
     several pages (each row looks its page up) instead of clamping ``block_n`` to the page size;
-    ``merge_sp``: partials merged per step of the merge kernel.
+    ``merge_sp``: partials merged per step of the merge kernel; ``v_heads_in_m`` (with tokens in M for
+    the scores): the output product as ``p^T V`` (heads in M), so only the small ``p`` tile is transposed.
     """
     check(q.dim() == 3, f"q must be [B, H, d], got shape {tuple(q.shape)}")
     B, H, d = (int(s) for s in q.shape)
@@ -588,6 +597,7 @@ def paged_decode_attention(
         o_part, lse_part, tps, s_total,
         HKV=hkv, REP=rep, HP=hp, D=d, G=group_size, BITS=bits, PAGE_SIZE=page_size, BLOCK_N=block_n,
         FAST_UNPACK=fast_unpack, HEADS_IN_M=heads_in_m, ROW_GATHER=page_size < block_n, PREFETCH=prefetch,
+        V_HEADS_IN_M=v_heads_in_m and not heads_in_m,
         num_warps=num_warps, num_stages=num_stages,
     )
     launchable(_bf16_partial_kernel, dev)[(B * hkv, num_bf)](

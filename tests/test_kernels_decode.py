@@ -125,13 +125,15 @@ def test_decode_split_merge_and_rotated_frame(device, num_splits, heads_in_m, g)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("options", [{"prefetch": False, "num_stages": 3, "merge_sp": 16},
-                                     {"span_pages": True, "block_n": 32},
-                                     {"span_pages": True, "block_n": 64, "prefetch": False, "heads_in_m": True}],
-                         ids=["pipelined", "span32", "span64-pipelined-him"])
-def test_decode_block_options(device, options):
-    """Triton-pipelined loads and blocks spanning several pages (page 16) give the twin's answer."""
-    sc = _scenario(B=2, H=8, hkv=2, d=64, bits=2, g=64, ps=16, int_lens=[45, 100], sink_lens=[4, 2],
+@pytest.mark.parametrize("options,g", [({"prefetch": False, "num_stages": 3, "merge_sp": 16}, 64),
+                                       ({"span_pages": True, "block_n": 32}, 64),
+                                       ({"span_pages": True, "block_n": 64, "prefetch": False, "heads_in_m": True}, 64),
+                                       ({"v_heads_in_m": True}, 64),
+                                       ({"v_heads_in_m": True, "span_pages": True, "block_n": 32}, 32)],
+                         ids=["pipelined", "span32", "span64-pipelined-him", "v-heads-in-m", "v-heads-in-m-g32"])
+def test_decode_block_options(device, options, g):
+    """Triton-pipelined loads, blocks spanning several pages (page 16), the mixed MMA orientation: the twin's answer."""
+    sc = _scenario(B=2, H=8, hkv=2, d=64, bits=2, g=g, ps=16, int_lens=[45, 100], sink_lens=[4, 2],
                    recent_lens=[8, 5], S0=4, W=8, seed=13)
     ref, out = _run_both(device, sc, num_splits=2, kernel_options=options)
     assert torch.isfinite(out).all()
