@@ -26,8 +26,8 @@ from oscar.commands.bench_kernels import (_write_atomic, _write_csv, bench_int2,
 
 HQ, HKV = 32, 8
 # (head_dim, batch, context) in priority order
-SHAPES = [(128, 8, 32768), (128, 1, 32768), (128, 1, 4096), (128, 32, 131072), (128, 8, 4096), (64, 8, 32768),
-          (128, 32, 32768), (128, 32, 4096), (128, 1, 131072), (128, 8, 131072)]
+SHAPES = [(128, 8, 32768), (128, 1, 32768), (128, 1, 4096), (128, 32, 131072), (128, 8, 4096), (128, 32, 32768),
+          (128, 32, 4096), (128, 1, 131072), (64, 8, 32768), (128, 8, 131072)]
 # name -> (page_size, kernel options, split multipliers of default_num_splits)
 VARIANTS: dict[str, tuple[int, dict[str, Any], tuple[float, ...]]] = {
     "v5": (64, {"block_n": 64, "num_warps": 4, "num_stages": 2}, (1.0, 2.0)),
@@ -40,8 +40,6 @@ VARIANTS: dict[str, tuple[int, dict[str, Any], tuple[float, ...]]] = {
                                     "prefetch": False, "merge_sp": 8}, (1.0, 2.0, 4.0)),
     "p128_b128_w4": (128, {"block_n": 128, "num_warps": 4, "merge_sp": 8}, (1.0, 2.0, 4.0)),
     "p128_b128_w8": (128, {"block_n": 128, "num_warps": 8, "merge_sp": 8}, (1.0, 2.0, 4.0)),
-    "p128_b128_pipe3_w8": (128, {"block_n": 128, "num_warps": 8, "num_stages": 3, "prefetch": False,
-                                 "merge_sp": 8}, (1.0, 2.0, 4.0)),
     "him_p64_b128_span_w4": (64, {"block_n": 128, "num_warps": 4, "span_pages": True, "heads_in_m": True,
                                   "merge_sp": 8}, (1.0, 2.0)),
     "mix_p64_b64": (64, {"block_n": 64, "num_warps": 4, "v_heads_in_m": True, "merge_sp": 8}, (1.0, 2.0, 4.0)),
@@ -49,6 +47,7 @@ VARIANTS: dict[str, tuple[int, dict[str, Any], tuple[float, ...]]] = {
                                   "merge_sp": 8}, (1.0, 2.0, 4.0)),
     "mix_p128_b128_w8": (128, {"block_n": 128, "num_warps": 8, "v_heads_in_m": True, "merge_sp": 8},
                          (1.0, 2.0, 4.0)),
+    "v5_merge8_fused": (64, {"block_n": 64, "num_warps": 4, "merge_sp": 8, "fuse_bf16": True}, (1.0, 2.0, 4.0)),
 }
 
 

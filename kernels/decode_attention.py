@@ -1,7 +1,8 @@
 """Paged INT2/INT4 decode attention, split-K, GQA-aware, merged with the BF16 sink and recent segments.
 
-Four launches per call, all with fixed grids (lengths and page tables are read from device
-tensors, so the call can be captured in a CUDA graph):
+Four launches per call (three with ``fuse_bf16``: the BF16 chunks run as extra programs of launch
+2), all with fixed grids (lengths and page tables are read from device tensors, so the call can be
+captured in a CUDA graph):
 
 1. ``_prep_kernel`` ``(B * Hkv,)``: the query scaled into the log2 domain, rotated once
    (``q @ R_K``, 3xTF32 on the GPU) and ``q . mu_K``.
@@ -190,7 +191,8 @@ def _load_block(kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, cvec, mvec, nmas
 
 
 @triton.jit
-def _partial_kernel(
+def _int_split(
+    pid, split,
     qr_ptr, qmu_ptr,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
     stride_cp, stride_ch,
@@ -203,8 +205,6 @@ def _partial_kernel(
     HEADS_IN_M: tl.constexpr, ROW_GATHER: tl.constexpr, PREFETCH: tl.constexpr, V_HEADS_IN_M: tl.constexpr,
 ):
     """One split of the quantized segment for one (sequence, KV head): normalized output + LSE."""
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
     b = pid // HKV
     kvh = pid % HKV
     H: tl.constexpr = HKV * REP
@@ -333,7 +333,8 @@ def _partial_kernel(
 
 
 @triton.jit
-def _bf16_partial_kernel(
+def _bf16_chunk(
+    pid, chunk,
     qo_ptr,
     sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
     rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
@@ -342,8 +343,6 @@ def _bf16_partial_kernel(
     CHUNK: tl.constexpr, HAS_SINK: tl.constexpr, HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr,
 ):
     """One CHUNK of the BF16 sink (chunks ``0..sink_chunks-1``) or recent window (the rest): output + LSE."""
-    pid = tl.program_id(0)
-    chunk = tl.program_id(1)
     b = pid // HKV
     kvh = pid % HKV
     H: tl.constexpr = HKV * REP
@@ -376,6 +375,66 @@ def _bf16_partial_kernel(
     row = (b * H + hq) * (num_splits + num_bf) + num_splits + chunk
     tl.store(o_ptr + row[None, :] * D + cols[:, None], o, mask=hmask[None, :])
     tl.store(lse_ptr + row, lse, mask=hmask)
+
+@triton.jit
+def _partial_kernel(
+    qr_ptr, qmu_ptr,
+    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+    stride_cp, stride_ch,
+    stride_mp, stride_mh,
+    pt_ptr, stride_ptb, len_ptr,
+    o_ptr, lse_ptr,
+    tokens_per_split, s_total,
+    qo_ptr,
+    sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
+    rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
+    num_splits, sink_chunks, num_bf,
+    HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
+    HEADS_IN_M: tl.constexpr, ROW_GATHER: tl.constexpr, PREFETCH: tl.constexpr, V_HEADS_IN_M: tl.constexpr,
+    FUSE_BF16: tl.constexpr, BF_BLOCK: tl.constexpr, CHUNK: tl.constexpr, HAS_SINK: tl.constexpr,
+    HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr,
+):
+    """Program ``(sequence * Hkv + KV head, split)``: a quantized split; with ``FUSE_BF16`` the programs past
+    ``num_splits`` take the BF16 chunks instead (one launch fewer)."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    if FUSE_BF16:
+        if split >= num_splits:
+            _bf16_chunk(pid, split - num_splits, qo_ptr,
+                        sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
+                        rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
+                        o_ptr, lse_ptr, num_splits, sink_chunks, num_bf,
+                        HKV, REP, HP, D, BF_BLOCK, CHUNK, HAS_SINK, HAS_RECENT, DOT_T)
+        else:
+            _int_split(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                       stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
+                       o_ptr, lse_ptr, tokens_per_split, s_total,
+                       HKV, REP, HP, D, G, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK,
+                       HEADS_IN_M, ROW_GATHER, PREFETCH, V_HEADS_IN_M)
+    else:
+        _int_split(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                   stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
+                   o_ptr, lse_ptr, tokens_per_split, s_total,
+                   HKV, REP, HP, D, G, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK,
+                   HEADS_IN_M, ROW_GATHER, PREFETCH, V_HEADS_IN_M)
+
+
+@triton.jit
+def _bf16_partial_kernel(
+    qo_ptr,
+    sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
+    rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
+    o_ptr, lse_ptr, num_splits, sink_chunks, num_bf,
+    HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr, HAS_SINK: tl.constexpr, HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr,
+):
+    """Program ``(sequence * Hkv + KV head, chunk)``: one BF16 chunk (launch of its own)."""
+    _bf16_chunk(tl.program_id(0), tl.program_id(1), qo_ptr,
+                sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
+                rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
+                o_ptr, lse_ptr, num_splits, sink_chunks, num_bf,
+                HKV, REP, HP, D, BLOCK_N, CHUNK, HAS_SINK, HAS_RECENT, DOT_T)
 
 
 @triton.jit
@@ -494,7 +553,7 @@ def paged_decode_attention(
     num_splits: Optional[int] = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
     merge_warps: int = 8, fast_unpack: Optional[bool] = None, rot_precision: str = "tf32x3",
     heads_in_m: bool = False, prefetch: bool = True, span_pages: bool = False, merge_sp: int = 4,
-    v_heads_in_m: bool = False,
+    v_heads_in_m: bool = False, fuse_bf16: bool = False,
 ) -> torch.Tensor:
     """Triton decode attention of one query per sequence; same contract as ``oscar.paged.decode_attention_torch``.
 
@@ -505,7 +564,8 @@ def paged_decode_attention(
     pipelined by Triton over ``num_stages``); ``span_pages``: let a block of ``block_n`` rows cover
     several pages (each row looks its page up) instead of clamping ``block_n`` to the page size;
     ``merge_sp``: partials merged per step of the merge kernel; ``v_heads_in_m`` (with tokens in M for
-    the scores): the output product as ``p^T V`` (heads in M), so only the small ``p`` tile is transposed.
+    the scores): the output product as ``p^T V`` (heads in M), so only the small ``p`` tile is transposed;
+    ``fuse_bf16``: the BF16 chunks run as extra programs of the split-K launch (three launches, not four).
     """
     check(q.dim() == 3, f"q must be [B, H, d], got shape {tuple(q.shape)}")
     B, H, d = (int(s) for s in q.shape)
@@ -588,27 +648,27 @@ def paged_decode_attention(
     s_strides = (sk.stride(0), sk.stride(1), sk.stride(2)) if sink is not None else (0, 0, 0)
     r_strides = (rk.stride(0), rk.stride(1), rk.stride(2)) if recent is not None else (0, 0, 0)
     kw, vw = k_codes.view(torch.int32), v_codes.view(torch.int32)  # 4 packed bytes per load element
-    launchable(_partial_kernel, dev)[(B * hkv, num_splits)](
+    bf_args = (q_orig, sk, sv, sl, *s_strides, rk, rv, rl, *r_strides)
+    bf_flags = dict(CHUNK=chunk, HAS_SINK=sink is not None, HAS_RECENT=recent is not None,
+                    DOT_T=tl.bfloat16 if dev.type == "cuda" else tl.float32)
+    launchable(_partial_kernel, dev)[(B * hkv, num_splits + (num_bf if fuse_bf16 else 0))](
         q_rot, qmu,
         kw, k_scale, k_zero, vw, v_scale, v_zero,
         kw.stride(0), kw.stride(1),
         k_scale.stride(0), k_scale.stride(1),
         page_table, page_table.stride(0), int_len,
         o_part, lse_part, tps, s_total,
+        *bf_args, num_splits, sink_chunks, num_bf,
         HKV=hkv, REP=rep, HP=hp, D=d, G=group_size, BITS=bits, PAGE_SIZE=page_size, BLOCK_N=block_n,
         FAST_UNPACK=fast_unpack, HEADS_IN_M=heads_in_m, ROW_GATHER=page_size < block_n, PREFETCH=prefetch,
-        V_HEADS_IN_M=v_heads_in_m and not heads_in_m,
+        V_HEADS_IN_M=v_heads_in_m and not heads_in_m, FUSE_BF16=fuse_bf16, BF_BLOCK=32, **bf_flags,
         num_warps=num_warps, num_stages=num_stages,
     )
-    launchable(_bf16_partial_kernel, dev)[(B * hkv, num_bf)](
-        q_orig,
-        sk, sv, sl, *s_strides,
-        rk, rv, rl, *r_strides,
-        o_part, lse_part, num_splits, sink_chunks, num_bf,
-        HKV=hkv, REP=rep, HP=hp, D=d, BLOCK_N=32, CHUNK=chunk,
-        HAS_SINK=sink is not None, HAS_RECENT=recent is not None,
-        DOT_T=tl.bfloat16 if dev.type == "cuda" else tl.float32, num_warps=8,
-    )
+    if not fuse_bf16:
+        launchable(_bf16_partial_kernel, dev)[(B * hkv, num_bf)](
+            *bf_args, o_part, lse_part, num_splits, sink_chunks, num_bf,
+            HKV=hkv, REP=rep, HP=hp, D=d, BLOCK_N=32, **bf_flags, num_warps=8,
+        )
     out = torch.empty(B, H, d, dtype=q.dtype, device=dev)
     rv_t = R_V.to(dev, torch.float32).contiguous() if R_V is not None else dummy
     muv = mu_V.to(dev, torch.float32).contiguous() if mu_V is not None else dummy

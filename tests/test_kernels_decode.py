@@ -129,8 +129,12 @@ def test_decode_split_merge_and_rotated_frame(device, num_splits, heads_in_m, g)
                                        ({"span_pages": True, "block_n": 32}, 64),
                                        ({"span_pages": True, "block_n": 64, "prefetch": False, "heads_in_m": True}, 64),
                                        ({"v_heads_in_m": True}, 64),
-                                       ({"v_heads_in_m": True, "span_pages": True, "block_n": 32}, 32)],
-                         ids=["pipelined", "span32", "span64-pipelined-him", "v-heads-in-m", "v-heads-in-m-g32"])
+                                       ({"v_heads_in_m": True, "span_pages": True, "block_n": 32}, 32),
+                                       ({"fuse_bf16": True}, 64),
+                                       ({"span_pages": True, "block_n": 32, "v_heads_in_m": True, "fuse_bf16": True,
+                                         "merge_sp": 8, "prefetch": False, "num_stages": 3}, 64)],
+                         ids=["pipelined", "span32", "span64-pipelined-him", "v-heads-in-m", "v-heads-in-m-g32",
+                              "fused-bf16", "all-new"])
 def test_decode_block_options(device, options, g):
     """Triton-pipelined loads, blocks spanning several pages (page 16), the mixed MMA orientation: the twin's answer."""
     sc = _scenario(B=2, H=8, hkv=2, d=64, bits=2, g=g, ps=16, int_lens=[45, 100], sink_lens=[4, 2],
