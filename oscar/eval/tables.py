@@ -13,9 +13,6 @@ from typing import Any
 
 from oscar.eval.stats import mean_std, paired_bootstrap
 
-MAIN_METRIC = {"math": "accuracy", "multiple_choice": "accuracy", "code": "pass@1", "niah": "score"}
-
-
 def _item_score(rec: dict) -> float:
     return float(rec["score"]) if "score" in rec else float(bool(rec.get("correct")))
 
@@ -31,7 +28,7 @@ def eval_rows(results: Path, model: str, baseline: str = "bf16") -> list[dict[st
     rows = []
     for (bench, method), runs in sorted(cells.items()):
         metric = next(iter(runs[0][0]["metrics"]))
-        for name in ("accuracy", "pass@1", "score"):
+        for name in ("score", "pass@1", "accuracy"):
             if name in runs[0][0]["metrics"]:
                 metric = name
                 break
