@@ -1,4 +1,4 @@
-"""One-call H200 sweep: decode-attention variants (block size, page size, pipelining, splits) vs cuDNN/flash, and demotion.
+"""One-call H200 sweep: decode-attention variants (block, page size, pipelining, splits) vs cuDNN/flash; demotion.
 
 Usage (repo root of a copy where ``oscar.kernels`` imports, e.g. inside ``benchmarks/gpu_sweep.sh``):
 
@@ -131,7 +131,8 @@ def summarize(rows: list[dict[str, Any]], q_rows: list[dict[str, Any]], env: dic
              f"Hardware: {env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, "
              f"copy bandwidth {env.get('copy_tb_s', float('nan')):.2f} TB/s. Command: `bash benchmarks/gpu_sweep.sh`.",
              "", "| d | batch | context | cuDNN | flash | INT2 v5 default | best INT2 | best variant (splits) | "
-             "speedup vs best BF16 (v5 -> best) | best INT2 % of copy bw |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "speedup vs best BF16 (v5 -> best) | best INT2 % of copy bw |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     shapes = []
     for r in rows:
         key = (r["head_dim"], r["batch"], r["context"])
@@ -152,14 +153,16 @@ def summarize(rows: list[dict[str, Any]], q_rows: list[dict[str, Any]], env: dic
         bw = best["bytes"] / (best["us"] * 1e-6) / (env.get("copy_tb_s", float("nan")) * 1e12)
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {bf.get('cudnn', float('nan')):.1f} | "
                      f"{bf.get('flash', float('nan')):.1f} | {v5_us:.1f} | {best['us']:.1f} | {best['variant']} "
-                     f"({best['num_splits']}) | {best_bf / v5_us:.2f}x -> {best_bf / best['us']:.2f}x | {100 * bw:.0f}% |")
+                     f"({best['num_splits']}) | {best_bf / v5_us:.2f}x -> {best_bf / best['us']:.2f}x | "
+                     f"{100 * bw:.0f}% |")
     if skipped:
         lines += ["", f"Skipped (time budget): {skipped}"]
     errs = sorted({f"{r.get('variant', r['kind'])}: {r['status']}" for r in rows if r["status"] != "ok"})
     if errs:
         lines += ["", "Errors:", ""] + [f"- {e}" for e in errs]
     if q_rows:
-        lines += ["", "Demotion (K+V, one launch) and prefill quantization (rotation 3xTF32, centering, clip, pack):", "",
+        lines += ["", "Demotion (K+V, one launch) and prefill quantization (rotation 3xTF32, centering, clip, pack):",
+                  "",
                   "| kind | d | rows | clip search radix | warps | us |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['kind']} | {r['head_dim']} | {r['rows']} | {r['radix']} | {r['num_warps']} | {r['us']:.1f} |"
                   for r in q_rows]

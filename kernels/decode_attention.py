@@ -530,11 +530,29 @@ def _merge_kernel(
     tl.store(out_ptr + (b * H + hq)[:, None] * D + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
 
 
+SHORT_CONTEXT = 16384  # quantized capacity below which the short-context configuration is used
+
+
 def default_num_splits(batch: int, num_kv_heads: int, capacity_tokens: int, block_n: int, num_sms: int = 132) -> int:
     """Splits per (sequence, KV head): about two waves of programs, at least ``4 * block_n`` tokens each."""
     by_occupancy = max(1, (2 * num_sms) // max(1, batch * num_kv_heads))
     by_work = max(1, capacity_tokens // (4 * block_n))
     return int(min(by_occupancy, by_work, 256))
+
+
+def default_config(batch: int, num_kv_heads: int, capacity_tokens: int, num_sms: int = 132) -> dict:
+    """Launch configuration measured fastest on the H200 (reports/kernels/sweep_decode.md).
+
+    Long contexts: blocks of 128 rows spanning pages, 4 warps, splits by ``default_num_splits``
+    (-15 to -25% vs v5). Short contexts (capacity under ``SHORT_CONTEXT``): blocks of 64 within a
+    page, the BF16 chunks fused into the split-K launch and about 8 waves of splits (-10 to -19%).
+    """
+    if capacity_tokens < SHORT_CONTEXT:
+        by_occupancy = max(1, (8 * num_sms) // max(1, batch * num_kv_heads))
+        splits = int(min(by_occupancy, max(1, capacity_tokens // 128), 256))
+        return {"block_n": 64, "span_pages": False, "fuse_bf16": True, "num_splits": splits}
+    return {"block_n": 128, "span_pages": True, "fuse_bf16": False,
+            "num_splits": default_num_splits(batch, num_kv_heads, capacity_tokens, 128, num_sms)}
 
 
 def paged_decode_attention(
@@ -550,17 +568,18 @@ def paged_decode_attention(
     recent_k: Optional[torch.Tensor] = None, recent_v: Optional[torch.Tensor] = None,
     recent_len: Optional[torch.Tensor] = None,
     sm_scale: Optional[float] = None, output_frame: str = "original",
-    num_splits: Optional[int] = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+    num_splits: Optional[int] = None, block_n: Optional[int] = None, num_warps: int = 4, num_stages: int = 2,
     merge_warps: int = 8, fast_unpack: Optional[bool] = None, rot_precision: str = "tf32x3",
-    heads_in_m: bool = False, prefetch: bool = True, span_pages: bool = False, merge_sp: int = 4,
-    v_heads_in_m: bool = False, fuse_bf16: bool = False,
+    heads_in_m: bool = False, prefetch: bool = True, span_pages: Optional[bool] = None, merge_sp: int = 8,
+    v_heads_in_m: bool = False, fuse_bf16: Optional[bool] = None,
 ) -> torch.Tensor:
     """Triton decode attention of one query per sequence; same contract as ``oscar.paged.decode_attention_torch``.
 
     ``q`` ``[B, H, d]``; codes ``[P, Hkv, page_size, d*bits//8]`` uint8; scale/zero
     ``[P, Hkv, page_size, d//G]`` bf16; ``page_table`` int32 ``[B, M]``; ``int_len`` int32 ``[B]``;
     sink/recent ``[B, Hkv, S, d]`` with int32 valid lengths ``[B]``. Returns ``[B, H, d]`` in ``q.dtype``.
-    ``prefetch``: load the next block by hand before computing the current one (else plain loads
+    Options left at ``None`` (``block_n``, ``span_pages``, ``fuse_bf16``, ``num_splits``) follow
+    ``default_config``. ``prefetch``: load the next block by hand before computing the current one (else plain loads
     pipelined by Triton over ``num_stages``); ``span_pages``: let a block of ``block_n`` rows cover
     several pages (each row looks its page up) instead of clamping ``block_n`` to the page size;
     ``merge_sp``: partials merged per step of the merge kernel; ``v_heads_in_m`` (with tokens in M for
@@ -592,7 +611,6 @@ def paged_decode_attention(
           f"page_table must be int32 [B={B}, M], got {page_table.dtype} {tuple(page_table.shape)}")
     check(int_len.shape[0] >= B and int_len.dtype == torch.int32, f"int_len must be int32 [B={B}], got {int_len.dtype}")
     check(output_frame in ("original", "rotated"), f"output_frame={output_frame!r} must be 'original' or 'rotated'")
-    check(is_pow2(block_n) and block_n >= 16, f"block_n={block_n} must be a power of two >= 16")
     check(is_pow2(merge_sp), f"merge_sp={merge_sp} must be a power of two")
     if fast_unpack is None:  # default: inline PTX where it runs (fastest on the H200, reports/kernels)
         fast_unpack = bits == 2 and q.device.type == "cuda"
@@ -630,8 +648,13 @@ def paged_decode_attention(
     sink = _segment(sink_k, sink_v, sink_len, "sink")
     recent = _segment(recent_k, recent_v, recent_len, "recent")
     capacity = int(page_table.shape[1]) * page_size
+    auto = default_config(B, hkv, capacity)  # options left at None take the measured configuration
+    block_n = auto["block_n"] if block_n is None else block_n
+    span_pages = auto["span_pages"] if span_pages is None else span_pages
+    fuse_bf16 = auto["fuse_bf16"] if fuse_bf16 is None else fuse_bf16
+    check(is_pow2(block_n) and block_n >= 16, f"block_n={block_n} must be a power of two >= 16")
     if num_splits is None:
-        num_splits = default_num_splits(B, hkv, capacity, block_n)
+        num_splits = auto["num_splits"] if block_n == auto["block_n"] else default_num_splits(B, hkv, capacity, block_n)
     if not span_pages:  # a block stays within one page (pages under 16 slots: blocks gather rows over pages)
         block_n = min(block_n, max(page_size, 16))
     tps = triton.cdiv(triton.cdiv(capacity, num_splits), max(page_size, block_n)) * max(page_size, block_n)

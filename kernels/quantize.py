@@ -252,7 +252,7 @@ def rotate_quantize_pack(
     block_t: int = 16,
     num_warps: int = 8,
     rot_precision: str = "tf32x3",
-    radix4: bool = True,
+    radix4: bool = False,
 ) -> None:
     """Quantize rows into pool slots in place (Triton).
 
@@ -280,7 +280,7 @@ def rotate_quantize_pack_pair(
     block_t: int = 16,
     num_warps: int = 8,
     rot_precision: str = "tf32x3",
-    radix4: bool = True,
+    radix4: bool = False,
 ) -> None:
     """K and V rows into their pools in one launch (same slots); pages are ``(codes, scale, zero)``,
     transforms ``(R, mu, rho)``. Both tensors need the same shapes, strides and transform kinds."""
