@@ -325,7 +325,10 @@ def check_against_twin(d: int, opts: dict[str, Any]) -> float:
 def _variants(spec: str) -> list[dict[str, Any]]:
     if spec:
         return [json.loads(v) for v in spec.split(";")]
-    out = []
+    out = [{"block_n": 128, "num_warps": 4, "num_stages": 2, "fast_unpack": True, "heads_in_m": False,
+            "span_pages": True, "merge_sp": 8, "fuse_bf16": False},  # v7 long-context default
+           {"block_n": 64, "num_warps": 4, "num_stages": 2, "fast_unpack": True, "heads_in_m": False,
+            "span_pages": False, "merge_sp": 8, "fuse_bf16": True}]  # v7 short-context default
     for him in (False, True):
         for bn in (32, 64):
             for nw in (4, 8):
@@ -378,8 +381,8 @@ def run(opts: dict[str, Any]) -> int:
         score: dict[str, list[float]] = {}
         for r in ok:  # geometric-mean speed relative to the best per (B, T), split multiplier included
             best = min(x["us"] for x in ok if x["batch"] == r["batch"] and x["context"] == r["context"])
-            key = json.dumps({k: r[k] for k in ("block_n", "num_warps", "num_stages", "fast_unpack", "heads_in_m")},
-                             sort_keys=True)
+            key = json.dumps({k: r[k] for k in ("block_n", "num_warps", "num_stages", "fast_unpack", "heads_in_m",
+                                                "span_pages", "merge_sp", "fuse_bf16") if k in r}, sort_keys=True)
             score.setdefault(key, []).append(math.log(r["us"] / best))
         best_cfg = json.loads(min(score, key=lambda k: sum(score[k]) / len(score[k])))
         print(f"best config {best_cfg}", flush=True)
