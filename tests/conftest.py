@@ -11,6 +11,18 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Triton picks interpreted or compiled mode when `@triton.jit` runs (module import), so the switch
+# must be set before any test module imports a kernel: without a GPU, every kernel is interpreted.
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M loaded once per test session (float32, CPU): (model, tokenizer, model_cfg)."""
