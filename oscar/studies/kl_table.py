@@ -169,7 +169,9 @@ def write_tables(rows: list[dict[str, Any]], out: Path, command: str, note: str)
             if r.get("status") != "ok":
                 lines.append(f"| {r['method']} | {r['bits']} | | {r.get('status')} | | |")
                 continue
-            win = f"{int(r['sink'])}/{int(r['recent'])}" if not (isinstance(r.get("sink"), float) and math.isnan(r["sink"])) else "-"
+            sink, recent = r.get("sink"), r.get("recent")
+            known = sink is not None and recent is not None and not (isinstance(sink, float) and math.isnan(sink))
+            win = f"{int(sink)}/{int(recent)}" if known else "-"
             lines.append(f"| {r['method']} | {r['bits']} | {win} | {r['kl']:.4f} | {r['kl_past_window']:.4f} | {r['ppl']:.3f} |")
         lines.append("")
     _atomic_write(out.with_suffix(".md"), "\n".join(lines) + "\n")
