@@ -209,6 +209,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.merge:
         import pandas as pd
 
+        command = f"python -m oscar.studies.kl_table --merge {' '.join(args.merge)} --out {args.out}"
         frames = [pd.read_csv(path) for path in args.merge]
         rows = pd.concat(frames, ignore_index=True).to_dict("records")
         write_tables(rows, Path(args.out), command, note)
