@@ -23,6 +23,17 @@ if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="module")
+def single_thread():
+    """Small matrices: one intra-op thread is fastest and immune to oversubscribed cores."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M loaded once per test session (float32, CPU): (model, tokenizer, model_cfg)."""

@@ -21,13 +21,7 @@ from oscar.quant import fake_quantize, unpack_codes
 from oscar.rotation import random_orthogonal
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Small matrices: one intra-op thread is fastest and immune to oversubscribed cores."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.mark.parametrize("t,g,r,expected", [(0, 32, 128, (0, 0)), (100, 32, 128, (0, 0)), (128, 32, 128, (0, 0)),

@@ -35,13 +35,7 @@ from oscar.quant import dequantize, quantize
 from oscar.rotation import build_rotation, eigenbasis, random_orthogonal
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Small matrices: one intra-op thread is fastest and immune to oversubscribed cores."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 B, H, HKV, T, D = 2, 6, 2, 24, 64

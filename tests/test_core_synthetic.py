@@ -10,13 +10,7 @@ from oscar.rotation import build_rotation, random_orthogonal
 from oscar.synthetic import STUDY_ROTATIONS, attention_like_sample, rotation_study
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Small matrices: one intra-op thread is fastest and immune to oversubscribed cores."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_uhp_frees_the_shared_sink_direction_that_hp_pays_for():

@@ -20,13 +20,7 @@ from oscar.rotation import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Small matrices: one intra-op thread is fastest and immune to oversubscribed cores."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 HEAD_DIMS = (64, 80, 96, 128, 160, 192, 256)
