@@ -386,8 +386,12 @@ def write_resolved(cfg: DictConfig, path: str | Path) -> bool:
     Returns True when the file was (re)written. Leaving an unchanged file alone keeps its mtime,
     so Snakemake reruns exactly the jobs whose configuration changed.
     """
+    return write_text_if_changed(path, dump_yaml(cfg))
+
+
+def write_text_if_changed(path: str | Path, text: str) -> bool:
+    """Write `text` to `path` atomically unless the file already holds it; True when written."""
     path = Path(path)
-    text = dump_yaml(cfg)
     if path.is_file() and path.read_text() == text:
         return False
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -140,3 +140,25 @@ class single_thread:
         import torch
 
         torch.set_num_threads(self._previous)
+
+
+def run_stage_verb(name: str, argv: list[str], runner: Any, *, takes_out: bool = True) -> int:
+    """Shared `main` of the stage verbs: compose the config, run `runner(cfg, force=, [out=])`,
+    print where the output is, and turn bad input into exit code 1 with the reason."""
+    import sys
+
+    from oscar.config import compose
+
+    flags, overrides = pop_flags(argv, {"force": False})
+    try:
+        cfg = compose(overrides)
+        kwargs: dict[str, Any] = {"force": bool(flags["force"])}
+        if takes_out:
+            kwargs["out"] = Path(str(cfg.output)) if cfg.output else None
+        result = runner(cfg, **kwargs)
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+        print(f"oscar {name}: {exc}", file=sys.stderr)
+        return 1
+    state = "up to date (skipped)" if result.skipped else f"written in {result.seconds:.1f} s"
+    print(f"{name}: {result.path} {state}")
+    return 0

@@ -7,16 +7,15 @@ final artifact `<artifacts_dir>/<model>/<method>/` (`rotations.safetensors` + `m
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from oscar.commands._stage import (
+    run_stage_verb,
     StageResult,
     artifact_dir,
     clip_hash,
-    pop_flags,
     recorded_hash,
     rotations_dir,
     rotations_hash,
@@ -63,15 +62,4 @@ def run_clip(cfg: Any, *, force: bool = False, out: Path | None = None, stats: A
 
 def main(argv: list[str]) -> int:
     """Compose the configuration, run `clip`, print where the artifact is."""
-    from oscar.config import compose
-
-    flags, overrides = pop_flags(argv, {"force": False})
-    try:
-        cfg = compose(overrides)
-        result = run_clip(cfg, force=bool(flags["force"]), out=Path(str(cfg.output)) if cfg.output else None)
-    except (FileNotFoundError, ValueError, RuntimeError) as exc:
-        print(f"oscar clip: {exc}", file=sys.stderr)
-        return 1
-    state = "up to date (skipped)" if result.skipped else f"written in {result.seconds:.1f} s"
-    print(f"clip: {result.path} {state}")
-    return 0
+    return run_stage_verb("clip", argv, run_clip)

@@ -12,14 +12,13 @@ Skipped when the output exists with the same configuration hash, unless `force=t
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from oscar.commands._stage import StageResult, dump_hash, pop_flags, recorded_hash, stats_dir
+from oscar.commands._stage import run_stage_verb, StageResult, dump_hash, recorded_hash, stats_dir
 
 
 class RowSampler:
@@ -120,15 +119,4 @@ def run_dump(cfg: Any, *, model: Any = None, tokenizer: Any = None, force: bool 
 
 def main(argv: list[str]) -> int:
     """Compose the configuration, run `dump`, print where the statistics are."""
-    from oscar.config import compose
-
-    flags, overrides = pop_flags(argv, {"force": False})
-    try:
-        cfg = compose(overrides)
-        result = run_dump(cfg, force=bool(flags["force"]))
-    except (FileNotFoundError, ValueError, RuntimeError) as exc:
-        print(f"oscar dump: {exc}", file=sys.stderr)
-        return 1
-    state = "up to date (skipped)" if result.skipped else f"written in {result.seconds:.1f} s"
-    print(f"dump: {result.path} {state}")
-    return 0
+    return run_stage_verb("dump", argv, run_dump, takes_out=False)

@@ -8,15 +8,14 @@ that need no calibration are built in code from the seed.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from oscar.commands._stage import (
+    run_stage_verb,
     StageResult,
     dump_hash,
-    pop_flags,
     recorded_hash,
     rotations_dir,
     rotations_hash,
@@ -96,15 +95,4 @@ def run_rotations(cfg: Any, *, force: bool = False, out: Path | None = None, sta
 
 def main(argv: list[str]) -> int:
     """Compose the configuration, run `rotations`, print where they are."""
-    from oscar.config import compose
-
-    flags, overrides = pop_flags(argv, {"force": False})
-    try:
-        cfg = compose(overrides)
-        result = run_rotations(cfg, force=bool(flags["force"]), out=Path(str(cfg.output)) if cfg.output else None)
-    except (FileNotFoundError, ValueError, RuntimeError) as exc:
-        print(f"oscar rotations: {exc}", file=sys.stderr)
-        return 1
-    state = "up to date (skipped)" if result.skipped else f"written in {result.seconds:.1f} s"
-    print(f"rotations: {result.path} {state}")
-    return 0
+    return run_stage_verb("rotations", argv, run_rotations)

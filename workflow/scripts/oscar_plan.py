@@ -8,14 +8,13 @@ command-line overrides of a job by its output path. The library never imports th
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from oscar.config import Composer, ConfigError, ResourcesConfig, config_hash, to_dict, write_resolved
+from oscar.config import Composer, ConfigError, ResourcesConfig, config_hash, to_dict, write_resolved, write_text_if_changed
 
 # Overrides that select a value of a grid axis instead of a setting of every cell.
 AXIS_KEYS = {"model": "models", "method": "methods", "benchmark": "benchmarks", "seed": "seeds"}
@@ -350,7 +349,7 @@ class Plan:
             if path not in self._written:
                 write_resolved(cfg, self.root / path)
                 self._written.add(path)
-        _write_if_changed(self.root / self.table_plan_path(table), self.tables[table].to_json(self.experiment))
+        write_text_if_changed(self.root / self.table_plan_path(table), self.tables[table].to_json(self.experiment))
 
     def write_configs(self, root: str | Path = ".") -> int:
         """Write every resolved config planned so far (only those whose content changed); returns how many changed."""
@@ -360,7 +359,7 @@ class Plan:
     def write_table_plans(self, root: str | Path = ".") -> None:
         """Write `results/plan/<experiment>/<table>.json` for every planned table (only when changed)."""
         for name, table in self.tables.items():
-            _write_if_changed(Path(root) / self.table_plan_path(name), table.to_json(self.experiment))
+            write_text_if_changed(Path(root) / self.table_plan_path(name), table.to_json(self.experiment))
 
     def table_plan_path(self, table: str) -> str:
         """Where the plan of a table is written."""
@@ -429,13 +428,3 @@ def _stats_view(cfg: DictConfig) -> dict[str, Any]:
 def _section(cfg: DictConfig, key: str) -> Any:
     value = cfg[key]
     return to_dict(value) if isinstance(value, DictConfig) else value
-
-
-def _write_if_changed(path: Path, text: str) -> bool:
-    if path.is_file() and path.read_text() == text:
-        return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return True
