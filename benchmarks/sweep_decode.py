@@ -5,7 +5,7 @@ Usage (repo root of a copy where ``oscar.kernels`` imports, e.g. inside ``benchm
     python3 benchmarks/sweep_decode.py OUTDIR [budget_seconds]
 
 Writes ``OUTDIR/sweep_decode.csv`` (every timing), ``sweep_quantize.csv`` (demotion variants),
-``sweep_decode.md`` (best variant per shape against the v5 default and BF16) and
+``sweep_decode.md`` (best variant per shape against the v7 default (BASELINE) and BF16) and
 ``sweep_decode.png``; rewrites them after every shape so a run cut short still reports. Shapes run
 in priority order; once the time budget is spent the remaining shapes are skipped (and listed).
 A failing variant is logged with its error and the sweep goes on.
@@ -28,26 +28,26 @@ HQ, HKV = 32, 8
 # (head_dim, batch, context) in priority order
 SHAPES = [(128, 8, 32768), (128, 1, 32768), (128, 1, 4096), (128, 32, 131072), (128, 8, 4096), (128, 32, 32768),
           (128, 32, 4096), (128, 1, 131072), (64, 8, 32768), (128, 8, 131072)]
-# name -> (page_size, kernel options, split multipliers of default_num_splits)
+# name -> (page_size, kernel options, split multipliers of default_num_splits). "v7" is the previous default
+# (word unpack, tokens in M, blocks of 128 spanning pages of 64); "pl_*" are the bit-plane path (v8): int8
+# tensor-core scores with a two-level int8 query ("i8"; "l1": one level, timing only, too coarse), fp16
+# scores ("f16"), fp16 value planes; "fused": BF16 chunks as extra programs of the split-K launch.
+BASELINE = "v7"
+V7 = {"planes": False, "num_warps": 4, "merge_sp": 8}
+PL = {"planes": True, "num_warps": 4, "merge_sp": 8}
 VARIANTS: dict[str, tuple[int, dict[str, Any], tuple[float, ...]]] = {
-    "v5": (64, {"block_n": 64, "num_warps": 4, "num_stages": 2}, (1.0, 2.0)),
-    "v5_merge8": (64, {"block_n": 64, "num_warps": 4, "num_stages": 2, "merge_sp": 8}, (1.0, 2.0, 4.0)),
-    "p64_b64_pipe3": (64, {"block_n": 64, "num_warps": 4, "num_stages": 3, "prefetch": False, "merge_sp": 8},
-                      (1.0, 2.0, 4.0)),
-    "p64_b128_span_w4": (64, {"block_n": 128, "num_warps": 4, "span_pages": True, "merge_sp": 8}, (1.0, 2.0, 4.0)),
-    "p64_b128_span_w8": (64, {"block_n": 128, "num_warps": 8, "span_pages": True, "merge_sp": 8}, (1.0, 2.0, 4.0)),
-    "p64_b128_span_pipe3_w8": (64, {"block_n": 128, "num_warps": 8, "num_stages": 3, "span_pages": True,
-                                    "prefetch": False, "merge_sp": 8}, (1.0, 2.0, 4.0)),
-    "p128_b128_w4": (128, {"block_n": 128, "num_warps": 4, "merge_sp": 8}, (1.0, 2.0, 4.0)),
-    "p128_b128_w8": (128, {"block_n": 128, "num_warps": 8, "merge_sp": 8}, (1.0, 2.0, 4.0)),
-    "him_p64_b128_span_w4": (64, {"block_n": 128, "num_warps": 4, "span_pages": True, "heads_in_m": True,
-                                  "merge_sp": 8}, (1.0, 2.0)),
-    "mix_p64_b64": (64, {"block_n": 64, "num_warps": 4, "v_heads_in_m": True, "merge_sp": 8}, (1.0, 2.0, 4.0)),
-    "mix_p64_b128_span_w4": (64, {"block_n": 128, "num_warps": 4, "span_pages": True, "v_heads_in_m": True,
-                                  "merge_sp": 8}, (1.0, 2.0, 4.0)),
-    "mix_p128_b128_w8": (128, {"block_n": 128, "num_warps": 8, "v_heads_in_m": True, "merge_sp": 8},
-                         (1.0, 2.0, 4.0)),
-    "v5_merge8_fused": (64, {"block_n": 64, "num_warps": 4, "merge_sp": 8, "fuse_bf16": True}, (1.0, 2.0, 4.0)),
+    "v7": (64, {**V7, "block_n": 128, "span_pages": True}, (1.0, 2.0)),
+    "v7_b64_fused": (64, {**V7, "block_n": 64, "fuse_bf16": True}, (1.0, 4.0)),
+    "pl_i8_b128": (64, {**PL, "block_n": 128, "span_pages": True}, (1.0, 2.0)),
+    "pl_i8_b128_p128": (128, {**PL, "block_n": 128}, (1.0, 2.0)),
+    "pl_i8_b256": (64, {**PL, "block_n": 256, "span_pages": True}, (1.0, 2.0)),
+    "pl_i8_b64": (64, {**PL, "block_n": 64}, (1.0, 2.0)),
+    "pl_i8_b64_fused": (64, {**PL, "block_n": 64, "fuse_bf16": True}, (1.0, 4.0)),
+    "pl_i8_b128_w8": (64, {**PL, "block_n": 128, "span_pages": True, "num_warps": 8}, (1.0,)),
+    "pl_f16_b128": (64, {**PL, "block_n": 128, "span_pages": True, "qk_int8": False}, (1.0, 2.0)),
+    "pl_i8l1_b128": (64, {**PL, "block_n": 128, "span_pages": True, "qk_levels": 1}, (1.0,)),
+    "pl_i8_b128_pipe": (64, {**PL, "block_n": 128, "span_pages": True, "prefetch": False, "num_stages": 3},
+                        (1.0,)),
 }
 
 
@@ -107,21 +107,24 @@ def sweep_quantize(l2: int) -> list[dict[str, Any]]:
             else:
                 src = torch.randn(B, HKV, d, device="cuda", generator=g).to(torch.bfloat16)
                 idx = None
-            for radix4, nw in ((False, 8), (True, 8), (True, 4)):
-                def f(radix4=radix4, nw=nw):
+            for radix4, nw, row in ((False, 8, False), (False, 4, True)):
+                if row and B > 64:
+                    continue
+
+                def f(radix4=radix4, nw=nw, row=row):
                     rotate_quantize_pack_pair(src, src, slots, (pages[0].codes, pages[0].scale, pages[0].zero),
                                               (pages[1].codes, pages[1].scale, pages[1].zero), bits=2,
                                               group_size=d, k_transform=(R, mu, rho), v_transform=(R, mu, rho),
-                                              src_index=idx, num_warps=nw, radix4=radix4)
+                                              src_index=idx, num_warps=nw, radix4=radix4, row_path=row)
                 try:
                     us, mode = time_calls([f], reps=20)
                     status = "ok"
                 except Exception as exc:
                     us, mode, status = float("nan"), "-", f"error: {type(exc).__name__}: {str(exc)[:160]}"
-                out.append({"kind": kind, "head_dim": d, "rows": B, "radix": 16 if radix4 else 2, "num_warps": nw,
+                path = "rows (FMA rotation, rank select)" if row else "blocks (3xTF32 rotation, radix-2 select)"
+                out.append({"kind": kind, "head_dim": d, "rows": B, "path": path, "num_warps": nw,
                             "us": us, "timing": mode, "status": status})
-                print(f"  {kind} d={d} rows={B} radix={16 if radix4 else 2} warps={nw}: {us:.1f} us {status}",
-                      flush=True)
+                print(f"  {kind} d={d} rows={B} {path} warps={nw}: {us:.1f} us {status}", flush=True)
     return out
 
 
@@ -130,8 +133,8 @@ def summarize(rows: list[dict[str, Any]], q_rows: list[dict[str, Any]], env: dic
     lines = ["# Decode-attention sweep (paged INT2, sink 64 + INT2 + recent 256) vs BF16 SDPA", "",
              f"Hardware: {env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, "
              f"copy bandwidth {env.get('copy_tb_s', float('nan')):.2f} TB/s. Command: `bash benchmarks/gpu_sweep.sh`.",
-             "", "| d | batch | context | cuDNN | flash | INT2 v5 default | best INT2 | best variant (splits) | "
-             "speedup vs best BF16 (v5 -> best) | best INT2 % of copy bw |",
+             "", "| d | batch | context | cuDNN | flash | INT2 v7 default | best INT2 | best variant (splits) | "
+             "speedup vs best BF16 (v7 -> best) | best INT2 % of copy bw |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     shapes = []
     for r in rows:
@@ -142,7 +145,7 @@ def summarize(rows: list[dict[str, Any]], q_rows: list[dict[str, Any]], env: dic
         rs = [r for r in rows if (r["head_dim"], r["batch"], r["context"]) == key]
         bf = {r["kind"]: r["us"] for r in rs if r["kind"] in ("cudnn", "flash") and r["status"] == "ok"}
         ints = [r for r in rs if r["kind"] == "int2" and r["status"] == "ok" and math.isfinite(r["us"])]
-        v5 = [r for r in ints if r["variant"] == "v5" and r["split_mult"] == 1.0]
+        v5 = [r for r in ints if r["variant"] == BASELINE and r["split_mult"] == 1.0]
         best = min(ints, key=lambda r: r["us"]) if ints else None
         best_bf = min(bf.values()) if bf else float("nan")
         v5_us = v5[0]["us"] if v5 else float("nan")
@@ -161,10 +164,10 @@ def summarize(rows: list[dict[str, Any]], q_rows: list[dict[str, Any]], env: dic
     if errs:
         lines += ["", "Errors:", ""] + [f"- {e}" for e in errs]
     if q_rows:
-        lines += ["", "Demotion (K+V, one launch) and prefill quantization (rotation 3xTF32, centering, clip, pack):",
+        lines += ["", "Demotion (K+V, one launch) and prefill quantization (rotation, centering, clip, pack):",
                   "",
-                  "| kind | d | rows | clip search radix | warps | us |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['kind']} | {r['head_dim']} | {r['rows']} | {r['radix']} | {r['num_warps']} | {r['us']:.1f} |"
+                  "| kind | d | rows | kernel path | warps | us |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['kind']} | {r['head_dim']} | {r['rows']} | {r['path']} | {r['num_warps']} | {r['us']:.1f} |"
                   for r in q_rows]
     return "\n".join(lines) + "\n"
 
@@ -181,7 +184,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         rs = [r for r in rows if (r["head_dim"], r["batch"], r["context"]) == key and r["status"] == "ok"]
         bf = [r["us"] for r in rs if r["kind"] in ("cudnn", "flash")]
         ints = [r for r in rs if r["kind"] == "int2"]
-        v5 = [r["us"] for r in ints if r["variant"] == "v5" and r["split_mult"] == 1.0]
+        v5 = [r["us"] for r in ints if r["variant"] == BASELINE and r["split_mult"] == 1.0]
         if not bf or not ints or not v5:
             continue
         labels.append(f"d{key[0]} B{key[1]} {key[2] // 1024}k")
@@ -189,7 +192,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         bests.append(min(bf) / min(r["us"] for r in ints))
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(labels)), 4))
     xs = range(len(labels))
-    ax.bar([x - 0.2 for x in xs], v5s, 0.4, label="v5 default")
+    ax.bar([x - 0.2 for x in xs], v5s, 0.4, label=f"{BASELINE} default")
     ax.bar([x + 0.2 for x in xs], bests, 0.4, label="best variant")
     ax.axhline(1, color="black", lw=0.6)
     ax.set_xticks(list(xs), labels, rotation=30, fontsize=8)

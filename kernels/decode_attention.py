@@ -332,6 +332,234 @@ def _int_split(
     tl.store(lse_ptr + row, lse, mask=hmask)
 
 
+def _plane_asm_i8(p: int, bits: int) -> str:
+    """PTX: plane ``p`` of four packed bytes as four int8 codes in one register (shift and mask)."""
+    mask = 0x03030303 if bits == 2 else 0x0F0F0F0F
+    if p == 0:
+        return f"and.b32 $0, $1, {mask:#x};"
+    return "{\n.reg .b32 t;\n" + f"shr.b32 t, $1, {bits * p};\nand.b32 $0, t, {mask:#x};\n" + "}"
+
+
+def _plane_asm_f16(p: int, bits: int) -> str:
+    """PTX: plane ``p`` of four packed bytes as four exact fp16 values ``2^(bits*p) * code`` (two registers).
+
+    Bytes are widened to 16-bit lanes (``prmt``), masked to the plane and given the exponent of
+    1024 (``lop3``: ``(t & m) | 0x6400``), then 1024 is subtracted (``sub.f16x2``). The plane is not
+    shifted down: the kernel scales its accumulator by ``2^-(bits*p)`` once at the end.
+    """
+    m = ((1 << bits) - 1) << (bits * p)
+    mask = m | (m << 16)
+    lines = [".reg .b32 t, u, z;", "mov.b32 z, 0;", "mov.b32 u, 0x64006400;",
+             "prmt.b32 t, $2, z, 0x4140;", f"lop3.b32 t, t, {mask:#x}, u, 0xEA;", "sub.f16x2 $0, t, u;",
+             "prmt.b32 t, $2, z, 0x4342;", f"lop3.b32 t, t, {mask:#x}, u, 0xEA;", "sub.f16x2 $1, t, u;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_PI8_2_0, _PI8_2_1, _PI8_2_2, _PI8_2_3 = (tl.constexpr(_plane_asm_i8(p, 2)) for p in range(4))
+_PI8_4_0, _PI8_4_1 = (tl.constexpr(_plane_asm_i8(p, 4)) for p in range(2))
+_PF16_2_0, _PF16_2_1, _PF16_2_2, _PF16_2_3 = (tl.constexpr(_plane_asm_f16(p, 2)) for p in range(4))
+_PF16_4_0, _PF16_4_1 = (tl.constexpr(_plane_asm_f16(p, 4)) for p in range(2))
+
+
+@triton.jit
+def _plane_i8(b, p: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr):
+    """Plane ``p`` of packed bytes ``b`` (uint8) as int8 codes, same shape."""
+    if FAST:
+        if BITS == 2:
+            if p == 0:
+                src: tl.constexpr = _PI8_2_0
+            elif p == 1:
+                src: tl.constexpr = _PI8_2_1
+            elif p == 2:
+                src: tl.constexpr = _PI8_2_2
+            else:
+                src: tl.constexpr = _PI8_2_3
+        else:
+            if p == 0:
+                src: tl.constexpr = _PI8_4_0
+            else:
+                src: tl.constexpr = _PI8_4_1
+        return tl.inline_asm_elementwise(asm=src, constraints="=r,r", args=[b], dtype=tl.int8, is_pure=True, pack=4)
+    else:
+        return ((b >> (BITS * p)) & ((1 << BITS) - 1)).to(tl.int8)
+
+
+@triton.jit
+def _plane_f16(b, p: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr):
+    """Plane ``p`` of packed bytes ``b`` (uint8) as exact fp16 ``2^(BITS*p) * code``, same shape."""
+    if FAST:
+        if BITS == 2:
+            if p == 0:
+                src: tl.constexpr = _PF16_2_0
+            elif p == 1:
+                src: tl.constexpr = _PF16_2_1
+            elif p == 2:
+                src: tl.constexpr = _PF16_2_2
+            else:
+                src: tl.constexpr = _PF16_2_3
+        else:
+            if p == 0:
+                src: tl.constexpr = _PF16_4_0
+            else:
+                src: tl.constexpr = _PF16_4_1
+        return tl.inline_asm_elementwise(asm=src, constraints="=r,=r,r", args=[b], dtype=tl.float16, is_pure=True,
+                                         pack=4)
+    else:
+        return (b & (((1 << BITS) - 1) << (BITS * p))).to(tl.float16)
+
+
+@triton.jit
+def _q_plane(qr_ptr, qrow, hmask, p: tl.constexpr, W: tl.constexpr, D: tl.constexpr, inv_hi, sc_hi, inv_lo,
+             QK_INT8: tl.constexpr, BITS: tl.constexpr):
+    """Rotated query channels ``p*W .. p*W+W-1`` transposed ``[W, HP]``: int8 (hi, lo) levels or (fp16, unused)."""
+    q = tl.load(qr_ptr + qrow[None, :] * D + (p * W + tl.arange(0, W))[:, None], mask=hmask[None, :], other=0.0)
+    if QK_INT8:
+        hi = tl.floor(q * inv_hi[None, :] + 0.5)
+        lo = tl.floor((q - hi * sc_hi[None, :]) * inv_lo[None, :] + 0.5)
+        return hi.to(tl.int8), lo.to(tl.int8)
+    else:  # fp16 planes hold 2^(BITS*p) c: the query plane carries the 2^-(BITS*p)
+        qf = (q * (1.0 / (1 << (BITS * p)))).to(tl.float16)
+        return qf, qf
+
+
+@triton.jit
+def _qk_plane(kb, acc_hi, acc_lo, qh, ql, p: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr,
+              QK_INT8: tl.constexpr, QK_LEVELS: tl.constexpr):
+    if QK_INT8:
+        c = _plane_i8(kb, p, BITS, FAST)
+        acc_hi = tl.dot(c, qh, acc_hi, out_dtype=tl.int32)
+        if QK_LEVELS == 2:
+            acc_lo = tl.dot(c, ql, acc_lo, out_dtype=tl.int32)
+    else:
+        c = _plane_f16(kb, p, BITS, FAST)
+        acc_hi = tl.dot(c, qh, acc_hi)
+    return acc_hi, acc_lo
+
+
+@triton.jit
+def _int_split_planes(
+    pid, split,
+    qr_ptr, qmu_ptr,
+    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+    stride_cp, stride_ch,
+    stride_mp, stride_mh,
+    pt_ptr, stride_ptb, len_ptr,
+    o_ptr, lse_ptr,
+    tokens_per_split, s_total,
+    HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
+    BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
+    ROW_GATHER: tl.constexpr, QK_INT8: tl.constexpr, QK_LEVELS: tl.constexpr,
+):
+    """One split of the quantized segment (one group per row) by bit planes: normalized output + LSE.
+
+    Byte ``j`` of a row holds, in plane ``p``, channel ``p*W + j`` (``W = D*BITS/8``), so each plane
+    is a plain ``[BLOCK_N, W]`` operand for channels ``p*W..p*W+W-1``: no joins, no permutation.
+    Scores: ``QK_INT8`` runs them on int8 tensor cores against the rotated query split into
+    ``QK_LEVELS`` int8 levels (two levels: ``q = s_hi q_hi + s_lo q_lo`` to ~2^-15 of max|q|),
+    exact integer sums; otherwise fp16 codes and query. Output: fp16 planes ``2^(BITS*p) c`` times
+    ``p * scale`` (heads in M), each plane's accumulator scaled back once at the end.
+    """
+    b = pid // HKV
+    kvh = pid % HKV
+    H: tl.constexpr = HKV * REP
+    PER: tl.constexpr = 8 // BITS
+    W: tl.constexpr = D // PER  # bytes per row = channels per plane
+    heads = tl.arange(0, HP)
+    hmask = heads < REP
+    hq = kvh * REP + heads
+    qrow = b * H + hq
+    n = tl.load(len_ptr + b)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, n)
+    qfull = tl.load(qr_ptr + qrow[:, None] * D + tl.arange(0, D)[None, :], mask=hmask[:, None], other=0.0)
+    qsum = tl.sum(qfull, axis=1)
+    amax = tl.max(tl.abs(qfull), axis=1)
+    sc_hi = tl.where(amax > 0.0, amax / 127.0, 1.0)
+    inv_hi = 1.0 / sc_hi
+    sc_lo = sc_hi / 254.0
+    inv_lo = 1.0 / sc_lo
+    qmu = tl.load(qmu_ptr + qrow, mask=hmask, other=0.0)
+    qh0, ql0 = _q_plane(qr_ptr, qrow, hmask, 0, W, D, inv_hi, sc_hi, inv_lo, QK_INT8, BITS)
+    qh1, ql1 = _q_plane(qr_ptr, qrow, hmask, 1, W, D, inv_hi, sc_hi, inv_lo, QK_INT8, BITS)
+    if PER == 4:
+        qh2, ql2 = _q_plane(qr_ptr, qrow, hmask, 2, W, D, inv_hi, sc_hi, inv_lo, QK_INT8, BITS)
+        qh3, ql3 = _q_plane(qr_ptr, qrow, hmask, 3, W, D, inv_hi, sc_hi, inv_lo, QK_INT8, BITS)
+    m_i = tl.full([HP], float("-inf"), tl.float32)
+    l_i = tl.zeros([HP], tl.float32)
+    acc0 = tl.zeros([HP, W], tl.float32)
+    acc1 = tl.zeros([HP, W], tl.float32)
+    acc2 = tl.zeros([HP, W], tl.float32)
+    acc3 = tl.zeros([HP, W], tl.float32)
+    accz = tl.zeros([HP], tl.float32)
+    wcols = tl.arange(0, W)
+    rows = tl.arange(0, BLOCK_N)
+    pt_row = pt_ptr + b * stride_ptb
+    for t0 in range(start, end, BLOCK_N):
+        toks = t0 + rows
+        tmask = toks < end
+        if ROW_GATHER:
+            pgs = tl.load(pt_row + toks // PAGE_SIZE, mask=tmask, other=0).to(tl.int64)
+            slot = toks % PAGE_SIZE
+            cvec = pgs * stride_cp + kvh * stride_ch + slot * W
+            mvec = pgs * stride_mp + kvh * stride_mh + slot
+        else:
+            pg = tl.load(pt_row + t0 // PAGE_SIZE).to(tl.int64)
+            slot = (t0 % PAGE_SIZE) + rows
+            cvec = pg * stride_cp + kvh * stride_ch + slot * W
+            mvec = pg * stride_mp + kvh * stride_mh + slot
+        c_off = cvec[:, None] + wcols[None, :]
+        kb = tl.load(kc_ptr + c_off, mask=tmask[:, None], other=0)
+        vb = tl.load(vc_ptr + c_off, mask=tmask[:, None], other=0)
+        ks = tl.load(ks_ptr + mvec, mask=tmask, other=0.0).to(tl.float32)
+        kz = tl.load(kz_ptr + mvec, mask=tmask, other=0.0).to(tl.float32)
+        vs = tl.load(vs_ptr + mvec, mask=tmask, other=0.0).to(tl.float32)
+        vz = tl.load(vz_ptr + mvec, mask=tmask, other=0.0).to(tl.float32)
+        if QK_INT8:
+            a_hi = tl.zeros([BLOCK_N, HP], tl.int32)
+            a_lo = tl.zeros([BLOCK_N, HP], tl.int32)
+        else:
+            a_hi = tl.zeros([BLOCK_N, HP], tl.float32)
+            a_lo = a_hi
+        a_hi, a_lo = _qk_plane(kb, a_hi, a_lo, qh0, ql0, 0, BITS, FAST_UNPACK, QK_INT8, QK_LEVELS)
+        a_hi, a_lo = _qk_plane(kb, a_hi, a_lo, qh1, ql1, 1, BITS, FAST_UNPACK, QK_INT8, QK_LEVELS)
+        if PER == 4:
+            a_hi, a_lo = _qk_plane(kb, a_hi, a_lo, qh2, ql2, 2, BITS, FAST_UNPACK, QK_INT8, QK_LEVELS)
+            a_hi, a_lo = _qk_plane(kb, a_hi, a_lo, qh3, ql3, 3, BITS, FAST_UNPACK, QK_INT8, QK_LEVELS)
+        if QK_INT8:
+            qc = a_hi.to(tl.float32) * sc_hi[None, :]
+            if QK_LEVELS == 2:
+                qc += a_lo.to(tl.float32) * sc_lo[None, :]
+        else:
+            qc = a_hi
+        s = qc * ks[:, None] + (kz[:, None] * qsum[None, :] + qmu[None, :])
+        s = tl.where(tmask[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        accz = accz * alpha + tl.sum(p * vz[:, None], axis=0)
+        pvT = tl.trans((p * vs[:, None]).to(tl.float16))
+        acc0 = tl.dot(pvT, _plane_f16(vb, 0, BITS, FAST_UNPACK), acc0 * alpha[:, None])
+        acc1 = tl.dot(pvT, _plane_f16(vb, 1, BITS, FAST_UNPACK), acc1 * alpha[:, None])
+        if PER == 4:
+            acc2 = tl.dot(pvT, _plane_f16(vb, 2, BITS, FAST_UNPACK), acc2 * alpha[:, None])
+            acc3 = tl.dot(pvT, _plane_f16(vb, 3, BITS, FAST_UNPACK), acc3 * alpha[:, None])
+        m_i = m_new
+    nonempty = l_i > 0.0
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    inv_l = 1.0 / tl.where(nonempty, l_i, 1.0)
+    row = (b * H + hq) * s_total + split
+    obase = o_ptr + row[:, None] * D + wcols[None, :]
+    tl.store(obase, (acc0 + accz[:, None]) * inv_l[:, None], mask=hmask[:, None])
+    tl.store(obase + W, (acc1 * (1.0 / (1 << BITS)) + accz[:, None]) * inv_l[:, None], mask=hmask[:, None])
+    if PER == 4:
+        tl.store(obase + 2 * W, (acc2 * (1.0 / (1 << (2 * BITS))) + accz[:, None]) * inv_l[:, None],
+                 mask=hmask[:, None])
+        tl.store(obase + 3 * W, (acc3 * (1.0 / (1 << (3 * BITS))) + accz[:, None]) * inv_l[:, None],
+                 mask=hmask[:, None])
+    tl.store(lse_ptr + row, lse, mask=hmask)
+
+
 @triton.jit
 def _bf16_chunk(
     pid, chunk,
@@ -377,6 +605,28 @@ def _bf16_chunk(
     tl.store(lse_ptr + row, lse, mask=hmask)
 
 @triton.jit
+def _int_split_any(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                   stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
+                   o_ptr, lse_ptr, tokens_per_split, s_total,
+                   HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                   BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
+                   HEADS_IN_M: tl.constexpr, ROW_GATHER: tl.constexpr, PREFETCH: tl.constexpr,
+                   V_HEADS_IN_M: tl.constexpr, PLANES: tl.constexpr, QK_INT8: tl.constexpr, QK_LEVELS: tl.constexpr):
+    """The quantized split by bit planes (``PLANES``, one group per row) or by the v7 word unpack."""
+    if PLANES:
+        _int_split_planes(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                          stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
+                          o_ptr, lse_ptr, tokens_per_split, s_total,
+                          HKV, REP, HP, D, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK, ROW_GATHER, QK_INT8, QK_LEVELS)
+    else:
+        _int_split(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                   stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
+                   o_ptr, lse_ptr, tokens_per_split, s_total,
+                   HKV, REP, HP, D, G, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK,
+                   HEADS_IN_M, ROW_GATHER, PREFETCH, V_HEADS_IN_M)
+
+
+@triton.jit
 def _partial_kernel(
     qr_ptr, qmu_ptr,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
@@ -394,6 +644,7 @@ def _partial_kernel(
     HEADS_IN_M: tl.constexpr, ROW_GATHER: tl.constexpr, PREFETCH: tl.constexpr, V_HEADS_IN_M: tl.constexpr,
     FUSE_BF16: tl.constexpr, BF_BLOCK: tl.constexpr, CHUNK: tl.constexpr, HAS_SINK: tl.constexpr,
     HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr,
+    PLANES: tl.constexpr = False, QK_INT8: tl.constexpr = False, QK_LEVELS: tl.constexpr = 2,
 ):
     """Program ``(sequence * Hkv + KV head, split)``: a quantized split; with ``FUSE_BF16`` the programs past
     ``num_splits`` take the BF16 chunks instead (one launch fewer)."""
@@ -407,17 +658,17 @@ def _partial_kernel(
                         o_ptr, lse_ptr, num_splits, sink_chunks, num_bf,
                         HKV, REP, HP, D, BF_BLOCK, CHUNK, HAS_SINK, HAS_RECENT, DOT_T)
         else:
-            _int_split(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+            _int_split_any(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                           stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
+                           o_ptr, lse_ptr, tokens_per_split, s_total,
+                           HKV, REP, HP, D, G, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK,
+                           HEADS_IN_M, ROW_GATHER, PREFETCH, V_HEADS_IN_M, PLANES, QK_INT8, QK_LEVELS)
+    else:
+        _int_split_any(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                        stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
                        o_ptr, lse_ptr, tokens_per_split, s_total,
                        HKV, REP, HP, D, G, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK,
-                       HEADS_IN_M, ROW_GATHER, PREFETCH, V_HEADS_IN_M)
-    else:
-        _int_split(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-                   stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
-                   o_ptr, lse_ptr, tokens_per_split, s_total,
-                   HKV, REP, HP, D, G, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK,
-                   HEADS_IN_M, ROW_GATHER, PREFETCH, V_HEADS_IN_M)
+                       HEADS_IN_M, ROW_GATHER, PREFETCH, V_HEADS_IN_M, PLANES, QK_INT8, QK_LEVELS)
 
 
 @triton.jit
@@ -572,6 +823,7 @@ def paged_decode_attention(
     merge_warps: int = 8, fast_unpack: Optional[bool] = None, rot_precision: str = "tf32x3",
     heads_in_m: bool = False, prefetch: bool = True, span_pages: Optional[bool] = None, merge_sp: int = 8,
     v_heads_in_m: bool = False, fuse_bf16: Optional[bool] = None,
+    planes: Optional[bool] = None, qk_int8: Optional[bool] = None, qk_levels: int = 2,
 ) -> torch.Tensor:
     """Triton decode attention of one query per sequence; same contract as ``oscar.paged.decode_attention_torch``.
 
@@ -612,10 +864,17 @@ def paged_decode_attention(
     check(int_len.shape[0] >= B and int_len.dtype == torch.int32, f"int_len must be int32 [B={B}], got {int_len.dtype}")
     check(output_frame in ("original", "rotated"), f"output_frame={output_frame!r} must be 'original' or 'rotated'")
     check(is_pow2(merge_sp), f"merge_sp={merge_sp} must be a power of two")
+    if planes is None:  # bit-plane path where it applies: one group per row, a plane at least 16 channels wide
+        planes = group_size == d and d * bits // 8 >= 16 and not heads_in_m and not v_heads_in_m
+    check(not planes or (group_size == d and d * bits // 8 >= 16),
+          f"planes needs one group per row and at least 16 bytes per row, got group_size={group_size}, d={d}")
+    if qk_int8 is None:  # int8 tensor-core scores need planes of >= 32 channels (the int8 MMA's K)
+        qk_int8 = planes and d * bits // 8 >= 32
+    check(qk_levels in (1, 2), f"qk_levels={qk_levels} must be 1 or 2")
     if fast_unpack is None:  # default: inline PTX where it runs (fastest on the H200, reports/kernels)
-        fast_unpack = bits == 2 and q.device.type == "cuda"
-    check(not fast_unpack or (bits == 2 and q.device.type == "cuda"),
-          f"fast_unpack (inline PTX) needs INT2 on a CUDA device, got bits={bits} on {q.device}")
+        fast_unpack = (bits == 2 or planes) and q.device.type == "cuda"
+    check(not fast_unpack or ((bits == 2 or planes) and q.device.type == "cuda"),
+          f"fast_unpack (inline PTX) needs a CUDA device and INT2 (or the plane path), got bits={bits} on {q.device}")
     dev = q.device
     rep = H // hkv
     hp = max(16, next_pow2(rep))
@@ -670,7 +929,10 @@ def paged_decode_attention(
     rk, rv, rl = recent if recent is not None else (dummy, dummy, dummy)
     s_strides = (sk.stride(0), sk.stride(1), sk.stride(2)) if sink is not None else (0, 0, 0)
     r_strides = (rk.stride(0), rk.stride(1), rk.stride(2)) if recent is not None else (0, 0, 0)
-    kw, vw = k_codes.view(torch.int32), v_codes.view(torch.int32)  # 4 packed bytes per load element
+    if planes:  # byte loads: a row's bytes are its plane operands
+        kw, vw = k_codes, v_codes
+    else:
+        kw, vw = k_codes.view(torch.int32), v_codes.view(torch.int32)  # 4 packed bytes per load element
     bf_args = (q_orig, sk, sv, sl, *s_strides, rk, rv, rl, *r_strides)
     bf_flags = dict(CHUNK=chunk, HAS_SINK=sink is not None, HAS_RECENT=recent is not None,
                     DOT_T=tl.bfloat16 if dev.type == "cuda" else tl.float32)
@@ -685,6 +947,7 @@ def paged_decode_attention(
         HKV=hkv, REP=rep, HP=hp, D=d, G=group_size, BITS=bits, PAGE_SIZE=page_size, BLOCK_N=block_n,
         FAST_UNPACK=fast_unpack, HEADS_IN_M=heads_in_m, ROW_GATHER=page_size < block_n, PREFETCH=prefetch,
         V_HEADS_IN_M=v_heads_in_m and not heads_in_m, FUSE_BF16=fuse_bf16, BF_BLOCK=32, **bf_flags,
+        PLANES=planes, QK_INT8=bool(qk_int8), QK_LEVELS=qk_levels,
         num_warps=num_warps, num_stages=num_stages,
     )
     if not fuse_bf16:

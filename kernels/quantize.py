@@ -68,6 +68,7 @@ def _rotate_quantize_kernel(
     CLIP: tl.constexpr,
     PRECISION: tl.constexpr,
     RADIX4: tl.constexpr,
+    ROW_PATH: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
@@ -86,14 +87,45 @@ def _rotate_quantize_kernel(
         t_src = tl.load(src_ptr + rows, mask=rmask, other=0).to(tl.int64)
     else:
         t_src = tl.zeros([BLOCK_T], dtype=tl.int64)
-    x_off = rows.to(tl.int64)[:, None] * stride_xn + h * stride_xh + t_src[:, None] * stride_xt + cols[None, :]
-    x = tl.load(x_ptr + x_off, mask=rmask[:, None], other=0.0).to(tl.float32)
-    if HAS_MU:
-        x = x - tl.load(mu_ptr + h * D + cols)[None, :]
-    if HAS_ROT:
-        rot = tl.load(r_ptr + h * D * D + cols[:, None] * D + cols[None, :])
-        x = tl.dot(x, rot, input_precision=PRECISION)
-    if CLIP:
+    x_row = rows.to(tl.int64)[:, None] * stride_xn + h * stride_xh + t_src[:, None] * stride_xt
+    if ROW_PATH and HAS_ROT:
+        # few rows (demotion): the product on the FMA units in chunks of 32 input channels, no
+        # 16-row padding of a tensor-core tile and no 64 KB rotation tile held at once
+        KC: tl.constexpr = 32 if D >= 32 else D
+        x = tl.zeros([BLOCK_T, D], tl.float32)
+        for c0 in tl.static_range(0, D, KC):
+            kc = c0 + tl.arange(0, KC)
+            xc = tl.load(x_ptr + x_row + kc[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+            if HAS_MU:
+                xc = xc - tl.load(mu_ptr + h * D + kc)[None, :]
+            rc = tl.load(r_ptr + h * D * D + kc[:, None] * D + cols[None, :])
+            x += tl.sum(xc[:, :, None] * rc[None, :, :], axis=1)
+    else:
+        x = tl.load(x_ptr + x_row + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+        if HAS_MU:
+            x = x - tl.load(mu_ptr + h * D + cols)[None, :]
+        if HAS_ROT:
+            rot = tl.load(r_ptr + h * D * D + cols[:, None] * D + cols[None, :])
+            x = tl.dot(x, rot, input_precision=PRECISION)
+    if CLIP and ROW_PATH:
+        # k-th smallest |x| by ranks: element i's rank counts the smaller elements and the equal
+        # ones before it (ranks 0..D-1, unique), so the order statistics are the elements of rank
+        # lo and hi; one [D x D] comparison and one reduction instead of 31 dependent steps
+        a = tl.abs(x)
+        pos = tl.load(rho_ptr + h).to(tl.float32) * (D - 1)  # float32 product, as oscar.quant
+        lo_f = tl.floor(pos)
+        w = pos - lo_f
+        lo = lo_f.to(tl.int32)
+        hi = tl.ceil(pos).to(tl.int32)
+        ai = a[:, :, None]
+        aj = a[:, None, :]
+        before = (tl.arange(0, D)[None, :] < tl.arange(0, D)[:, None])[None, :, :]
+        rank = tl.sum(((aj < ai) | ((aj == ai) & before)).to(tl.int32), axis=2)
+        s_lo = tl.sum(tl.where(rank == lo, a, 0.0), axis=1)
+        s_hi = tl.sum(tl.where(rank == hi, a, 0.0), axis=1)
+        tau = tl.where(w < 0.5, s_lo + w * (s_hi - s_lo), s_hi - (s_hi - s_lo) * (1.0 - w))
+        x = tl.minimum(tl.maximum(x, -tau[:, None]), tau[:, None])
+    elif CLIP:
         # k-th smallest |x| by a radix select on the float bits (non-negative floats order like
         # their bit patterns): fast on the GPU and in the interpreter, unlike a full sort.
         abits = tl.abs(x).to(tl.int32, bitcast=True)
@@ -215,8 +247,15 @@ def _kernel_args(x, slots, codes, scale, zero, bits, group_size, R, mu, rho, src
     return ptrs, strides, flags, (n, hkv)
 
 
-def _launch(first, second, slots, src_index, block_t, num_warps, rot_precision, radix4):
+ROW_PATH_MAX_ROWS = 64  # up to this many rows (a demotion step) one program per row and head: the row path
+
+
+def _launch(first, second, slots, src_index, block_t, num_warps, rot_precision, radix4, row_path=None):
     ptrs, strides, flags, (n, hkv) = first
+    if row_path is None:
+        row_path = n <= ROW_PATH_MAX_ROWS
+    if row_path:  # one row per program: FMA rotation in chunks, clip threshold by ranks
+        block_t, num_warps = 1, 4
     if second is not None:
         check(second[1] == strides and second[2] == flags and second[3] == (n, hkv),
               "the two tensors of a pair must have equal shapes, strides and transform flags")
@@ -232,7 +271,7 @@ def _launch(first, second, slots, src_index, block_t, num_warps, rot_precision, 
         x, src_index if src_index is not None else slots, slots, n,
         strides[0], strides[1], strides[2], r, mu, rho, codes, scale, zero, *ptrs2,
         *strides[3:], BLOCK_T=block_t, PRECISION="ieee" if dev.type != "cuda" else rot_precision,
-        num_warps=num_warps, RADIX4=radix4, **flags,
+        num_warps=num_warps, RADIX4=radix4, ROW_PATH=row_path, **flags,
     )
 
 
@@ -253,6 +292,7 @@ def rotate_quantize_pack(
     num_warps: int = 8,
     rot_precision: str = "tf32x3",
     radix4: bool = False,
+    row_path: Optional[bool] = None,
 ) -> None:
     """Quantize rows into pool slots in place (Triton).
 
@@ -262,7 +302,7 @@ def rotate_quantize_pack(
     `[P, Hkv, page_size, d//G]` bf16. `R` `[Hkv, d, d]`, `mu` `[Hkv, d]`, `rho` `[Hkv]` optional.
     """
     args = _kernel_args(x, slots, codes, scale, zero, bits, group_size, R, mu, rho, src_index)
-    _launch(args, None, slots, src_index, block_t, num_warps, rot_precision, radix4)
+    _launch(args, None, slots, src_index, block_t, num_warps, rot_precision, radix4, row_path)
 
 
 def rotate_quantize_pack_pair(
@@ -281,9 +321,10 @@ def rotate_quantize_pack_pair(
     num_warps: int = 8,
     rot_precision: str = "tf32x3",
     radix4: bool = False,
+    row_path: Optional[bool] = None,
 ) -> None:
     """K and V rows into their pools in one launch (same slots); pages are ``(codes, scale, zero)``,
     transforms ``(R, mu, rho)``. Both tensors need the same shapes, strides and transform kinds."""
     a = _kernel_args(xk, slots, *k_pages, bits, group_size, *k_transform, src_index)
     b = _kernel_args(xv, slots, *v_pages, bits, group_size, *v_transform, src_index)
-    _launch(a, b, slots, src_index, block_t, num_warps, rot_precision, radix4)
+    _launch(a, b, slots, src_index, block_t, num_warps, rot_precision, radix4, row_path)

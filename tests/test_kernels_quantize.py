@@ -16,6 +16,16 @@ from oscar.paged import HeadTransform, QuantPages, rotate_quantize_pack  # noqa:
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+@pytest.fixture(autouse=True, params=["rows", "blocks"])
+def quant_path(request, monkeypatch):
+    """Every test runs on both kernel paths: one row per program (demotion-sized launches: FMA rotation,
+    rank-selected clip threshold) and blocks of rows (prefill: tensor-core rotation, radix select)."""
+    import oscar.kernels.quantize as kq
+
+    monkeypatch.setattr(kq, "ROW_PATH_MAX_ROWS", 10**9 if request.param == "rows" else 0)
+    return request.param
+
+
 def _orth(h: int, d: int, gen: torch.Generator) -> torch.Tensor:
     return torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))[0].to(torch.float32)
 
@@ -152,3 +162,6 @@ def test_radix16_clip_select_equals_binary(device):
     for p, radix4 in zip(pages, (True, False)):
         kernel(x.to(device), slots, p.codes, p.scale, p.zero, bits=2, group_size=16, rho=rho, radix4=radix4)
     _equal_pages(pages[0], pages[1])
+    ranks = QuantPages.empty(1, hkv, ps, d, 2, 16, device)  # the row path's rank selection: the same threshold
+    kernel(x.to(device), slots, ranks.codes, ranks.scale, ranks.zero, bits=2, group_size=16, rho=rho, row_path=True)
+    _equal_pages(pages[0], ranks)
