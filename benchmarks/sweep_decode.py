@@ -34,21 +34,52 @@ SHAPES = [(128, 8, 32768), (128, 1, 32768), (128, 1, 4096), (128, 32, 131072), (
 # scores ("f16"), fp16 value planes; "fused": BF16 chunks as extra programs of the split-K launch.
 BASELINE = "v7"
 V7 = {"planes": False, "num_warps": 4, "merge_sp": 8}
-PL = {"planes": True, "num_warps": 4, "merge_sp": 8}
+PL = {"planes": True, "num_warps": 4, "merge_sp": 8, "prefetch": False}
 VARIANTS: dict[str, tuple[int, dict[str, Any], tuple[float, ...]]] = {
-    "v7": (64, {**V7, "block_n": 128, "span_pages": True}, (1.0, 2.0)),
-    "v7_b64_fused": (64, {**V7, "block_n": 64, "fuse_bf16": True}, (1.0, 4.0)),
-    "pl_i8_b128": (64, {**PL, "block_n": 128, "span_pages": True}, (1.0, 2.0)),
-    "pl_i8_b128_p128": (128, {**PL, "block_n": 128}, (1.0, 2.0)),
-    "pl_i8_b256": (64, {**PL, "block_n": 256, "span_pages": True}, (1.0, 2.0)),
-    "pl_i8_b64": (64, {**PL, "block_n": 64}, (1.0, 2.0)),
+    "v7": (64, {**V7, "block_n": 128, "span_pages": True}, (1.0,)),
+    "pl_i8_b64": (64, {**PL, "block_n": 64}, (1.0, 2.0, 4.0)),
+    "pl_i8_b64_pf": (64, {**PL, "block_n": 64, "prefetch": True}, (1.0, 2.0)),
+    "pl_i8_b64_st3": (64, {**PL, "block_n": 64, "num_stages": 3}, (1.0, 2.0)),
+    "pl_i8_b64_r96": (64, {**PL, "block_n": 64, "maxnreg": 96}, (1.0, 2.0, 4.0)),
+    "pl_i8_b64_r80": (64, {**PL, "block_n": 64, "maxnreg": 80}, (1.0, 2.0, 4.0)),
+    "pl_i8_b32": (64, {**PL, "block_n": 32}, (1.0, 2.0)),
+    "pl_i8_b128_r128": (64, {**PL, "block_n": 128, "span_pages": True, "maxnreg": 128}, (1.0, 2.0)),
+    "pl_i8_b256_r168": (64, {**PL, "block_n": 256, "span_pages": True, "maxnreg": 168}, (1.0, 2.0)),
     "pl_i8_b64_fused": (64, {**PL, "block_n": 64, "fuse_bf16": True}, (1.0, 4.0)),
-    "pl_i8_b128_w8": (64, {**PL, "block_n": 128, "span_pages": True, "num_warps": 8}, (1.0,)),
-    "pl_f16_b128": (64, {**PL, "block_n": 128, "span_pages": True, "qk_int8": False}, (1.0, 2.0)),
-    "pl_i8l1_b128": (64, {**PL, "block_n": 128, "span_pages": True, "qk_levels": 1}, (1.0,)),
-    "pl_i8_b128_pipe": (64, {**PL, "block_n": 128, "span_pages": True, "prefetch": False, "num_stages": 3},
-                        (1.0,)),
+    "pl_f16_b64": (64, {**PL, "block_n": 64, "qk_int8": False}, (1.0, 2.0)),
 }
+
+
+def profile_breakdown(l2: int) -> list[dict[str, Any]]:
+    """Per-kernel GPU time of the default call at batch 1 (torch.profiler): where small-batch time goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from oscar.commands.bench_kernels import _int2_inputs
+    from oscar.kernels.decode_attention import paged_decode_attention
+
+    out = []
+    for T in (4096, 32768):
+        B, d = 1, 128
+        kp, vp, tables, int_len, kt, vt, segs, qs, _ = _int2_inputs(B, T, HQ, HKV, d, _opts(64), 2)
+
+        def f():
+            return paged_decode_attention(qs[0], kp.codes, kp.scale, kp.zero, vp.codes, vp.scale, vp.zero, tables[0],
+                                          int_len, bits=2, group_size=d, R_K=kt.R, mu_K=kt.mu, R_V=vt.R, mu_V=vt.mu,
+                                          **segs[0])
+        for _ in range(3):
+            f()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                f()
+            torch.cuda.synchronize()
+        for ev in prof.key_averages():
+            if ev.device_type.name == "CUDA" or getattr(ev, "device_time", 0):
+                us = getattr(ev, "device_time", None) or getattr(ev, "cuda_time", 0.0)
+                out.append({"batch": B, "context": T, "kernel": ev.key[:60], "calls": ev.count, "us_per_call": us})
+                print(f"  profile B={B} T={T} {ev.key[:60]}: {us:.2f} us x {ev.count}", flush=True)
+    return out
 
 
 def _opts(page_size: int) -> dict[str, Any]:
@@ -107,7 +138,7 @@ def sweep_quantize(l2: int) -> list[dict[str, Any]]:
             else:
                 src = torch.randn(B, HKV, d, device="cuda", generator=g).to(torch.bfloat16)
                 idx = None
-            for radix4, nw, row in ((False, 8, False), (False, 4, True)):
+            for radix4, nw, row in ((False, 8, False), (False, 4, True), (False, 2, True), (False, 1, True)):
                 if row and B > 64:
                     continue
 
@@ -115,7 +146,8 @@ def sweep_quantize(l2: int) -> list[dict[str, Any]]:
                     rotate_quantize_pack_pair(src, src, slots, (pages[0].codes, pages[0].scale, pages[0].zero),
                                               (pages[1].codes, pages[1].scale, pages[1].zero), bits=2,
                                               group_size=d, k_transform=(R, mu, rho), v_transform=(R, mu, rho),
-                                              src_index=idx, num_warps=nw, radix4=radix4, row_path=row)
+                                              src_index=idx, num_warps=nw, radix4=radix4, row_path=row,
+                                              row_warps=nw)
                 try:
                     us, mode = time_calls([f], reps=20)
                     status = "ok"
@@ -228,6 +260,10 @@ def main(argv: list[str]) -> int:
 
     try:
         q_rows = sweep_quantize(l2)
+    except Exception:
+        traceback.print_exc()
+    try:
+        _write_csv(out / "profile_b1.csv", profile_breakdown(l2))
     except Exception:
         traceback.print_exc()
     write()

@@ -437,6 +437,31 @@ def _qk_plane(kb, acc_hi, acc_lo, qh, ql, p: tl.constexpr, BITS: tl.constexpr, F
 
 
 @triton.jit
+def _plane_block(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, pt_row, t0, end, rows, wcols, kvh,
+                 stride_cp, stride_ch, stride_mp, stride_mh,
+                 W: tl.constexpr, PAGE_SIZE: tl.constexpr, ROW_GATHER: tl.constexpr):
+    """Packed K/V bytes ``[BLOCK_N, W]``, bf16 scales/zeros ``[BLOCK_N]`` and the row mask of the block at ``t0``."""
+    toks = t0 + rows
+    tmask = toks < end
+    if ROW_GATHER:
+        pgs = tl.load(pt_row + toks // PAGE_SIZE, mask=tmask, other=0).to(tl.int64)
+        slot = toks % PAGE_SIZE
+    else:
+        pgs = tl.load(pt_row + t0 // PAGE_SIZE, mask=t0 < end, other=0).to(tl.int64)
+        slot = (t0 % PAGE_SIZE) + rows
+    cvec = pgs * stride_cp + kvh * stride_ch + slot * W
+    mvec = pgs * stride_mp + kvh * stride_mh + slot
+    c_off = cvec[:, None] + wcols[None, :]
+    kb = tl.load(kc_ptr + c_off, mask=tmask[:, None], other=0)
+    vb = tl.load(vc_ptr + c_off, mask=tmask[:, None], other=0)
+    ks = tl.load(ks_ptr + mvec, mask=tmask, other=0.0)
+    kz = tl.load(kz_ptr + mvec, mask=tmask, other=0.0)
+    vs = tl.load(vs_ptr + mvec, mask=tmask, other=0.0)
+    vz = tl.load(vz_ptr + mvec, mask=tmask, other=0.0)
+    return kb, vb, ks, kz, vs, vz, tmask
+
+
+@triton.jit
 def _int_split_planes(
     pid, split,
     qr_ptr, qmu_ptr,
@@ -448,7 +473,7 @@ def _int_split_planes(
     tokens_per_split, s_total,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
     BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
-    ROW_GATHER: tl.constexpr, QK_INT8: tl.constexpr, QK_LEVELS: tl.constexpr,
+    ROW_GATHER: tl.constexpr, QK_INT8: tl.constexpr, QK_LEVELS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """One split of the quantized segment (one group per row) by bit planes: normalized output + LSE.
 
@@ -494,26 +519,25 @@ def _int_split_planes(
     wcols = tl.arange(0, W)
     rows = tl.arange(0, BLOCK_N)
     pt_row = pt_ptr + b * stride_ptb
+    if PREFETCH:
+        kb_n, vb_n, ks_n, kz_n, vs_n, vz_n, tm_n = _plane_block(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, pt_row,
+                                                                start, end, rows, wcols, kvh, stride_cp, stride_ch,
+                                                                stride_mp, stride_mh, W, PAGE_SIZE, ROW_GATHER)
     for t0 in range(start, end, BLOCK_N):
-        toks = t0 + rows
-        tmask = toks < end
-        if ROW_GATHER:
-            pgs = tl.load(pt_row + toks // PAGE_SIZE, mask=tmask, other=0).to(tl.int64)
-            slot = toks % PAGE_SIZE
-            cvec = pgs * stride_cp + kvh * stride_ch + slot * W
-            mvec = pgs * stride_mp + kvh * stride_mh + slot
+        if PREFETCH:  # this block was loaded one iteration ago; issue the next one now
+            kb, vb, ks, kz, vs, vz, tmask = kb_n, vb_n, ks_n, kz_n, vs_n, vz_n, tm_n
+            kb_n, vb_n, ks_n, kz_n, vs_n, vz_n, tm_n = _plane_block(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                                                                    pt_row, t0 + BLOCK_N, end, rows, wcols, kvh,
+                                                                    stride_cp, stride_ch, stride_mp, stride_mh, W,
+                                                                    PAGE_SIZE, ROW_GATHER)
         else:
-            pg = tl.load(pt_row + t0 // PAGE_SIZE).to(tl.int64)
-            slot = (t0 % PAGE_SIZE) + rows
-            cvec = pg * stride_cp + kvh * stride_ch + slot * W
-            mvec = pg * stride_mp + kvh * stride_mh + slot
-        c_off = cvec[:, None] + wcols[None, :]
-        kb = tl.load(kc_ptr + c_off, mask=tmask[:, None], other=0)
-        vb = tl.load(vc_ptr + c_off, mask=tmask[:, None], other=0)
-        ks = tl.load(ks_ptr + mvec, mask=tmask, other=0.0).to(tl.float32)
-        kz = tl.load(kz_ptr + mvec, mask=tmask, other=0.0).to(tl.float32)
-        vs = tl.load(vs_ptr + mvec, mask=tmask, other=0.0).to(tl.float32)
-        vz = tl.load(vz_ptr + mvec, mask=tmask, other=0.0).to(tl.float32)
+            kb, vb, ks, kz, vs, vz, tmask = _plane_block(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, pt_row, t0,
+                                                         end, rows, wcols, kvh, stride_cp, stride_ch, stride_mp,
+                                                         stride_mh, W, PAGE_SIZE, ROW_GATHER)
+        ks = ks.to(tl.float32)
+        kz = kz.to(tl.float32)
+        vs = vs.to(tl.float32)
+        vz = vz.to(tl.float32)
         if QK_INT8:
             a_hi = tl.zeros([BLOCK_N, HP], tl.int32)
             a_lo = tl.zeros([BLOCK_N, HP], tl.int32)
@@ -617,7 +641,8 @@ def _int_split_any(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, 
         _int_split_planes(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                           stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
                           o_ptr, lse_ptr, tokens_per_split, s_total,
-                          HKV, REP, HP, D, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK, ROW_GATHER, QK_INT8, QK_LEVELS)
+                          HKV, REP, HP, D, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK, ROW_GATHER, QK_INT8, QK_LEVELS,
+                          PREFETCH)
     else:
         _int_split(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                    stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
@@ -824,6 +849,7 @@ def paged_decode_attention(
     heads_in_m: bool = False, prefetch: bool = True, span_pages: Optional[bool] = None, merge_sp: int = 8,
     v_heads_in_m: bool = False, fuse_bf16: Optional[bool] = None,
     planes: Optional[bool] = None, qk_int8: Optional[bool] = None, qk_levels: int = 2,
+    maxnreg: Optional[int] = None,
 ) -> torch.Tensor:
     """Triton decode attention of one query per sequence; same contract as ``oscar.paged.decode_attention_torch``.
 
@@ -948,7 +974,7 @@ def paged_decode_attention(
         FAST_UNPACK=fast_unpack, HEADS_IN_M=heads_in_m, ROW_GATHER=page_size < block_n, PREFETCH=prefetch,
         V_HEADS_IN_M=v_heads_in_m and not heads_in_m, FUSE_BF16=fuse_bf16, BF_BLOCK=32, **bf_flags,
         PLANES=planes, QK_INT8=bool(qk_int8), QK_LEVELS=qk_levels,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg and dev.type == "cuda" else {}),
     )
     if not fuse_bf16:
         launchable(_bf16_partial_kernel, dev)[(B * hkv, num_bf)](

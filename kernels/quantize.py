@@ -250,12 +250,12 @@ def _kernel_args(x, slots, codes, scale, zero, bits, group_size, R, mu, rho, src
 ROW_PATH_MAX_ROWS = 64  # up to this many rows (a demotion step) one program per row and head: the row path
 
 
-def _launch(first, second, slots, src_index, block_t, num_warps, rot_precision, radix4, row_path=None):
+def _launch(first, second, slots, src_index, block_t, num_warps, rot_precision, radix4, row_path=None, row_warps=4):
     ptrs, strides, flags, (n, hkv) = first
     if row_path is None:
         row_path = n <= ROW_PATH_MAX_ROWS
     if row_path:  # one row per program: FMA rotation in chunks, clip threshold by ranks
-        block_t, num_warps = 1, 4
+        block_t, num_warps = 1, row_warps
     if second is not None:
         check(second[1] == strides and second[2] == flags and second[3] == (n, hkv),
               "the two tensors of a pair must have equal shapes, strides and transform flags")
@@ -293,6 +293,7 @@ def rotate_quantize_pack(
     rot_precision: str = "tf32x3",
     radix4: bool = False,
     row_path: Optional[bool] = None,
+    row_warps: int = 4,
 ) -> None:
     """Quantize rows into pool slots in place (Triton).
 
@@ -302,7 +303,7 @@ def rotate_quantize_pack(
     `[P, Hkv, page_size, d//G]` bf16. `R` `[Hkv, d, d]`, `mu` `[Hkv, d]`, `rho` `[Hkv]` optional.
     """
     args = _kernel_args(x, slots, codes, scale, zero, bits, group_size, R, mu, rho, src_index)
-    _launch(args, None, slots, src_index, block_t, num_warps, rot_precision, radix4, row_path)
+    _launch(args, None, slots, src_index, block_t, num_warps, rot_precision, radix4, row_path, row_warps)
 
 
 def rotate_quantize_pack_pair(
@@ -322,9 +323,10 @@ def rotate_quantize_pack_pair(
     rot_precision: str = "tf32x3",
     radix4: bool = False,
     row_path: Optional[bool] = None,
+    row_warps: int = 4,
 ) -> None:
     """K and V rows into their pools in one launch (same slots); pages are ``(codes, scale, zero)``,
     transforms ``(R, mu, rho)``. Both tensors need the same shapes, strides and transform kinds."""
     a = _kernel_args(xk, slots, *k_pages, bits, group_size, *k_transform, src_index)
     b = _kernel_args(xv, slots, *v_pages, bits, group_size, *v_transform, src_index)
-    _launch(a, b, slots, src_index, block_t, num_warps, rot_precision, radix4, row_path)
+    _launch(a, b, slots, src_index, block_t, num_warps, rot_precision, radix4, row_path, row_warps)
