@@ -33,20 +33,18 @@ SHAPES = [(128, 8, 32768), (128, 1, 32768), (128, 1, 4096), (128, 32, 131072), (
 # tensor-core scores with a two-level int8 query ("i8"; "l1": one level, timing only, too coarse), fp16
 # scores ("f16"), fp16 value planes; "fused": BF16 chunks as extra programs of the split-K launch.
 BASELINE = "v7"
-V7 = {"planes": False, "num_warps": 4, "merge_sp": 8}
-PL = {"planes": True, "num_warps": 4, "merge_sp": 8, "prefetch": False}
+V7 = {"planes": False}
+PL = {"planes": True, "num_warps": 4, "prefetch": False}
 VARIANTS: dict[str, tuple[int, dict[str, Any], tuple[float, ...]]] = {
-    "v7": (64, {**V7, "block_n": 128, "span_pages": True}, (1.0,)),
-    "pl_i8_b64": (64, {**PL, "block_n": 64}, (1.0, 2.0, 4.0)),
-    "pl_i8_b64_pf": (64, {**PL, "block_n": 64, "prefetch": True}, (1.0, 2.0)),
-    "pl_i8_b64_st3": (64, {**PL, "block_n": 64, "num_stages": 3}, (1.0, 2.0)),
-    "pl_i8_b64_r96": (64, {**PL, "block_n": 64, "maxnreg": 96}, (1.0, 2.0, 4.0)),
-    "pl_i8_b64_r80": (64, {**PL, "block_n": 64, "maxnreg": 80}, (1.0, 2.0, 4.0)),
-    "pl_i8_b32": (64, {**PL, "block_n": 32}, (1.0, 2.0)),
-    "pl_i8_b128_r128": (64, {**PL, "block_n": 128, "span_pages": True, "maxnreg": 128}, (1.0, 2.0)),
-    "pl_i8_b256_r168": (64, {**PL, "block_n": 256, "span_pages": True, "maxnreg": 168}, (1.0, 2.0)),
-    "pl_i8_b64_fused": (64, {**PL, "block_n": 64, "fuse_bf16": True}, (1.0, 4.0)),
-    "pl_f16_b64": (64, {**PL, "block_n": 64, "qk_int8": False}, (1.0, 2.0)),
+    "v7": (64, V7, (0.0,)),  # multiplier 0: the kernel's own default split count
+    "v8_default": (64, {}, (0.0,)),
+    "pl_b128_r128": (64, {**PL, "block_n": 128, "span_pages": True, "maxnreg": 128}, (2.0, 4.0)),
+    "pl_b128_r168": (64, {**PL, "block_n": 128, "span_pages": True, "maxnreg": 168}, (2.0, 4.0)),
+    "pl_b128": (64, {**PL, "block_n": 128, "span_pages": True}, (2.0,)),
+    "pl_b64": (64, {**PL, "block_n": 64}, (2.0, 4.0)),
+    "pl_b64_fused": (64, {**PL, "block_n": 64, "fuse_bf16": True}, (2.0, 4.0)),
+    "pl_b256_r168": (64, {**PL, "block_n": 256, "span_pages": True, "maxnreg": 168}, (1.0, 2.0)),
+    "pl_b64_r128": (64, {**PL, "block_n": 64, "maxnreg": 128}, (2.0,)),
 }
 
 
@@ -97,9 +95,10 @@ def sweep_shape(d: int, B: int, T: int, l2: int) -> list[dict[str, Any]]:
         rows.append({**base, "kind": be, "us": r.get("us", float("nan")), "status": r.get("status")})
     by_page: dict[int, list[tuple[str, dict[str, Any], float]]] = {}
     for name, (ps, opt, mults) in VARIANTS.items():
-        ns0 = default_num_splits(B, HKV, max(1, T - 320), opt["block_n"])
+        ns0 = default_num_splits(B, HKV, max(1, T - 320), opt.get("block_n", 128))
         for m in mults:
-            by_page.setdefault(ps, []).append((name, {**opt, "num_splits": max(1, int(round(m * ns0)))}, m))
+            var = dict(opt) if m == 0.0 else {**opt, "num_splits": max(1, int(round(m * ns0)))}
+            by_page.setdefault(ps, []).append((name, var, m))
     for ps, items in by_page.items():
         try:
             res = bench_int2(B, T, HQ, HKV, d, _opts(ps), l2, [v for _, v, _ in items])
@@ -108,9 +107,9 @@ def sweep_shape(d: int, B: int, T: int, l2: int) -> list[dict[str, Any]]:
                    for _ in items]
         for (name, v, m), r in zip(items, res):
             rows.append({**base, "kind": "int2", "variant": name, "page_size": ps, "split_mult": m,
-                         "num_splits": v["num_splits"], "config": json.dumps(v, sort_keys=True), "us": r["us"],
+                         "num_splits": v.get("num_splits", 0), "config": json.dumps(v, sort_keys=True), "us": r["us"],
                          "bytes": r.get("bytes", 0), "status": r["status"]})
-            print(f"  d={d} B={B} T={T} {name} x{m} ns={v['num_splits']}: {r['us']:.1f} us {r['status']}",
+            print(f"  d={d} B={B} T={T} {name} x{m} ns={v.get('num_splits', 'default')}: {r['us']:.1f} us {r['status']}",
                   flush=True)
     return rows
 
@@ -177,7 +176,7 @@ def summarize(rows: list[dict[str, Any]], q_rows: list[dict[str, Any]], env: dic
         rs = [r for r in rows if (r["head_dim"], r["batch"], r["context"]) == key]
         bf = {r["kind"]: r["us"] for r in rs if r["kind"] in ("cudnn", "flash") and r["status"] == "ok"}
         ints = [r for r in rs if r["kind"] == "int2" and r["status"] == "ok" and math.isfinite(r["us"])]
-        v5 = [r for r in ints if r["variant"] == BASELINE and r["split_mult"] == 1.0]
+        v5 = [r for r in ints if r["variant"] == BASELINE]
         best = min(ints, key=lambda r: r["us"]) if ints else None
         best_bf = min(bf.values()) if bf else float("nan")
         v5_us = v5[0]["us"] if v5 else float("nan")
@@ -216,7 +215,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         rs = [r for r in rows if (r["head_dim"], r["batch"], r["context"]) == key and r["status"] == "ok"]
         bf = [r["us"] for r in rs if r["kind"] in ("cudnn", "flash")]
         ints = [r for r in rs if r["kind"] == "int2"]
-        v5 = [r["us"] for r in ints if r["variant"] == BASELINE and r["split_mult"] == 1.0]
+        v5 = [r["us"] for r in ints if r["variant"] == BASELINE]
         if not bf or not ints or not v5:
             continue
         labels.append(f"d{key[0]} B{key[1]} {key[2] // 1024}k")

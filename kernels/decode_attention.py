@@ -31,6 +31,7 @@ Every partial is a normalized output and its log-sum-exp (base 2). The torch twi
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -409,17 +410,37 @@ def _plane_f16(b, p: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _q_plane(qr_ptr, qrow, hmask, p: tl.constexpr, W: tl.constexpr, D: tl.constexpr, inv_hi, sc_hi, inv_lo,
-             QK_INT8: tl.constexpr, BITS: tl.constexpr):
-    """Rotated query channels ``p*W .. p*W+W-1`` transposed ``[W, HP]``: int8 (hi, lo) levels or (fp16, unused)."""
-    q = tl.load(qr_ptr + qrow[None, :] * D + (p * W + tl.arange(0, W))[:, None], mask=hmask[None, :], other=0.0)
+def _q_rot_plane(q16, q_ptr, qrow, hmask, scale, rk_ptr, kvh, p: tl.constexpr, W: tl.constexpr, D: tl.constexpr,
+                 HAS_RK: tl.constexpr):
+    """Channels ``p*W .. p*W+W-1`` of the scaled query in the rotated frame, float32 ``[HP, W]``.
+
+    With a rotation: ``q16 @ R_K[:, p*W : p*W+W]`` (fp16 operands, float32 sums); without: the raw channels.
+    """
+    if HAS_RK:
+        r = tl.load(rk_ptr + kvh * D * D + tl.arange(0, D)[:, None] * D + (p * W + tl.arange(0, W))[None, :])
+        return tl.dot(q16, r)
+    else:
+        q = tl.load(q_ptr + qrow[:, None] * D + (p * W + tl.arange(0, W))[None, :], mask=hmask[:, None], other=0.0)
+        return q.to(tl.float32) * scale
+
+
+@triton.jit
+def _q_levels(qp, inv_hi, sc_hi, inv_lo, p: tl.constexpr, QK_INT8: tl.constexpr, BITS: tl.constexpr):
+    """A query plane ``[HP, W]`` as the products' operand ``[W, HP]``: int8 levels (hi, lo) or (fp16, same)."""
     if QK_INT8:
-        hi = tl.floor(q * inv_hi[None, :] + 0.5)
-        lo = tl.floor((q - hi * sc_hi[None, :]) * inv_lo[None, :] + 0.5)
-        return hi.to(tl.int8), lo.to(tl.int8)
+        hi = tl.floor(qp * inv_hi[:, None] + 0.5)
+        lo = tl.floor((qp - hi * sc_hi[:, None]) * inv_lo[:, None] + 0.5)
+        return tl.trans(hi.to(tl.int8)), tl.trans(lo.to(tl.int8))
     else:  # fp16 planes hold 2^(BITS*p) c: the query plane carries the 2^-(BITS*p)
-        qf = (q * (1.0 / (1 << (BITS * p)))).to(tl.float16)
+        qf = tl.trans((qp * (1.0 / (1 << (BITS * p)))).to(tl.float16))
         return qf, qf
+
+
+@triton.jit
+def _o_plane_out(out, o_p, rv_ptr, kvh, p: tl.constexpr, W: tl.constexpr, D: tl.constexpr):
+    """``out += o_p @ R_V[:, p*W : p*W+W]^T``: a rotated-frame output plane back to the original frame."""
+    rt = tl.load(rv_ptr + kvh * D * D + tl.arange(0, D)[None, :] * D + (p * W + tl.arange(0, W))[:, None])
+    return tl.dot(o_p.to(tl.float16), rt, out)
 
 
 @triton.jit
@@ -464,7 +485,7 @@ def _plane_block(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, pt_row, t0, end
 @triton.jit
 def _int_split_planes(
     pid, split,
-    qr_ptr, qmu_ptr,
+    q_ptr, scale, rk_ptr, muk_ptr, rv_ptr, muv_ptr,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
     stride_cp, stride_ch,
     stride_mp, stride_mh,
@@ -474,15 +495,19 @@ def _int_split_planes(
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
     BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
     ROW_GATHER: tl.constexpr, QK_INT8: tl.constexpr, QK_LEVELS: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_RK: tl.constexpr, HAS_MUK: tl.constexpr, ROT_OUT: tl.constexpr, HAS_MUV: tl.constexpr,
 ):
     """One split of the quantized segment (one group per row) by bit planes: normalized output + LSE.
 
-    Byte ``j`` of a row holds, in plane ``p``, channel ``p*W + j`` (``W = D*BITS/8``), so each plane
-    is a plain ``[BLOCK_N, W]`` operand for channels ``p*W..p*W+W-1``: no joins, no permutation.
-    Scores: ``QK_INT8`` runs them on int8 tensor cores against the rotated query split into
-    ``QK_LEVELS`` int8 levels (two levels: ``q = s_hi q_hi + s_lo q_lo`` to ~2^-15 of max|q|),
-    exact integer sums; otherwise fp16 codes and query. Output: fp16 planes ``2^(BITS*p) c`` times
-    ``p * scale`` (heads in M), each plane's accumulator scaled back once at the end.
+    Reads the raw query and rotates it itself (no preparation launch). Byte ``j`` of a row holds, in
+    plane ``p``, channel ``p*W + j`` (``W = D*BITS/8``), so each plane is a plain ``[BLOCK_N, W]``
+    operand for channels ``p*W..p*W+W-1``: no joins, no permutation. Scores: ``QK_INT8`` runs them
+    on int8 tensor cores against the rotated query split into ``QK_LEVELS`` int8 levels (two levels:
+    ``q = s_hi q_hi + s_lo q_lo``, within 2^-15 of max|q|; one level is too coarse, ~3e-2), exact
+    integer sums; otherwise fp16 codes and query. Output: fp16 planes ``2^(BITS*p) c`` weighted by
+    ``p * scale`` (heads in M), each plane's accumulator scaled back once at the end; with
+    ``ROT_OUT`` the normalized partial goes back to the original frame here (``o R_V^T + mu_V``), so
+    every partial of the merge is in one frame.
     """
     b = pid // HKV
     kvh = pid % HKV
@@ -496,19 +521,31 @@ def _int_split_planes(
     n = tl.load(len_ptr + b)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, n)
-    qfull = tl.load(qr_ptr + qrow[:, None] * D + tl.arange(0, D)[None, :], mask=hmask[:, None], other=0.0)
-    qsum = tl.sum(qfull, axis=1)
-    amax = tl.max(tl.abs(qfull), axis=1)
+    dcols = tl.arange(0, D)
+    qs = tl.load(q_ptr + qrow[:, None] * D + dcols[None, :], mask=hmask[:, None], other=0.0).to(tl.float32) * scale
+    if HAS_MUK:
+        qmu = tl.sum(qs * tl.load(muk_ptr + kvh * D + dcols)[None, :], axis=1)
+    else:
+        qmu = tl.zeros([HP], tl.float32)
+    q16 = qs.to(tl.float16)
+    qp0 = _q_rot_plane(q16, q_ptr, qrow, hmask, scale, rk_ptr, kvh, 0, W, D, HAS_RK)
+    qp1 = _q_rot_plane(q16, q_ptr, qrow, hmask, scale, rk_ptr, kvh, 1, W, D, HAS_RK)
+    amax = tl.maximum(tl.max(tl.abs(qp0), axis=1), tl.max(tl.abs(qp1), axis=1))
+    qsum = tl.sum(qp0, axis=1) + tl.sum(qp1, axis=1)
+    if PER == 4:
+        qp2 = _q_rot_plane(q16, q_ptr, qrow, hmask, scale, rk_ptr, kvh, 2, W, D, HAS_RK)
+        qp3 = _q_rot_plane(q16, q_ptr, qrow, hmask, scale, rk_ptr, kvh, 3, W, D, HAS_RK)
+        amax = tl.maximum(amax, tl.maximum(tl.max(tl.abs(qp2), axis=1), tl.max(tl.abs(qp3), axis=1)))
+        qsum += tl.sum(qp2, axis=1) + tl.sum(qp3, axis=1)
     sc_hi = tl.where(amax > 0.0, amax / 127.0, 1.0)
     inv_hi = 1.0 / sc_hi
     sc_lo = sc_hi / 254.0
     inv_lo = 1.0 / sc_lo
-    qmu = tl.load(qmu_ptr + qrow, mask=hmask, other=0.0)
-    qh0, ql0 = _q_plane(qr_ptr, qrow, hmask, 0, W, D, inv_hi, sc_hi, inv_lo, QK_INT8, BITS)
-    qh1, ql1 = _q_plane(qr_ptr, qrow, hmask, 1, W, D, inv_hi, sc_hi, inv_lo, QK_INT8, BITS)
+    qh0, ql0 = _q_levels(qp0, inv_hi, sc_hi, inv_lo, 0, QK_INT8, BITS)
+    qh1, ql1 = _q_levels(qp1, inv_hi, sc_hi, inv_lo, 1, QK_INT8, BITS)
     if PER == 4:
-        qh2, ql2 = _q_plane(qr_ptr, qrow, hmask, 2, W, D, inv_hi, sc_hi, inv_lo, QK_INT8, BITS)
-        qh3, ql3 = _q_plane(qr_ptr, qrow, hmask, 3, W, D, inv_hi, sc_hi, inv_lo, QK_INT8, BITS)
+        qh2, ql2 = _q_levels(qp2, inv_hi, sc_hi, inv_lo, 2, QK_INT8, BITS)
+        qh3, ql3 = _q_levels(qp3, inv_hi, sc_hi, inv_lo, 3, QK_INT8, BITS)
     m_i = tl.full([HP], float("-inf"), tl.float32)
     l_i = tl.zeros([HP], tl.float32)
     acc0 = tl.zeros([HP, W], tl.float32)
@@ -573,14 +610,28 @@ def _int_split_planes(
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     inv_l = 1.0 / tl.where(nonempty, l_i, 1.0)
     row = (b * H + hq) * s_total + split
-    obase = o_ptr + row[:, None] * D + wcols[None, :]
-    tl.store(obase, (acc0 + accz[:, None]) * inv_l[:, None], mask=hmask[:, None])
-    tl.store(obase + W, (acc1 * (1.0 / (1 << BITS)) + accz[:, None]) * inv_l[:, None], mask=hmask[:, None])
+    o0 = (acc0 + accz[:, None]) * inv_l[:, None]
+    o1 = (acc1 * (1.0 / (1 << BITS)) + accz[:, None]) * inv_l[:, None]
     if PER == 4:
-        tl.store(obase + 2 * W, (acc2 * (1.0 / (1 << (2 * BITS))) + accz[:, None]) * inv_l[:, None],
-                 mask=hmask[:, None])
-        tl.store(obase + 3 * W, (acc3 * (1.0 / (1 << (3 * BITS))) + accz[:, None]) * inv_l[:, None],
-                 mask=hmask[:, None])
+        o2 = (acc2 * (1.0 / (1 << (2 * BITS))) + accz[:, None]) * inv_l[:, None]
+        o3 = (acc3 * (1.0 / (1 << (3 * BITS))) + accz[:, None]) * inv_l[:, None]
+    if ROT_OUT:
+        out = tl.zeros([HP, D], tl.float32)
+        out = _o_plane_out(out, o0, rv_ptr, kvh, 0, W, D)
+        out = _o_plane_out(out, o1, rv_ptr, kvh, 1, W, D)
+        if PER == 4:
+            out = _o_plane_out(out, o2, rv_ptr, kvh, 2, W, D)
+            out = _o_plane_out(out, o3, rv_ptr, kvh, 3, W, D)
+        if HAS_MUV:
+            out += tl.load(muv_ptr + kvh * D + dcols)[None, :]
+        tl.store(o_ptr + row[:, None] * D + dcols[None, :], out, mask=hmask[:, None])
+    else:
+        obase = o_ptr + row[:, None] * D + wcols[None, :]
+        tl.store(obase, o0, mask=hmask[:, None])
+        tl.store(obase + W, o1, mask=hmask[:, None])
+        if PER == 4:
+            tl.store(obase + 2 * W, o2, mask=hmask[:, None])
+            tl.store(obase + 3 * W, o3, mask=hmask[:, None])
     tl.store(lse_ptr + row, lse, mask=hmask)
 
 
@@ -590,7 +641,7 @@ def _bf16_chunk(
     qo_ptr,
     sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
     rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
-    o_ptr, lse_ptr, num_splits, sink_chunks, num_bf,
+    o_ptr, lse_ptr, num_splits, sink_chunks, num_bf, qscale,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr, HAS_SINK: tl.constexpr, HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr,
 ):
@@ -605,7 +656,8 @@ def _bf16_chunk(
     m_i = tl.full([HP], float("-inf"), tl.float32)
     l_i = tl.zeros([HP], tl.float32)
     acc = tl.zeros([D, HP], tl.float32)
-    qb = tl.load(qo_ptr + (b * H + hq)[:, None] * D + cols[None, :], mask=hmask[:, None], other=0.0).to(DOT_T)
+    qb = tl.load(qo_ptr + (b * H + hq)[:, None] * D + cols[None, :], mask=hmask[:, None], other=0.0)
+    qb = (qb.to(tl.float32) * qscale).to(DOT_T)  # qscale: 1 for the prepared query, the softmax scale for a raw one
     qbT = tl.trans(qb)
     if chunk < sink_chunks:
         if HAS_SINK:
@@ -629,26 +681,59 @@ def _bf16_chunk(
     tl.store(lse_ptr + row, lse, mask=hmask)
 
 @triton.jit
-def _int_split_any(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-                   stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
-                   o_ptr, lse_ptr, tokens_per_split, s_total,
-                   HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                   BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
-                   HEADS_IN_M: tl.constexpr, ROW_GATHER: tl.constexpr, PREFETCH: tl.constexpr,
-                   V_HEADS_IN_M: tl.constexpr, PLANES: tl.constexpr, QK_INT8: tl.constexpr, QK_LEVELS: tl.constexpr):
-    """The quantized split by bit planes (``PLANES``, one group per row) or by the v7 word unpack."""
-    if PLANES:
-        _int_split_planes(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+def _planes_kernel(
+    q_ptr, scale, rk_ptr, muk_ptr, rv_ptr, muv_ptr,
+    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+    stride_cp, stride_ch,
+    stride_mp, stride_mh,
+    pt_ptr, stride_ptb, len_ptr,
+    o_ptr, lse_ptr,
+    tokens_per_split, s_total,
+    sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
+    rk16_ptr, rv16_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
+    num_splits, sink_chunks, num_bf,
+    HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
+    BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
+    ROW_GATHER: tl.constexpr, QK_INT8: tl.constexpr, QK_LEVELS: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_RK: tl.constexpr, HAS_MUK: tl.constexpr, ROT_OUT: tl.constexpr, HAS_MUV: tl.constexpr,
+    FUSE_BF16: tl.constexpr, BF_BLOCK: tl.constexpr, CHUNK: tl.constexpr, HAS_SINK: tl.constexpr,
+    HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr,
+):
+    """Program ``(sequence * Hkv + KV head, split)`` of the bit-plane path; with ``FUSE_BF16`` the programs
+    past ``num_splits`` take the BF16 chunks (from the raw query times ``scale``)."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    if FUSE_BF16 and split >= num_splits:
+        _bf16_chunk(pid, split - num_splits, q_ptr,
+                    sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
+                    rk16_ptr, rv16_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
+                    o_ptr, lse_ptr, num_splits, sink_chunks, num_bf, scale,
+                    HKV, REP, HP, D, BF_BLOCK, CHUNK, HAS_SINK, HAS_RECENT, DOT_T)
+    else:
+        _int_split_planes(pid, split, q_ptr, scale, rk_ptr, muk_ptr, rv_ptr, muv_ptr,
+                          kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                           stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
                           o_ptr, lse_ptr, tokens_per_split, s_total,
                           HKV, REP, HP, D, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK, ROW_GATHER, QK_INT8, QK_LEVELS,
-                          PREFETCH)
-    else:
-        _int_split(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-                   stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
-                   o_ptr, lse_ptr, tokens_per_split, s_total,
-                   HKV, REP, HP, D, G, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK,
-                   HEADS_IN_M, ROW_GATHER, PREFETCH, V_HEADS_IN_M)
+                          PREFETCH, HAS_RK, HAS_MUK, ROT_OUT, HAS_MUV)
+
+
+@triton.jit
+def _merge_cols_kernel(o_ptr, lse_ptr, out_ptr, s_total,
+                       HKV: tl.constexpr, REP: tl.constexpr, HPM: tl.constexpr, D: tl.constexpr,
+                       DC: tl.constexpr, SP: tl.constexpr):
+    """Program ``(sequence * Hkv + KV head, column chunk)``: log-sum-exp merge of all partials (one frame)."""
+    pid = tl.program_id(0)
+    c0 = tl.program_id(1) * DC
+    b = pid // HKV
+    kvh = pid % HKV
+    H: tl.constexpr = HKV * REP
+    heads = tl.arange(0, HPM)
+    hmask = heads < REP
+    hq = kvh * REP + heads
+    o, _ = _merge_range(o_ptr, lse_ptr, (b * H + hq) * s_total, 0, s_total, hmask, HPM, D, SP, c0, DC)
+    cols = c0 + tl.arange(0, DC)
+    tl.store(out_ptr + (b * H + hq)[:, None] * D + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
 
 
 @triton.jit
@@ -669,7 +754,6 @@ def _partial_kernel(
     HEADS_IN_M: tl.constexpr, ROW_GATHER: tl.constexpr, PREFETCH: tl.constexpr, V_HEADS_IN_M: tl.constexpr,
     FUSE_BF16: tl.constexpr, BF_BLOCK: tl.constexpr, CHUNK: tl.constexpr, HAS_SINK: tl.constexpr,
     HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr,
-    PLANES: tl.constexpr = False, QK_INT8: tl.constexpr = False, QK_LEVELS: tl.constexpr = 2,
 ):
     """Program ``(sequence * Hkv + KV head, split)``: a quantized split; with ``FUSE_BF16`` the programs past
     ``num_splits`` take the BF16 chunks instead (one launch fewer)."""
@@ -680,20 +764,20 @@ def _partial_kernel(
             _bf16_chunk(pid, split - num_splits, qo_ptr,
                         sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
                         rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
-                        o_ptr, lse_ptr, num_splits, sink_chunks, num_bf,
+                        o_ptr, lse_ptr, num_splits, sink_chunks, num_bf, 1.0,
                         HKV, REP, HP, D, BF_BLOCK, CHUNK, HAS_SINK, HAS_RECENT, DOT_T)
         else:
-            _int_split_any(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-                           stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
-                           o_ptr, lse_ptr, tokens_per_split, s_total,
-                           HKV, REP, HP, D, G, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK,
-                           HEADS_IN_M, ROW_GATHER, PREFETCH, V_HEADS_IN_M, PLANES, QK_INT8, QK_LEVELS)
-    else:
-        _int_split_any(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+            _int_split(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                        stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
                        o_ptr, lse_ptr, tokens_per_split, s_total,
                        HKV, REP, HP, D, G, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK,
-                       HEADS_IN_M, ROW_GATHER, PREFETCH, V_HEADS_IN_M, PLANES, QK_INT8, QK_LEVELS)
+                       HEADS_IN_M, ROW_GATHER, PREFETCH, V_HEADS_IN_M)
+    else:
+        _int_split(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                   stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
+                   o_ptr, lse_ptr, tokens_per_split, s_total,
+                   HKV, REP, HP, D, G, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK,
+                   HEADS_IN_M, ROW_GATHER, PREFETCH, V_HEADS_IN_M)
 
 
 @triton.jit
@@ -701,7 +785,7 @@ def _bf16_partial_kernel(
     qo_ptr,
     sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
     rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
-    o_ptr, lse_ptr, num_splits, sink_chunks, num_bf,
+    o_ptr, lse_ptr, num_splits, sink_chunks, num_bf, qscale,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr, HAS_SINK: tl.constexpr, HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr,
 ):
@@ -709,7 +793,7 @@ def _bf16_partial_kernel(
     _bf16_chunk(tl.program_id(0), tl.program_id(1), qo_ptr,
                 sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
                 rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
-                o_ptr, lse_ptr, num_splits, sink_chunks, num_bf,
+                o_ptr, lse_ptr, num_splits, sink_chunks, num_bf, qscale,
                 HKV, REP, HP, D, BLOCK_N, CHUNK, HAS_SINK, HAS_RECENT, DOT_T)
 
 
@@ -742,10 +826,12 @@ def _prep_kernel(q_ptr, rk_ptr, muk_ptr, qr_ptr, qo_ptr, qmu_ptr, scale,
 
 
 @triton.jit
-def _merge_range(o_ptr, lse_ptr, base, lo, hi, hmask, HP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr):
-    """Log-sum-exp merge of partial rows ``lo..hi-1`` (per head ``base + s``): ``(o [HP, D], lse [HP])``."""
-    cols = tl.arange(0, D)
-    o_acc = tl.zeros([HP, D], tl.float32)
+def _merge_range(o_ptr, lse_ptr, base, lo, hi, hmask, HP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr,
+                 c0, DC: tl.constexpr):
+    """Log-sum-exp merge of partial rows ``lo..hi-1`` (per head ``base + s``), columns ``c0..c0+DC-1``:
+    ``(o [HP, DC], lse [HP])``."""
+    cols = c0 + tl.arange(0, DC)
+    o_acc = tl.zeros([HP, DC], tl.float32)
     m_acc = tl.full([HP], float("-inf"), tl.float32)
     l_acc = tl.zeros([HP], tl.float32)
     for s0 in range(lo, hi, SP):
@@ -782,8 +868,8 @@ def _merge_kernel(
     hq = kvh * REP + heads
     cols = tl.arange(0, D)
     base = (b * H + hq) * (num_splits + num_bf)
-    o_int, lse_int = _merge_range(o_ptr, lse_ptr, base, 0, num_splits, hmask, HP, D, SP)
-    o_bf, lse_bf = _merge_range(o_ptr, lse_ptr, base, num_splits, num_splits + num_bf, hmask, HP, D, SP)
+    o_int, lse_int = _merge_range(o_ptr, lse_ptr, base, 0, num_splits, hmask, HP, D, SP, 0, D)
+    o_bf, lse_bf = _merge_range(o_ptr, lse_ptr, base, num_splits, num_splits + num_bf, hmask, HP, D, SP, 0, D)
     # frames
     if OUT_ROTATED:
         if HAS_MUV:
@@ -816,19 +902,46 @@ def default_num_splits(batch: int, num_kv_heads: int, capacity_tokens: int, bloc
     return int(min(by_occupancy, by_work, 256))
 
 
-def default_config(batch: int, num_kv_heads: int, capacity_tokens: int, num_sms: int = 132) -> dict:
+def default_config(batch: int, num_kv_heads: int, capacity_tokens: int, num_sms: int = 132,
+                   planes: bool = False) -> dict:
     """Launch configuration measured fastest on the H200 (reports/kernels/sweep_decode.md).
 
-    Long contexts: blocks of 128 rows spanning pages, 4 warps, splits by ``default_num_splits``
-    (-15 to -25% vs v5). Short contexts (capacity under ``SHORT_CONTEXT``): blocks of 64 within a
-    page, the BF16 chunks fused into the split-K launch and about 8 waves of splits (-10 to -19%).
+    Bit-plane path (v8): blocks of 128 rows spanning pages with registers capped at 128 from
+    ``SHORT_CONTEXT`` on, blocks of 64 within a page below; twice ``default_num_splits`` (about four
+    waves: the programs hide each other's latency), no manual prefetch. Word path (v7): long
+    contexts blocks of 128 spanning pages, 4 warps, ``default_num_splits``; short contexts blocks of
+    64 within a page, the BF16 chunks fused into the split-K launch and about 8 waves of splits.
     """
+    if planes:
+        long = capacity_tokens >= SHORT_CONTEXT
+        bn = 128 if long else 64
+        return {"block_n": bn, "span_pages": long, "fuse_bf16": False, "prefetch": False,
+                "maxnreg": 128 if long else None, "split_factor": 2,
+                "num_splits": min(256, 2 * default_num_splits(batch, num_kv_heads, capacity_tokens, bn, num_sms))}
     if capacity_tokens < SHORT_CONTEXT:
         by_occupancy = max(1, (8 * num_sms) // max(1, batch * num_kv_heads))
         splits = int(min(by_occupancy, max(1, capacity_tokens // 128), 256))
-        return {"block_n": 64, "span_pages": False, "fuse_bf16": True, "num_splits": splits}
-    return {"block_n": 128, "span_pages": True, "fuse_bf16": False,
-            "num_splits": default_num_splits(batch, num_kv_heads, capacity_tokens, 128, num_sms)}
+        return {"block_n": 64, "span_pages": False, "fuse_bf16": True, "num_splits": splits, "prefetch": True,
+                "maxnreg": None, "split_factor": 1}
+    return {"block_n": 128, "span_pages": True, "fuse_bf16": False, "prefetch": True, "maxnreg": None,
+            "split_factor": 1, "num_splits": default_num_splits(batch, num_kv_heads, capacity_tokens, 128, num_sms)}
+
+
+_FP16_COPIES: dict[int, tuple] = {}  # id(tensor) -> (weak reference, version, device, fp16 copy)
+
+
+def _fp16_copy(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """``t`` as a contiguous fp16 tensor on ``dev``, converted once per tensor and version (no launch per call)."""
+    if t.dtype == torch.float16 and t.device == dev and t.is_contiguous():
+        return t
+    hit = _FP16_COPIES.get(id(t))
+    if hit is not None and hit[0]() is t and hit[1] == t._version and hit[2] == dev:
+        return hit[3]
+    copy = t.to(device=dev, dtype=torch.float16).contiguous()
+    for key in [k for k, v in _FP16_COPIES.items() if v[0]() is None]:  # drop copies of freed tensors
+        del _FP16_COPIES[key]
+    _FP16_COPIES[id(t)] = (weakref.ref(t), t._version, dev, copy)
+    return copy
 
 
 def paged_decode_attention(
@@ -846,7 +959,7 @@ def paged_decode_attention(
     sm_scale: Optional[float] = None, output_frame: str = "original",
     num_splits: Optional[int] = None, block_n: Optional[int] = None, num_warps: int = 4, num_stages: int = 2,
     merge_warps: int = 8, fast_unpack: Optional[bool] = None, rot_precision: str = "tf32x3",
-    heads_in_m: bool = False, prefetch: bool = True, span_pages: Optional[bool] = None, merge_sp: int = 8,
+    heads_in_m: bool = False, prefetch: Optional[bool] = None, span_pages: Optional[bool] = None, merge_sp: int = 8,
     v_heads_in_m: bool = False, fuse_bf16: Optional[bool] = None,
     planes: Optional[bool] = None, qk_int8: Optional[bool] = None, qk_levels: int = 2,
     maxnreg: Optional[int] = None,
@@ -890,8 +1003,8 @@ def paged_decode_attention(
     check(int_len.shape[0] >= B and int_len.dtype == torch.int32, f"int_len must be int32 [B={B}], got {int_len.dtype}")
     check(output_frame in ("original", "rotated"), f"output_frame={output_frame!r} must be 'original' or 'rotated'")
     check(is_pow2(merge_sp), f"merge_sp={merge_sp} must be a power of two")
-    if planes is None:  # bit-plane path where it applies: one group per row, a plane at least 16 channels wide
-        planes = group_size == d and d * bits // 8 >= 16 and not heads_in_m and not v_heads_in_m
+    if planes is None:  # bit-plane path where measured faster: one group per row, planes of >= 32 channels
+        planes = group_size == d and d * bits // 8 >= 32 and not heads_in_m and not v_heads_in_m
     check(not planes or (group_size == d and d * bits // 8 >= 16),
           f"planes needs one group per row and at least 16 bytes per row, got group_size={group_size}, d={d}")
     if qk_int8 is None:  # int8 tensor-core scores need planes of >= 32 channels (the int8 MMA's K)
@@ -908,16 +1021,6 @@ def paged_decode_attention(
 
     precision = "ieee" if dev.type != "cuda" else rot_precision
     qc = q.contiguous()
-    q_rot = torch.empty(B, H, d, dtype=torch.float32, device=dev)
-    q_orig = torch.empty(B, H, d, dtype=torch.float32, device=dev)
-    qmu = torch.empty(B, H, dtype=torch.float32, device=dev)
-    rk_t = R_K.to(dev, torch.float32).contiguous() if R_K is not None else q_rot
-    muk = mu_K.to(dev, torch.float32).contiguous() if mu_K is not None else q_rot
-    launchable(_prep_kernel, dev)[(B * hkv,)](
-        qc, rk_t, muk, q_rot, q_orig, qmu, scale,
-        HKV=hkv, REP=rep, HP=hp, D=d, HAS_RK=R_K is not None, HAS_MUK=mu_K is not None, PRECISION=precision,
-        num_warps=8,
-    )
 
     def _segment(k, v, n, name):
         if k is None:
@@ -933,13 +1036,17 @@ def paged_decode_attention(
     sink = _segment(sink_k, sink_v, sink_len, "sink")
     recent = _segment(recent_k, recent_v, recent_len, "recent")
     capacity = int(page_table.shape[1]) * page_size
-    auto = default_config(B, hkv, capacity)  # options left at None take the measured configuration
+    auto = default_config(B, hkv, capacity, planes=planes)  # options left at None take the measured configuration
     block_n = auto["block_n"] if block_n is None else block_n
     span_pages = auto["span_pages"] if span_pages is None else span_pages
     fuse_bf16 = auto["fuse_bf16"] if fuse_bf16 is None else fuse_bf16
+    prefetch = auto["prefetch"] if prefetch is None else prefetch
+    if maxnreg is None:
+        maxnreg = auto["maxnreg"] if block_n == auto["block_n"] else None
     check(is_pow2(block_n) and block_n >= 16, f"block_n={block_n} must be a power of two >= 16")
     if num_splits is None:
-        num_splits = auto["num_splits"] if block_n == auto["block_n"] else default_num_splits(B, hkv, capacity, block_n)
+        num_splits = (auto["num_splits"] if block_n == auto["block_n"]
+                      else auto["split_factor"] * default_num_splits(B, hkv, capacity, block_n))
     if not span_pages:  # a block stays within one page (pages under 16 slots: blocks gather rows over pages)
         block_n = min(block_n, max(page_size, 16))
     tps = triton.cdiv(triton.cdiv(capacity, num_splits), max(page_size, block_n)) * max(page_size, block_n)
@@ -955,35 +1062,77 @@ def paged_decode_attention(
     rk, rv, rl = recent if recent is not None else (dummy, dummy, dummy)
     s_strides = (sk.stride(0), sk.stride(1), sk.stride(2)) if sink is not None else (0, 0, 0)
     r_strides = (rk.stride(0), rk.stride(1), rk.stride(2)) if recent is not None else (0, 0, 0)
-    if planes:  # byte loads: a row's bytes are its plane operands
-        kw, vw = k_codes, v_codes
-    else:
-        kw, vw = k_codes.view(torch.int32), v_codes.view(torch.int32)  # 4 packed bytes per load element
-    bf_args = (q_orig, sk, sv, sl, *s_strides, rk, rv, rl, *r_strides)
     bf_flags = dict(CHUNK=chunk, HAS_SINK=sink is not None, HAS_RECENT=recent is not None,
                     DOT_T=tl.bfloat16 if dev.type == "cuda" else tl.float32)
-    launchable(_partial_kernel, dev)[(B * hkv, num_splits + (num_bf if fuse_bf16 else 0))](
-        q_rot, qmu,
-        kw, k_scale, k_zero, vw, v_scale, v_zero,
-        kw.stride(0), kw.stride(1),
-        k_scale.stride(0), k_scale.stride(1),
-        page_table, page_table.stride(0), int_len,
-        o_part, lse_part, tps, s_total,
-        *bf_args, num_splits, sink_chunks, num_bf,
-        HKV=hkv, REP=rep, HP=hp, D=d, G=group_size, BITS=bits, PAGE_SIZE=page_size, BLOCK_N=block_n,
-        FAST_UNPACK=fast_unpack, HEADS_IN_M=heads_in_m, ROW_GATHER=page_size < block_n, PREFETCH=prefetch,
-        V_HEADS_IN_M=v_heads_in_m and not heads_in_m, FUSE_BF16=fuse_bf16, BF_BLOCK=32, **bf_flags,
-        PLANES=planes, QK_INT8=bool(qk_int8), QK_LEVELS=qk_levels,
-        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg and dev.type == "cuda" else {}),
-    )
-    if not fuse_bf16:
-        launchable(_bf16_partial_kernel, dev)[(B * hkv, num_bf)](
-            *bf_args, o_part, lse_part, num_splits, sink_chunks, num_bf,
-            HKV=hkv, REP=rep, HP=hp, D=d, BLOCK_N=32, **bf_flags, num_warps=8,
-        )
+    reg_cap = {"maxnreg": maxnreg} if maxnreg and dev.type == "cuda" else {}
     out = torch.empty(B, H, d, dtype=q.dtype, device=dev)
-    rv_t = R_V.to(dev, torch.float32).contiguous() if R_V is not None else dummy
     muv = mu_V.to(dev, torch.float32).contiguous() if mu_V is not None else dummy
+    grid = (B * hkv, num_splits + (num_bf if fuse_bf16 else 0))
+    if planes:
+        # two launches: split-K programs that rotate the query themselves (and, in the original
+        # frame, rotate their partial back), then a column-parallel merge of partials in one frame
+        rot_out = output_frame == "original"
+        rk16 = _fp16_copy(R_K, dev) if R_K is not None else dummy
+        rv16 = _fp16_copy(R_V, dev) if R_V is not None else dummy
+        muk = mu_K.to(dev, torch.float32).contiguous() if mu_K is not None else dummy
+        bf_args = (sk, sv, sl, *s_strides, rk, rv, rl, *r_strides)
+        launchable(_planes_kernel, dev)[grid](
+            qc, scale, rk16, muk, rv16, muv,
+            k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+            k_codes.stride(0), k_codes.stride(1), k_scale.stride(0), k_scale.stride(1),
+            page_table, page_table.stride(0), int_len,
+            o_part, lse_part, tps, s_total,
+            *bf_args, num_splits, sink_chunks, num_bf,
+            HKV=hkv, REP=rep, HP=hp, D=d, BITS=bits, PAGE_SIZE=page_size, BLOCK_N=block_n,
+            FAST_UNPACK=fast_unpack, ROW_GATHER=page_size < block_n, QK_INT8=bool(qk_int8), QK_LEVELS=qk_levels,
+            PREFETCH=prefetch, HAS_RK=R_K is not None, HAS_MUK=mu_K is not None,
+            ROT_OUT=rot_out and R_V is not None, HAS_MUV=rot_out and mu_V is not None,
+            FUSE_BF16=fuse_bf16, BF_BLOCK=32, **bf_flags, num_warps=num_warps, num_stages=num_stages, **reg_cap,
+        )
+        if not fuse_bf16:
+            launchable(_bf16_partial_kernel, dev)[(B * hkv, num_bf)](
+                qc, *bf_args, o_part, lse_part, num_splits, sink_chunks, num_bf, scale,
+                HKV=hkv, REP=rep, HP=hp, D=d, BLOCK_N=32, **bf_flags, num_warps=8,
+            )
+        if rot_out:  # every partial is in the original frame: a plain merge, parallel over columns
+            dc = min(32, d)
+            launchable(_merge_cols_kernel, dev)[(B * hkv, d // dc)](
+                o_part, lse_part, out, s_total,
+                HKV=hkv, REP=rep, HPM=max(2, next_pow2(rep)), D=d, DC=dc, SP=32, num_warps=4,
+            )
+            return out
+    else:
+        q_rot = torch.empty(B, H, d, dtype=torch.float32, device=dev)
+        q_orig = torch.empty(B, H, d, dtype=torch.float32, device=dev)
+        qmu = torch.empty(B, H, dtype=torch.float32, device=dev)
+        rk_t = R_K.to(dev, torch.float32).contiguous() if R_K is not None else q_rot
+        muk = mu_K.to(dev, torch.float32).contiguous() if mu_K is not None else q_rot
+        launchable(_prep_kernel, dev)[(B * hkv,)](
+            qc, rk_t, muk, q_rot, q_orig, qmu, scale,
+            HKV=hkv, REP=rep, HP=hp, D=d, HAS_RK=R_K is not None, HAS_MUK=mu_K is not None, PRECISION=precision,
+            num_warps=8,
+        )
+        kw, vw = k_codes.view(torch.int32), v_codes.view(torch.int32)  # 4 packed bytes per load element
+        bf_args = (q_orig, sk, sv, sl, *s_strides, rk, rv, rl, *r_strides)
+        launchable(_partial_kernel, dev)[grid](
+            q_rot, qmu,
+            kw, k_scale, k_zero, vw, v_scale, v_zero,
+            kw.stride(0), kw.stride(1),
+            k_scale.stride(0), k_scale.stride(1),
+            page_table, page_table.stride(0), int_len,
+            o_part, lse_part, tps, s_total,
+            *bf_args, num_splits, sink_chunks, num_bf,
+            HKV=hkv, REP=rep, HP=hp, D=d, G=group_size, BITS=bits, PAGE_SIZE=page_size, BLOCK_N=block_n,
+            FAST_UNPACK=fast_unpack, HEADS_IN_M=heads_in_m, ROW_GATHER=page_size < block_n, PREFETCH=prefetch,
+            V_HEADS_IN_M=v_heads_in_m and not heads_in_m, FUSE_BF16=fuse_bf16, BF_BLOCK=32, **bf_flags,
+            num_warps=num_warps, num_stages=num_stages, **reg_cap,
+        )
+        if not fuse_bf16:
+            launchable(_bf16_partial_kernel, dev)[(B * hkv, num_bf)](
+                *bf_args, o_part, lse_part, num_splits, sink_chunks, num_bf, 1.0,
+                HKV=hkv, REP=rep, HP=hp, D=d, BLOCK_N=32, **bf_flags, num_warps=8,
+            )
+    rv_t = R_V.to(dev, torch.float32).contiguous() if R_V is not None else dummy
     launchable(_merge_kernel, dev)[(B * hkv,)](
         o_part, lse_part, out, rv_t, muv, num_splits, num_bf,
         HKV=hkv, REP=rep, HP=hp, D=d, SP=merge_sp,
