@@ -906,18 +906,21 @@ def default_config(batch: int, num_kv_heads: int, capacity_tokens: int, num_sms:
                    planes: bool = False) -> dict:
     """Launch configuration measured fastest on the H200 (reports/kernels/sweep_decode.md).
 
-    Bit-plane path (v8): blocks of 128 rows spanning pages with registers capped at 128 from
-    ``SHORT_CONTEXT`` on, blocks of 64 within a page below; twice ``default_num_splits`` (about four
-    waves: the programs hide each other's latency), no manual prefetch. Word path (v7): long
+    Bit-plane path (v8): blocks of 128 rows spanning pages, registers capped at 128 (4 programs of
+    4 warps per SM), twice ``default_num_splits`` (about four waves: the programs hide each other's
+    latency), no manual prefetch; with few programs at short context (batch x KV heads <= 16, under
+    ``SHORT_CONTEXT``) blocks of 64 with the BF16 chunks fused into the split-K launch. Word path (v7): long
     contexts blocks of 128 spanning pages, 4 warps, ``default_num_splits``; short contexts blocks of
     64 within a page, the BF16 chunks fused into the split-K launch and about 8 waves of splits.
     """
     if planes:
-        long = capacity_tokens >= SHORT_CONTEXT
-        bn = 128 if long else 64
-        return {"block_n": bn, "span_pages": long, "fuse_bf16": False, "prefetch": False,
-                "maxnreg": 128 if long else None, "split_factor": 2,
-                "num_splits": min(256, 2 * default_num_splits(batch, num_kv_heads, capacity_tokens, bn, num_sms))}
+        if capacity_tokens < SHORT_CONTEXT and batch * num_kv_heads <= 16:  # few programs: fuse the BF16 chunks
+            return {"block_n": 64, "span_pages": False, "fuse_bf16": True, "prefetch": False, "maxnreg": None,
+                    "split_factor": 2,
+                    "num_splits": min(256, 2 * default_num_splits(batch, num_kv_heads, capacity_tokens, 64, num_sms))}
+        return {"block_n": 128, "span_pages": True, "fuse_bf16": False, "prefetch": False, "maxnreg": 128,
+                "split_factor": 2,
+                "num_splits": min(256, 2 * default_num_splits(batch, num_kv_heads, capacity_tokens, 128, num_sms))}
     if capacity_tokens < SHORT_CONTEXT:
         by_occupancy = max(1, (8 * num_sms) // max(1, batch * num_kv_heads))
         splits = int(min(by_occupancy, max(1, capacity_tokens // 128), 256))

@@ -250,7 +250,7 @@ def _kernel_args(x, slots, codes, scale, zero, bits, group_size, R, mu, rho, src
 ROW_PATH_MAX_ROWS = 64  # up to this many rows (a demotion step) one program per row and head: the row path
 
 
-def _launch(first, second, slots, src_index, block_t, num_warps, rot_precision, radix4, row_path=None, row_warps=4):
+def _launch(first, second, slots, src_index, block_t, num_warps, rot_precision, radix4, row_path=None, row_warps=1):
     ptrs, strides, flags, (n, hkv) = first
     if row_path is None:
         row_path = n <= ROW_PATH_MAX_ROWS
@@ -293,7 +293,7 @@ def rotate_quantize_pack(
     rot_precision: str = "tf32x3",
     radix4: bool = False,
     row_path: Optional[bool] = None,
-    row_warps: int = 4,
+    row_warps: int = 1,
 ) -> None:
     """Quantize rows into pool slots in place (Triton).
 
@@ -323,7 +323,7 @@ def rotate_quantize_pack_pair(
     rot_precision: str = "tf32x3",
     radix4: bool = False,
     row_path: Optional[bool] = None,
-    row_warps: int = 4,
+    row_warps: int = 1,
 ) -> None:
     """K and V rows into their pools in one launch (same slots); pages are ``(codes, scale, zero)``,
     transforms ``(R, mu, rho)``. Both tensors need the same shapes, strides and transform kinds."""
