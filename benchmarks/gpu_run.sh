@@ -3,6 +3,8 @@
 #   bash benchmarks/gpu_run.sh [bench-kernels key=value ...]
 # Copies the checkout to /tmp/oscar_w with kernels/ placed at oscar/kernels (what the editable
 # install maps), so nothing needs installing. Outputs go to $OUT (or reports/kernels without it).
+# SKIP_TESTS=1 skips the CUDA tests; `parts=quantize` with the attention table already in the output folder
+# times only the quantization kernels and reports their share against that table.
 set -o pipefail
 OUTDIR=${OUT:-$PWD/reports/kernels}
 mkdir -p "$OUTDIR"
@@ -12,7 +14,7 @@ cp -r oscar tests benchmarks pyproject.toml "$W"/ && cp -r kernels "$W"/oscar/ke
 cd "$W" || exit 1
 export PYTHONPATH="$W" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
-timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests/test_kernels_quantize.py tests/test_kernels_decode.py \
+[ -n "${SKIP_TESTS:-}" ] || timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests/test_kernels_quantize.py tests/test_kernels_decode.py \
   tests/test_paged.py -q -p no:cacheprovider -k "cuda or test_pool or twin_equals" ${PYTEST_EXTRA:-} 2>&1 | tee "$OUTDIR/pytest_cuda.log" | tail -25
 timeout "${BENCH_TIMEOUT:-420}" python3 -m oscar bench-kernels output="$OUTDIR/decode_attention.csv" "$@" 2>&1 \
   | tee "$OUTDIR/bench.log" | grep -v "^tune" | tail -80

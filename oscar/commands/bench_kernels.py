@@ -42,6 +42,8 @@ DEFAULTS: dict[str, Any] = {
     "l2_factor": 4,
     "reps": 20,
     "check": "true",
+    "parts": "attention,quantize",
+    "layer_weight_mb": 385.9,
 }
 
 
@@ -277,25 +279,30 @@ def bench_quantize(B: int, d: int, hkv: int, opts: dict[str, Any], l2: int) -> l
     g = torch.Generator(device="cuda").manual_seed(1)
     bits, ps, W = opts["bits"], opts["page_size"], opts["recent"]
     out = []
+    sets = 16  # launches per graph replay: a single small launch would time the graph launch, not the kernel
     for kind, n_rows in (("demote", B), ("prefill", 8192)):
+        n_sets = sets if kind == "demote" else 1
         npages = -(-n_rows // ps) + 1
-        pages = [QuantPages.empty(npages, hkv, ps, d, bits, d, "cuda") for _ in range(2)]
+        pages = [[QuantPages.empty(npages, hkv, ps, d, bits, d, "cuda") for _ in range(2)] for _ in range(n_sets)]
         R = torch.linalg.qr(torch.randn(hkv, d, d, device="cuda", generator=g))[0]
         t = HeadTransform(R=R, mu=torch.randn(hkv, d, device="cuda", generator=g), rho=torch.full((hkv,), 0.95, device="cuda"))
         slots = torch.randperm(npages * ps, device="cuda", generator=g)[:n_rows]
-        if kind == "demote":
-            src = torch.randn(n_rows, hkv, W, d, device="cuda", generator=g).to(torch.bfloat16)
-            idx = torch.randint(0, W, (n_rows,), device="cuda", generator=g)
+        calls = []
+        for k in range(n_sets):
+            if kind == "demote":  # K and V of one layer, one fused launch
+                src = torch.randn(n_rows, hkv, W, d, device="cuda", generator=g).to(torch.bfloat16)
+                idx = torch.randint(0, W, (n_rows,), device="cuda", generator=g)
 
-            def f():  # K and V of one layer, one fused launch
-                rotate_quantize_pack_kv(src, src, slots, pages[0], pages[1], t, t, src_index=idx, backend="triton")
-        else:
-            src = torch.randn(n_rows, hkv, d, device="cuda", generator=g).to(torch.bfloat16)
+                def f(src=src, idx=idx, pg=pages[k]):
+                    rotate_quantize_pack_kv(src, src, slots, pg[0], pg[1], t, t, src_index=idx, backend="triton")
+            else:
+                src = torch.randn(n_rows, hkv, d, device="cuda", generator=g).to(torch.bfloat16)
 
-            def f():
-                rotate_quantize_pack(src, slots, pages[0], t, backend="triton")
+                def f(src=src, pg=pages[k]):
+                    rotate_quantize_pack(src, slots, pg[0], t, backend="triton")
+            calls.append(f)
         try:
-            us, mode = time_calls([f], reps=opts["reps"])
+            us, mode = time_calls(calls, reps=opts["reps"])
             status = "ok"
         except Exception as exc:
             us, mode, status = float("nan"), "-", f"error: {type(exc).__name__}: {str(exc)[:160]}"
@@ -389,8 +396,12 @@ def run(opts: dict[str, Any]) -> int:
     else:
         best_cfg = variants[0]
 
+    parts = {p.strip() for p in opts["parts"].split(",") if p.strip()}
+    bad = parts - {"attention", "quantize"}
+    if bad:
+        raise ValueError(f"bench-kernels: unknown parts {sorted(bad)}; valid: attention, quantize")
     rows: list[dict[str, Any]] = []
-    for d in _ints(opts["head_dims"]):
+    for d in (_ints(opts["head_dims"]) if "attention" in parts else []):
         for T in _ints(opts["contexts"]):
             for B in _ints(opts["batches"]):
                 base = {"head_dim": d, "batch": B, "context": T, "q_heads": H, "kv_heads": hkv}
@@ -427,23 +438,39 @@ def run(opts: dict[str, Any]) -> int:
                 _write_csv(out_csv, rows)
 
     q_rows = []
-    for d in _ints(opts["head_dims"]):
+    for d in (_ints(opts["head_dims"]) if "quantize" in parts else []):
         for B in _ints(opts["batches"]):
             q_rows += bench_quantize(B, d, hkv, opts, l2)
+    if not rows and out_csv.exists():  # quantize-only run: shares against the attention table already there
+        with open(out_csv, newline="") as fh:
+            rows = [{k: (float(v) if k in ("int2_us",) else int(v) if k in ("batch", "head_dim", "context") else v)
+                     for k, v in r.items() if v != ""} for r in csv.DictReader(fh)]
+        attention_from = str(out_csv)
+    else:
+        attention_from = "this run"
+    weights_us = opts["layer_weight_mb"] * 1e6 / bw * 1e6  # one layer's BF16 weights read at copy bandwidth
+    env["layer_weight_mb"] = opts["layer_weight_mb"]
+    env["layer_weights_us"] = weights_us
+    env["quantize_attention_from"] = attention_from
     for r in q_rows:
         if r["kind"] == "demote":
             att = [x for x in rows if x["batch"] == r["batch"] and x["head_dim"] == r["head_dim"] and "int2_us" in x]
             if att:
                 r["attn_us_min"] = min(x["int2_us"] for x in att)
                 r["frac_of_step_worst"] = r["us"] / (r["us"] + r["attn_us_min"])
-    _write_csv(Path(f"{stem}_quantize.csv"), q_rows)
+                r["frac_of_layer_step"] = r["us"] / (r["us"] + r["attn_us_min"] + weights_us)
+    if q_rows:
+        _write_csv(Path(f"{stem}_quantize.csv"), q_rows)
     _write_atomic(Path(f"{stem}_env.json"), json.dumps(env, indent=2))
-    _write_atomic(Path(f"{stem}.md"), summary_markdown(rows, q_rows, env, " ".join(sys.argv)))
-    try:
-        plot(rows, Path(f"{stem}.png"))
-    except ImportError:
-        print("matplotlib missing: no plot", file=sys.stderr)
-    print(summary_markdown(rows, q_rows, env, " ".join(sys.argv)))
+    md = Path(f"{stem}.md") if "attention" in parts else Path(f"{stem}_quantize.md")
+    shown = rows if "attention" in parts else []
+    _write_atomic(md, summary_markdown(shown, q_rows, env, " ".join(sys.argv)))
+    if "attention" in parts:
+        try:
+            plot(rows, Path(f"{stem}.png"))
+        except ImportError:
+            print("matplotlib missing: no plot", file=sys.stderr)
+    print(summary_markdown(shown, q_rows, env, " ".join(sys.argv)))
     return 0
 
 
@@ -465,13 +492,18 @@ def summary_markdown(rows: list[dict[str, Any]], q_rows: list[dict[str, Any]], e
                      f"{r.get('speedup_vs_best_bf16', float('nan')):.2f}x | "
                      f"{r.get('int2_tb_s', float('nan')):.2f} | {100 * r.get('int2_bw_frac', float('nan')):.0f}% |")
     if q_rows:
-        lines += ["", "Quantization kernels (rotation + centering + clip + pack, K and V for demotion):", "",
-                  "| kind | d | batch | rows | us | share of a decode step (demote + fastest attention of that batch) |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", "Quantization kernels (rotation + centering + clip + pack, K and V for demotion; 16 launches "
+                  "per graph replay, time per launch):", "",
+                  "| kind | d | batch | rows | us | share of attention + demotion (fastest attention of that batch) "
+                  f"| share of a layer step (+ {env.get('layer_weight_mb', 0):.0f} MB of BF16 weights at copy "
+                  "bandwidth, Qwen3-8B) |",
+                  "|---|---|---|---|---|---|---|"]
         for r in q_rows:
             frac = r.get("frac_of_step_worst")
+            frac2 = r.get("frac_of_layer_step")
             lines.append(f"| {r['kind']} | {r['head_dim']} | {r['batch']} | {r['rows']} | {r['us']:.1f} | "
-                         f"{'' if frac is None else f'{100 * frac:.1f}%'} |")
+                         f"{'' if frac is None else f'{100 * frac:.1f}%'} | "
+                         f"{'' if frac2 is None else f'{100 * frac2:.1f}%'} |")
     return "\n".join(lines) + "\n"
 
 
