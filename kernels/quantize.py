@@ -89,17 +89,24 @@ def _rotate_quantize_kernel(
         t_src = tl.zeros([BLOCK_T], dtype=tl.int64)
     x_row = rows.to(tl.int64)[:, None] * stride_xn + h * stride_xh + t_src[:, None] * stride_xt
     if ROW_PATH and HAS_ROT:
-        # few rows (demotion): the product on the FMA units in chunks of 32 input channels, no
-        # 16-row padding of a tensor-core tile and no 64 KB rotation tile held at once
+        # one row (demotion): the product on the FMA units in chunks of KC input channels, each
+        # lane owning output columns and summing its chunk rows in registers (no 16-row tensor-core
+        # padding, no 64 KB rotation tile held at once)
         KC: tl.constexpr = 32 if D >= 32 else D
-        x = tl.zeros([BLOCK_T, D], tl.float32)
+        if HAS_SRC:
+            src0 = tl.load(src_ptr + pid_t).to(tl.int64)
+        else:
+            src0 = 0
+        row0 = pid_t.to(tl.int64) * stride_xn + h * stride_xh + src0 * stride_xt
+        xr = tl.zeros([D], tl.float32)
         for c0 in tl.static_range(0, D, KC):
             kc = c0 + tl.arange(0, KC)
-            xc = tl.load(x_ptr + x_row + kc[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+            xc = tl.load(x_ptr + row0 + kc).to(tl.float32)
             if HAS_MU:
-                xc = xc - tl.load(mu_ptr + h * D + kc)[None, :]
+                xc = xc - tl.load(mu_ptr + h * D + kc)
             rc = tl.load(r_ptr + h * D * D + kc[:, None] * D + cols[None, :])
-            x += tl.sum(xc[:, :, None] * rc[None, :, :], axis=1)
+            xr += tl.sum(xc[:, None] * rc, axis=0)
+        x = xr[None, :]
     else:
         x = tl.load(x_ptr + x_row + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
         if HAS_MU:
@@ -108,21 +115,28 @@ def _rotate_quantize_kernel(
             rot = tl.load(r_ptr + h * D * D + cols[:, None] * D + cols[None, :])
             x = tl.dot(x, rot, input_precision=PRECISION)
     if CLIP and ROW_PATH:
-        # k-th smallest |x| by ranks: element i's rank counts the smaller elements and the equal
-        # ones before it (ranks 0..D-1, unique), so the order statistics are the elements of rank
-        # lo and hi; one [D x D] comparison and one reduction instead of 31 dependent steps
+        # order statistics lo and hi of |x| by extracting extremes one at a time from the nearer end
+        # (the top for rho > 1/2: about D * (1 - rho) steps of two warp reductions), removing one
+        # element per step (the first index among equal values), so ties count like torch.quantile's sort
         a = tl.abs(x)
         pos = tl.load(rho_ptr + h).to(tl.float32) * (D - 1)  # float32 product, as oscar.quant
         lo_f = tl.floor(pos)
         w = pos - lo_f
         lo = lo_f.to(tl.int32)
         hi = tl.ceil(pos).to(tl.int32)
-        ai = a[:, :, None]
-        aj = a[:, None, :]
-        before = (tl.arange(0, D)[None, :] < tl.arange(0, D)[:, None])[None, :, :]
-        rank = tl.sum(((aj < ai) | ((aj == ai) & before)).to(tl.int32), axis=2)
-        s_lo = tl.sum(tl.where(rank == lo, a, 0.0), axis=1)
-        s_hi = tl.sum(tl.where(rank == hi, a, 0.0), axis=1)
+        top = (D - lo) <= (hi + 1)
+        n_iter = tl.where(top, D - lo, hi + 1)
+        bvals = tl.where(top, a, -a)
+        idx = tl.arange(0, D)[None, :]
+        s_lo = tl.zeros([BLOCK_T], tl.float32)
+        s_hi = tl.zeros([BLOCK_T], tl.float32)
+        for j in range(n_iter):
+            m = tl.max(bvals, axis=1)
+            first = tl.min(tl.where(bvals == m[:, None], idx, D), axis=1)
+            rank = tl.where(top, D - 1 - j, j)  # ascending rank of the element taken at this step
+            s_lo = tl.where(rank == lo, tl.abs(m), s_lo)
+            s_hi = tl.where(rank == hi, tl.abs(m), s_hi)
+            bvals = tl.where(idx == first[:, None], float("-inf"), bvals)
         tau = tl.where(w < 0.5, s_lo + w * (s_hi - s_lo), s_hi - (s_hi - s_lo) * (1.0 - w))
         x = tl.minimum(tl.maximum(x, -tau[:, None]), tau[:, None])
     elif CLIP:
