@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 timeout "${BENCH_TIMEOUT:-420}" python3 -m oscar bench-kernels output="$OUTDIR/decode_attention.csv" "$@" 2>&1 \
   | tee "$OUTDIR/bench.log" | grep -v "^tune" | tail -80
 if [ -n "${PROFILE:-}" ]; then
-  timeout "${PROFILE_TIMEOUT:-120}" ncu --clock-control none -k regex:_partial_kernel -s 2 -c 1 \
+  timeout "${PROFILE_TIMEOUT:-120}" ncu --clock-control none -k regex:${NCU_KERNEL:-_planes_kernel} -s 2 -c 1 \
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
     --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
     python3 benchmarks/profile_decode.py $PROFILE 2>&1 | tee "$OUTDIR/ncu.txt" | grep -vE "^==PROF==|^\s*$" | tail -90

@@ -1,8 +1,11 @@
 """Run the paged INT2 decode attention a few times on one shape, for Nsight Compute (`ncu`) to profile.
 
 Usage (GPU machine, checkout importable as `oscar` with `oscar.kernels`):
-    ncu --clock-control none -k regex:_partial_kernel -c 1 --section SpeedOfLight \
+    ncu --clock-control none -k regex:_planes_kernel -c 1 --section SpeedOfLight \
         python3 benchmarks/profile_decode.py batch=8 context=32768 head_dim=128
+
+Kernel options left out take the kernel's defaults (``planes=0`` selects the v7 word path, whose split
+kernel is ``_partial_kernel``).
 """
 
 from __future__ import annotations
@@ -16,22 +19,26 @@ from oscar.kernels.decode_attention import paged_decode_attention
 
 
 def main(argv: list[str]) -> int:
-    """Parse `key=value` (batch, context, head_dim, block_n, num_warps, num_stages, fast_unpack), run 3 calls."""
-    args = {"batch": 8, "context": 32768, "head_dim": 128, "block_n": 64, "num_warps": 8, "num_stages": 2,
-            "fast_unpack": 0}
+    """Parse `key=value` (batch, context, head_dim; kernel options block_n, num_warps, num_stages, fast_unpack,
+    planes, num_splits), run 3 calls."""
+    args = {"batch": 8, "context": 32768, "head_dim": 128}
+    options = ("block_n", "num_warps", "num_stages", "fast_unpack", "planes", "num_splits")
+    kernel: dict = {}
     for a in argv:
         k, _, v = a.partition("=")
-        if k not in args:
-            raise SystemExit(f"unknown argument {a!r}; valid keys: {', '.join(args)}")
-        args[k] = int(v)
+        if k not in args and k not in options:
+            raise SystemExit(f"unknown argument {a!r}; valid keys: {', '.join([*args, *options])}")
+        if k in args:
+            args[k] = int(v)
+        else:
+            kernel[k] = bool(int(v)) if k in ("fast_unpack", "planes") else int(v)
     opts = dict(DEFAULTS)
     kp, vp, tables, int_len, kt, vt, segs, qs, _ = _int2_inputs(args["batch"], args["context"], 32, 8,
                                                                 args["head_dim"], opts, 1)
     for _ in range(3):
         paged_decode_attention(qs[0], kp.codes, kp.scale, kp.zero, vp.codes, vp.scale, vp.zero, tables[0], int_len,
                                bits=kp.bits, group_size=kp.group_size, R_K=kt.R, mu_K=kt.mu, R_V=vt.R, mu_V=vt.mu,
-                               block_n=args["block_n"], num_warps=args["num_warps"], num_stages=args["num_stages"],
-                               fast_unpack=bool(args["fast_unpack"]), **segs[0])
+                               **kernel, **segs[0])
     torch.cuda.synchronize()
     return 0
 

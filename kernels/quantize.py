@@ -261,7 +261,9 @@ def _kernel_args(x, slots, codes, scale, zero, bits, group_size, R, mu, rho, src
     return ptrs, strides, flags, (n, hkv)
 
 
-ROW_PATH_MAX_ROWS = 64  # up to this many rows (a demotion step) one program per row and head: the row path
+# Up to this many rows (a demotion step): one program per row and head, the row path (measured faster than
+# the block path up to 128 rows on the H200: reports/kernels/bench_demote.csv).
+ROW_PATH_MAX_ROWS = 128
 
 
 def _launch(first, second, slots, src_index, block_t, num_warps, rot_precision, radix4, row_path=None, row_warps=1):
