@@ -1,0 +1,123 @@
+"""Compile the decode and demotion kernels for Hopper on a machine without a GPU and count their SASS.
+
+Usage (repo root, any machine with Triton; ``PYTHONPATH=/path/to/triton-3.6`` to match the H200's Triton):
+
+    python benchmarks/sass_stats.py [--keep DIR]
+
+For each kernel configuration: registers and spill bytes (``ptxas -v``), shared memory, and for the
+split-K kernels the instructions of the main loop (the longest backward branch in the SASS) per warp
+and per token and KV head, with the most frequent opcodes. No device time: ``triton.compile`` targets
+``sm_90`` and Triton's bundled ``ptxas``/``cuobjdump`` do the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+DIV16 = {"stride_cp", "stride_ch", "stride_mp", "stride_mh", "tokens_per_split", "stride_sb", "stride_sh", "stride_st",
+         "stride_rb", "stride_rh", "stride_rt", "stride_xn", "stride_xh", "stride_xt", "stride_cs", "stride_sp",
+         "stride_ss"}
+
+
+def compile_sass(fn, ptr_types: dict[str, str], const: dict, out: Path, tag: str, **options) -> dict:
+    """Compile ``fn`` for sm_90 with ints in ``DIV16`` and pointers marked 16-divisible (as at a real launch)."""
+    names = fn.arg_names
+    sig = {n: ("constexpr" if n in const else ptr_types.get(n, "i32")) for n in names}
+    div = [n for n in names if n not in const and (sig[n].startswith("*") or n in DIV16)]
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    ptx, obj = out / f"{tag}.ptx", out / f"{tag}.o"
+    ptx.write_text(k.asm["ptx"])
+    ptxas = BIN / ("ptxas-blackwell" if (BIN / "ptxas-blackwell").exists() else "ptxas")
+    log = subprocess.run([str(ptxas), "-v", "--gpu-name=sm_90a", str(ptx), "-o", str(obj)], capture_output=True,
+                         text=True).stderr
+    sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", str(obj)], capture_output=True, text=True).stdout
+    (out / f"{tag}.sass").write_text(sass)
+    regs = re.findall(r"Used (\d+) registers", log)
+    spill = re.findall(r"(\d+) bytes spill stores", log)
+    return {"regs": int(regs[0]) if regs else -1, "spill": int(spill[0]) if spill else -1, "smem": k.metadata.shared,
+            "sass": sass}
+
+
+def loop_body(sass: str) -> list[str]:
+    """Instructions of the longest loop (backward branch) in a SASS listing."""
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
+           (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
+    best: list[str] = []
+    for addr, text in ins:
+        if "BRA" in text:
+            m = re.search(r"0x([0-9a-f]+)", text.split("BRA")[1])
+            if m and int(m.group(1), 16) < addr:
+                body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+                best = body if len(body) > len(best) else best
+    return best
+
+
+def opcode(text: str) -> str:
+    return (text.split()[1] if text.startswith("@") else text.split()[0]).split(".")[0]
+
+
+def main() -> int:
+    import oscar.kernels.decode_attention as da
+    import oscar.kernels.quantize as qz
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--keep", type=Path, help="folder for the PTX/SASS files (default: a temporary one)")
+    args = ap.parse_args()
+    out = args.keep or Path(tempfile.mkdtemp(prefix="oscar_sass_"))
+    out.mkdir(parents=True, exist_ok=True)
+    ptrs = {"q_ptr": "*bf16", "scale": "fp32", "rk_ptr": "*fp16", "muk_ptr": "*fp32", "rv_ptr": "*fp16",
+            "muv_ptr": "*fp32", "qr_ptr": "*fp32", "qmu_ptr": "*fp32", "kc_ptr": "*u8", "ks_ptr": "*bf16",
+            "kz_ptr": "*bf16", "vc_ptr": "*u8", "vs_ptr": "*bf16", "vz_ptr": "*bf16", "pt_ptr": "*i32",
+            "len_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qo_ptr": "*fp32", "sk_ptr": "*bf16",
+            "sv_ptr": "*bf16", "slen_ptr": "*i32", "rk16_ptr": "*bf16", "rv16_ptr": "*bf16", "rlen_ptr": "*i32"}
+    bf = dict(HKV=8, REP=4, HP=16, D=128, BITS=2, PAGE_SIZE=64, FAST_UNPACK=True, FUSE_BF16=False, BF_BLOCK=32,
+              CHUNK=64, HAS_SINK=True, HAS_RECENT=True, DOT_T=tl.bfloat16)
+    plane = dict(QK_INT8=True, QK_LEVELS=2, PREFETCH=False, HAS_RK=True, HAS_MUK=True, ROT_OUT=True, HAS_MUV=True)
+    word_ptrs = {**ptrs, "kc_ptr": "*i32", "vc_ptr": "*i32", "rk_ptr": "*bf16", "rv_ptr": "*bf16"}
+    word = dict(G=128, HEADS_IN_M=False, PREFETCH=True, V_HEADS_IN_M=False)
+    cases = [
+        ("v8_planes_b128_r128", da._planes_kernel, ptrs, {**bf, **plane, "BLOCK_N": 128, "ROW_GATHER": True},
+         dict(num_warps=4, num_stages=2, maxnreg=128), 128),
+        ("v8_planes_b64", da._planes_kernel, ptrs, {**bf, **plane, "BLOCK_N": 64, "ROW_GATHER": False},
+         dict(num_warps=4, num_stages=2), 64),
+        ("v7_words_b128", da._partial_kernel, word_ptrs, {**bf, **word, "BLOCK_N": 128, "ROW_GATHER": True},
+         dict(num_warps=4, num_stages=2), 128),
+    ]
+    print(f"triton {triton.__version__}, files in {out}")
+    for tag, fn, p, const, opts, block in cases:
+        r = compile_sass(fn, p, const, out, tag, **opts)
+        body = loop_body(r["sass"])
+        mix = collections.Counter(opcode(t) for t in body).most_common(8)
+        per = len(body) * opts["num_warps"] / block
+        print(f"{tag}: {r['regs']} registers, {r['spill']} B spilled, {r['smem']} B shared; loop {len(body)} "
+              f"instructions per warp = {per:.1f} per token and KV head; {dict(mix)}")
+    qptrs = {"x_ptr": "*bf16", "src_ptr": "*i64", "slot_ptr": "*i64", "r_ptr": "*fp32", "mu_ptr": "*fp32",
+             "rho_ptr": "*fp32", "codes_ptr": "*u8", "scale_ptr": "*bf16", "zero_ptr": "*bf16", "x2_ptr": "*bf16",
+             "r2_ptr": "*fp32", "mu2_ptr": "*fp32", "rho2_ptr": "*fp32", "codes2_ptr": "*u8", "scale2_ptr": "*bf16",
+             "zero2_ptr": "*bf16"}
+    qc = dict(PAGE_SIZE=64, D=128, G=128, BITS=2, HAS_SRC=True, HAS_ROT=True, HAS_MU=True, CLIP=True,
+              PRECISION="tf32x3", RADIX4=False)
+    for tag, const, nw in (("demote_rows_w1", {**qc, "BLOCK_T": 1, "ROW_PATH": True}, 1),
+                           ("quantize_blocks_w8", {**qc, "BLOCK_T": 16, "ROW_PATH": False}, 8)):
+        r = compile_sass(qz._rotate_quantize_kernel, qptrs, const, out, tag, num_warps=nw)
+        n = sum(1 for line in r["sass"].splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line))
+        print(f"{tag}: {r['regs']} registers, {r['spill']} B spilled, {n} SASS instructions")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    raise SystemExit(main())
