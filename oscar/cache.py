@@ -143,6 +143,18 @@ class PagedRows:
             self.lengths[b] += take
             done += take
 
+    def reserve(self, b: int, m: int) -> torch.Tensor:
+        """Allocate the next `m` slots of sequence `b` (new pages as needed); their slot ids
+        (`page * page_size + offset`, int64 on the store's device) for a kernel to write into."""
+        slots = []
+        for _ in range(m):
+            slot = self.lengths[b] % self.page_size
+            if slot == 0:
+                self.pages[b].append(self._new_page())
+            slots.append(self.pages[b][-1] * self.page_size + slot)
+            self.lengths[b] += 1
+        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+
     def page_table(self) -> torch.Tensor:
         """int32 `[B, max_pages]`; unused entries hold 0."""
         width = max((len(p) for p in self.pages), default=0)
@@ -571,13 +583,38 @@ class OscarLayer(CacheLayerMixin):
             all_v = torch.cat([self.recent_v[b, :, :r], v], dim=1)
             over = all_k.shape[1] - sp.recent
             if over > 0:
-                self.k_store.append(b, self._quantize(all_k[:, :over], "k"))
-                self.v_store.append(b, self._quantize(all_v[:, :over], "v"))
+                if sp.backend == "triton":
+                    self._demote_triton(b, all_k[:, :over], all_v[:, :over])
+                else:
+                    self.k_store.append(b, self._quantize(all_k[:, :over], "k"))
+                    self.v_store.append(b, self._quantize(all_v[:, :over], "v"))
                 all_k, all_v = all_k[:, over:], all_v[:, over:]
             keep = all_k.shape[1]
             self.recent_k[b, :, :keep] = all_k
             self.recent_v[b, :, :keep] = all_v
             self.recent_len[b] = keep
+
+    def _demote_triton(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rows `[Hkv, m, d]` of sequence `b` into the pages with the fused rotate-clip-quantize-pack kernel
+        (K and V in one launch), at slots reserved in both stores."""
+        from oscar import paged
+
+        r = self.rot
+        assert r is not None
+        slots = self.k_store.reserve(b, k.shape[1])
+        if not torch.equal(self.v_store.reserve(b, v.shape[1]), slots):
+            raise RuntimeError("K and V page stores went out of step; the cache is corrupt")
+
+        def transform(rot: torch.Tensor, mu: Optional[torch.Tensor], rho: Optional[torch.Tensor]) -> "paged.HeadTransform":
+            clip = rho is not None and bool((rho < 1).any())
+            return paged.HeadTransform(rot.float(), None if mu is None else mu.float(), rho.float() if clip else None)
+
+        ks, vs = self.k_store, self.v_store
+        paged.rotate_quantize_pack_kv(
+            k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), slots,
+            paged.QuantPages(ks.codes, ks.scale, ks.zero, self.spec.bits, self.spec.group_size),
+            paged.QuantPages(vs.codes, vs.scale, vs.zero, self.spec.bits, self.spec.group_size),
+            transform(r.r_k, r.mu_k, r.rho_k), transform(r.r_v, r.mu_v, r.rho_v), backend="triton")
 
     def _ensure_recent_capacity(self, needed: int) -> None:
         cap = self.recent_k.shape[2]

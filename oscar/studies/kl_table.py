@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 DEFAULT_METHODS = [
@@ -43,6 +44,34 @@ def kl_and_nll(ref_logits: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor
         kls.append((lr.exp() * (lr - lm)).sum(dim=-1))
         nlls.append(-lm.gather(-1, ids[0, a + 1 : e + 1, None].to(lm.device)).squeeze(-1))
     return torch.cat(kls), torch.cat(nlls)
+
+
+BLOCK = 128  # tokens per bootstrap unit: next-token KLs are correlated over nearby positions
+N_BOOT = 2000
+
+
+def block_units(per_window: list[torch.Tensor], block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """Per-unit sums and counts: each window's positions cut into consecutive blocks of ``block`` tokens."""
+    sums, counts = [], []
+    for v in per_window:
+        v = v.double()
+        for i in range(0, int(v.numel()), block):
+            part = v[i:i + block]
+            sums.append(float(part.sum()))
+            counts.append(int(part.numel()))
+    return np.asarray(sums), np.asarray(counts, dtype=np.float64)
+
+
+def bootstrap_ci(sums: np.ndarray, counts: np.ndarray, n_boot: int = N_BOOT, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of the mean per token, resampling units with replacement (a fixed seed,
+    so methods of one model share their resamples and paired differences line up)."""
+    if len(sums) == 0:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(sums), size=(n_boot, len(sums)))
+    means = sums[idx].sum(axis=1) / counts[idx].sum(axis=1)
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return float(lo), float(hi)
 
 
 def _method_cfg(name: str, sink: Optional[int], recent: Optional[int], model: str, results_dir: str) -> Any:
@@ -84,9 +113,11 @@ def run(
     results_dir: str,
     log=print,
     on_row=None,
+    reference: str = "oscar",
 ) -> list[dict[str, Any]]:
-    """One row per (model, method): KL (all positions and positions past the windows), PPL, wall time.
-    `on_row(rows)` is called after every row (the command line rewrites its tables each time)."""
+    """One row per (model, method): KL (all positions and positions past the windows) with 95% block-bootstrap
+    intervals, the paired difference of KL past the windows to ``reference`` (same resampled blocks), PPL,
+    wall time. `on_row(rows)` is called after every row (the command line rewrites its tables each time)."""
     from oscar.config import compose
     from oscar.data.corpora import eval_sequences
     from oscar.engine import Engine, artifact_dir, rotations_from_artifact
@@ -94,6 +125,7 @@ def run(
 
     rows: list[dict[str, Any]] = []
     for model_name in models:
+        past_by_method: dict[str, list[torch.Tensor]] = {}
         base = compose([f"model={model_name}", f"results_dir={results_dir}"])
         model, tok = load_model(base.model, device="cpu")
         windows = eval_sequences(tok, base.calibration, num_tokens, seq_len=seq_len)
@@ -131,6 +163,10 @@ def run(
                 nll.append(nl)
                 del logits
             kl_cat, past_cat, nll_cat = torch.cat(kl_all), torch.cat(kl_past), torch.cat(nll)
+            all_lo, all_hi = bootstrap_ci(*block_units(kl_all))
+            past_lo, past_hi = bootstrap_ci(*block_units(kl_past))
+            row.update(kl_lo=all_lo, kl_hi=all_hi, kl_past_lo=past_lo, kl_past_hi=past_hi)
+            past_by_method[name] = kl_past
             row.update(
                 status="ok",
                 kl=float(kl_cat.mean()),
@@ -144,6 +180,19 @@ def run(
             rows.append(row)
             if on_row is not None:
                 on_row(rows)
+        ref_past = past_by_method.get(reference)
+        for row in rows:  # paired differences to the reference, on the same resampled blocks
+            if row["model"] != model_name or row["method"] == reference or ref_past is None:
+                continue
+            past = past_by_method.get(row["method"])
+            if past is None or any(a.numel() != b.numel() for a, b in zip(past, ref_past)):
+                continue
+            s_m, c_m = block_units(past)
+            diff = s_m - block_units(ref_past)[0]
+            d_lo, d_hi = bootstrap_ci(diff, c_m)
+            row.update(diff_ref=reference, diff_past=float(diff.sum() / c_m.sum()), diff_past_lo=d_lo, diff_past_hi=d_hi)
+        if on_row is not None:
+            on_row(rows)
         del model
     return rows
 
@@ -156,6 +205,19 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _ci(r: Any, key: str, lo: str, hi: str, signed: bool = False) -> str:
+    """``value [lo, hi]`` with four decimals; ``-`` where the row has no value (older CSVs: no interval)."""
+    def num(k):
+        v = r.get(k)
+        return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+    v, a, b = num(key), num(lo), num(hi)
+    if v is None:
+        return "-"
+    fmt = "{:+.4f}" if signed else "{:.4f}"
+    return fmt.format(v) + (f" [{fmt.format(a)}, {fmt.format(b)}]" if a is not None and b is not None else "")
+
+
 def write_tables(rows: list[dict[str, Any]], out: Path, command: str, note: str) -> None:
     """`<out>.csv` and `<out>.md` (atomic writes)."""
     import pandas as pd
@@ -164,15 +226,20 @@ def write_tables(rows: list[dict[str, Any]], out: Path, command: str, note: str)
     _atomic_write(out.with_suffix(".csv"), df.to_csv(index=False))
     lines = [f"# Next-token KL to the BF16 cache and perplexity, decode-equivalent teacher forcing", "", note, "", f"Command: `{command}`", ""]
     for model, part in df.groupby("model", sort=False):
-        lines += [f"## {model}", "", "| method | bits | sink/recent | KL (all positions) | KL (past the windows) | PPL |", "|---|---|---|---|---|---|"]
+        ref = next((str(x) for x in part.get("diff_ref", pd.Series(dtype=object)).dropna()), "oscar")
+        lines += [f"## {model}", "",
+                  f"| method | bits | sink/recent | KL (all positions) [95% CI] | KL (past the windows) [95% CI] | "
+                  f"KL past the windows minus {ref} [95% CI] | PPL |", "|---|---|---|---|---|---|---|"]
         for _, r in part.iterrows():
             if r.get("status") != "ok":
-                lines.append(f"| {r['method']} | {r['bits']} | | {r.get('status')} | | |")
+                lines.append(f"| {r['method']} | {r['bits']} | | {r.get('status')} | | | |")
                 continue
             sink, recent = r.get("sink"), r.get("recent")
             known = sink is not None and recent is not None and not (isinstance(sink, float) and math.isnan(sink))
             win = f"{int(sink)}/{int(recent)}" if known else "-"
-            lines.append(f"| {r['method']} | {r['bits']} | {win} | {r['kl']:.4f} | {r['kl_past_window']:.4f} | {r['ppl']:.3f} |")
+            lines.append(f"| {r['method']} | {r['bits']} | {win} | {_ci(r, 'kl', 'kl_lo', 'kl_hi')} | "
+                         f"{_ci(r, 'kl_past_window', 'kl_past_lo', 'kl_past_hi')} | "
+                         f"{_ci(r, 'diff_past', 'diff_past_lo', 'diff_past_hi', signed=True)} | {r['ppl']:.3f} |")
         lines.append("")
     _atomic_write(out.with_suffix(".md"), "\n".join(lines) + "\n")
 
@@ -191,6 +258,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--merge", nargs="+", default=None, metavar="CSV", help="only combine earlier runs' CSVs into --out")
     p.add_argument("--note", default="", help="extra sentence for the table header (e.g. what could not be measured)")
+    p.add_argument("--reference", default="oscar", help="method the paired KL differences are taken against")
     args = p.parse_args(argv)
     if "bf16" in args.methods and args.methods[0] != "bf16":
         args.methods.remove("bf16")
@@ -201,7 +269,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         "the reference is a BF16 KV cache over these same weights. Text: held-out Paul Graham essay windows "
         "(disjoint from calibration and held-back tokens). KL is mean next-token KL(BF16 || method) in nats; "
         "'past the windows' averages only positions t >= S0 + W, where the quantized history exists. "
-        "KIVI-2 and TurboQuant are accuracy-only simulations (quantize-dequantize at the method's boundaries)."
+        "KIVI-2 and TurboQuant are accuracy-only simulations (quantize-dequantize at the method's boundaries). "
+        f"Intervals: 95% percentile bootstrap over blocks of {BLOCK} consecutive positions ({N_BOOT} resamples, "
+        "seed 0, the same resamples for every method of a model, so the differences are paired)."
     )
     if args.note:
         note += " " + args.note
@@ -218,6 +288,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = run(
         args.models, args.methods, num_tokens=args.tokens, seq_len=args.seq_len, sink=args.sink, recent=args.recent,
         results_dir=args.results_dir, on_row=lambda rows: write_tables(rows, Path(args.out), command, note),
+        reference=args.reference,
     )
     write_tables(rows, Path(args.out), command, note)
     print(f"wrote {args.out}.csv and {args.out}.md")
