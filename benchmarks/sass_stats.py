@@ -82,10 +82,11 @@ def main() -> int:
             "muv_ptr": "*fp32", "qr_ptr": "*fp32", "qmu_ptr": "*fp32", "kc_ptr": "*u8", "ks_ptr": "*bf16",
             "kz_ptr": "*bf16", "vc_ptr": "*u8", "vs_ptr": "*bf16", "vz_ptr": "*bf16", "pt_ptr": "*i32",
             "len_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qo_ptr": "*fp32", "sk_ptr": "*bf16",
-            "sv_ptr": "*bf16", "slen_ptr": "*i32", "rk16_ptr": "*bf16", "rv16_ptr": "*bf16", "rlen_ptr": "*i32"}
+            "sv_ptr": "*bf16", "slen_ptr": "*i32", "recent_k_ptr": "*bf16", "recent_v_ptr": "*bf16", "rlen_ptr": "*i32"}
     bf = dict(HKV=8, REP=4, HP=16, D=128, BITS=2, PAGE_SIZE=64, FAST_UNPACK=True, FUSE_BF16=False, BF_BLOCK=32,
               CHUNK=64, HAS_SINK=True, HAS_RECENT=True, DOT_T=tl.bfloat16)
-    plane = dict(QK_INT8=True, QK_LEVELS=2, PREFETCH=False, HAS_RK=True, HAS_MUK=True, ROT_OUT=True, HAS_MUV=True)
+    plane = dict(QK_INT8=True, QK_LEVELS=2, PREFETCH=False, HAS_RK=True, HAS_MUK=True, ROT_OUT=True, HAS_MUV=True,
+                 **da.plane_sources(2))
     word_ptrs = {**ptrs, "kc_ptr": "*i32", "vc_ptr": "*i32", "rk_ptr": "*bf16", "rv_ptr": "*bf16"}
     word = dict(G=128, HEADS_IN_M=False, PREFETCH=True, V_HEADS_IN_M=False)
     cases = [

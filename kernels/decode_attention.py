@@ -214,7 +214,6 @@ def _int_split(
     heads = tl.arange(0, HP)
     hmask = heads < REP
     hq = kvh * REP + heads
-    cols = tl.arange(0, D)
     cperm = _channel_perm(D, G, BITS)
     m_i = tl.full([HP], float("-inf"), tl.float32)
     l_i = tl.zeros([HP], tl.float32)
@@ -356,54 +355,29 @@ def _plane_asm_f16(p: int, bits: int) -> str:
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-_PI8_2_0, _PI8_2_1, _PI8_2_2, _PI8_2_3 = (tl.constexpr(_plane_asm_i8(p, 2)) for p in range(4))
-_PI8_4_0, _PI8_4_1 = (tl.constexpr(_plane_asm_i8(p, 4)) for p in range(2))
-_PF16_2_0, _PF16_2_1, _PF16_2_2, _PF16_2_3 = (tl.constexpr(_plane_asm_f16(p, 2)) for p in range(4))
-_PF16_4_0, _PF16_4_1 = (tl.constexpr(_plane_asm_f16(p, 4)) for p in range(2))
+def plane_sources(bits: int) -> dict[str, str]:
+    """The inline-PTX sources of every plane, as the plane kernel's constexpr arguments ``AK0..AK3``
+    (key planes, int8) and ``AV0..AV3`` (value planes, fp16); INT4 has two planes, the rest stay empty."""
+    per = 8 // bits
+    src = {f"AK{p}": _plane_asm_i8(p, bits) if p < per else "" for p in range(4)}
+    src.update({f"AV{p}": _plane_asm_f16(p, bits) if p < per else "" for p in range(4)})
+    return src
 
 
 @triton.jit
-def _plane_i8(b, p: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr):
-    """Plane ``p`` of packed bytes ``b`` (uint8) as int8 codes, same shape."""
+def _plane_i8(b, p: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr, SRC: tl.constexpr):
+    """Plane ``p`` of packed bytes ``b`` (uint8) as int8 codes, same shape (``SRC``: its PTX, GPU only)."""
     if FAST:
-        if BITS == 2:
-            if p == 0:
-                src: tl.constexpr = _PI8_2_0
-            elif p == 1:
-                src: tl.constexpr = _PI8_2_1
-            elif p == 2:
-                src: tl.constexpr = _PI8_2_2
-            else:
-                src: tl.constexpr = _PI8_2_3
-        else:
-            if p == 0:
-                src: tl.constexpr = _PI8_4_0
-            else:
-                src: tl.constexpr = _PI8_4_1
-        return tl.inline_asm_elementwise(asm=src, constraints="=r,r", args=[b], dtype=tl.int8, is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(asm=SRC, constraints="=r,r", args=[b], dtype=tl.int8, is_pure=True, pack=4)
     else:
         return ((b >> (BITS * p)) & ((1 << BITS) - 1)).to(tl.int8)
 
 
 @triton.jit
-def _plane_f16(b, p: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr):
+def _plane_f16(b, p: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr, SRC: tl.constexpr):
     """Plane ``p`` of packed bytes ``b`` (uint8) as exact fp16 ``2^(BITS*p) * code``, same shape."""
     if FAST:
-        if BITS == 2:
-            if p == 0:
-                src: tl.constexpr = _PF16_2_0
-            elif p == 1:
-                src: tl.constexpr = _PF16_2_1
-            elif p == 2:
-                src: tl.constexpr = _PF16_2_2
-            else:
-                src: tl.constexpr = _PF16_2_3
-        else:
-            if p == 0:
-                src: tl.constexpr = _PF16_4_0
-            else:
-                src: tl.constexpr = _PF16_4_1
-        return tl.inline_asm_elementwise(asm=src, constraints="=r,=r,r", args=[b], dtype=tl.float16, is_pure=True,
+        return tl.inline_asm_elementwise(asm=SRC, constraints="=r,=r,r", args=[b], dtype=tl.float16, is_pure=True,
                                          pack=4)
     else:
         return (b & (((1 << BITS) - 1) << (BITS * p))).to(tl.float16)
@@ -445,14 +419,14 @@ def _o_plane_out(out, o_p, rv_ptr, kvh, p: tl.constexpr, W: tl.constexpr, D: tl.
 
 @triton.jit
 def _qk_plane(kb, acc_hi, acc_lo, qh, ql, p: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr,
-              QK_INT8: tl.constexpr, QK_LEVELS: tl.constexpr):
+              QK_INT8: tl.constexpr, QK_LEVELS: tl.constexpr, SRC_I8: tl.constexpr, SRC_F16: tl.constexpr):
     if QK_INT8:
-        c = _plane_i8(kb, p, BITS, FAST)
+        c = _plane_i8(kb, p, BITS, FAST, SRC_I8)
         acc_hi = tl.dot(c, qh, acc_hi, out_dtype=tl.int32)
         if QK_LEVELS == 2:
             acc_lo = tl.dot(c, ql, acc_lo, out_dtype=tl.int32)
     else:
-        c = _plane_f16(kb, p, BITS, FAST)
+        c = _plane_f16(kb, p, BITS, FAST, SRC_F16)
         acc_hi = tl.dot(c, qh, acc_hi)
     return acc_hi, acc_lo
 
@@ -496,6 +470,8 @@ def _int_split_planes(
     BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
     ROW_GATHER: tl.constexpr, QK_INT8: tl.constexpr, QK_LEVELS: tl.constexpr, PREFETCH: tl.constexpr,
     HAS_RK: tl.constexpr, HAS_MUK: tl.constexpr, ROT_OUT: tl.constexpr, HAS_MUV: tl.constexpr,
+    AK0: tl.constexpr, AK1: tl.constexpr, AK2: tl.constexpr, AK3: tl.constexpr,
+    AV0: tl.constexpr, AV1: tl.constexpr, AV2: tl.constexpr, AV3: tl.constexpr,
 ):
     """One split of the quantized segment (one group per row) by bit planes: normalized output + LSE.
 
@@ -581,11 +557,11 @@ def _int_split_planes(
         else:
             a_hi = tl.zeros([BLOCK_N, HP], tl.float32)
             a_lo = a_hi
-        a_hi, a_lo = _qk_plane(kb, a_hi, a_lo, qh0, ql0, 0, BITS, FAST_UNPACK, QK_INT8, QK_LEVELS)
-        a_hi, a_lo = _qk_plane(kb, a_hi, a_lo, qh1, ql1, 1, BITS, FAST_UNPACK, QK_INT8, QK_LEVELS)
+        a_hi, a_lo = _qk_plane(kb, a_hi, a_lo, qh0, ql0, 0, BITS, FAST_UNPACK, QK_INT8, QK_LEVELS, AK0, AV0)
+        a_hi, a_lo = _qk_plane(kb, a_hi, a_lo, qh1, ql1, 1, BITS, FAST_UNPACK, QK_INT8, QK_LEVELS, AK1, AV1)
         if PER == 4:
-            a_hi, a_lo = _qk_plane(kb, a_hi, a_lo, qh2, ql2, 2, BITS, FAST_UNPACK, QK_INT8, QK_LEVELS)
-            a_hi, a_lo = _qk_plane(kb, a_hi, a_lo, qh3, ql3, 3, BITS, FAST_UNPACK, QK_INT8, QK_LEVELS)
+            a_hi, a_lo = _qk_plane(kb, a_hi, a_lo, qh2, ql2, 2, BITS, FAST_UNPACK, QK_INT8, QK_LEVELS, AK2, AV2)
+            a_hi, a_lo = _qk_plane(kb, a_hi, a_lo, qh3, ql3, 3, BITS, FAST_UNPACK, QK_INT8, QK_LEVELS, AK3, AV3)
         if QK_INT8:
             qc = a_hi.to(tl.float32) * sc_hi[None, :]
             if QK_LEVELS == 2:
@@ -600,11 +576,11 @@ def _int_split_planes(
         l_i = l_i * alpha + tl.sum(p, axis=0)
         accz = accz * alpha + tl.sum(p * vz[:, None], axis=0)
         pvT = tl.trans((p * vs[:, None]).to(tl.float16))
-        acc0 = tl.dot(pvT, _plane_f16(vb, 0, BITS, FAST_UNPACK), acc0 * alpha[:, None])
-        acc1 = tl.dot(pvT, _plane_f16(vb, 1, BITS, FAST_UNPACK), acc1 * alpha[:, None])
+        acc0 = tl.dot(pvT, _plane_f16(vb, 0, BITS, FAST_UNPACK, AV0), acc0 * alpha[:, None])
+        acc1 = tl.dot(pvT, _plane_f16(vb, 1, BITS, FAST_UNPACK, AV1), acc1 * alpha[:, None])
         if PER == 4:
-            acc2 = tl.dot(pvT, _plane_f16(vb, 2, BITS, FAST_UNPACK), acc2 * alpha[:, None])
-            acc3 = tl.dot(pvT, _plane_f16(vb, 3, BITS, FAST_UNPACK), acc3 * alpha[:, None])
+            acc2 = tl.dot(pvT, _plane_f16(vb, 2, BITS, FAST_UNPACK, AV2), acc2 * alpha[:, None])
+            acc3 = tl.dot(pvT, _plane_f16(vb, 3, BITS, FAST_UNPACK, AV3), acc3 * alpha[:, None])
         m_i = m_new
     nonempty = l_i > 0.0
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
@@ -680,6 +656,7 @@ def _bf16_chunk(
     tl.store(o_ptr + row[None, :] * D + cols[:, None], o, mask=hmask[None, :])
     tl.store(lse_ptr + row, lse, mask=hmask)
 
+
 @triton.jit
 def _planes_kernel(
     q_ptr, scale, rk_ptr, muk_ptr, rv_ptr, muv_ptr,
@@ -690,7 +667,7 @@ def _planes_kernel(
     o_ptr, lse_ptr,
     tokens_per_split, s_total,
     sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
-    rk16_ptr, rv16_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
+    recent_k_ptr, recent_v_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
     num_splits, sink_chunks, num_bf,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
     BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
@@ -698,6 +675,8 @@ def _planes_kernel(
     HAS_RK: tl.constexpr, HAS_MUK: tl.constexpr, ROT_OUT: tl.constexpr, HAS_MUV: tl.constexpr,
     FUSE_BF16: tl.constexpr, BF_BLOCK: tl.constexpr, CHUNK: tl.constexpr, HAS_SINK: tl.constexpr,
     HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr,
+    AK0: tl.constexpr, AK1: tl.constexpr, AK2: tl.constexpr, AK3: tl.constexpr,
+    AV0: tl.constexpr, AV1: tl.constexpr, AV2: tl.constexpr, AV3: tl.constexpr,
 ):
     """Program ``(sequence * Hkv + KV head, split)`` of the bit-plane path; with ``FUSE_BF16`` the programs
     past ``num_splits`` take the BF16 chunks (from the raw query times ``scale``)."""
@@ -706,7 +685,7 @@ def _planes_kernel(
     if FUSE_BF16 and split >= num_splits:
         _bf16_chunk(pid, split - num_splits, q_ptr,
                     sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
-                    rk16_ptr, rv16_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
+                    recent_k_ptr, recent_v_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
                     o_ptr, lse_ptr, num_splits, sink_chunks, num_bf, scale,
                     HKV, REP, HP, D, BF_BLOCK, CHUNK, HAS_SINK, HAS_RECENT, DOT_T)
     else:
@@ -715,7 +694,7 @@ def _planes_kernel(
                           stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
                           o_ptr, lse_ptr, tokens_per_split, s_total,
                           HKV, REP, HP, D, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK, ROW_GATHER, QK_INT8, QK_LEVELS,
-                          PREFETCH, HAS_RK, HAS_MUK, ROT_OUT, HAS_MUV)
+                          PREFETCH, HAS_RK, HAS_MUK, ROT_OUT, HAS_MUV, AK0, AK1, AK2, AK3, AV0, AV1, AV2, AV3)
 
 
 @triton.jit
@@ -1090,7 +1069,8 @@ def paged_decode_attention(
             FAST_UNPACK=fast_unpack, ROW_GATHER=page_size < block_n, QK_INT8=bool(qk_int8), QK_LEVELS=qk_levels,
             PREFETCH=prefetch, HAS_RK=R_K is not None, HAS_MUK=mu_K is not None,
             ROT_OUT=rot_out and R_V is not None, HAS_MUV=rot_out and mu_V is not None,
-            FUSE_BF16=fuse_bf16, BF_BLOCK=32, **bf_flags, num_warps=num_warps, num_stages=num_stages, **reg_cap,
+            FUSE_BF16=fuse_bf16, BF_BLOCK=32, **bf_flags, **plane_sources(bits),
+            num_warps=num_warps, num_stages=num_stages, **reg_cap,
         )
         if not fuse_bf16:
             launchable(_bf16_partial_kernel, dev)[(B * hkv, num_bf)](

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 DEFAULTS: dict[str, Any] = {
     "output": "reports/kernels/decode_attention.csv",
@@ -312,8 +312,6 @@ def bench_quantize(B: int, d: int, hkv: int, opts: dict[str, Any], l2: int) -> l
 
 def check_against_twin(d: int, opts: dict[str, Any]) -> float:
     """Max relative error per head of the kernel vs the float32 torch twin on a mid-size GPU case."""
-    import torch
-
     from oscar.kernels.decode_attention import paged_decode_attention
     from oscar.paged import decode_attention_torch
 
@@ -476,7 +474,7 @@ def run(opts: dict[str, Any]) -> int:
 
 def summary_markdown(rows: list[dict[str, Any]], q_rows: list[dict[str, Any]], env: dict[str, Any], cmd: str) -> str:
     """Short Markdown report: hardware, command, one line per (head_dim, batch, context)."""
-    lines = [f"# Decode attention: paged INT2 (sink 64 + INT2 + recent 256) vs BF16 SDPA", "",
+    lines = ["# Decode attention: paged INT2 (sink 64 + INT2 + recent 256) vs BF16 SDPA", "",
              f"Hardware: {env.get('gpu')} ({env.get('sms')} SMs, L2 {env.get('l2_mb', 0):.0f} MiB), torch {env.get('torch')}, "
              f"triton {env.get('triton')}, CUDA {env.get('cuda')}. Measured copy bandwidth (read+write): "
              f"{env.get('copy_tb_s', float('nan')):.2f} TB/s.", "",

@@ -224,7 +224,7 @@ def write_tables(rows: list[dict[str, Any]], out: Path, command: str, note: str)
 
     df = pd.DataFrame(rows)
     _atomic_write(out.with_suffix(".csv"), df.to_csv(index=False))
-    lines = [f"# Next-token KL to the BF16 cache and perplexity, decode-equivalent teacher forcing", "", note, "", f"Command: `{command}`", ""]
+    lines = ["# Next-token KL to the BF16 cache and perplexity, decode-equivalent teacher forcing", "", note, "", f"Command: `{command}`", ""]
     for model, part in df.groupby("model", sort=False):
         ref = next((str(x) for x in part.get("diff_ref", pd.Series(dtype=object)).dropna()), "oscar")
         lines += [f"## {model}", "",
