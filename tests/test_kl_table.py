@@ -1,39 +1,32 @@
-"""The KL study's intervals: block bootstrap of per-token KL, paired differences, table rendering."""
+"""The KL study's intervals (paired block bootstrap) and its table rendering."""
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
-from oscar.studies.kl_table import block_units, bootstrap_ci, write_tables
+from oscar.studies.kl_table import mean_ci, write_tables
 
 
-def test_block_units_cut_each_window_and_keep_every_token():
-    sums, counts = block_units([torch.ones(300), torch.full((100,), 2.0)], block=128)
-    assert counts.tolist() == [128, 128, 44, 100]  # blocks never straddle two windows
-    assert sums.tolist() == [128.0, 128.0, 44.0, 200.0]
-
-
-def test_bootstrap_interval_brackets_the_mean_and_narrows_with_data():
+def test_interval_brackets_the_mean_and_a_method_minus_itself_is_exactly_zero():
     gen = torch.Generator().manual_seed(0)
-    short = [torch.rand(512, generator=gen)]
-    long = [torch.rand(8192, generator=gen)]
-    lo_s, hi_s = bootstrap_ci(*block_units(short))
-    lo_l, hi_l = bootstrap_ci(*block_units(long))
-    assert lo_s < float(short[0].mean()) < hi_s
-    assert lo_l < float(long[0].mean()) < hi_l
-    assert (hi_l - lo_l) < 0.6 * (hi_s - lo_s)  # 16x the data: about a quarter of the width
+    windows = [torch.rand(2047, generator=gen), torch.rand(1000, generator=gen)]
+    mean, lo, hi = mean_ci(windows)
+    assert lo < mean < hi and hi - lo < 0.05
+    assert mean_ci([w - w for w in windows]) == (0.0, 0.0, 0.0)
+    assert all(math.isnan(x) for x in mean_ci([torch.zeros(0)]))
 
 
-def test_paired_difference_of_a_method_with_itself_is_exactly_zero():
-    v = [torch.rand(1000, generator=torch.Generator().manual_seed(1))]
-    s, c = block_units(v)
-    lo, hi = bootstrap_ci(s - s, c)
-    assert lo == 0.0 and hi == 0.0
-    assert bootstrap_ci(np.array([]), np.array([])) != bootstrap_ci(s, c)  # empty input: NaNs, not an error
-    assert all(math.isnan(x) for x in bootstrap_ci(np.array([]), np.array([])))
+def test_paired_differences_are_tighter_than_the_unpaired_intervals():
+    """Two methods with correlated per-token KL: the interval of their difference is much narrower."""
+    gen = torch.Generator().manual_seed(1)
+    base = [torch.rand(4096, generator=gen) ** 4]
+    other = [b + 0.01 + 0.001 * torch.randn(b.shape, generator=gen) for b in base]
+    _, lo_a, hi_a = mean_ci(base)
+    d, lo_d, hi_d = mean_ci([o - b for o, b in zip(other, base)])
+    assert lo_d < 0.01 < hi_d and abs(d - 0.01) < 1e-3
+    assert hi_d - lo_d < 0.1 * (hi_a - lo_a)
 
 
 def test_tables_show_intervals_and_render_older_rows_without_them(tmp_path):

@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 DEFAULT_METHODS = [
@@ -50,28 +49,16 @@ BLOCK = 128  # tokens per bootstrap unit: next-token KLs are correlated over nea
 N_BOOT = 2000
 
 
-def block_units(per_window: list[torch.Tensor], block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
-    """Per-unit sums and counts: each window's positions cut into consecutive blocks of ``block`` tokens."""
-    sums, counts = [], []
-    for v in per_window:
-        v = v.double()
-        for i in range(0, int(v.numel()), block):
-            part = v[i:i + block]
-            sums.append(float(part.sum()))
-            counts.append(int(part.numel()))
-    return np.asarray(sums), np.asarray(counts, dtype=np.float64)
+def mean_ci(per_window: list[torch.Tensor]) -> tuple[float, float, float]:
+    """Mean per token and its 95% block-bootstrap interval (``oscar.eval.fidelity.block_bootstrap_ci``, blocks
+    of ``BLOCK`` positions within each window, seed 0: every method of a model draws the same blocks, so
+    intervals of differences are paired); NaNs when there are no tokens."""
+    from oscar.eval.fidelity import block_bootstrap_ci
 
-
-def bootstrap_ci(sums: np.ndarray, counts: np.ndarray, n_boot: int = N_BOOT, seed: int = 0) -> tuple[float, float]:
-    """95% percentile interval of the mean per token, resampling units with replacement (a fixed seed,
-    so methods of one model share their resamples and paired differences line up)."""
-    if len(sums) == 0:
-        return float("nan"), float("nan")
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(sums), size=(n_boot, len(sums)))
-    means = sums[idx].sum(axis=1) / counts[idx].sum(axis=1)
-    lo, hi = np.percentile(means, [2.5, 97.5])
-    return float(lo), float(hi)
+    if sum(int(v.numel()) for v in per_window) == 0:
+        return float("nan"), float("nan"), float("nan")
+    lo, hi = block_bootstrap_ci([v.double() for v in per_window], block=BLOCK, n_boot=N_BOOT, seed=0)
+    return float(torch.cat(per_window).double().mean()), lo, hi
 
 
 def _method_cfg(name: str, sink: Optional[int], recent: Optional[int], model: str, results_dir: str) -> Any:
@@ -163,8 +150,8 @@ def run(
                 nll.append(nl)
                 del logits
             kl_cat, past_cat, nll_cat = torch.cat(kl_all), torch.cat(kl_past), torch.cat(nll)
-            all_lo, all_hi = bootstrap_ci(*block_units(kl_all))
-            past_lo, past_hi = bootstrap_ci(*block_units(kl_past))
+            _, all_lo, all_hi = mean_ci(kl_all)
+            _, past_lo, past_hi = mean_ci(kl_past)
             row.update(kl_lo=all_lo, kl_hi=all_hi, kl_past_lo=past_lo, kl_past_hi=past_hi)
             past_by_method[name] = kl_past
             row.update(
@@ -187,10 +174,8 @@ def run(
             past = past_by_method.get(row["method"])
             if past is None or any(a.numel() != b.numel() for a, b in zip(past, ref_past)):
                 continue
-            s_m, c_m = block_units(past)
-            diff = s_m - block_units(ref_past)[0]
-            d_lo, d_hi = bootstrap_ci(diff, c_m)
-            row.update(diff_ref=reference, diff_past=float(diff.sum() / c_m.sum()), diff_past_lo=d_lo, diff_past_hi=d_hi)
+            d_mean, d_lo, d_hi = mean_ci([a.double() - b.double() for a, b in zip(past, ref_past)])
+            row.update(diff_ref=reference, diff_past=d_mean, diff_past_lo=d_lo, diff_past_hi=d_hi)
         if on_row is not None:
             on_row(rows)
         del model
