@@ -1,8 +1,25 @@
 """Paged INT2/INT4 decode attention, split-K, GQA-aware, merged with the BF16 sink and recent segments.
 
-Four launches per call (three with ``fuse_bf16``: the BF16 chunks run as extra programs of launch
-2), all with fixed grids (lengths and page tables are read from device tensors, so the call can be
-captured in a CUDA graph):
+Two paths, both with fixed grids (lengths and page tables are read from device tensors, so a call can
+be captured in a CUDA graph).
+
+Bit-plane path (v8; the default where one group spans the row and a row has >= 32 bytes, e.g. d=128
+INT2 or d=64 INT4), two or three launches:
+
+1. ``_planes_kernel`` ``(B * Hkv, num_splits [+ BF16 chunks])``: each program scales and rotates its
+   group's query itself (fp16 ``R_K``, float32 sums) and walks a page-aligned range of tokens. Byte
+   ``j`` of a row holds channel ``p*W + j`` in plane ``p`` (``W = d*bits/8``), so a plane is a plain
+   ``[BLOCK_N, W]`` operand. Scores: int8 tensor cores against the rotated query in two int8 levels
+   (exact integer sums), ``s = scale * (q . c) + zero * sum(q) + q . mu_K``. Output: fp16 planes
+   ``2^(bits*p) c`` times ``p * scale`` (heads in M), scaled back once at the end, then, in the
+   original frame, rotated back (``o R_V^T + mu_V``) in the program. Plane extraction is inline PTX on
+   the GPU (sources from ``plane_sources``), plain Triton in the interpreter. With ``fuse_bf16`` the
+   BF16 chunks are extra programs of this launch.
+2. ``_bf16_partial_kernel`` (unless fused): the BF16 sink and recent window in chunks of 64 tokens.
+3. ``_merge_cols_kernel`` ``(B * Hkv, d / 32)``: log-sum-exp merge of all partials, which are in one
+   frame, parallel over column chunks (in the rotated output frame: ``_merge_kernel`` instead).
+
+Word path (v7; d=64 INT2, several groups per row, ``planes=False``), three or four launches:
 
 1. ``_prep_kernel`` ``(B * Hkv,)``: the query scaled into the log2 domain, rotated once
    (``q @ R_K``, 3xTF32 on the GPU) and ``q . mu_K``.
@@ -957,7 +974,11 @@ def paged_decode_attention(
     several pages (each row looks its page up) instead of clamping ``block_n`` to the page size;
     ``merge_sp``: partials merged per step of the merge kernel; ``v_heads_in_m`` (with tokens in M for
     the scores): the output product as ``p^T V`` (heads in M), so only the small ``p`` tile is transposed;
-    ``fuse_bf16``: the BF16 chunks run as extra programs of the split-K launch (three launches, not four).
+    ``fuse_bf16``: the BF16 chunks run as extra programs of the split-K launch (one launch fewer).
+    ``planes`` (default: where one group spans the row and a row has >= 32 bytes): the bit-plane path;
+    ``qk_int8`` (default: planes of >= 32 channels) int8 tensor-core scores with ``qk_levels`` int8
+    levels of the query (1 is a timing option only: ~3e-2 error); ``maxnreg``: register cap of the
+    split-K kernel (GPU; ``default_config`` sets 128 for blocks of 128 on the plane path).
     """
     check(q.dim() == 3, f"q must be [B, H, d], got shape {tuple(q.shape)}")
     B, H, d = (int(s) for s in q.shape)
