@@ -8,6 +8,12 @@ calls `oscar.quant`; with no rotation the codes match it bit for bit (IEEE divis
 `tl.math.div_rn`); with a rotation the float32 matrix product sums in another order than torch's,
 so a few codes at rounding boundaries may differ by one (on the GPU the product runs as 3xTF32,
 ``rot_precision="tf32x3"``, about float32 accuracy; ``"ieee"`` is exact float32 FMA but spills).
+
+Launches of up to ``ROW_PATH_MAX_ROWS`` rows (a decode step's demotion) take the row path: one
+program per row, head and tensor on ``row_warps`` warps (1 by default), the rotation as float32 FMAs
+with each lane owning output columns, and the clip threshold from the order statistics found by
+extracting extremes from the nearer end (about ``D * (1 - rho)`` steps of two warp reductions) instead
+of the 31-step radix search of the block path: 8.8 us instead of 26 us per layer on the H200.
 """
 
 from __future__ import annotations
