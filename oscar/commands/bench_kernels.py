@@ -363,6 +363,7 @@ def run(opts: dict[str, Any]) -> int:
     env["copy_tb_s"] = bw / 1e12
     print(f"device {env}", flush=True)
     H, hkv = opts["q_heads"], opts["kv_heads"]
+    env["bits"] = opts["bits"]
     if opts["check"] == "true":
         for d in _ints(opts["head_dims"]):
             env[f"rel_err_vs_twin_d{d}"] = check_against_twin(d, opts)
@@ -474,14 +475,15 @@ def run(opts: dict[str, Any]) -> int:
 
 def summary_markdown(rows: list[dict[str, Any]], q_rows: list[dict[str, Any]], env: dict[str, Any], cmd: str) -> str:
     """Short Markdown report: hardware, command, one line per (head_dim, batch, context)."""
-    lines = ["# Decode attention: paged INT2 (sink 64 + INT2 + recent 256) vs BF16 SDPA", "",
+    q = f"INT{env.get('bits', 2)}"
+    lines = [f"# Decode attention: paged {q} (sink 64 + {q} + recent 256) vs BF16 SDPA", "",
              f"Hardware: {env.get('gpu')} ({env.get('sms')} SMs, L2 {env.get('l2_mb', 0):.0f} MiB), torch {env.get('torch')}, "
              f"triton {env.get('triton')}, CUDA {env.get('cuda')}. Measured copy bandwidth (read+write): "
              f"{env.get('copy_tb_s', float('nan')):.2f} TB/s.", "",
              f"Command: `{cmd}`", "",
              "One layer, one query per sequence, times in microseconds per call (median of CUDA-graph replays "
-             "over input sets larger than L2). Bandwidth fraction: INT2 bytes read / time / copy bandwidth.", "",
-             "| d | batch | context | cuDNN | flash | INT2 (defaults) | INT2 v7 path | speedup vs best BF16 | INT2 TB/s "
+             f"over input sets larger than L2). Bandwidth fraction: {q} bytes read / time / copy bandwidth.", "",
+             f"| d | batch | context | cuDNN | flash | {q} (defaults) | {q} v7 path | speedup vs best BF16 | {q} TB/s "
              "| of copy bw |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
