@@ -13,7 +13,7 @@ Launches of up to ``ROW_PATH_MAX_ROWS`` rows (a decode step's demotion) take the
 program per row, head and tensor on ``row_warps`` warps (1 by default), the rotation as float32 FMAs
 with each lane owning output columns, and the clip threshold from the order statistics found by
 extracting extremes from the nearer end (about ``D * (1 - rho)`` steps of two warp reductions) instead
-of the 31-step radix search of the block path: 8.8 us instead of 26 us per layer on the H200.
+of the 31-step radix search of the block path: 8.8 us instead of 23.2 us per layer (K and V, one row) on the H200.
 """
 
 from __future__ import annotations
