@@ -157,6 +157,7 @@ class Engine:
 
             self.fold_handle = fold_value_rotations(model, rotations)  # type: ignore[arg-type]
         self.device = next(model.parameters()).device
+        self.reset_perf()
 
     @classmethod
     def from_config(cls, cfg: Any, *, fold_values: bool = True) -> "Engine":
@@ -243,9 +244,33 @@ class Engine:
             eos_ids += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
         pad = tok.pad_token_id if tok.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
         decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-        outs = generate_tokens(self.model, encoded, params, self.new_cache, eos_ids, pad, decode)
+        stats: dict = {}
+        outs = generate_tokens(self.model, encoded, params, self.new_cache, eos_ids, pad, decode, stats=stats)
+        for key in ("prefill_s", "prefill_tokens", "decode_s", "decode_steps"):
+            self.perf[key] += stats.get(key, 0)
+        if "kv_bits_per_element" in stats:
+            self.perf["kv_bits"].append(stats["kv_bits_per_element"])
         texts = [decode(o) for o in outs]
         return [truncate_at_stop(t, params.stop) for t in texts]
+
+    def reset_perf(self) -> None:
+        """Start new timing and cache-size accounting for `perf_metrics` (generation calls only)."""
+        self.perf: dict[str, Any] = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_steps": 0,
+                                     "kv_bits": []}
+
+    def perf_metrics(self) -> dict[str, float]:
+        """Generation measured since `reset_perf`: `perf.decode_ms` (wall ms per batched decode step),
+        `perf.prefill_ms_per_token`, `mem.kv_bits_per_element` (cache bits per stored K/V element at the
+        end of each call, averaged over calls). Empty before any generation."""
+        p = self.perf
+        out: dict[str, float] = {}
+        if p["decode_steps"]:
+            out["perf.decode_ms"] = 1e3 * p["decode_s"] / p["decode_steps"]
+        if p["prefill_tokens"]:
+            out["perf.prefill_ms_per_token"] = 1e3 * p["prefill_s"] / p["prefill_tokens"]
+        if p["kv_bits"]:
+            out["mem.kv_bits_per_element"] = sum(p["kv_bits"]) / len(p["kv_bits"])
+        return out
 
     def close(self) -> None:
         """Undo the o_proj surgery (the model is usable with other caches again)."""

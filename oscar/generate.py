@@ -8,6 +8,7 @@ counted per row from its first real token.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -96,11 +97,14 @@ def generate_tokens(
     eos_token_ids: Sequence[int] = (),
     pad_token_id: int = 0,
     decode: Optional[Callable[[list[int]], str]] = None,
+    stats: Optional[dict] = None,
 ) -> list[list[int]]:
     """Generate up to `max_new_tokens` per prompt; rows stop at an EOS token or a stop string.
 
     `make_cache()` returns a fresh KV cache (an `OscarCache` or any transformers Cache). Stop strings
-    need `decode` (token ids -> text). Returned lists exclude the prompt and the EOS token.
+    need `decode` (token ids -> text). Returned lists exclude the prompt and the EOS token. `stats`, when
+    given, receives wall times of the prefill and of the decode steps (`prefill_s`, `prefill_tokens`,
+    `decode_s`, `decode_steps`, `batch`) and, from a cache that measures it, `kv_bits_per_element` at the end.
     """
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_token_id, device)
@@ -120,6 +124,7 @@ def generate_tokens(
     kw = cache_kwarg(model)
     has_pad = bool((mask == 0).any())
     pos = positions_from_mask(mask)
+    t0 = time.perf_counter()
     logits = model(
         input_ids=ids,
         attention_mask=mask if has_pad else None,
@@ -127,6 +132,8 @@ def generate_tokens(
         use_cache=True,
         **{kw: cache},
     ).logits[:, -1, :]
+    _sync(device)
+    prefill_s, decode_s, steps = time.perf_counter() - t0, 0.0, 0
     next_pos = pos[:, -1:] + 1
     for step in range(params.max_new_tokens):
         tok = next_tokens(logits, params, generator)
@@ -143,6 +150,7 @@ def generate_tokens(
         if all(done) or step == params.max_new_tokens - 1:
             break
         mask = torch.cat([mask, torch.ones(bsz, 1, dtype=mask.dtype, device=device)], dim=1)
+        t1 = time.perf_counter()
         logits = model(
             input_ids=tok[:, None],
             attention_mask=mask if has_pad else None,
@@ -150,8 +158,26 @@ def generate_tokens(
             use_cache=True,
             **{kw: cache},
         ).logits[:, -1, :]
+        _sync(device)
+        decode_s += time.perf_counter() - t1
+        steps += 1
         next_pos = next_pos + 1
+    if stats is not None:
+        stats.update(prefill_s=prefill_s, prefill_tokens=int(mask[:, : ids.shape[1]].sum()), decode_s=decode_s,
+                     decode_steps=steps, batch=bsz)
+        measure = getattr(cache, "bits_per_element", None)
+        if callable(measure):
+            try:
+                stats["kv_bits_per_element"] = float(measure())
+            except ValueError:  # an empty cache
+                pass
     return out
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device (so wall times cover the work, not its launch)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def truncate_at_stop(text: str, stop: Sequence[str]) -> str:

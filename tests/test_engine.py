@@ -113,5 +113,6 @@ def test_generate_verb_writes_completions(tmp_path, capsys) -> None:
     assert rc == 0
     record = json.loads(out.read_text().splitlines()[0])
     assert record["method"] == "quarot" and record["prompt"] == "The capital of France is" and record["completion"]
+    assert record["perf.decode_ms"] > 0 and 2 < record["mem.kv_bits_per_element"] <= 16  # measured, in the record
     assert "The capital of France is" in capsys.readouterr().out
     assert main(["model=smollm2-135m", "method=quarot"]) == 2  # no prompt: usage error naming the fix

@@ -196,3 +196,20 @@ def test_choice_kl_of_letter_distributions():
     assert _choice_kl([-1.0, -2.0, -3.0, -4.0], [-1.0, -2.0, -3.0, -4.0]) == pytest.approx(0.0)
     assert _choice_kl([-1.0, -2.0, -3.0, -4.0], [-11.0, -12.0, -13.0, -14.0]) == pytest.approx(0.0)  # shift-invariant
     assert _choice_kl([-0.1, -5.0, -5.0, -5.0], [-5.0, -0.1, -5.0, -5.0]) > 1.0
+
+
+def test_cell_metrics_carry_the_engines_generation_timing(tmp_path):
+    """An engine that measures its generation (`reset_perf` / `perf_metrics`) adds `perf.*` and `mem.*` metrics."""
+
+    class TimedEngine(FakeEngine):
+        def reset_perf(self):
+            self.resets = getattr(self, "resets", 0) + 1
+
+        def perf_metrics(self):
+            return {"perf.decode_ms": 12.5, "mem.kv_bits_per_element": 2.3}
+
+    cfg = _cfg(tmp_path, "benchmark=champ", "benchmark.limit=2", "method=bf16")
+    eng = TimedEngine(lambda p: "\\boxed{1}")
+    result = runner.run_cell(cfg, eng, progress=False)
+    assert eng.resets == 1
+    assert result["metrics"]["perf.decode_ms"] == 12.5 and result["metrics"]["mem.kv_bits_per_element"] == 2.3

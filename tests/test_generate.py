@@ -97,3 +97,24 @@ def test_bad_sampling_values_are_refused() -> None:
         SamplingParams(top_p=1.5)
     with pytest.raises(ValueError, match="temperature=-1"):
         SamplingParams(temperature=-1)
+
+
+def test_stats_time_the_steps_and_measure_the_cache() -> None:
+    """`stats` counts the batched decode steps and the real prompt tokens, and reads the cache's bits per element."""
+    model = tiny_llama()
+    enable(model)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    sizes = {}
+    rots = random_rotations(model)
+    int2 = spec_for_model(model, kind="rotated", rotations=rots, sink=2, recent=4, group_size=8, page_size=4)
+    for kind, factory in (("bf16", lambda: new_cache(model, spec_for_model(model, kind="bf16"))),
+                          ("int2", lambda: new_cache(model, int2))):
+        stats: dict = {}
+        out = generate_tokens(model, prompts, SamplingParams(max_new_tokens=6), factory, stats=stats)
+        assert stats["decode_steps"] == max(len(o) for o in out) - 1 == 5  # the first token comes from the prefill
+        assert stats["prefill_tokens"] == 8 and stats["batch"] == 2
+        assert stats["decode_s"] > 0 and stats["prefill_s"] > 0
+        sizes[kind] = stats["kv_bits_per_element"]
+    assert sizes["bf16"] == 16.0
+    # 11 tokens a row: sink 2 + recent 4 in BF16, 5 in INT2 pages of 4 slots (allocated slots count)
+    assert sizes["int2"] < 16.0

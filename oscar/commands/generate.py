@@ -82,13 +82,17 @@ def main(argv: list[str]) -> int:
         return 1
     for prompt, out in zip(prompts, outs):
         print(f"### {prompt}\n{out}\n")
-    print(f"generate: {cfg.model.name} / {cfg.method.name}, {len(prompts)} prompt(s) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    perf = engine.perf_metrics()
+    measured = ", ".join(f"{k} {v:.3g}" for k, v in perf.items())
+    print(f"generate: {cfg.model.name} / {cfg.method.name}, {len(prompts)} prompt(s) in {time.perf_counter() - t0:.1f} s"
+          + (f" ({measured})" if measured else ""), file=sys.stderr)
     if cfg.output:
         path = Path(str(cfg.output))
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         with os.fdopen(fd, "w") as fh:
             for prompt, out in zip(prompts, outs):
-                fh.write(json.dumps({"model": str(cfg.model.name), "method": str(cfg.method.name), "prompt": prompt, "completion": out}) + "\n")
+                fh.write(json.dumps({"model": str(cfg.model.name), "method": str(cfg.method.name), "prompt": prompt,
+                                     "completion": out, **perf}) + "\n")
         os.replace(tmp, path)
     return 0

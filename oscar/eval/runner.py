@@ -247,6 +247,8 @@ def run_cell(cfg: Any, engine: Any, out_dir: Path | None = None, progress: bool 
     partial = out_dir / PARTIAL_FILE
     done = _read_partial(partial, chash)
     todo = [it for it in items if it.id not in done]
+    if callable(getattr(engine, "reset_perf", None)):
+        engine.reset_perf()
     batch_size = max(1, int(cfg.benchmark.batch_size))
     desc = f"{cfg.model.name}/{cfg.method.name}/{cfg.benchmark.name}/seed{cfg.seed}"
     bar = tqdm(total=len(items), initial=len(items) - len(todo), desc=desc, disable=not progress,
@@ -271,10 +273,13 @@ def run_cell(cfg: Any, engine: Any, out_dir: Path | None = None, progress: bool 
         rec.pop("_config_hash", None)
         records.append(rec)
     write_text_atomic(out_dir / ITEMS_FILE, "".join(json.dumps(r, default=str) + "\n" for r in records))
+    metrics = summarize(cfg.benchmark.family, records)
+    if callable(getattr(engine, "perf_metrics", None)):  # wall time of this run's generation (a resumed cell: the rest)
+        metrics.update(engine.perf_metrics())
     result = {
         "model": cfg.model.name, "method": cfg.method.name, "benchmark": cfg.benchmark.name, "seed": int(cfg.seed),
         "stand_in_for": cfg.benchmark.stand_in_for, "n": len(records),
-        "metrics": summarize(cfg.benchmark.family, records), "config_hash": chash, "oscar_version": __version__,
+        "metrics": metrics, "config_hash": chash, "oscar_version": __version__,
         "git_commit": git_commit(), "hardware": hardware(getattr(engine, "device", cfg.device)),
         "wall_s": round(time.monotonic() - start, 3),
         "sampling": _sampling(cfg), "source": cfg.benchmark.source, "notes": notes,
