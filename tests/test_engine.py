@@ -61,6 +61,27 @@ def test_engine_smoke_on_smollm2(smollm2) -> None:
     assert again == int2.generate(["The capital of France is", "Hello"], max_new_tokens=6, temperature=0.8, top_p=0.9, seed=3)
 
 
+@pytest.mark.model
+def test_batched_loglikelihood_equals_one_request_at_a_time(smollm2) -> None:
+    """Left-padded batches of requests of different lengths score like single requests, in serving and
+    decode-equivalent mode, with BF16 and an INT2 cache whose windows the longer requests overflow: equal up
+    to the cache's rounding of float32 sums taken in another order (measured: 0.10 of a log-probability of
+    -20.2 with INT2, 1.2e-2 of one of -4.2 with BF16); a lone request exactly."""
+    model, tok, _ = smollm2
+    ctxs = ["The most important thing in a startup is to make something people want, and the best way to"
+            " find out what people want is to", "Paris is the capital of", "", "Q: What is 2 + 2? A:"]
+    conts = [" talk to users.", " France", "Hello", " 4"]
+    for name, mode in (("bf16", "serving"), ("int2", "decode_equivalent")):
+        eng = Engine(model, tok, method(name, sink=4, recent=8))
+        one = eng.loglikelihood(ctxs, conts, mode=mode)
+        many = eng.loglikelihood(ctxs, conts, mode=mode, batch_size=4)
+        for (a, ga), (b, gb) in zip(one, many):
+            assert abs(a - b) < 0.03 * max(1.0, abs(a)) and ga == gb
+        assert eng.loglikelihood(ctxs[:1], conts[:1], mode=mode, batch_size=4) == one[:1]  # no padding: exact
+    with pytest.raises(ValueError, match="batch_size=0"):
+        eng.loglikelihood(ctxs, conts, batch_size=0)
+
+
 @pytest.mark.slow
 @pytest.mark.model
 def test_rotated_int2_methods_beat_naive_int2_by_a_wide_margin(smollm2, tmp_path) -> None:
