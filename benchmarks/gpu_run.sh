@@ -6,13 +6,7 @@
 # SKIP_TESTS=1 skips the CUDA tests; `parts=quantize` with the attention table already in the output folder
 # times only the quantization kernels and reports their share against that table.
 set -o pipefail
-OUTDIR=${OUT:-$PWD/reports/kernels}
-mkdir -p "$OUTDIR"
-W=/tmp/oscar_w
-rm -rf "$W" && mkdir -p "$W"
-cp -r oscar tests benchmarks pyproject.toml "$W"/ && cp -r kernels "$W"/oscar/kernels
-cd "$W" || exit 1
-export PYTHONPATH="$W" PYTHONUNBUFFERED=1
+source "$(dirname "$0")/_gpu_copy.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
 [ -n "${SKIP_TESTS:-}" ] || timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests/test_kernels_quantize.py tests/test_kernels_decode.py \
   tests/test_paged.py -q -p no:cacheprovider -k "cuda or test_pool or twin_equals" ${PYTEST_EXTRA:-} 2>&1 | tee "$OUTDIR/pytest_cuda.log" | tail -25

@@ -3,13 +3,7 @@
 # Usage (repo root, on the GPU machine): bash benchmarks/gpu_sweep.sh [sweep budget seconds]
 # Same copy-to-/tmp/oscar_w trick as gpu_run.sh; outputs go to $OUT (or reports/kernels without it).
 set -o pipefail
-OUTDIR=${OUT:-$PWD/reports/kernels}
-mkdir -p "$OUTDIR"
-W=/tmp/oscar_w
-rm -rf "$W" && mkdir -p "$W"
-cp -r oscar tests benchmarks pyproject.toml "$W"/ && cp -r kernels "$W"/oscar/kernels
-cd "$W" || exit 1
-export PYTHONPATH="$W" PYTHONUNBUFFERED=1
+source "$(dirname "$0")/_gpu_copy.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 timeout "${TEST_TIMEOUT:-110}" python3 -m pytest tests/test_kernels_quantize.py tests/test_kernels_decode.py \
   tests/test_paged.py -q -p no:cacheprovider -k "cuda or test_pool or twin_equals" 2>&1 \

@@ -155,6 +155,12 @@ class PagedRows:
             self.lengths[b] += 1
         return torch.tensor(slots, dtype=torch.int64, device=self.device)
 
+    def quant_pages(self) -> Any:
+        """The pages as an `oscar.paged.QuantPages` view (same tensors: kernels write through it)."""
+        from oscar import paged
+
+        return paged.QuantPages(self.codes, self.scale, self.zero, self.bits, self.group_size)
+
     def page_table(self) -> torch.Tensor:
         """int32 `[B, max_pages]`; unused entries hold 0."""
         width = max((len(p) for p in self.pages), default=0)
@@ -440,16 +446,13 @@ class OscarLayer(CacheLayerMixin):
         `backend="triton"`); the new token is already written."""
         from oscar import paged
 
-        r = self.rot
-        assert r is not None
         sp = self.spec
-        kt = paged.HeadTransform(r.r_k.float(), None if r.mu_k is None else r.mu_k.float(), r.rho_k)
-        vt = paged.HeadTransform(r.r_v.float(), None if r.mu_v is None else r.mu_v.float(), r.rho_v)
-        ks, vs = self.k_store, self.v_store
+        kt, vt = self._head_transforms()
+        ks = self.k_store
         out = paged.decode_attention(
             query[:, :, 0],
-            paged.QuantPages(ks.codes, ks.scale, ks.zero, sp.bits, sp.group_size),
-            paged.QuantPages(vs.codes, vs.scale, vs.zero, sp.bits, sp.group_size),
+            ks.quant_pages(),
+            self.v_store.quant_pages(),
             ks.page_table(),
             torch.tensor(ks.lengths, dtype=torch.int32, device=self.device),
             kt,
@@ -599,22 +602,27 @@ class OscarLayer(CacheLayerMixin):
         (K and V in one launch), at slots reserved in both stores."""
         from oscar import paged
 
-        r = self.rot
-        assert r is not None
         slots = self.k_store.reserve(b, k.shape[1])
         if not torch.equal(self.v_store.reserve(b, v.shape[1]), slots):
             raise RuntimeError("K and V page stores went out of step; the cache is corrupt")
 
-        def transform(rot: torch.Tensor, mu: Optional[torch.Tensor], rho: Optional[torch.Tensor]) -> "paged.HeadTransform":
+        paged.rotate_quantize_pack_kv(k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), slots,
+                                      self.k_store.quant_pages(), self.v_store.quant_pages(), *self._head_transforms(),
+                                      backend="triton")
+
+    def _head_transforms(self) -> tuple[Any, Any]:
+        """K and V `oscar.paged.HeadTransform`s (float32) of this layer's rotations, for the paged kernels;
+        clip ratios only where some are below 1 (reads ignore them)."""
+        from oscar import paged
+
+        r = self.rot
+        assert r is not None
+
+        def transform(rot: torch.Tensor, mu: Optional[torch.Tensor], rho: Optional[torch.Tensor]) -> Any:
             clip = rho is not None and bool((rho < 1).any())
             return paged.HeadTransform(rot.float(), None if mu is None else mu.float(), rho.float() if clip else None)
 
-        ks, vs = self.k_store, self.v_store
-        paged.rotate_quantize_pack_kv(
-            k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), slots,
-            paged.QuantPages(ks.codes, ks.scale, ks.zero, self.spec.bits, self.spec.group_size),
-            paged.QuantPages(vs.codes, vs.scale, vs.zero, self.spec.bits, self.spec.group_size),
-            transform(r.r_k, r.mu_k, r.rho_k), transform(r.r_v, r.mu_v, r.rho_v), backend="triton")
+        return transform(r.r_k, r.mu_k, r.rho_k), transform(r.r_v, r.mu_v, r.rho_v)
 
     def _ensure_recent_capacity(self, needed: int) -> None:
         cap = self.recent_k.shape[2]
