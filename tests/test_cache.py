@@ -54,6 +54,45 @@ def run_steps(model, ids, spec):
     return torch.cat(logits, dim=1), cache
 
 
+def _store_rows(store) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unpacked codes `[N, Hkv, d]`, bf16 scale and zero `[N, Hkv, d/G]` of every stored row, sequence by sequence."""
+    codes, scales, zeros = [], [], []
+    for b, pages in enumerate(store.pages):
+        n = store.lengths[b]
+        idx = torch.tensor(pages, dtype=torch.long)
+        for name, out in (("codes", codes), ("scale", scales), ("zero", zeros)):
+            t = getattr(store, name)[idx].permute(0, 2, 1, 3).reshape(-1, store.hkv, getattr(store, name).shape[-1])[:n]
+            out.append(t)
+    return quant.unpack_codes(torch.cat(codes), store.bits, store.group_size), torch.cat(scales), torch.cat(zeros)
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 units in the last place between same-signed bf16 values (0 where equal)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs().masked_fill(a == b, 0)
+
+
+def assert_quantized_alike(a: tuple, b: tuple, group_size: int, max_group_share: float) -> None:
+    """Unpacked (codes, scale, zero) of the same rows reached through different float reduction orders.
+
+    Exact: the shapes (which rows, which groups). May differ (machine-dependent: BLAS kernel, ISA,
+    batch shape): where reassociation moves a value across a rounding boundary, its code moves by one
+    step or its group's bf16 scale/zero by one ulp. Each position moves by at most that; at most
+    `max_group_share` of the groups move at all.
+    """
+    (ca, sa, za), (cb, sb, zb) = a, b
+    assert ca.shape == cb.shape and sa.shape == sb.shape and za.shape == zb.shape
+    assert int((ca.int() - cb.int()).abs().max()) <= 1
+    assert int(_bf16_ulps(sa, sb).max()) <= 1 and int(_bf16_ulps(za, zb).max()) <= 1
+    moved = (ca != cb).reshape(*ca.shape[:-1], -1, group_size).any(-1) | (sa != sb) | (za != zb)
+    assert float(moved.float().mean()) <= max_group_share, f"{int(moved.sum())} of {moved.numel()} groups moved"
+
+
+def assert_same_rows_quantized_alike(a, b, max_group_share: float) -> None:
+    """Two stores holding the same rows (same lengths, exactly) quantized alike (`assert_quantized_alike`)."""
+    assert a.lengths == b.lengths
+    assert_quantized_alike(_store_rows(a), _store_rows(b), a.group_size, max_group_share)
+
+
 @pytest.fixture(scope="module")
 def llama():
     model = tiny_llama()
@@ -109,7 +148,10 @@ def test_decode_equivalent_prefill_equals_step_by_step_decoding(sink, recent, bi
     assert (chunked - bf16).abs().max() > 1e-3  # quantized history is really used
     for la, lb in zip(c1.layers, c2.layers):
         assert la.int_lengths() == lb.int_lengths() == [29 - sink - recent] * 2
-        torch.testing.assert_close(la.k_store.gather_dequantized()[0], lb.k_store.gather_dequantized()[0], rtol=0, atol=0)
+        # same rows, but the chunked prefill computes them in other batch shapes than one token at a time:
+        # its float32 sums may reassociate (measured on an AVX2 EPYC: one group of 56 moved by one bf16 ulp)
+        for store_a, store_b in ((la.k_store, lb.k_store), (la.v_store, lb.v_store)):
+            assert_same_rows_quantized_alike(store_a, store_b, max_group_share=0.1)
 
 
 def test_serving_prefill_attends_in_full_precision_and_then_decodes(llama) -> None:
@@ -190,10 +232,9 @@ def test_demotion_is_exact_at_the_window_boundaries(total: int) -> None:
             expect = quant.rotate_clip_quantize(
                 ks[0, :, sink : sink + n_int].to(torch.bfloat16).float(), rots[0].r_k, rots[0].mu_k[:, None], rots[0].rho_k[:, None].expand(hkv, n_int), bits=2, group_size=8
             )
-            table = layer.k_store.page_table()[0].long()
-            codes = layer.k_store.codes[table].permute(1, 0, 2, 3).reshape(hkv, -1, d * 2 // 8)[:, :n_int]
-            scale = layer.k_store.scale[table].permute(1, 0, 2, 3).reshape(hkv, -1, d // 8)[:, :n_int]
-            assert torch.equal(codes, expect.codes) and torch.equal(scale, expect.scale)
+            want = (quant.unpack_codes(expect.codes, 2, 8).transpose(0, 1), expect.scale.transpose(0, 1), expect.zero.transpose(0, 1))
+            # the rotation runs on one row here and on all rows there: its sums may reassociate
+            assert_quantized_alike(_store_rows(layer.k_store), want, 8, max_group_share=0.1)
 
 
 def test_left_padded_row_equals_the_prompt_alone(llama) -> None:
