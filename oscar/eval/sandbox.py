@@ -365,20 +365,20 @@ def _cgroup_parents() -> tuple[str, dict[str, Path]] | None:
                         v1[c] = Path(point + path[len(root.rstrip("/")):])
     if set(v1) == {"memory", "pids"} and all(os.access(p, os.W_OK) for p in v1.values()):
         return "v1", v1
-    for left, right in mounts:
+    for left, right in mounts:  # v2: our cgroup or its parent, if it already delegates both controllers
         fields, tail = left.split(), right.split()
-        if tail[0] == "cgroup2":
-            for hid, controllers, path in own:
-                if hid == "0" and path.startswith(fields[3]):
-                    parent = Path(fields[4] + path[len(fields[3].rstrip("/")):])
-                    control = parent / "cgroup.subtree_control"
+        if tail[0] != "cgroup2":
+            continue
+        for hid, _, path in own:
+            if hid == "0" and path.startswith(fields[3]):
+                mine = Path(fields[4] + path[len(fields[3].rstrip("/")):])
+                for parent in (mine, mine.parent):
                     try:
-                        if not {"memory", "pids"} <= set(control.read_text().split()):
-                            control.write_text("+memory +pids")
-                        if {"memory", "pids"} <= set(control.read_text().split()):
-                            return "v2", {"unified": parent}
+                        enabled = set((parent / "cgroup.subtree_control").read_text().split())
                     except OSError:
-                        return None
+                        continue
+                    if {"memory", "pids"} <= enabled and os.access(parent, os.W_OK):
+                        return "v2", {"unified": parent}
     return None
 
 
@@ -471,9 +471,8 @@ class _UidLease:
     def __init__(self) -> None:
         folder = Path(tempfile.gettempdir()) / "oscar-sandbox-uids"
         folder.mkdir(mode=0o700, exist_ok=True)
-        start = (os.getpid() * 7919 + time.monotonic_ns()) % UID_COUNT
-        for i in range(UID_COUNT):
-            uid = UID_BASE + (start + i) % UID_COUNT
+        for i in range(UID_COUNT):  # the lowest free one: as many lock files as concurrent sandboxes
+            uid = UID_BASE + i
             fd = os.open(folder / f"{uid}.lock", os.O_CREAT | os.O_RDWR, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
