@@ -549,3 +549,36 @@ def test_an_unisolated_code_cell_says_so_in_its_result(tmp_path, monkeypatch):
     result = runner.run_cell(_cfg(tmp_path, "benchmark=humaneval", "benchmark.limit=2"), FakeEngine(answer), progress=False)
     assert result["metrics"]["pass@1"] == 1.0
     assert any(note.startswith("UNISOLATED: 2 of 2") for note in result["notes"]), result["notes"]
+
+
+@needs_namespaces
+def test_evaluator_environment_and_files_are_out_of_reach(tmp_path, monkeypatch):
+    """The bypasses of the audit-hook layer, tried against the namespace layer: other processes'
+    environ through /proc, os.remove/os.rename of host files, kill(-1)."""
+    monkeypatch.setenv("OSCAR_SECRET_TOKEN", "do-not-leak-7f3a")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    code = textwrap.dedent(
+        f"""
+        import ctypes, os
+        seen = []
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    seen.append(open("/proc/%s/environ" % pid, "rb").read())
+                except OSError:
+                    pass
+        print("leak", any(b"do-not-leak" in s for s in seen))
+        for op in (lambda: os.remove({str(victim)!r}), lambda: os.rename({str(victim)!r}, "stolen")):
+            try:
+                op()
+                print("moved")
+            except OSError as exc:
+                print("refused", type(exc).__name__)
+        ctypes.CDLL(None).kill(-1, 9)
+        """
+    )
+    res = run_python(code, limits=FAST)
+    assert "leak False" in res.stdout and "moved" not in res.stdout, res.stdout + res.stderr
+    assert victim.read_text() == "keep me"
+    assert run_python("print('still here')", limits=FAST).passed

@@ -239,12 +239,20 @@ class ExecResult:
 def isolation_mode() -> str:
     """`namespaces` when this process can build the namespace sandbox (probed once), else `hooks`."""
     if os.geteuid() != 0 or shutil.which("unshare") is None or sys.platform != "linux":
+        _PROBE["failure"] = f"euid={os.geteuid()}, unshare={shutil.which('unshare')}, platform={sys.platform}"
         return "hooks"
     try:
         trial = _run("print('ok')", None, SandboxLimits(timeout_s=30, cpu_s=10), "namespaces")
-    except OSError:
+    except OSError as exc:
+        _PROBE["failure"] = f"{type(exc).__name__}: {exc}"
         return "hooks"
-    return "namespaces" if trial.passed and trial.stdout.strip() == "ok" else "hooks"
+    if trial.passed and trial.stdout.strip() == "ok":
+        return "namespaces"
+    _PROBE["failure"] = f"trial run {trial.status}: {trial.stderr.strip()[-400:]}"
+    return "hooks"
+
+
+_PROBE: dict[str, str] = {"failure": ""}  # why the namespace layer is unavailable, for the error message
 
 
 def opted_in(allow_unisolated: bool | None = None) -> bool:
@@ -266,7 +274,8 @@ def require_isolation(allow_unisolated: bool | None = None) -> str:
         raise SandboxUnavailable(
             "refusing to run generated code: no real isolation is available here (needs root, Linux and "
             "`unshare` for mount/PID/network namespaces). The audit-hook fallback cannot contain Python "
-            f"code. To run it anyway, unisolated, set {OPT_IN_ENV}=1 (results then say isolation=hooks)."
+            f"code. To run it anyway, unisolated, set {OPT_IN_ENV}=1 (results then say isolation=hooks). "
+            f"Probe: {_PROBE['failure'] or 'not run'}"
         )
     _warn_unisolated()
     return mode
