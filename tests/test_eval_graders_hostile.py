@@ -177,6 +177,14 @@ def test_wire_round_trip_of_nan():
     assert math.isnan(decode_value(decode_line(json.dumps(encode_value(float("nan"))).encode())))
 
 
+def test_numpy_scalars_cross_as_their_python_value():
+    np = pytest.importorskip("numpy")
+    assert encode_value(np.int64(3)) == 3 and type(encode_value(np.int64(3))) is int
+    assert encode_value(np.float32(0.5)) == 0.5 and encode_value(np.bool_(True)) is True
+    with pytest.raises(TypeError, match="plain data"):
+        encode_value(np.arange(3))
+
+
 def test_wire_refuses_objects_subclasses_and_code():
     class Sneaky(int):
         pass

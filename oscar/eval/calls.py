@@ -43,9 +43,9 @@ class CandidateRaised(Exception):
 
 
 def encode_value(value, _depth=0):
-    """Plain-data JSON tree of `value`; exact builtin types only (a subclass is refused).
-
-    Self-contained on purpose: its source also runs inside the sandbox (`serve_source`).
+    """Plain-data JSON tree of `value`; exact builtin types only (a subclass is refused), and numpy
+    scalars as their Python value. Whatever this produces is plain data, so running it inside the
+    candidate's process (self-contained on purpose: `serve_source`) cannot forge a verdict.
     """
     import math
 
@@ -68,6 +68,8 @@ def encode_value(value, _depth=0):
         return {t.__name__: [encode_value(v, _depth + 1) for v in value]}
     if t is dict:
         return {"dict": [[encode_value(k, _depth + 1), encode_value(v, _depth + 1)] for k, v in value.items()]}
+    if t.__module__ == "numpy" and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        return encode_value(value.item(), _depth + 1)  # a numpy scalar compares like its Python value
     raise TypeError("cannot pass a %s.%s as plain data" % (t.__module__, t.__qualname__))
 
 

@@ -409,6 +409,8 @@ class _Cgroup:
                 (mem / "memory.limit_in_bytes").write_text(str(memory))
                 if (mem / "memory.memsw.limit_in_bytes").exists():
                     (mem / "memory.memsw.limit_in_bytes").write_text(str(memory))
+                if (mem / "memory.swappiness").exists():  # no swap where memsw accounting is off
+                    (mem / "memory.swappiness").write_text("0")
                 (pids / "pids.max").write_text(str(int(limits.nproc) + 1))
             else:
                 d = self.dirs[0]
