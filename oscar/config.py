@@ -54,7 +54,8 @@ class MethodConfig:
     group_size: int = 128
     sink: int = 64
     recent: int = 256
-    clip: str = "fit"  # fit | fixed | none
+    clip: str = "fit"  # fit | fixed | none | paper (the method's paper_clip); the same for every method by default
+    paper_clip: str = "fit"  # the method's own published choice: fit | fixed | none
     rho_k: float = 0.96
     rho_v: float = 0.92
     page_size: int = 64
@@ -91,8 +92,10 @@ class CalibrationConfig:
     num_tokens: int = 8192
     seq_len: int = 2048
     holdout_tokens: int = 1024  # tokens held back for clip fitting and `auto` selection
-    clip_grid_k: list[float] = field(default_factory=lambda: [0.90, 0.92, 0.94, 0.96, 0.98, 1.0])
-    clip_grid_v: list[float] = field(default_factory=lambda: [0.86, 0.88, 0.90, 0.92, 0.94, 0.96, 1.0])
+    # clip ratios tried per (layer, KV head, side): 0.50 to 1.00 in steps of 0.02, wide enough that
+    # the fitted optimum is interior (the fit meta records how many heads sit on an edge)
+    clip_grid_k: list[float] = field(default_factory=lambda: [round(0.5 + 0.02 * i, 2) for i in range(26)])
+    clip_grid_v: list[float] = field(default_factory=lambda: [round(0.5 + 0.02 * i, 2) for i in range(26)])
     sample_rows: int = 0  # raw Q/K/V/output rows kept per layer for diagnostics (0: none)
     seed: int = 0
 

@@ -76,6 +76,7 @@ def main(argv: list[str]) -> int:
 
     from oscar.data.corpora import eval_sequences
     from oscar.engine import Engine, artifact_dir, effective_group_size, rotations_from_artifact, rotations_in_code
+    from oscar.methods import needs_statistics
     from oscar.eval.fidelity import attention_fidelity, model_fidelity
     from oscar.models import load_model
 
@@ -102,7 +103,7 @@ def main(argv: list[str]) -> int:
         metrics.update({k: v for k, v in ref_metrics.items() if k.startswith(("ppl.", "tokens."))})
     else:
         try:
-            rotations = (rotations_from_artifact(artifact_dir(cfg), method, model) if bool(method.needs_calibration)
+            rotations = (rotations_from_artifact(artifact_dir(cfg), method, model) if needs_statistics(method)
                          else rotations_in_code(method, model))
         except FileNotFoundError as exc:
             print(f"oscar fidelity: {exc}", file=sys.stderr)
