@@ -137,12 +137,15 @@ class TableConfig:
     models: list[str] = field(default_factory=list)
     methods: list[str] = field(default_factory=list)
     benchmarks: list[str] = field(default_factory=list)  # eval: benchmark group names
-    corpora: list[str] = field(default_factory=list)  # fidelity: held-out corpora
+    corpora: list[str] = field(default_factory=list)  # fidelity cells (held-out corpora); also in eval tables
     seeds: list[int] = field(default_factory=list)
     variants: list[VariantConfig] = field(default_factory=list)
     overrides: list[str] = field(default_factory=list)  # applied to every cell of this table
     flags: list[str] = field(default_factory=list)  # verb flags of every cell (`oscar eval`/`fidelity` options)
     item_overrides: dict[str, list[str]] = field(default_factory=dict)  # per benchmark / corpus, e.g. sizes
+    item_flags: dict[str, list[str]] = field(default_factory=dict)  # verb flags per benchmark / corpus
+    item_metrics: dict[str, list[str]] = field(default_factory=dict)  # metrics shown per benchmark / corpus
+    reference: str = ""  # method whose outputs eval cells are compared with (`agree`, `prefix` metrics)
     rows: list[str] = field(default_factory=lambda: ["method"])  # axes from TABLE_AXES
     columns: list[str] = field(default_factory=lambda: ["benchmark"])
     metrics: list[str] = field(default_factory=lambda: ["acc"])  # result.json metric names shown
