@@ -5,9 +5,12 @@ Tensors (float32), per layer `l`: `layers.{l}.R_K`, `layers.{l}.R_V` `[Hkv, d, d
 `layers.{l}.rho_K`, `layers.{l}.rho_V` `[Hkv]`, and `layers.{l}.eig_K`, `layers.{l}.eig_V`
 `[Hkv, d]` when the method has an eigen-target. `meta.json` carries `format_version`,
 `oscar_version`, `method`, `model` (`id`, `config_hash`, `num_layers`, `num_kv_heads`,
-`head_dim`), `calibration`, `group_size`, `bits`, `choices` (for `auto`) and `tensors_sha256`
-(the digest of the safetensors file it was written with, so a mixed-up pair is refused).
-The safetensors file is replaced first and `meta.json` last, each atomically.
+`head_dim`), `calibration`, `group_size`, `bits`, `choices` (for `auto`), `tensors_sha256`
+(the digest of the safetensors file it was written with, so a mixed-up pair is refused) and
+`meta_sha256` (the digest of `meta.json`'s own content without this field, so an edited or
+damaged `meta.json` is refused: integrity against accidents, not a signature).
+The safetensors file is replaced first and `meta.json` last, each atomically. A loader that
+names the method it will run refuses an artifact made with other settings (`METHOD_FIELDS`).
 """
 
 from __future__ import annotations
@@ -30,8 +33,20 @@ _REQUIRED = ("R_K", "R_V", "mu_K", "mu_V", "rho_K", "rho_V")
 _OPTIONAL = ("eig_K", "eig_V")
 
 
+# Method settings an artifact's tensors depend on, with the defaults `oscar.calibration` builds
+# with when a field is absent; rho_k/rho_v matter only with clip=fixed. sink, recent, page_size
+# and the like act at run time and may differ.
+METHOD_FIELDS = {"key_rotation": "identity", "value_rotation": "identity", "key_target": "query",
+                 "value_target": "output", "center": False, "clip": "fit", "seed": 0}
+FIXED_CLIP_FIELDS = {"rho_k": 1.0, "rho_v": 1.0}
+
+
 class ArtifactMismatch(ValueError):
     """The artifact does not belong to the model (or settings) it is being loaded for."""
+
+
+class ArtifactCorrupt(ValueError):
+    """An artifact file cannot be read as written (truncated, damaged or edited)."""
 
 
 def model_config_hash(
@@ -249,8 +264,61 @@ def save_artifact(artifact: CalibrationArtifact, directory: str | os.PathLike) -
 
     atomic_write(out / TENSORS_FILE, write_tensors)
     meta["tensors_sha256"] = digest["sha"]
-    atomic_write_text(out / META_FILE, json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
+    meta = json.loads(json.dumps(meta, default=str))  # exactly what a reader will parse
+    meta["meta_sha256"] = meta_digest(meta)
+    atomic_write_text(out / META_FILE, json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return out
+
+
+def meta_digest(meta: dict[str, Any]) -> str:
+    """sha256 of a `meta.json` dictionary in canonical JSON, without its `meta_sha256` field."""
+    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _method_value(method: Any, key: str, default: Any) -> Any:
+    getter = method.get if hasattr(method, "get") else lambda k, d=None: getattr(method, k, d)
+    value = getter(key, default)
+    value = default if value is None else value
+    if isinstance(default, bool):
+        return bool(value)
+    if isinstance(default, (int, float)) and not isinstance(default, bool):
+        return type(default)(value)
+    return str(value)
+
+
+def method_differences(recorded: Any, method: Any) -> dict[str, tuple[Any, Any]]:
+    """`{field: (recorded, requested)}` for the `METHOD_FIELDS` where the two methods differ."""
+    fields = dict(METHOD_FIELDS)
+    if "fixed" in (_method_value(recorded, "clip", "fit"), _method_value(method, "clip", "fit")):
+        fields.update(FIXED_CLIP_FIELDS)
+    out = {}
+    for key, default in fields.items():
+        a, b = _method_value(recorded, key, default), _method_value(method, key, default)
+        if a != b:
+            out[key] = (a, b)
+    return out
+
+
+def _read_meta(meta_path: Path) -> dict[str, Any]:
+    """`meta.json` parsed and checked against its own digest; `ArtifactCorrupt` names the file and the fix."""
+    fix = ("recalibrate (python -m oscar calibrate model=<model> method=<method> force=true) "
+           "or restore both artifact files from where they were made")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArtifactCorrupt(f"{meta_path} is not valid JSON ({exc}): the file is truncated or damaged; {fix}") from exc
+    if not isinstance(meta, dict):
+        raise ArtifactCorrupt(f"{meta_path} holds a JSON {type(meta).__name__}, expected an object; {fix}")
+    recorded = meta.get("meta_sha256")
+    if recorded is None:
+        raise ArtifactCorrupt(f"{meta_path} has no meta_sha256 (written by an older oscar or by hand); {fix}")
+    if recorded != meta_digest(meta):
+        raise ArtifactCorrupt(
+            f"{meta_path} does not match its meta_sha256 {str(recorded)[:16]}...: it was edited or damaged after "
+            f"it was written; {fix}"
+        )
+    return meta
 
 
 def _check(what: str, found: Any, expected: Any, path: Path) -> None:
@@ -271,9 +339,11 @@ def load_artifact(
     head_dim: int | None = None,
     group_size: int | None = None,
     bits: int | None = None,
+    method: Any = None,
 ) -> CalibrationArtifact:
-    """Read an artifact and refuse a mismatch with `model` (a transformers-style model or config)
-    or with the explicitly given fields, naming both values."""
+    """Read an artifact and refuse a mismatch with `model` (a transformers-style model or config),
+    with the method it will run (`method`, a method config: the `METHOD_FIELDS`) or with the
+    explicitly given fields, naming both values."""
     from safetensors import safe_open
 
     src = Path(directory)
@@ -281,7 +351,7 @@ def load_artifact(
     for p in (meta_path, tensor_path):
         if not p.is_file():
             raise FileNotFoundError(f"calibration artifact file {p} is missing (written by `python -m oscar calibrate`)")
-    meta = json.loads(meta_path.read_text())
+    meta = _read_meta(meta_path)
     if meta.get("format_version") != ARTIFACT_FORMAT_VERSION:
         raise ArtifactMismatch(
             f"{meta_path}: format_version={meta.get('format_version')!r}, this oscar reads {ARTIFACT_FORMAT_VERSION}"
@@ -307,6 +377,19 @@ def load_artifact(
     _check("head_dim", info.get("head_dim"), head_dim, src)
     _check("group_size", meta.get("group_size"), group_size, src)
     _check("bits", meta.get("bits"), bits, src)
+    if method is not None:
+        recorded = meta.get("method") or {}
+        diff = method_differences(recorded, method)
+        if diff:
+            made = ", ".join(f"{k}={a!r}" for k, (a, _) in diff.items())
+            asked = ", ".join(f"{k}={b!r}" for k, (_, b) in diff.items())
+            name = _method_value(method, "name", "?")
+            raise ArtifactMismatch(
+                f"calibration artifact {src} was made for method {_method_value(recorded, 'name', '?')!r} with {made}, "
+                f"but method {name!r} is asked to run with {asked}; recalibrate for these settings "
+                f"(python -m oscar calibrate model=<model> method={name} with the same overrides, force=true) "
+                "or run the method as it was calibrated"
+            )
 
     n_layers = int(info["num_layers"])
     data: dict[str, list] = {name: [] for name in (*_REQUIRED, *_OPTIONAL)}
@@ -329,11 +412,15 @@ def load_artifact(
 
 __all__ = [
     "ARTIFACT_FORMAT_VERSION",
+    "ArtifactCorrupt",
     "ArtifactMismatch",
+    "METHOD_FIELDS",
     "CalibrationArtifact",
     "build_meta",
     "config_hash_of",
     "load_artifact",
+    "meta_digest",
+    "method_differences",
     "model_config_fields",
     "model_config_hash",
     "save_artifact",

@@ -76,7 +76,7 @@ def rotations_in_code(method_cfg: Any, model: Any) -> list[LayerRotations]:
 
 def rotations_from_artifact(path: Path, method_cfg: Any, model: Any) -> list[LayerRotations]:
     """Per-layer rotations, means and clip ratios from a calibration artifact directory (checked
-    against the model's geometry, group size and bits)."""
+    against the model's geometry, group size, bits and the method settings it was made with)."""
     from oscar.artifact import load_artifact
 
     _, _, _, d = _geometry(model)
@@ -85,7 +85,8 @@ def rotations_from_artifact(path: Path, method_cfg: Any, model: Any) -> list[Lay
             f"calibration artifact {path} is missing; create it with: "
             f"python -m oscar calibrate model=<model> method={method_cfg.name}"
         )
-    art = load_artifact(path, model=model, group_size=effective_group_size(method_cfg, d), bits=int(method_cfg.bits))
+    art = load_artifact(path, model=model, group_size=effective_group_size(method_cfg, d), bits=int(method_cfg.bits),
+                        method=method_cfg)
     return layer_rotations(art)
 
 

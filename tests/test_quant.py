@@ -274,3 +274,25 @@ def test_bits_per_element_limits_and_measured_allocation():
     bf16_rows = torch.zeros(320, d, dtype=torch.bfloat16)
     measured = bits_per_element_of(n, d, [q.codes, q.scale, q.zero, bf16_rows])
     assert math.isclose(measured, bits_per_element(n, d, 2, g, sink=64, recent=256))
+
+
+F32_MAX = torch.finfo(torch.float32).max
+
+
+@pytest.mark.parametrize("row", [
+    [F32_MAX] * 8,  # constant group above the bf16 range: zero = bf16(min) = inf
+    [3.397e38] * 8,
+    [-F32_MAX] * 4 + [-0.99 * F32_MAX] * 4,  # zero = -inf, scale finite
+    [0.0] * 7 + [F32_MAX],  # zero and scale finite, zero + 3 * scale = inf
+])
+def test_zero_point_overflow_is_refused(row):
+    """Finite float32 rows that used to dequantize to inf without an error."""
+    with pytest.raises(ValueError, match="zero point") as info:
+        quantize_codes(torch.tensor([row]), 2, 8)
+    assert "largest |x|" in str(info.value)
+
+
+def test_large_finite_rows_inside_the_bf16_range_still_quantize():
+    x = torch.tensor([[0.0, 1e38, 2e38, 3e38, -3e36, 5.0, 0.5, 3.3e38]])
+    codes, scale, zero = quantize_codes(x, 2, 8)
+    assert torch.isfinite(dequantize_codes(codes, scale, zero, 8)).all()

@@ -288,6 +288,10 @@ def run_cell(cfg: Any, engine: Any, out_dir: Path | None = None, progress: bool 
         records.append(rec)
     write_text_atomic(out_dir / ITEMS_FILE, "".join(json.dumps(r, default=str) + "\n" for r in records))
     metrics = summarize(cfg.benchmark.family, records)
+    unisolated = sum(r.get("isolation") == "hooks" for r in records)
+    if unisolated:  # the user opted in (oscar.eval.sandbox.OPT_IN_ENV); the result must say so
+        notes.append(f"UNISOLATED: {unisolated} of {len(records)} items ran generated code without isolation "
+                     "(audit hooks only, OSCAR_UNISOLATED_CODE=1)")
     if callable(getattr(engine, "perf_metrics", None)):  # wall time of this run's generation (a resumed cell: the rest)
         metrics.update(engine.perf_metrics())
     result = {

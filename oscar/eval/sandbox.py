@@ -159,6 +159,7 @@ cfg = json.loads(sys.argv[1])
 for name, value in cfg["rlimits"].items():
     resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))
 workdir = os.path.realpath(os.getcwd())
+guard_writes = cfg["guard_writes"]  # the namespace layer's read-only root makes this check redundant
 def _guard(event, args):
     if event == "socket.__new__":
         raise PermissionError("sandbox: socket creation is not allowed")
@@ -166,7 +167,7 @@ def _guard(event, args):
         raise PermissionError("sandbox: %s is not allowed" % event)
     if event in ("os.kill", "os.killpg") and not (event == "os.kill" and args[0] == os.getpid()):
         raise PermissionError("sandbox: signals to other processes are not allowed")
-    if event == "open" and args[1] is not None and not isinstance(args[0], int):
+    if event == "open" and guard_writes and args[1] is not None and not isinstance(args[0], int):
         mode, flags = args[1], args[2] or 0
         writes = any(c in str(mode) for c in "wax+") or (flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
         if writes:
@@ -503,36 +504,68 @@ def _expose_dirs() -> list[str]:
 
 
 def remove_tree(path: Path, deadline: float) -> str:
-    """Delete `path` without recursion (any depth), skipping what fails, until `deadline`.
+    """Delete the directory `path` and everything in it, of any depth or width, until `deadline`.
 
-    Returns "" when all is gone, else a note of what is left. Never raises.
+    Walks with directory file descriptors (no recursion, no path longer than one name, symlinks
+    never followed), scanning each directory once; what cannot be removed is skipped. Returns ""
+    when all is gone, else a note of what is left. Never raises.
     """
-    stack, dirs = [str(path)], []
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    try:
+        cur = os.open(path, flags)
+    except FileNotFoundError:
+        return ""
+    except OSError as exc:
+        return f"clean-up could not open {path}: {exc}"
+    stack: list[tuple[str | None, list[str] | None]] = [(None, None)]
     try:
         while stack:
             if time.monotonic() > deadline:
                 return f"clean-up time limit reached; {path} left behind"
-            top = stack.pop()
-            dirs.append(top)
-            try:
-                with os.scandir(top) as it:
-                    for entry in it:
-                        if entry.is_dir(follow_symlinks=False):
-                            stack.append(entry.path)
-                        else:
-                            try:
-                                os.unlink(entry.path)
-                            except OSError:
-                                pass
-            except OSError:
+            name, pending = stack[-1]
+            if pending is None:
+                pending = []
+                try:
+                    with os.scandir(cur) as entries:
+                        for entry in entries:
+                            if entry.is_dir(follow_symlinks=False):
+                                pending.append(entry.name)
+                            else:
+                                try:
+                                    os.unlink(entry.name, dir_fd=cur)
+                                except OSError:
+                                    pass
+                except OSError:
+                    pass
+                stack[-1] = (name, pending)
+            if pending:
+                sub = pending.pop()
+                try:
+                    nxt = os.open(sub, flags, dir_fd=cur)
+                except OSError:
+                    continue
+                os.close(cur)
+                cur = nxt
+                stack.append((sub, None))
                 continue
-        for d in reversed(dirs):
+            stack.pop()
+            if not stack:
+                break
+            parent = os.open("..", flags, dir_fd=cur)
+            os.close(cur)
+            cur = parent
             try:
-                os.rmdir(d)
+                os.rmdir(name, dir_fd=cur)
             except OSError:
                 pass
     except Exception as exc:  # noqa: BLE001 - clean-up reports, it never fails the run
         return f"clean-up failed: {type(exc).__name__}: {exc}"
+    finally:
+        os.close(cur)
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
     return "" if not os.path.lexists(path) else f"{path} left behind"
 
 
@@ -583,7 +616,7 @@ class SandboxRun:
             "RLIMIT_NOFILE": int(limits.nofile),
             "RLIMIT_CORE": 0,
         }
-        stage2_cfg: dict = {"rlimits": rlimits}
+        stage2_cfg: dict = {"rlimits": rlimits, "guard_writes": mode != "namespaces"}
         if serve is not None:
             stage2_cfg["serve"] = serve
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1",
