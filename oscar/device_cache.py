@@ -255,11 +255,14 @@ class DeviceOscarCache(DeviceCache):
                         for _ in range(num_layers)]
         self.v_pages = [paged.QuantPages.empty(num_pages, num_kv_heads, page_size, head_dim, bits, group_size, self.device)
                         for _ in range(num_layers)]
-        seg = dict(dtype=dtype, device=self.device)
-        self.sink_k = [torch.zeros(batch, num_kv_heads, sink, head_dim, **seg) for _ in range(num_layers)]
-        self.sink_v = [torch.zeros(batch, num_kv_heads, sink, head_dim, **seg) for _ in range(num_layers)]
-        self.recent_k = [torch.zeros(batch, num_kv_heads, recent, head_dim, **seg) for _ in range(num_layers)]
-        self.recent_v = [torch.zeros(batch, num_kv_heads, recent, head_dim, **seg) for _ in range(num_layers)]
+        # BF16 rows of a layer in one buffer [2 (K, V), B, Hkv, S0 + W, d]: sink and ring are views, so a
+        # step writes its new token (sink or ring slot) with one indexed store per tensor
+        self.bf16 = [torch.zeros(2, batch, num_kv_heads, sink + recent, head_dim, dtype=dtype, device=self.device)
+                     for _ in range(num_layers)]
+        self.sink_k = [buf[0, :, :, :sink] for buf in self.bf16]
+        self.sink_v = [buf[1, :, :, :sink] for buf in self.bf16]
+        self.recent_k = [buf[0, :, :, sink:] for buf in self.bf16]
+        self.recent_v = [buf[1, :, :, sink:] for buf in self.bf16]
         self._rows = torch.arange(batch, device=self.device)
         self.step: dict[str, torch.Tensor] = {}
 
@@ -273,7 +276,7 @@ class DeviceOscarCache(DeviceCache):
         out: list[torch.Tensor] = []
         for pages in self.k_pages + self.v_pages:
             out += [pages.codes, pages.scale, pages.zero]
-        return out + self.sink_k + self.sink_v + self.recent_k + self.recent_v
+        return out + self.bf16
 
     def _slots(self, qpos: torch.Tensor) -> torch.Tensor:
         """Slots (int64) of quantized positions ``qpos`` ``[B, n]`` of every sequence."""
@@ -316,7 +319,7 @@ class DeviceOscarCache(DeviceCache):
             pages.codes.random_(0, 256, generator=generator)
             pages.scale.uniform_(0.005, 0.05, generator=generator)
             pages.zero.uniform_(-0.2, -0.1, generator=generator)
-        for t in self.sink_k + self.sink_v + self.recent_k + self.recent_v:
+        for t in self.bf16:
             t.normal_(0.0, 1.0, generator=generator)
         self.set_length(length)
 
@@ -331,10 +334,10 @@ class DeviceOscarCache(DeviceCache):
         qpos = (r - W).clamp(min=0)
         max_q = self.page_table.shape[1] * self.page_size - 1
         slot = self._slots(qpos.clamp(max=max_q)[:, None])[:, 0]
+        ring_idx = r.clamp(min=0) % W
         self.step = {
-            "is_sink": (p < S0)[:, None, None],
-            "sink_idx": p.clamp(max=S0 - 1),
-            "ring_idx": r.clamp(min=0) % W,
+            "write_idx": torch.where(p < S0, p, S0 + ring_idx),  # slot of the new token in the BF16 buffer
+            "ring_idx": ring_idx,
             "demote_slot": torch.where(demote, slot, torch.full_like(slot, self.trash_slot)),
             "sink_len": (p + 1).clamp(max=S0).to(torch.int32),
             "recent_len": (r + 1).clamp(min=0, max=W).to(torch.int32),
@@ -352,13 +355,10 @@ class DeviceOscarCache(DeviceCache):
         # 1. demote the ring's oldest row (where the ring is full) before the new token takes its slot
         paged.rotate_quantize_pack_kv(rk, rv, st["demote_slot"], self.k_pages[layer], self.v_pages[layer], kt, vt,
                                       src_index=st["ring_idx"], backend=self.backend)
-        # 2. write the new token into the sink or the ring
-        kn, vn = key[:, :, 0].to(sk.dtype), value[:, :, 0].to(sv.dtype)
-        rows, si, ri, is_sink = self._rows, st["sink_idx"], st["ring_idx"], st["is_sink"]
-        sk[rows, :, si] = torch.where(is_sink, kn, sk[rows, :, si])
-        sv[rows, :, si] = torch.where(is_sink, vn, sv[rows, :, si])
-        rk[rows, :, ri] = torch.where(is_sink, rk[rows, :, ri], kn)
-        rv[rows, :, ri] = torch.where(is_sink, rv[rows, :, ri], vn)
+        # 2. write the new token into its sink or ring slot
+        buf = self.bf16[layer]
+        buf[0, self._rows, :, st["write_idx"]] = key[:, :, 0].to(buf.dtype)
+        buf[1, self._rows, :, st["write_idx"]] = value[:, :, 0].to(buf.dtype)
         # 3. attend over the three segments
         out = paged.decode_attention(
             query[:, :, 0], self.k_pages[layer], self.v_pages[layer], self.page_table, st["int_len"], kt, vt,
@@ -443,6 +443,9 @@ class GraphedDecoder:
 
     def __init__(self, model: torch.nn.Module, cache: DeviceCache, tokens: torch.Tensor, *, temperature: float = 0.0,
                  advance: bool = True, warmup: int = 2) -> None:
+        if advance and isinstance(cache, StaticBF16Cache):
+            raise ValueError("the static BF16 cache attends a span fixed at capture (timing mode): capture it with "
+                             "advance=False, or decode eagerly")
         self.model, self.cache, self.advance = model, cache, advance
         self.tokens = tokens.clone()
         self.temperature = temperature

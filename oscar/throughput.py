@@ -29,8 +29,6 @@ def architecture_config(family: str, dims: dict[str, Any]) -> Any:
     """A transformers config of ``family`` (config class from the registry) with the given sizes."""
     import transformers
 
-    from oscar.models.adapters import ADAPTERS  # noqa: F401  (the registry knows the families)
-
     classes = {"qwen3": "Qwen3Config", "qwen2": "Qwen2Config", "llama": "LlamaConfig"}
     if family not in classes:
         raise ValueError(f"family {family!r} has no throughput profile; valid: {', '.join(classes)}")

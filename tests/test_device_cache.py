@@ -90,6 +90,7 @@ def test_step_indices_follow_the_window_convention():
         assert int(st["sink_len"]) == min(p + 1, 2)
         assert int(st["recent_len"]) == min(max(p + 1 - 2, 0), 3)
         assert int(st["int_len"]) == max(p + 1 - 5, 0)
+        assert int(st["write_idx"]) == (p if p < 2 else 2 + (p - 2) % 3)  # sink slot, else ring slot after the sink
         if p >= 5:
             q = p - 5
             expect = int(cache.page_table[0, q // 4]) * 4 + q % 4
