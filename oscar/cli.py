@@ -18,6 +18,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "aggregate": ("oscar.commands.aggregate", "aggregate cell results into tables"),
     "report": ("oscar.commands.report", "render tables (CSV, Markdown, LaTeX) and figures"),
     "bench-kernels": ("oscar.commands.bench_kernels", "benchmark the Triton kernels on a GPU"),
+    "profile": ("oscar.commands.profile", "end-to-end decode throughput on a GPU (step split, speedup, batch that fits)"),
     "config": ("oscar.commands.config", "print or write the resolved configuration"),
 }
 

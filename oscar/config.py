@@ -54,7 +54,8 @@ class MethodConfig:
     group_size: int = 128
     sink: int = 64
     recent: int = 256
-    clip: str = "fit"  # fit | fixed | none
+    clip: str = "fit"  # fit | fixed | none | paper (the method's paper_clip); the same for every method by default
+    paper_clip: str = "fit"  # the method's own published choice: fit | fixed | none
     rho_k: float = 0.96
     rho_v: float = 0.92
     page_size: int = 64
@@ -91,8 +92,10 @@ class CalibrationConfig:
     num_tokens: int = 8192
     seq_len: int = 2048
     holdout_tokens: int = 1024  # tokens held back for clip fitting and `auto` selection
-    clip_grid_k: list[float] = field(default_factory=lambda: [0.90, 0.92, 0.94, 0.96, 0.98, 1.0])
-    clip_grid_v: list[float] = field(default_factory=lambda: [0.86, 0.88, 0.90, 0.92, 0.94, 0.96, 1.0])
+    # clip ratios tried per (layer, KV head, side): 0.50 to 1.00 in steps of 0.02, wide enough that
+    # the fitted optimum is interior (the fit meta records how many heads sit on an edge)
+    clip_grid_k: list[float] = field(default_factory=lambda: [round(0.5 + 0.02 * i, 2) for i in range(26)])
+    clip_grid_v: list[float] = field(default_factory=lambda: [round(0.5 + 0.02 * i, 2) for i in range(26)])
     sample_rows: int = 0  # raw Q/K/V/output rows kept per layer for diagnostics (0: none)
     seed: int = 0
 
@@ -134,12 +137,15 @@ class TableConfig:
     models: list[str] = field(default_factory=list)
     methods: list[str] = field(default_factory=list)
     benchmarks: list[str] = field(default_factory=list)  # eval: benchmark group names
-    corpora: list[str] = field(default_factory=list)  # fidelity: held-out corpora
+    corpora: list[str] = field(default_factory=list)  # fidelity cells (held-out corpora); also in eval tables
     seeds: list[int] = field(default_factory=list)
     variants: list[VariantConfig] = field(default_factory=list)
     overrides: list[str] = field(default_factory=list)  # applied to every cell of this table
     flags: list[str] = field(default_factory=list)  # verb flags of every cell (`oscar eval`/`fidelity` options)
     item_overrides: dict[str, list[str]] = field(default_factory=dict)  # per benchmark / corpus, e.g. sizes
+    item_flags: dict[str, list[str]] = field(default_factory=dict)  # verb flags per benchmark / corpus
+    item_metrics: dict[str, list[str]] = field(default_factory=dict)  # metrics shown per benchmark / corpus
+    reference: str = ""  # method whose outputs eval cells are compared with (`agree`, `prefix` metrics)
     rows: list[str] = field(default_factory=lambda: ["method"])  # axes from TABLE_AXES
     columns: list[str] = field(default_factory=lambda: ["benchmark"])
     metrics: list[str] = field(default_factory=lambda: ["acc"])  # result.json metric names shown

@@ -17,6 +17,7 @@ import torch
 from oscar import attention
 from oscar.cache import CacheSpec, LayerRotations, OscarCache, new_cache
 from oscar.generate import SamplingParams, cache_kwarg, generate_tokens, positions_from_mask, truncate_at_stop
+from oscar.methods import clip_mode, needs_statistics
 
 SUPPORTED_METHOD_KINDS = ("bf16", "rotated", "kivi", "turboquant")
 
@@ -147,8 +148,11 @@ class Engine:
         attention.enable(model)
         self.kind = str(method_cfg.kind)
         if self.kind == "rotated" and rotations is None:
-            if bool(method_cfg.needs_calibration):
-                raise ValueError(f"method {method_cfg.name!r} needs calibration: pass rotations or use Engine.from_config")
+            if needs_statistics(method_cfg):
+                raise ValueError(
+                    f"method {method_cfg.name!r} (clip policy {clip_mode(method_cfg)!r}) needs calibration: pass rotations, "
+                    "use Engine.from_config, or choose method.clip=none|fixed|paper"
+                )
             rotations = rotations_in_code(method_cfg, model)
         self.rotations = rotations
         self.fold_handle = None
@@ -169,7 +173,7 @@ class Engine:
         method = cfg.method
         rotations = None
         if str(method.kind) == "rotated":
-            if bool(method.needs_calibration):
+            if needs_statistics(method):
                 rotations = rotations_from_artifact(artifact_dir(cfg), method, model)
             else:
                 rotations = rotations_in_code(method, model)

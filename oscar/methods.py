@@ -20,7 +20,9 @@ from oscar.rotation import ROTATION_KINDS, NEEDS_COVARIANCE
 
 METHOD_KINDS = ("bf16", "rotated", "kivi", "turboquant")
 ROTATION_CHOICES = (*ROTATION_KINDS, "auto")
-CLIP_MODES = ("fit", "fixed", "none")
+CLIP_MODES = ("fit", "fixed", "none", "paper")
+PAPER_CLIP_MODES = ("fit", "fixed", "none")
+NO_CLIP_KINDS = ("bf16", "kivi", "turboquant")  # formats without a clip ratio (module doc of clip_mode)
 KEY_TARGETS = ("query", "raw", "geomean")
 VALUE_TARGETS = ("output", "raw", "geomean")
 
@@ -50,6 +52,24 @@ def effective_group_size(method_cfg: Any, head_dim: int) -> int:
     return g
 
 
+def clip_mode(method_cfg: Any) -> str:
+    """The clip policy a method runs with: `fit`, `fixed` or `none`.
+
+    `method.clip` is the same for every method by default (`fit`: a clip ratio per layer, KV head
+    and side fitted on held-back rows by measured distortion), so rows of a table differ only by
+    their rotation and format. `clip=paper` selects each method's own published choice
+    (`method.paper_clip`: unclipped for int2, quarot, saw_int4; fitted for oscar*). Kinds without a
+    clip ratio in their format (`bf16`; `kivi`, whose min/max groups run along tokens; `turboquant`,
+    whose Lloyd-Max codebook fixes its own range) always run with `none`.
+    """
+    if str(_get(method_cfg, "kind", "rotated")) in NO_CLIP_KINDS:
+        return "none"
+    clip = str(_get(method_cfg, "clip", "fit"))
+    if clip == "paper":
+        clip = str(_get(method_cfg, "paper_clip", "fit"))
+    return clip
+
+
 def validate_method(method_cfg: Any) -> None:
     """Refuse unknown kinds, rotations, targets and clip modes, naming the valid options."""
     name = _get(method_cfg, "name", "?")
@@ -68,6 +88,9 @@ def validate_method(method_cfg: Any) -> None:
     clip = str(_get(method_cfg, "clip", "fit"))
     if clip not in CLIP_MODES:
         raise MethodError(f"method {name!r}: clip={clip!r}; valid: {', '.join(CLIP_MODES)}")
+    paper = str(_get(method_cfg, "paper_clip", "fit"))
+    if paper not in PAPER_CLIP_MODES:
+        raise MethodError(f"method {name!r}: paper_clip={paper!r}; valid: {', '.join(PAPER_CLIP_MODES)}")
     auto = [str(_get(method_cfg, s, "identity")) == "auto" for s in ("key_rotation", "value_rotation")]
     if any(auto) and not all(auto):
         raise MethodError(f"method {name!r}: auto must apply to both key_rotation and value_rotation")
@@ -75,13 +98,13 @@ def validate_method(method_cfg: Any) -> None:
 
 def needs_statistics(method_cfg: Any) -> bool:
     """True when the method's rotations, means or clip ratios come from calibration statistics."""
-    if str(_get(method_cfg, "kind", "rotated")) in ("bf16", "kivi"):
+    if str(_get(method_cfg, "kind", "rotated")) in NO_CLIP_KINDS:
         return False
     rotations = {str(_get(method_cfg, s, "identity")) for s in ("key_rotation", "value_rotation")}
     return (
         bool(rotations & {*NEEDS_COVARIANCE, "auto"})
         or bool(_get(method_cfg, "center", False))
-        or str(_get(method_cfg, "clip", "fit")) == "fit"
+        or clip_mode(method_cfg) == "fit"
     )
 
 
@@ -90,7 +113,8 @@ def _method_dict(method_cfg: Any, **overrides: Any) -> dict[str, Any]:
 
     data = OmegaConf.to_container(method_cfg, resolve=True) if isinstance(method_cfg, DictConfig) else dict(method_cfg)
     if str(data.get("kind", "rotated")) in ("bf16", "kivi"):
-        data = {**data, "key_rotation": "identity", "value_rotation": "identity", "clip": "none", "center": False}
+        data = {**data, "key_rotation": "identity", "value_rotation": "identity", "center": False}
+    data["clip"] = clip_mode(data)
     data.update(overrides)
     return data  # type: ignore[return-value]
 
@@ -145,13 +169,13 @@ def fit_clip(artifact: Any, method_cfg: Any, *, stats: Any = None, clip_grid_k: 
     from oscar.calibration import fit_layer_clip
 
     validate_method(method_cfg)
-    clip = str(_get(method_cfg, "clip", "fit"))
-    if str(_get(method_cfg, "kind", "rotated")) in ("bf16", "kivi"):
-        clip = "none"
+    clip = clip_mode(method_cfg)
     if str(_get(method_cfg, "key_rotation", "identity")) == "auto":
         # auto chose each head's candidate together with its clip ratio (same grid, rows and
         # metric as a refit here), so the ratios of the rotations stage are final
         artifact.meta["clip"] = {"mode": clip, "grid_k": list(clip_grid_k), "grid_v": list(clip_grid_v), "fits": "selected with the rotation (auto)"}
+        if clip == "fit":
+            artifact.meta["clip"]["edges"] = grid_edges(artifact.rho_K, artifact.rho_V, clip_grid_k, clip_grid_v)
         return artifact
     bits = int(_get(method_cfg, "bits", 2))
     hkv = artifact.num_kv_heads
@@ -178,8 +202,27 @@ def fit_clip(artifact: Any, method_cfg: Any, *, stats: Any = None, clip_grid_k: 
                 rho = torch.full((hkv,), fixed if clip == "fixed" else 1.0, dtype=torch.float32)
             getattr(artifact, f"rho_{tag}")[layer] = rho
     artifact.meta["clip"] = {"mode": clip, "grid_k": list(clip_grid_k), "grid_v": list(clip_grid_v), "fits": fits_meta}
+    if clip == "fit":
+        artifact.meta["clip"]["edges"] = grid_edges(artifact.rho_K, artifact.rho_V, clip_grid_k, clip_grid_v)
     artifact.validate()
     return artifact
+
+
+def grid_edges(rho_k: Any, rho_v: Any, grid_k: Any, grid_v: Any) -> dict[str, int]:
+    """How many (layer, KV head) fits sit on an edge of their clip grid, per side.
+
+    `low` counts the grid's smallest ratio (the optimum may lie below the grid: widen it);
+    `high` counts ratio 1 or the grid's largest (no clipping: the physical end, not a grid artifact
+    when the grid reaches 1). `heads` is the number of fits per side.
+    """
+    out: dict[str, int] = {}
+    for side, rhos, grid in (("key", rho_k, grid_k), ("value", rho_v, grid_v)):
+        vals = torch.cat([torch.as_tensor(r, dtype=torch.float32).flatten() for r in rhos])
+        lo, hi = float(min(grid)), float(max(grid))
+        out[f"{side}_low"] = int((vals <= lo + 1e-6).sum()) if len(grid) > 1 else 0
+        out[f"{side}_high"] = int((vals >= hi - 1e-6).sum())
+        out[f"{side}_heads"] = int(vals.numel())
+    return out
 
 
 def in_code_artifact(method_cfg: Any, *, num_layers: int, num_kv_heads: int, head_dim: int, **kwargs: Any) -> Any:

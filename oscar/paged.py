@@ -70,6 +70,13 @@ class QuantPages:
     zero: torch.Tensor  # bf16 [P, Hkv, page_size, d//G]
     bits: int
     group_size: int
+    layout: str = "rows"  # "rows" (token rows, planar packing) or "mma_k"/"mma_v" (oscar.quant, fragment order)
+
+    def __post_init__(self) -> None:
+        if self.layout not in quant.LAYOUTS:
+            raise ValueError(f"layout={self.layout!r} is not valid; choose one of {quant.LAYOUTS}")
+        if self.layout != "rows":
+            quant.check_mma_layout(self.bits, self.group_size, self.head_dim, self.page_size)
 
     @property
     def page_size(self) -> int:
@@ -83,13 +90,20 @@ class QuantPages:
 
     @staticmethod
     def empty(num_pages: int, num_kv_heads: int, page_size: int, head_dim: int, bits: int, group_size: int,
-              device: Union[str, torch.device] = "cpu") -> "QuantPages":
+              device: Union[str, torch.device] = "cpu", layout: str = "rows") -> "QuantPages":
         """Zero-filled storage."""
         quant.check_format(bits, group_size, head_dim)
         codes = torch.zeros(num_pages, num_kv_heads, page_size, head_dim * bits // 8, dtype=torch.uint8, device=device)
         meta = (num_pages, num_kv_heads, page_size, head_dim // group_size)
         return QuantPages(codes, torch.zeros(meta, dtype=torch.bfloat16, device=device),
-                          torch.zeros(meta, dtype=torch.bfloat16, device=device), bits, group_size)
+                          torch.zeros(meta, dtype=torch.bfloat16, device=device), bits, group_size, layout)
+
+    def block_bytes(self, page: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+        """Flat byte offsets ``[N, d*bits/8]`` within ``codes[page, head]`` of the tokens at ``off`` (mma layouts)."""
+        _, byte_index = quant.mma_token_map(self.head_dim, self.layout)
+        w = self.codes.shape[3]
+        tb = off % quant.MMA_BLOCK_TOKENS
+        return (off - tb)[:, None] * w + byte_index.to(off.device)[tb]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,7 +132,13 @@ def rotate_quantize_pack_torch(x: torch.Tensor, slots: torch.Tensor, pages: Quan
     q = quant.quantize(xf, pages.bits, pages.group_size, clip_ratio=clip)
     page, off = slots // pages.page_size, slots % pages.page_size
     heads = torch.arange(hkv, device=slots.device)
-    pages.codes[page[:, None], heads[None, :], off[:, None]] = q.codes
+    if pages.layout == "rows":
+        pages.codes[page[:, None], heads[None, :], off[:, None]] = q.codes
+    else:
+        codes = quant.unpack_codes(q.codes, pages.bits, pages.group_size)  # [n, hkv, d]
+        packed = quant.pack_codes_mma(codes, (off % quant.MMA_BLOCK_TOKENS)[:, None].expand(n, hkv), pages.layout)
+        flat = pages.codes.view(pages.codes.shape[0], hkv, -1)
+        flat[page[:, None, None], heads[None, :, None], pages.block_bytes(page, off)[:, None, :]] = packed
     pages.scale[page[:, None], heads[None, :], off[:, None]] = q.scale
     pages.zero[page[:, None], heads[None, :], off[:, None]] = q.zero
 
@@ -189,7 +209,16 @@ def gather_dequantize(pages: QuantPages, page_table: torch.Tensor, b: int, lengt
     pos = torch.arange(length, device=dev)
     slots = slots_for(page_table, torch.full_like(pos, b), pos, pages.page_size)
     page, off = slots // pages.page_size, slots % pages.page_size
-    q = quant.QuantizedRows(codes=pages.codes[page, :, off].transpose(0, 1), scale=pages.scale[page, :, off].transpose(0, 1),
+    if pages.layout == "rows":
+        codes = pages.codes[page, :, off].transpose(0, 1)
+    else:
+        hkv = pages.codes.shape[1]
+        flat = pages.codes.view(pages.codes.shape[0], hkv, -1)
+        heads = torch.arange(hkv, device=dev)
+        packed = flat[page[None, :, None], heads[:, None, None], pages.block_bytes(page, off)[None]]  # [Hkv, n, W]
+        tb = (off % quant.MMA_BLOCK_TOKENS)[None].expand(hkv, length)
+        codes = quant.pack_codes(quant.unpack_codes_mma(packed, tb, pages.layout), pages.bits, pages.group_size)
+    q = quant.QuantizedRows(codes=codes, scale=pages.scale[page, :, off].transpose(0, 1),
                             zero=pages.zero[page, :, off].transpose(0, 1), bits=pages.bits,
                             group_size=pages.group_size, d=pages.head_dim)
     return quant.dequantize(q)
@@ -319,10 +348,25 @@ def decode_attention(
         return decode_attention_torch(q, k_pages, v_pages, page_table, int_len, kt, vt, **kwargs)
     from oscar.kernels.decode_attention import paged_decode_attention
 
+    layout = _pair_layout(k_pages, v_pages)
+    if layout == "mma" and q.device.type != "cuda":
+        raise ValueError("pages in the mma layout are read by a CUDA kernel; on a CPU use backend='torch' "
+                         f"(q is on {q.device})")
     return paged_decode_attention(
         q, k_pages.codes, k_pages.scale, k_pages.zero, v_pages.codes, v_pages.scale, v_pages.zero,
         page_table, int_len, bits=k_pages.bits, group_size=k_pages.group_size,
-        R_K=kt.R, mu_K=kt.mu, R_V=vt.R, mu_V=vt.mu, num_splits=num_splits, **(kernel_options or {}), **kwargs)
+        R_K=kt.R, mu_K=kt.mu, R_V=vt.R, mu_V=vt.mu, num_splits=num_splits, layout=layout,
+        **(kernel_options or {}), **kwargs)
+
+
+def _pair_layout(k_pages: QuantPages, v_pages: QuantPages) -> str:
+    """'rows' or 'mma' (K pages in mma_k and V pages in mma_v); anything else is refused."""
+    pair = (k_pages.layout, v_pages.layout)
+    if pair == ("rows", "rows"):
+        return "rows"
+    if pair == ("mma_k", "mma_v"):
+        return "mma"
+    raise ValueError(f"K/V page layouts {pair} are not a valid pair; use ('rows', 'rows') or ('mma_k', 'mma_v')")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -334,8 +378,11 @@ class PagedKVPool:
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, max_batch: int,
                  max_pages_per_seq: int, bits: int = 2, group_size: int = 128, page_size: int = 64,
-                 device: Union[str, torch.device] = "cpu") -> None:
+                 device: Union[str, torch.device] = "cpu", layout: str = "rows") -> None:
         quant.check_format(bits, group_size, head_dim)
+        if layout not in ("rows", "mma"):
+            raise ValueError(f"layout={layout!r} is not valid; choose 'rows' or 'mma' (fragment order, oscar.quant)")
+        k_layout, v_layout = ("rows", "rows") if layout == "rows" else ("mma_k", "mma_v")
         if page_size <= 0 or page_size & (page_size - 1):
             raise ValueError(f"page_size={page_size} must be a power of two")
         for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("num_pages", num_pages),
@@ -345,9 +392,10 @@ class PagedKVPool:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.bits, self.group_size, self.page_size = bits, group_size, page_size
         self.device = torch.device(device)
-        self.k = [QuantPages.empty(num_pages, num_kv_heads, page_size, head_dim, bits, group_size, device)
+        self.layout = layout
+        self.k = [QuantPages.empty(num_pages, num_kv_heads, page_size, head_dim, bits, group_size, device, k_layout)
                   for _ in range(num_layers)]
-        self.v = [QuantPages.empty(num_pages, num_kv_heads, page_size, head_dim, bits, group_size, device)
+        self.v = [QuantPages.empty(num_pages, num_kv_heads, page_size, head_dim, bits, group_size, device, v_layout)
                   for _ in range(num_layers)]
         self.page_table = torch.zeros(max_batch, max_pages_per_seq, dtype=torch.int32, device=device)
         self.int_len = torch.zeros(max_batch, dtype=torch.int32, device=device)

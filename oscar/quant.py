@@ -302,19 +302,118 @@ def relative_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(x64 - x_hat.to(torch.float64))) / (den if den > 0 else 1.0)
 
 
+# ----------------------------------------------------------------------------------------------
+# Page layout in tensor-core fragment order ("mma"), INT2, one group per row, d in (64, 128).
+#
+# A page of a pool in this layout is a sequence of blocks of 16 tokens; a block holds the same
+# bytes as 16 packed rows (16 * d/4) but arranged so that lane L = 4r + c of a warp finds every code
+# it feeds to ``mma.sync.m16n8k16`` in the d/8 contiguous bytes at ``L * d/8`` of the block, and each
+# 16-bit half word holds 8 codes whose 2-bit slot ``i`` (bits 2i, 2i+1) becomes one fp16 operand
+# register by one ``lop3`` (magic number 0x6400) and one ``fma``. Every byte belongs to one token, so a
+# writer stores a token's d/4 bytes without touching its neighbours'. With part p (0, 1), word u
+# (0 .. d/64-1), half h (0, 1) and slot i (0..7), byte ``L*d/8 + p*d/16 + 4u + 2h + i//4``, bits
+# ``2*(i%4)`` hold
+#   K (scores, keys are the B operand k=channel, n=token): token ``8p + r``,
+#       channel ``16*(4u + i//2) + 8*(i%2) + 2c + h``;
+#   V (output, values^T are the A operand m=channel, k=token): token ``8p + 2c + h``,
+#       channel ``16*(4u + i//2) + 8*(i%2) + r``.
+# Scale and zero stay per token in their own tensors (unchanged).
+
+MMA_BLOCK_TOKENS = 16
+LAYOUTS = ("rows", "mma_k", "mma_v")
+
+
+def check_mma_layout(bits: int, group_size: int, d: int, page_size: int | None = None) -> None:
+    """Refuse a format the fragment-order layout does not cover (INT2, G = d, d 64/128, pages of 16k)."""
+    if bits != 2:
+        raise ValueError(f"the mma page layout is defined for bits=2, got bits={bits}")
+    if d not in (64, 128):
+        raise ValueError(f"the mma page layout needs head_dim d in (64, 128), got d={d}")
+    if group_size != d:
+        raise ValueError(f"the mma page layout needs one group per row (group_size == d={d}), got {group_size}")
+    if page_size is not None and (page_size <= 0 or page_size % MMA_BLOCK_TOKENS):
+        raise ValueError(f"the mma page layout needs page_size a multiple of {MMA_BLOCK_TOKENS}, got {page_size}")
+
+
+_MMA_MAPS: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def mma_token_map(d: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(channel_order [16, d], byte_index [16, d/4])`` (int64, CPU) of the fragment-order layout.
+
+    Token ``tb`` of a block owns bytes ``byte_index[tb]`` (offsets in the block's ``16*d/4`` bytes,
+    ascending); byte ``k`` of them holds channels ``channel_order[tb, 4k:4k+4]`` in bits 0-1, 2-3, 4-5, 6-7.
+    """
+    if layout not in ("mma_k", "mma_v"):
+        raise ValueError(f"layout={layout!r} has no token map; valid: 'mma_k', 'mma_v'")
+    check_mma_layout(2, d, d)
+    key = (d, layout)
+    if key not in _MMA_MAPS:
+        lane_bytes, part_bytes = d // 8, d // 16
+        pos = torch.empty(MMA_BLOCK_TOKENS, d, dtype=torch.int64)  # 2-bit position in the block
+        for lane in range(32):
+            r, c = divmod(lane, 4)
+            for p in range(2):
+                for u in range(d // 64):
+                    for h in range(2):
+                        for i in range(8):
+                            byte = lane * lane_bytes + p * part_bytes + 4 * u + 2 * h + i // 4
+                            ch16 = 16 * (4 * u + i // 2) + 8 * (i % 2)
+                            if layout == "mma_k":
+                                tok, ch = 8 * p + r, ch16 + 2 * c + h
+                            else:
+                                tok, ch = 8 * p + 2 * c + h, ch16 + r
+                            pos[tok, ch] = 4 * byte + i % 4
+        order = torch.argsort(pos, dim=1)
+        byte_index = torch.gather(pos, 1, order)[:, ::4] // 4
+        _MMA_MAPS[key] = (order, byte_index.contiguous())
+    return _MMA_MAPS[key]
+
+
+def pack_codes_mma(codes: torch.Tensor, token_in_block: torch.Tensor, layout: str) -> torch.Tensor:
+    """Codes uint8 ``[..., d]`` of tokens at block positions ``token_in_block`` ``[...]`` -> their
+    ``[..., d/4]`` bytes, byte ``k`` going to ``mma_token_map(d, layout)[1][tb, k]`` of the block."""
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"codes must be uint8, got {codes.dtype}")
+    if codes.numel() and int(codes.max()) >= 4:
+        raise ValueError(f"code value {int(codes.max())} does not fit in 2 bits (valid 0..3)")
+    d = int(codes.shape[-1])
+    order, _ = mma_token_map(d, layout)
+    idx = order.to(codes.device)[token_in_block.long()]  # [..., d]
+    q = torch.gather(codes, -1, idx.expand(codes.shape)).reshape(*codes.shape[:-1], d // 4, 4)
+    return q[..., 0] | (q[..., 1] << 2) | (q[..., 2] << 4) | (q[..., 3] << 6)
+
+
+def unpack_codes_mma(packed: torch.Tensor, token_in_block: torch.Tensor, layout: str) -> torch.Tensor:
+    """Inverse of ``pack_codes_mma``: a token's ``[..., d/4]`` bytes -> codes uint8 ``[..., d]``."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed codes must be uint8, got {packed.dtype}")
+    d = int(packed.shape[-1]) * 4
+    order, _ = mma_token_map(d, layout)
+    slots = torch.stack([(packed >> (2 * s)) & 3 for s in range(4)], dim=-1).reshape(*packed.shape[:-1], d)
+    idx = order.to(packed.device)[token_in_block.long()].expand(slots.shape)
+    return torch.empty_like(slots).scatter_(-1, idx, slots)
+
+
 __all__ = [
+    "LAYOUTS",
+    "MMA_BLOCK_TOKENS",
     "QuantizedRows",
     "SUPPORTED_BITS",
     "bits_per_element",
     "bits_per_element_of",
     "check_format",
+    "check_mma_layout",
     "dequantize",
     "dequantize_codes",
     "fake_quantize",
+    "mma_token_map",
     "pack_codes",
+    "pack_codes_mma",
     "percentile_clip",
     "quantize",
     "quantize_codes",
     "relative_error",
     "rotate_clip_quantize",
+    "unpack_codes_mma",
 ]

@@ -64,12 +64,20 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, _file_mode())
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _file_mode() -> int:
+    """Mode of a new file under the process umask (0644 under the usual 022), not mkstemp's 0600."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def read_result(result_dir: str | Path) -> dict[str, Any]:
@@ -113,11 +121,20 @@ def pick_metric(available: Iterable[str], wanted: str) -> str | None:
 
 
 def aggregate(plan: TablePlan, root: str | Path = ".") -> pd.DataFrame:
-    """Long table of a plan's cells: one row per (cell, metric) with every numeric metric."""
+    """Long table of a plan's cells: one row per (cell, metric) with every numeric metric.
+
+    A cell whose recorded configuration hash differs from the one its planned configuration gives is
+    refused (never aggregated). With `spec.reference` (a method), each eval cell also gets
+    `agree` and `prefix` against that method's cell of the same model, benchmark, variant and seed
+    (see `reference_metrics`).
+    """
     rows: list[dict[str, Any]] = []
+    reference = str(plan.spec.get("reference") or "")
+    by_key = {_reference_key(c): c for c in plan.cells if c.get("kind", "eval") == "eval" and c.get("method") == reference}
     for cell in plan.cells:
         result_dir = Path(root) / cell["result_dir"]
         result = read_result(result_dir)
+        check_config_hash(cell, result, root)
         base = {key: cell.get(key) for key in CELL_KEYS}
         base["variant"] = base["variant"] or ""
         base.update(
@@ -126,9 +143,84 @@ def aggregate(plan: TablePlan, root: str | Path = ".") -> pd.DataFrame:
             wall_s=result.get("wall_s"),
             result=str(Path(cell["result_dir"]) / "result.json"),
         )
-        for metric, value in sorted(numeric_metrics(result["metrics"]).items()):
+        metrics = numeric_metrics(result["metrics"])
+        if reference and cell.get("kind", "eval") == "eval":
+            ref_cell = by_key.get(_reference_key(cell))
+            if ref_cell is None:
+                raise ReportError(f"{cell['result_dir']}: table {plan.table} compares with {reference!r}, "
+                                  "but plans no such cell for its model, benchmark, variant and seed")
+            metrics.update(reference_metrics(read_records(result_dir), read_records(Path(root) / ref_cell["result_dir"])))
+        for metric, value in sorted(metrics.items()):
             rows.append({**base, "metric": metric, "value": value})
     return pd.DataFrame(rows, columns=LONG_COLUMNS)
+
+
+def _reference_key(cell: dict[str, Any]) -> tuple[Any, ...]:
+    return (cell.get("model"), cell.get("benchmark"), cell.get("variant") or "", cell.get("seed"))
+
+
+def read_records(result_dir: str | Path) -> list[dict[str, Any]]:
+    """A cell's `items.jsonl` records."""
+    path = Path(result_dir) / "items.jsonl"
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ReportError(f"cannot read item records {path}: {exc}") from exc
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def reference_metrics(records: list[dict[str, Any]], reference: list[dict[str, Any]]) -> dict[str, float]:
+    """Fidelity of a cell's outputs to the reference method's outputs on the same items, with 95%
+    bootstrap intervals over items: `agree`, the share of items whose prediction (answer letter,
+    completion text) equals the reference's; `prefix`, the mean share of the reference's output
+    (in characters) reproduced before the first difference (1 where both are empty). The reference
+    cell compared with itself gives exactly 1."""
+    from oscar.eval.stats import bootstrap_mean_ci
+
+    ref = {str(r["id"]): str(r.get("prediction", "")) for r in reference}
+    pairs = [(str(r.get("prediction", "")), ref[str(r["id"])]) for r in records if str(r["id"]) in ref]
+    if not pairs:
+        raise ReportError("the cell and its reference cell share no item ids")
+    agree = [float(got == want) for got, want in pairs]
+    prefix = [1.0 if got == want else _common_prefix(got, want) / max(1, len(want)) for got, want in pairs]
+    out: dict[str, float] = {"n_reference": float(len(pairs))}
+    for name, values in (("agree", agree), ("prefix", prefix)):
+        out[name] = sum(values) / len(values)
+        out[f"{name}.ci_lo"], out[f"{name}.ci_hi"] = bootstrap_mean_ci(values)
+    return out
+
+
+def check_config_hash(cell: dict[str, Any], result: dict[str, Any], root: str | Path = ".") -> None:
+    """Refuse an eval cell whose `result.json` was made with other settings than the plan's (for example
+    an ad-hoc `python -m oscar eval ... output=<cell folder>`): its hash must equal the hash of the
+    cell's planned configuration file."""
+    if cell.get("kind", "eval") != "eval" or not cell.get("config_path"):
+        return
+    from omegaconf import OmegaConf
+
+    from oscar.eval.runner import cell_config_hash
+
+    path = Path(root) / cell["config_path"]
+    try:
+        planned = OmegaConf.load(str(path))
+        expected = cell_config_hash(planned)
+    except (OSError, ValueError, KeyError, AttributeError) as exc:
+        raise ReportError(f"cannot read the planned configuration {path} of {cell['result_dir']}: {exc}") from exc
+    got = result.get("config_hash")
+    if got != expected:
+        raise ReportError(
+            f"{cell['result_dir']}/result.json was made with other settings (config hash {got}) than the plan "
+            f"({expected}, {cell['config_path']}); not aggregated. Recompute it: "
+            f"snakemake --cores all --forcerun {cell['result_dir']}/result.json reproduce_<table>"
+        )
 
 
 def write_csv(frame: pd.DataFrame, path: str | Path) -> None:
@@ -145,12 +237,15 @@ def summarize(plan: TablePlan, long: pd.DataFrame) -> pd.DataFrame:
     Each wanted metric is matched per cell (exact name, alias, or prefix); a cell that has none of
     a wanted metric is an error naming the cell and the metrics it does have.
     """
-    wanted = list(plan.spec.get("metrics") or ["acc"])
+    default = list(plan.spec.get("metrics") or ["acc"])
+    per_item = dict(plan.spec.get("item_metrics") or {})
     keys = [k for k in (*plan.spec.get("rows", ["method"]), *plan.spec.get("columns", [])) if k != "metric"]
     picked = []
     long = long.fillna({"variant": "", "benchmark": "", "corpus": ""})
     for result, group in long.groupby("result", sort=False):
         available = set(group["metric"])
+        first = group.iloc[0]
+        wanted = per_item.get(str(first["benchmark"] or first["corpus"]), default)
         for name in wanted:
             metric = pick_metric(available, name)
             if metric is None:
@@ -175,9 +270,18 @@ def summarize(plan: TablePlan, long: pd.DataFrame) -> pd.DataFrame:
     return summary
 
 
+# Table metrics that are shares of items, shown in percent (the name before any "." or "@").
+PERCENT_METRICS = ("acc", "accuracy", "pass", "agree", "prefix", "score")
+
+
+def is_percent(metric: str) -> bool:
+    """Whether a table metric is a share of items (shown in %)."""
+    return metric.split("@")[0].split(".")[0] in PERCENT_METRICS
+
+
 def _format_value(metric: str, mean: float, std: float, seeds: int, ci: tuple[float, float] = (math.nan, math.nan)) -> str:
     """`mean`, `mean ± std` over seeds, or `mean [lo, hi]` with a one-seed confidence interval."""
-    percent = metric == "acc" or metric.startswith("acc.")
+    percent = is_percent(metric)
     def fmt(x: float) -> str:
         return f"{x * 100:.1f}" if percent else f"{x:.4g}"
     text = fmt(mean)
@@ -222,27 +326,51 @@ def pivot(plan: TablePlan, summary: pd.DataFrame) -> tuple[list[str], list[str],
 
 
 def _column_label(axes: list[str], key: tuple[Any, ...], summary: pd.DataFrame) -> str:
-    label = _label(key)
-    if "benchmark" in axes:
-        bench = key[axes.index("benchmark")]
-        stand_in = summary.loc[summary["benchmark"] == bench, "stand_in_for"]
-        if len(stand_in) and str(stand_in.iloc[0]):
-            label += f" (for {stand_in.iloc[0]})"
-    if "metric" in axes and key[axes.index("metric")] == "acc":
-        label += " %"
-    return label
+    """Column title: the axis values joined by " / ", a stand-in benchmark marked after its name,
+    " %" after a share metric."""
+    parts = []
+    for axis, value in zip(axes, key):
+        if str(value) == "":
+            continue
+        text = str(value)
+        if axis == "benchmark":
+            stand_in = summary.loc[summary["benchmark"] == value, "stand_in_for"]
+            if len(stand_in) and str(stand_in.iloc[0]):
+                text += f" (for {stand_in.iloc[0]})"
+        if axis == "metric" and is_percent(text):
+            text += " %"
+        parts.append(text)
+    return " / ".join(parts)
 
 
-def _best(means: list[list[float]], lower_is_better: bool) -> set[tuple[int, int]]:
-    """Positions of the best value of each column."""
+# Metrics where lower is better whatever the table says (divergences, errors, perplexity).
+LOWER_IS_BETTER = ("kl", "mse", "ppl")
+
+
+def _lower_is_better(plan: TablePlan, summary: pd.DataFrame) -> list[bool]:
+    """Per column of `pivot`: the table's `lower_is_better`, or True for a divergence/error metric."""
+    columns = list(plan.spec.get("columns", ["benchmark"]))
+    if "metric" not in plan.spec.get("rows", ["method"]) and "metric" not in columns:
+        columns = [*columns, "metric"] if len(set(summary["metric"])) > 1 else columns
+    table_default = bool(plan.spec.get("lower_is_better"))
+    out = []
+    for _, record in summary.drop_duplicates(subset=columns).iterrows():
+        metric = str(record["metric"]).split(".")[0]
+        out.append(table_default or metric in LOWER_IS_BETTER)
+    return out
+
+
+def _best(means: list[list[float]], lower_is_better: bool | list[bool]) -> set[tuple[int, int]]:
+    """Positions of the best value of each column (`lower_is_better` for all columns or per column)."""
     best: set[tuple[int, int]] = set()
     for j in range(len(means[0]) if means else 0):
+        lower = lower_is_better[j] if isinstance(lower_is_better, list) else lower_is_better
         column = [(means[i][j], i) for i in range(len(means)) if not math.isnan(means[i][j])]
         if len(column) < 2:
             continue
         if len({value for value, _ in column}) == 1:
             continue  # a tie across the whole column marks nothing
-        target = min(column)[0] if lower_is_better else max(column)[0]
+        target = min(column)[0] if lower else max(column)[0]
         best.update((i, j) for value, i in column if value == target)
     return best
 
@@ -262,6 +390,9 @@ def notes(plan: TablePlan, summary: pd.DataFrame) -> list[str]:
     if sources:
         lines.append("Metrics: " + ", ".join(sources) + ".")
     direction = "lower" if plan.spec.get("lower_is_better") else "higher"
+    kinds = {str(m).split(".")[0] for m in summary["metric"]}
+    if not plan.spec.get("lower_is_better") and kinds & set(LOWER_IS_BETTER):
+        direction += f", except {', '.join(sorted(kinds & set(LOWER_IS_BETTER)))}: lower"
     lines.append(f"Best per column in bold ({direction} is better; ties unmarked).")
     return lines
 
@@ -272,7 +403,7 @@ def notes(plan: TablePlan, summary: pd.DataFrame) -> list[str]:
 def render_markdown(plan: TablePlan, summary: pd.DataFrame) -> str:
     """GitHub Markdown table with a title and footnotes."""
     row_labels, col_labels, cells, means = pivot(plan, summary)
-    best = _best(means, bool(plan.spec.get("lower_is_better")))
+    best = _best(means, _lower_is_better(plan, summary))
     head = " / ".join(plan.spec.get("rows", ["method"]))
     lines = [f"### {plan.spec.get('title') or plan.table} ({plan.experiment})", ""]
     if plan.spec.get("caption"):
@@ -299,7 +430,7 @@ def latex_escape(text: str) -> str:
 def render_latex(plan: TablePlan, summary: pd.DataFrame) -> str:
     """A booktabs `table` environment with caption and label."""
     row_labels, col_labels, cells, means = pivot(plan, summary)
-    best = _best(means, bool(plan.spec.get("lower_is_better")))
+    best = _best(means, _lower_is_better(plan, summary))
     head = " / ".join(plan.spec.get("rows", ["method"]))
     lines = [
         r"\begin{table}[t]",
@@ -346,8 +477,12 @@ def render_figure(plan: TablePlan, summary: pd.DataFrame, path: str | Path, root
     if kind in ("per_layer", "by_position"):
         fig = _per_layer_figure(plan, plt, root, by_position=kind == "by_position")
     else:
-        fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
-        for ax, metric in zip(axes[0], metrics):
+        ncols = min(3, len(metrics))
+        nrows = -(-len(metrics) // ncols)
+        fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4 * nrows), squeeze=False)
+        for ax in axes.flat[len(metrics):]:
+            ax.set_visible(False)
+        for ax, metric in zip(axes.flat, metrics):
             part = summary[summary["metric"] == metric]
             if kind == "line":
                 _line(ax, plan, part, metric)
@@ -381,20 +516,46 @@ def _line(ax: Any, plan: TablePlan, part: pd.DataFrame, metric: str) -> None:
 
 
 def _bars(ax: Any, plan: TablePlan, part: pd.DataFrame, metric: str) -> None:
+    """Grouped bars of one metric: shares in %, error bars = std over seeds or, with one seed, the 95%
+    interval (said in the axis label); every bar carries its value, so a zero bar is visible."""
     rows, cols = _series_keys(plan)
-    groups = list(dict.fromkeys(_label(tuple(r[c] for c in cols)) for _, r in part.iterrows())) or [""]
+    scale = 100.0 if is_percent(metric) else 1.0
+
+    def group_label(record: Any) -> str:
+        parts = []
+        for c in cols:
+            value = str(record[c])
+            if c == "benchmark" and value and str(record.get("stand_in_for") or ""):
+                value += f"\n(stand-in for {record['stand_in_for']})"
+            parts.append(value)
+        return _label(tuple(parts))
+
+    groups = list(dict.fromkeys(group_label(r) for _, r in part.iterrows())) or [""]
     series = list(part.groupby(rows, sort=False))
     width = 0.8 / max(len(series), 1)
+    one_seed = bool(len(part)) and int(part["seeds"].max()) == 1
     for s, (key, group) in enumerate(series):
-        lookup = {_label(tuple(r[c] for c in cols)): (r["mean"], r["std"]) for _, r in group.iterrows()}
+        lookup = {}
+        for _, r in group.iterrows():
+            mean = float(r["mean"]) * scale
+            if one_seed and not math.isnan(float(r.get("ci_lo", math.nan))):
+                err = (mean - float(r["ci_lo"]) * scale, float(r["ci_hi"]) * scale - mean)
+            else:
+                err = (float(r["std"]) * scale, float(r["std"]) * scale)
+            lookup[group_label(r)] = (mean, err)
         xs = [g + s * width for g in range(len(groups))]
-        ys = [lookup.get(g, (math.nan, 0))[0] for g in groups]
-        es = [lookup.get(g, (0, 0))[1] for g in groups]
-        ax.bar(xs, ys, width, yerr=es, capsize=2, label=_label(_tuple(key)))
-    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups, rotation=20)
-    ax.set_ylabel(metric)
+        ys = [lookup.get(g, (math.nan, (0, 0)))[0] for g in groups]
+        lo = [max(0.0, lookup.get(g, (0, (0, 0)))[1][0]) for g in groups]
+        hi = [max(0.0, lookup.get(g, (0, (0, 0)))[1][1]) for g in groups]
+        bars = ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=_label(_tuple(key)))
+        ax.bar_label(bars, labels=["" if math.isnan(y) else f"{y:.3g}" for y in ys], fontsize=6, padding=1)
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups, rotation=20, fontsize=8)
+    unit = "%" if scale == 100.0 else ("nats" if metric.split(".")[0] == "kl" else "")
+    spread = "95% bootstrap interval, one seed" if one_seed else "± std over seeds"
+    ax.set_ylabel(f"{metric}{f' ({unit})' if unit else ''}; bars: {spread}", fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
 
 
 def _tuple(key: Any) -> tuple[Any, ...]:
@@ -467,6 +628,7 @@ def _save(fig: Any, path: str | Path) -> None:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=150, metadata={"Software": None})
+        os.chmod(tmp, _file_mode())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -123,7 +123,7 @@ def test_auto_records_choices_no_worse_than_oscar(tiny_setup, tmp_path):
 
 
 def test_methods_without_calibration_skip_dump(tiny_setup, tmp_path):
-    cfg = _cfg(tiny_setup, tmp_path, "method=quarot")
+    cfg = _cfg(tiny_setup, tmp_path, "method=quarot", "method.clip=paper")  # QuaRot as published: unclipped
     results = run_calibrate(cfg)
     assert [r.stage for r in results] == ["rotations", "clip"]
     art = load_artifact(results[-1].path)
@@ -145,7 +145,7 @@ def test_missing_and_stale_statistics_are_refused(tiny_setup, tmp_path):
 
 
 def test_artifact_of_another_geometry_is_refused(tiny_setup, tmp_path):
-    cfg = _cfg(tiny_setup, tmp_path, "method=quarot")
+    cfg = _cfg(tiny_setup, tmp_path, "method=quarot", "method.clip=none")
     art_dir = run_calibrate(cfg)[-1].path
     other = save_random_model("qwen3", tmp_path / "other", num_layers=3, num_heads=4, num_kv_heads=2, head_dim=128, hidden_size=256)
     from oscar.models.tiny import tiny_model_cfg

@@ -11,7 +11,8 @@ from oscar.engine import Engine, cache_spec, next_token_kl, perplexity, rotation
 
 
 def method(name: str, **overrides):
-    base = OmegaConf.to_container(compose([f"method={name}"]).method, resolve=True)
+    """The method's config with its published clip choice (`clip=paper`: the baselines build in code)."""
+    base = OmegaConf.to_container(compose([f"method={name}", "method.clip=paper"]).method, resolve=True)
     base.update(overrides)
     return OmegaConf.create(base)
 
@@ -130,7 +131,7 @@ def test_generate_verb_writes_completions(tmp_path, capsys) -> None:
     from oscar.commands.generate import main
 
     out = tmp_path / "gen.jsonl"
-    rc = main(["model=smollm2-135m", "method=quarot", "device=cpu", "prompt=The capital of France is", "max_new_tokens=4", f"output={out}"])
+    rc = main(["model=smollm2-135m", "method=quarot", "method.clip=paper", "device=cpu", "prompt=The capital of France is", "max_new_tokens=4", f"output={out}"])
     assert rc == 0
     record = json.loads(out.read_text().splitlines()[0])
     assert record["method"] == "quarot" and record["prompt"] == "The capital of France is" and record["completion"]

@@ -21,7 +21,7 @@ def tiny():
     model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                                          max_position_embeddings=512)).eval()
-    quarot = compose(["method=quarot", "method.sink=2", "method.recent=4"]).method
+    quarot = compose(["method=quarot", "method.clip=paper", "method.sink=2", "method.recent=4"]).method
     bf16 = compose(["method=bf16"]).method
     rot = rotations_in_code(quarot, model)
     return model, Engine(model, None, bf16), Engine(model, None, quarot, rot, fold_values=False), rot

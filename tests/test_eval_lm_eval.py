@@ -17,7 +17,7 @@ def tiny_engine():
     from oscar.engine import Engine
     from oscar.models.loading import dense_dir
 
-    cfg = compose(["model=smollm2-135m", "method=quarot", "method.sink=2", "method.recent=4"])
+    cfg = compose(["model=smollm2-135m", "method=quarot", "method.clip=paper", "method.sink=2", "method.recent=4"])
     tok_dir = dense_dir(cfg.model)
     if not (tok_dir / "tokenizer_config.json").exists():
         pytest.skip("SmolLM2 tokenizer not installed (python -m oscar install-model model=smollm2-135m)")

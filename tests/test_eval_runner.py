@@ -45,7 +45,7 @@ def test_math_cell_writes_result_and_items(tmp_path):
     cfg = _cfg(tmp_path, "benchmark=champ", "benchmark.limit=4", "benchmark.batch_size=2", "method=bf16")
     eng = FakeEngine(lambda p: "so \\boxed{239}" if "strings of length 6 have adjacent" in p else "\\boxed{1}")
     result = runner.run_cell(cfg, eng, progress=False)
-    out = tmp_path / "eval" / "smollm2-135m" / "bf16" / "champ" / "seed0"
+    out = tmp_path / "adhoc" / "eval" / "smollm2-135m" / "bf16" / "champ" / "seed0"  # ad-hoc: not a workflow cell
     on_disk = json.loads((out / "result.json").read_text())
     assert on_disk == result
     for key in ("model", "method", "benchmark", "seed", "stand_in_for", "n", "metrics", "config_hash",
@@ -56,6 +56,8 @@ def test_math_cell_writes_result_and_items(tmp_path):
     assert len(records) == 4 and all(re.fullmatch(r"[0-9a-f]{16}", r["prompt_hash"]) for r in records)
     expected = sum(r["target"] == "1" or r["id"] == "P_Combinatorics_1" for r in records) / 4
     assert result["metrics"]["accuracy"] == pytest.approx(expected)
+    lo, hi = result["metrics"]["accuracy.ci_lo"], result["metrics"]["accuracy.ci_hi"]
+    assert lo <= expected <= hi and (hi > lo or expected in (0.0, 1.0))
     assert not (out / runner.PARTIAL_FILE).exists()
     assert [len(c) for c in eng.calls] == [2, 2]
 
@@ -88,7 +90,9 @@ def test_multiple_choice_loglikelihood_cell(tmp_path):
     cfg = _cfg(tmp_path, "benchmark=mmlu", "benchmark.source=file", f"benchmark.path={fixture}")
     result = runner.run_cell(cfg, FakeEngine(), progress=False)
     rec = json.loads((runner.cell_dir(cfg) / "items.jsonl").read_text())
-    assert result["metrics"]["accuracy"] == 1.0 and rec["prediction"] == "B" and rec["score_mode"] == "serving"
+    assert result["metrics"]["accuracy"] == 1.0 and rec["prediction"] == "B"
+    assert rec["score_mode"] == "decode_equivalent"  # the default: the answer reads the quantized history
+    assert result["metrics"]["accuracy.ci_lo"] == result["metrics"]["accuracy.ci_hi"] == 1.0
 
 
 def test_humaneval_cell_runs_code_in_sandbox(tmp_path):
@@ -183,7 +187,7 @@ def test_eval_verb_end_to_end_with_fake_engine(tmp_path, monkeypatch, capsys):
     argv = ["eval", "model=smollm2-135m", "method=quarot", "benchmark=champ", "benchmark.limit=2", "seed=1",
             f"results_dir={tmp_path}", "progress=false"]
     assert main(argv) == 0
-    cell = tmp_path / "eval" / "smollm2-135m" / "quarot" / "champ" / "seed1"
+    cell = tmp_path / "adhoc" / "eval" / "smollm2-135m" / "quarot" / "champ" / "seed1"
     assert (cell / "result.json").exists() and len((cell / "items.jsonl").read_text().splitlines()) == 2
     assert main(argv) == 0  # up to date: no second run
     assert "up to date" in capsys.readouterr().err

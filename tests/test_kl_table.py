@@ -29,18 +29,54 @@ def test_paired_differences_are_tighter_than_the_unpaired_intervals():
     assert hi_d - lo_d < 0.1 * (hi_a - lo_a)
 
 
-def test_tables_show_intervals_and_render_older_rows_without_them(tmp_path):
+def test_tables_lead_with_quantized_history_and_state_the_goal(tmp_path):
     rows = [
-        {"model": "m", "method": "bf16", "bits": 16, "status": "ok", "kl": 0.0, "kl_past_window": 0.0, "ppl": 20.0},
-        {"model": "m", "method": "oscar", "bits": 2, "sink": 64, "recent": 256, "status": "ok", "kl": 0.03,
-         "kl_lo": 0.02, "kl_hi": 0.04, "kl_past_window": 0.035, "kl_past_lo": 0.025, "kl_past_hi": 0.045, "ppl": 21.0},
-        {"model": "m", "method": "oscar_raw", "bits": 2, "sink": 64, "recent": 256, "status": "ok", "kl": 0.01,
-         "kl_lo": 0.005, "kl_hi": 0.015, "kl_past_window": 0.012, "kl_past_lo": 0.006, "kl_past_hi": 0.018,
-         "diff_ref": "oscar", "diff_past": -0.023, "diff_past_lo": -0.03, "diff_past_hi": -0.015, "ppl": 20.5},
+        {"model": "m", "method": "bf16", "kind": "bf16", "bits": 16, "clip": "none", "status": "ok", "kl": 0.0,
+         "kl_past_window": 0.0, "bits_per_element": 16.0, "ppl": 20.0},
+        {"model": "m", "method": "kivi2", "kind": "kivi", "bits": 2, "clip": "none", "sink": 0, "recent": 128,
+         "status": "ok", "kl": 0.03, "kl_lo": 0.02, "kl_hi": 0.04, "kl_past_window": 0.035, "kl_past_lo": 0.025,
+         "kl_past_hi": 0.045, "bits_per_element": 3.9, "diff_ref": "auto", "diff_past": 0.02, "diff_past_lo": 0.01,
+         "diff_past_hi": 0.03, "ppl": 21.0},
+        {"model": "m", "method": "auto", "kind": "rotated", "bits": 2, "clip": "fit", "sink": 64, "recent": 256,
+         "status": "ok", "kl": 0.01, "kl_lo": 0.005, "kl_hi": 0.015, "kl_past_window": 0.012, "kl_past_lo": 0.006,
+         "kl_past_hi": 0.018, "bits_per_element": 4.6, "ppl": 20.5, "edge_key_low": 3, "edge_key_high": 10,
+         "edge_key_heads": 90, "edge_value_low": 0, "edge_value_high": 20, "edge_value_heads": 90,
+         "grid_k": "[0.5, 1.0]", "grid_v": "[0.5, 1.0]"},
+        {"model": "m", "method": "saw_int4", "kind": "rotated", "bits": 4, "clip": "fit", "sink": 64, "recent": 256,
+         "status": "ok", "kl": 0.001, "kl_past_window": 0.0012, "bits_per_element": 6.2, "diff_ref": "auto",
+         "diff_past": -0.0108, "diff_past_lo": -0.012, "diff_past_hi": -0.009, "ppl": 20.1},
     ]
     write_tables(rows, tmp_path / "kl", "cmd", "note")
     md = (tmp_path / "kl.md").read_text()
-    assert "| oscar_raw | 2 | 64/256 | 0.0100 [0.0050, 0.0150] | 0.0120 [0.0060, 0.0180] | -0.0230 [-0.0300, -0.0150] |" in md
-    assert "| bf16 | 16 | - | 0.0000 | 0.0000 | - | 20.000 |" in md
-    assert "minus oscar" in md
+    # headline column: positions that read quantized history; all positions second; then the paired difference
+    assert "| kivi2 | none | 0/128 | 3.90 | 0.0350 [0.0250, 0.0450] | 0.0300 [0.0200, 0.0400] | +0.0200 [+0.0100, +0.0300] |" in md
+    assert "| bf16 | none | - | 16.00 | 0.0000 | 0.0000 | - | 20.000 |" in md
+    assert "minus auto" in md
+    # the best other 2-bit method (kivi2) has the higher KL but holds fewer bits per element: missed on bits only
+    assert ("Goal for auto (KL <= the best other 2-bit method, at no more bits per element): missed: 0.70 more bits "
+            "per element. Best other 2-bit method: kivi2 0.0350 at 3.90") in md
+    assert "kivi2 minus auto (paired, positions where both read quantized history): +0.0200 [+0.0100, +0.0300]" in md
+    assert "| m | auto | [0.5, 1.0] | 3 / 10 / 90 | [0.5, 1.0] | 0 / 20 / 90 |" in md
+    rows[1]["bits_per_element"] = 5.0
+    rows[2]["kl_past_window"] = 0.05
+    write_tables(rows, tmp_path / "kl2", "cmd", "note")
+    assert ": missed: KL higher by 0.0150 nats (1.43x). Best other 2-bit method: kivi2" in (tmp_path / "kl2.md").read_text()
+    rows[2]["kl_past_window"] = 0.012
+    write_tables(rows, tmp_path / "kl3", "cmd", "note")
+    assert "at no more bits per element): met. Best other 2-bit method: kivi2 0.0350" in (tmp_path / "kl3.md").read_text()
     assert (tmp_path / "kl.csv").read_text().startswith("model,method")
+
+
+def test_method_specs_carry_a_clip_policy():
+    import pytest
+
+    from oscar.studies.kl_table import spec_windows, split_spec
+
+    assert split_spec("quarot") == ("quarot", None)
+    assert split_spec("quarot:paper") == ("quarot", "paper")
+    assert split_spec("auto@0/128") == ("auto", None) and spec_windows("auto@0/128") == (0, 128)
+    assert spec_windows("oscar:none") is None
+    with pytest.raises(ValueError, match="must read S0/W"):
+        split_spec("auto@128")
+    with pytest.raises(ValueError, match="clip policy 'sometimes' is not one of fit, fixed, none, paper"):
+        split_spec("quarot:sometimes")

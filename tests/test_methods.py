@@ -14,8 +14,10 @@ from oscar.methods import (
     MethodError,
     auto_choices_rows,
     build_rotations,
+    clip_mode,
     effective_group_size,
     fit_clip,
+    grid_edges,
     in_code_artifact,
     needs_statistics,
     validate_method,
@@ -66,9 +68,32 @@ def test_every_configured_method_validates(name):
 
 def test_statistics_needed_exactly_where_the_method_uses_them():
     need = {n: needs_statistics(method(n)) for n in ALL_METHODS}
-    assert {n for n, v in need.items() if not v} == {"bf16", "int2", "quarot", "saw_int4", "turboquant", "kivi2"}
-    assert needs_statistics(method("quarot", "clip=fit"))  # fitted clipping reads held-back rows
+    # the default clip policy is the same for every method (fitted): every clipped format reads held-back rows
+    assert {n for n, v in need.items() if not v} == {"bf16", "turboquant", "kivi2"}
+    paper = {n: needs_statistics(method(n, "clip=paper")) for n in ALL_METHODS}
+    assert {n for n, v in paper.items() if not v} == {"bf16", "int2", "quarot", "saw_int4", "turboquant", "kivi2"}
     assert not needs_statistics(method("oscar_hp", "clip=fixed"))
+    assert not needs_statistics(method("quarot", "clip=none"))
+
+
+def test_clip_policy_is_shared_and_the_paper_choice_is_a_named_variant():
+    rotated = [n for n in ALL_METHODS if n not in ("bf16", "kivi2", "turboquant")]
+    assert {clip_mode(method(n)) for n in rotated} == {"fit"}
+    assert {n: clip_mode(method(n, "clip=paper")) for n in ("int2", "quarot", "saw_int4", "oscar", "auto")} == {
+        "int2": "none", "quarot": "none", "saw_int4": "none", "oscar": "fit", "auto": "fit"}
+    assert {clip_mode(method(n, "clip=fixed")) for n in rotated} == {"fixed"}
+    # formats without a clip ratio run unclipped whatever the policy
+    assert {clip_mode(method(n, c)) for n in ("bf16", "kivi2", "turboquant") for c in ("clip=fit", "clip=paper")} == {"none"}
+    with pytest.raises(MethodError, match="paper_clip='sometimes'; valid: fit, fixed, none"):
+        validate_method(method("quarot", "paper_clip=sometimes"))
+
+
+def test_grid_edges_count_fits_on_either_end():
+    rho_k = [torch.tensor([0.5, 0.7]), torch.tensor([1.0, 0.5])]
+    rho_v = [torch.tensor([0.9, 0.9]), torch.tensor([0.9, 1.0])]
+    grid = [0.5, 0.7, 0.9, 1.0]
+    assert grid_edges(rho_k, rho_v, grid, grid) == {
+        "key_low": 2, "key_high": 1, "key_heads": 4, "value_low": 0, "value_high": 1, "value_heads": 4}
 
 
 @pytest.mark.parametrize(
@@ -77,7 +102,7 @@ def test_statistics_needed_exactly_where_the_method_uses_them():
         ("key_rotation=uhq", "valid: identity, hadamard"),
         ("value_target=query", "valid: output, raw, geomean"),
         ("key_target=output", "valid: query, raw, geomean"),
-        ("clip=auto", "valid: fit, fixed, none"),
+        ("clip=auto", "valid: fit, fixed, none, paper"),
         ("kind=lloyd", "valid: bf16, rotated, kivi, turboquant"),
         ("value_rotation=hadamard", "auto must apply to both"),
     ],
@@ -97,9 +122,9 @@ def test_effective_group_size():
 
 
 def test_in_code_methods_match_their_definitions():
-    quarot = in_code_artifact(method("quarot"), **GEOM)
-    int2 = in_code_artifact(method("int2"), **GEOM)
-    saw = in_code_artifact(method("saw_int4", "group_size=32"), **GEOM)
+    quarot = in_code_artifact(method("quarot", "clip=paper"), **GEOM)
+    int2 = in_code_artifact(method("int2", "clip=none"), **GEOM)
+    saw = in_code_artifact(method("saw_int4", "group_size=32", "clip=paper"), **GEOM)
     bf16 = in_code_artifact(method("bf16"), **GEOM)
     for layer in range(2):
         for h in range(2):

@@ -57,7 +57,7 @@ def test_unknown_model_lists_the_registered_ones():
 def test_adapter_registry_and_errors():
     assert get_adapter("llama").qk_norm is False and get_adapter("qwen3").qk_norm is True
     assert get_adapter("glm4_moe").rope == "partial"
-    with pytest.raises(UnsupportedModel, match="no adapter for model_type 'mamba'; supported model types: glm4_moe, llama, qwen2, qwen3"):
+    with pytest.raises(UnsupportedModel, match="no adapter for model_type 'mamba'; supported model types: gemma3_text, glm4_moe, llama, qwen2, qwen3"):
         get_adapter("mamba")
 
 

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from omegaconf import OmegaConf
+
+from oscar.eval.runner import cell_config_hash
 
 from oscar.reporting import (
     ReportError,
@@ -36,13 +39,16 @@ def make_eval_plan(root: Path, accuracies: dict[tuple[str, str, int], float], sp
         metrics = {"accuracy": acc, "extracted_rate": 1.0}
         if bench == "code":
             metrics = {"pass@1": acc}
-        (root / result_dir / "result.json").write_text(json.dumps(
-            {"model": "m", "method": method, "benchmark": bench, "seed": seed, "n": 10, "metrics": metrics,
-             "stand_in_for": "gpqa-diamond" if bench == "mmlu" else None, "wall_s": 1.5}))
-        (root / result_dir / "items.jsonl").write_text('{"id": 1}\n')
         config_path = f"results/config/eval/m/{method}/{bench}/seed{seed}.yaml"
         (root / config_path).parent.mkdir(parents=True, exist_ok=True)
-        (root / config_path).write_text(f"method:\n  name: {method}\n  sink: 4\nseed: {seed}\n")
+        (root / config_path).write_text(f"model:\n  name: m\nmethod:\n  name: {method}\n  sink: 4\n"
+                                        f"benchmark:\n  name: {bench}\n  batch_size: 2\ncalibration:\n  name: default\n"
+                                        f"seed: {seed}\n")
+        chash = cell_config_hash(OmegaConf.load(str(root / config_path)))
+        (root / result_dir / "result.json").write_text(json.dumps(
+            {"model": "m", "method": method, "benchmark": bench, "seed": seed, "n": 10, "metrics": metrics,
+             "stand_in_for": "gpqa-diamond" if bench == "mmlu" else None, "wall_s": 1.5, "config_hash": chash}))
+        (root / result_dir / "items.jsonl").write_text('{"id": 1}\n')
         cells.append({"table": "t2", "kind": "eval", "model": "m", "method": method, "variant": "", "item": bench,
                       "benchmark": bench, "seed": seed, "overrides": [], "flags": [], "method_label": method,
                       "result_dir": result_dir, "config_path": config_path})
@@ -185,3 +191,61 @@ def test_verbs_aggregate_then_report(eval_plan, tmp_path):
     (tmp_path / "results/eval/m/bf16/mmlu/seed0/result.json").write_text("{broken")
     bad = run("aggregate", "--plan", str(eval_plan), "--output", str(long))
     assert bad.returncode == 1 and "results/eval/m/bf16/mmlu/seed0/result.json" in bad.stderr
+
+
+def test_aggregate_refuses_a_cell_made_with_other_settings(eval_plan, tmp_path):
+    """An ad-hoc run written into a planned cell folder (its config hash differs) is never aggregated."""
+    result = tmp_path / "results/eval/m/int2/mmlu/seed1/result.json"
+    data = json.loads(result.read_text())
+    data["config_hash"] = "0123456789abcdef"
+    result.write_text(json.dumps(data))
+    with pytest.raises(ReportError, match=r"int2/mmlu/seed1/result.json was made with other settings.*--forcerun"):
+        aggregate(TablePlan.load(eval_plan), root=tmp_path)
+
+
+def _write_items(root: Path, method: str, predictions: list[str]) -> None:
+    path = root / f"results/eval/m/{method}/mmlu/seed0/items.jsonl"
+    path.write_text("".join(json.dumps({"id": f"q{i}", "prediction": p}) + "\n" for i, p in enumerate(predictions)))
+
+
+def test_reference_metrics_agree_and_prefix(tmp_path):
+    """agree/prefix against the reference method's cell; the reference row is exactly 1 with a zero-width interval."""
+    plan_path = make_eval_plan(tmp_path, {("bf16", "mmlu", 0): 0.5, ("int2", "mmlu", 0): 0.3},
+                               spec={"reference": "bf16", "item_metrics": {"mmlu": ["agree", "prefix"]}})
+    _write_items(tmp_path, "bf16", ["abcd", "A", "B", "C"])
+    _write_items(tmp_path, "int2", ["abXY", "A", "D", "C"])
+    plan = TablePlan.load(plan_path)
+    long = aggregate(plan, root=tmp_path)
+    got = {(r.method, r.metric): r.value for r in long.itertuples()}
+    assert got[("int2", "agree")] == pytest.approx(0.5)
+    assert got[("int2", "prefix")] == pytest.approx((0.5 + 1 + 0 + 1) / 4)
+    assert got[("bf16", "agree")] == 1.0 and got[("bf16", "agree.ci_lo")] == 1.0 and got[("bf16", "agree.ci_hi")] == 1.0
+    assert got[("int2", "agree.ci_lo")] <= 0.5 <= got[("int2", "agree.ci_hi")]
+    summary = summarize(plan, long)
+    assert set(summary.metric) == {"agree", "prefix"}  # item_metrics replace `metrics` for mmlu
+    text = render_markdown(plan, summary)
+    assert "mmlu (for gpqa-diamond) / agree %" in text and "100.0 [100.0, 100.0]" in text
+
+
+def test_reference_cell_missing_is_named(tmp_path):
+    plan_path = make_eval_plan(tmp_path, {("int2", "mmlu", 0): 0.3}, spec={"reference": "bf16"})
+    with pytest.raises(ReportError, match="compares with 'bf16'"):
+        aggregate(TablePlan.load(plan_path), root=tmp_path)
+
+
+def test_report_files_are_readable_by_others(eval_plan, tmp_path):
+    """Atomic writes go through mkstemp (0600); the files users get follow the umask like any other."""
+    import os
+
+    plan = TablePlan.load(eval_plan)
+    summary = summarize(plan, aggregate(plan, root=tmp_path))
+    old = os.umask(0o022)
+    try:
+        render_figure(plan, summary, tmp_path / "fig.png", root=tmp_path)
+        from oscar.reporting import write_text_atomic
+
+        write_text_atomic(tmp_path / "t.md", render_markdown(plan, summary))
+    finally:
+        os.umask(old)
+    assert (tmp_path / "fig.png").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "t.md").stat().st_mode & 0o777 == 0o644

@@ -78,10 +78,10 @@ def test_local_profile_dry_run_table2_shape(tmp_path):
     out = snakemake(tmp_path, "-n", "--profile", str(ROOT / "workflow/profiles/local"), "reproduce_table2")
     assert out.returncode == 0, out.stdout + out.stderr
     counts = job_counts(out.stdout)
-    assert counts["eval_cell"] == 24  # 6 methods x 4 benchmarks x 1 seed
+    assert counts["eval_cell"] == 18  # 6 methods x 3 benchmarks x 1 seed
+    assert counts["fidelity_cell"] == 6  # the KL column: one per method
     # oscar, oscar_raw and auto are calibrated; the others build their rotations in code
     assert counts["clip"] == 3 and counts["dump"] == 1
-    assert "fidelity_cell" not in counts
 
 
 def test_invalid_override_fails_before_any_job(tmp_path):

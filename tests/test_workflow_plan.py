@@ -39,15 +39,24 @@ def test_axis_overrides_are_split_from_settings():
 
 def test_tiny_table2_cells_and_paths(tiny):
     cells = tiny.table("table2").cells
-    assert {(c.method, c.item, c.seed) for c in cells} == {(m, "mmlu", 0) for m in ("bf16", "int2", "oscar")}
-    oscar = next(c for c in cells if c.method == "oscar")
+    methods = ("bf16", "int2", "oscar")
+    assert {(c.kind, c.method, c.item, c.seed) for c in cells} == {
+        (kind, m, item, 0) for m in methods for kind, item in (("eval", "mmlu"), ("fidelity", "paul_graham"))}
+    kl = next(c for c in cells if c.kind == "fidelity" and c.method == "int2")
+    assert kl.result_dir == "results/fidelity/smollm2-135m/int2+table2/paul_graham"  # table4 owns the plain path
+    assert dict(f.split("=") for f in kl.flags) == {"windows": "1", "seq_len": "256", "modes": "decode_equivalent",
+                                                    "attention": "false", "corpus": "paul_graham"}
+    oscar = next(c for c in cells if c.method == "oscar" and c.kind == "eval")
     assert oscar.result_dir == "results/eval/smollm2-135m/oscar/mmlu/seed0"
     assert oscar.config_path == "results/config/eval/smollm2-135m/oscar/mmlu/seed0.yaml"
     # table overrides, item overrides, experiment overrides, then the seed
     assert "method.sink=4" in oscar.overrides and "benchmark.limit=2" in oscar.overrides
     assert oscar.overrides[-1] == "seed=0"
     assert tiny.cell_calibration[oscar.result_dir].artifact_dir == "results/calibration/smollm2-135m/oscar"
-    assert all(c.result_dir not in tiny.cell_calibration for c in cells if c.method != "oscar")
+    # the shared clip policy (fitted) gives int2 a calibration too; only the BF16 cache has none
+    int2 = next(c for c in cells if c.method == "int2")
+    assert tiny.cell_calibration[int2.result_dir].artifact_dir == "results/calibration/smollm2-135m/int2"
+    assert all(c.result_dir not in tiny.cell_calibration for c in cells if c.method == "bf16")
 
 
 def test_variants_get_their_own_paths_and_share_calibration_when_possible(tiny):
@@ -90,14 +99,14 @@ def test_resolved_configs_written_once_and_readable(tiny, tmp_path):
     assert "sink" not in (tmp_path / calib.config_path).read_text(), "run-time windows do not change an artifact"
     tiny.write_table_plans(tmp_path)
     plan = json.loads((tmp_path / "results/plan/tiny/table2.json").read_text())
-    assert plan["experiment"] == "tiny" and len(plan["cells"]) == 3
+    assert plan["experiment"] == "tiny" and len(plan["cells"]) == 6  # 3 eval cells + 3 KL (fidelity) cells
     assert {"result_dir", "config_path", "method_label", "benchmark", "flags"} <= set(plan["cells"][0])
 
 
 def test_user_axis_override_replaces_the_grid():
     plan = Plan(["experiment=tiny", "method=quarot", "benchmark.limit=1"])
     cells = plan.table("table2").cells
-    assert [c.method for c in cells] == ["quarot"]
+    assert [(c.method, c.kind) for c in cells] == [("quarot", "eval"), ("quarot", "fidelity")]
     assert cells[0].overrides.index("benchmark.limit=1") > cells[0].overrides.index("benchmark.limit=2"), \
         "the user's settings come after the table's"
 

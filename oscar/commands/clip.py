@@ -27,7 +27,7 @@ def run_clip(cfg: Any, *, force: bool = False, out: Path | None = None, stats: A
     """Stage `clip` for a composed configuration."""
     from oscar.artifact import load_artifact, save_artifact
     from oscar.commands.rotations import load_stats
-    from oscar.methods import CalibrationMissing, fit_clip
+    from oscar.methods import CalibrationMissing, clip_mode, fit_clip
 
     t0 = time.perf_counter()
     target = Path(out) if out is not None else artifact_dir(cfg)
@@ -46,7 +46,7 @@ def run_clip(cfg: Any, *, force: bool = False, out: Path | None = None, stats: A
             f"{rotations_hash(cfg)}; rerun: python -m oscar rotations model={cfg.model.name} method={cfg.method.name} force=true"
         )
     art = load_artifact(src)
-    clip = str(cfg.method.clip) if str(cfg.method.kind) not in ("bf16", "kivi") else "none"
+    clip = clip_mode(cfg.method)
     if stats is None and clip == "fit":
         stats = load_stats(cfg)
     with single_thread():

@@ -1,6 +1,8 @@
 """`python -m oscar eval [flags] [hydra overrides]`: one (model, method, benchmark, seed) cell.
 
-Writes `results/eval/<model>/<method>/<benchmark>/seed<k>/{result.json,items.jsonl}` (or `output=DIR`).
+Writes `output=DIR/{result.json,items.jsonl}` (the workflow gives its cell folder); without
+`output=`, ad-hoc runs go to `results/adhoc/eval/<model>/<method>/<benchmark>/seed<k>/`, which no
+workflow table reads.
 Verb flags (not Hydra keys): `force=true` reruns a finished cell; `progress=false` hides the bar;
 `threads=N` sets torch's CPU threads.
 """

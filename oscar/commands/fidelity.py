@@ -1,7 +1,8 @@
 """`python -m oscar fidelity [flags] [hydra overrides]`: KL / perplexity / attention diagnostics vs BF16.
 
-Writes `results/fidelity/<model>/<method>/<corpus>/{result.json,per_layer.csv,per_position.csv}`
-(or `output=DIR`). Verb flags: `corpus=` (default: the calibration corpus, held-out windows only),
+Writes `output=DIR/{result.json,per_layer.csv,per_position.csv}` (the workflow gives
+`results/fidelity/<model>/<method>/<corpus>`; without `output=`, ad-hoc runs go to
+`results/adhoc/fidelity/<model>/<method>/<corpus>`, which no workflow table reads). Verb flags: `corpus=` (default: the calibration corpus, held-out windows only),
 `windows=` (number of token windows), `seq_len=`, `prefill=` (serving mode: tokens prefilled before
 token-by-token decoding; default 3/4 of seq_len), `modes=serving,decode_equivalent`,
 `attention=true|false`, `force=true`, `progress=false`, `threads=N`.
@@ -59,7 +60,7 @@ def main(argv: list[str]) -> int:
     seq_len = int(flags["seq_len"])
     prefill = int(flags["prefill"]) or (3 * seq_len) // 4
     corpus = str(flags["corpus"] or cfg.calibration.corpus)
-    out = Path(cfg.output) if cfg.output else Path(cfg.results_dir) / "fidelity" / cfg.model.name / cfg.method.name / corpus
+    out = Path(cfg.output) if cfg.output else Path(cfg.results_dir) / "adhoc" / "fidelity" / cfg.model.name / cfg.method.name / corpus
     settings = {"corpus": corpus, "windows": int(flags["windows"]), "seq_len": seq_len, "prefill": prefill,
                 "modes": modes, "attention": bool(flags["attention"])}
     from oscar.config import config_hash
@@ -76,6 +77,7 @@ def main(argv: list[str]) -> int:
 
     from oscar.data.corpora import eval_sequences
     from oscar.engine import Engine, artifact_dir, effective_group_size, rotations_from_artifact, rotations_in_code
+    from oscar.methods import needs_statistics
     from oscar.eval.fidelity import attention_fidelity, model_fidelity
     from oscar.models import load_model
 
@@ -100,9 +102,12 @@ def main(argv: list[str]) -> int:
     if str(method.kind) == "bf16":
         ref_metrics, _ = model_fidelity(reference, reference, windows, modes, prefill, bool(flags["progress"]))
         metrics.update({k: v for k, v in ref_metrics.items() if k.startswith(("ppl.", "tokens."))})
+        for mode in modes:  # the reference itself: zero by definition, so tables can show its row
+            for suffix in ("", ".ci_lo", ".ci_hi"):
+                metrics[f"kl.next_token.{mode}{suffix}"] = 0.0
     else:
         try:
-            rotations = (rotations_from_artifact(artifact_dir(cfg), method, model) if bool(method.needs_calibration)
+            rotations = (rotations_from_artifact(artifact_dir(cfg), method, model) if needs_statistics(method)
                          else rotations_in_code(method, model))
         except FileNotFoundError as exc:
             print(f"oscar fidelity: {exc}", file=sys.stderr)

@@ -27,10 +27,11 @@ PARTIAL_FILE = "items.partial.jsonl"
 
 
 def cell_dir(cfg: Any) -> Path:
-    """`results/eval/<model>/<method>/<benchmark>/seed<k>/` (or `cfg.output` when given)."""
+    """`cfg.output` when given (the workflow always gives its cell folder), else the ad-hoc folder
+    `results/adhoc/eval/<model>/<method>/<benchmark>/seed<k>/`, which no workflow table reads."""
     if cfg.get("output"):
         return Path(cfg.output)
-    return Path(cfg.results_dir) / "eval" / cfg.model.name / cfg.method.name / cfg.benchmark.name / f"seed{cfg.seed}"
+    return Path(cfg.results_dir) / "adhoc" / "eval" / cfg.model.name / cfg.method.name / cfg.benchmark.name / f"seed{cfg.seed}"
 
 
 def cell_config_hash(cfg: Any) -> str:
@@ -81,6 +82,9 @@ def write_text_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        mask = os.umask(0)
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)  # readable by others like any file the user makes, not mkstemp's 0600
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
         os.replace(tmp, path)
@@ -155,7 +159,7 @@ def process_batch(engine: Any, cfg: Any, items: list[EvalItem]) -> list[dict]:
     extra = cfg.benchmark.extra
     records: list[dict] = []
     if family == "multiple_choice" and extra.get("mode", "loglikelihood") == "loglikelihood":
-        mode = extra.get("score_mode", "serving")
+        mode = extra.get("score_mode", "decode_equivalent")
         contexts, conts, owners = [], [], []
         for item in items:
             ctx = _rendered(engine, cfg, item, extra.get("answer_prefix", ""))
@@ -198,20 +202,30 @@ def process_batch(engine: Any, cfg: Any, items: list[EvalItem]) -> list[dict]:
     return records
 
 
+def _with_ci(metrics: dict[str, float], name: str, values: list[float]) -> None:
+    """`name` = mean of per-item values, with its 95% percentile-bootstrap interval over items
+    (`name.ci_lo`, `name.ci_hi`; items are the resampling unit, seed 0, so the interval is reproducible)."""
+    from oscar.eval.stats import bootstrap_mean_ci
+
+    metrics[name] = sum(values) / len(values)
+    metrics[f"{name}.ci_lo"], metrics[f"{name}.ci_hi"] = bootstrap_mean_ci(values)
+
+
 def summarize(family: str, records: list[dict]) -> dict[str, float]:
-    """Cell metrics: accuracy (pass@1 for code, mean recall for NIAH, also per context length)."""
+    """Cell metrics with 95% bootstrap intervals over items: accuracy (pass@1 for code; for NIAH the
+    share of needles retrieved, `score`, also per context length as `score@<length>` with `n@<length>`)."""
     if not records:
         return {}
     metrics: dict[str, float] = {}
     if family == "niah":
-        metrics["score"] = sum(r["score"] for r in records) / len(records)
+        _with_ci(metrics, "score", [float(r["score"]) for r in records])
         metrics["accuracy"] = sum(bool(r["correct"]) for r in records) / len(records)
         for length in sorted({r.get("length") for r in records if r.get("length")}):
             sub = [r for r in records if r.get("length") == length]
-            metrics[f"score@{length}"] = sum(r["score"] for r in sub) / len(sub)
+            _with_ci(metrics, f"score@{length}", [float(r["score"]) for r in sub])
+            metrics[f"n@{length}"] = len(sub)
         return metrics
-    acc = sum(bool(r["correct"]) for r in records) / len(records)
-    metrics["pass@1" if family == "code" else "accuracy"] = acc
+    _with_ci(metrics, "pass@1" if family == "code" else "accuracy", [float(bool(r["correct"])) for r in records])
     if family == "math":
         metrics["extracted_rate"] = sum(r.get("extraction") != "none" for r in records) / len(records)
     return metrics

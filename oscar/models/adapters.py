@@ -99,12 +99,66 @@ class ModelAdapter:
         )
 
 
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def layer_windows(model_or_config: object) -> list[int | None]:
+    """Per decoder layer: the sliding-window length of a sliding-attention layer, None for full attention.
+
+    Reads `config.layer_types` (transformers >= 4.53: "full_attention" / "sliding_attention") and
+    `config.sliding_window`; a config without `layer_types` has full attention everywhere.
+    """
+    config = getattr(model_or_config, "config", model_or_config)
+    text_config = getattr(config, "get_text_config", lambda: config)()
+    n = int(text_config.num_hidden_layers)
+    types = list(getattr(text_config, "layer_types", None) or ["full_attention"] * n)
+    window = getattr(text_config, "sliding_window", None)
+    out: list[int | None] = []
+    for i, kind in enumerate(types):
+        if kind == "sliding_attention":
+            if not window:
+                raise UnsupportedModel(f"layer {i} is a sliding_attention layer but the config has sliding_window={window!r}")
+            out.append(int(window))
+        else:
+            out.append(None)
+    return out
+
+
+def check_supported(model_or_config: object) -> None:
+    """Refuse, in one line, an attention feature the OSCAR cache cannot reproduce (before any work starts).
+
+    Supported: causal full attention and causal sliding-window layers (`layer_types`), any mix.
+    Refused: attention-logit soft-capping (Gemma 2), bidirectional attention, other layer types
+    (chunked, linear, ...).
+    """
+    config = getattr(model_or_config, "config", model_or_config)
+    text_config = getattr(config, "get_text_config", lambda: config)()
+    name = getattr(text_config, "model_type", "?")
+    cap = getattr(text_config, "attn_logit_softcapping", None)
+    if cap is not None:
+        raise UnsupportedModel(f"model_type {name!r} uses attention-logit soft-capping ({cap}); the OSCAR cache supports uncapped softmax attention only")
+    if getattr(text_config, "use_bidirectional_attention", False):
+        raise UnsupportedModel(f"model_type {name!r} uses bidirectional attention; the OSCAR cache supports causal attention only")
+    bad = sorted({t for t in (getattr(text_config, "layer_types", None) or []) if t not in SUPPORTED_LAYER_TYPES})
+    if bad:
+        raise UnsupportedModel(
+            f"model_type {name!r} has layer types {bad}; the OSCAR cache supports {', '.join(SUPPORTED_LAYER_TYPES)}"
+        )
+    layer_windows(text_config)
+
+
 ADAPTERS: dict[str, ModelAdapter] = {
     adapter.family: adapter
     for adapter in (
         ModelAdapter(family="llama", model_types=("llama",), notes="SmolLM2, Llama 2/3: no biases, full RoPE"),
         ModelAdapter(family="qwen2", model_types=("qwen2",), notes="Qwen2/2.5: q/k/v biases, full RoPE"),
         ModelAdapter(family="qwen3", model_types=("qwen3",), qk_norm=True, notes="Qwen3: per-head q/k RMSNorm before RoPE"),
+        ModelAdapter(
+            family="gemma3",
+            model_types=("gemma3_text",),
+            qk_norm=True,
+            notes="Gemma 3 text: q/k RMSNorm before RoPE, sliding-window layers interleaved with full ones",
+        ),
         ModelAdapter(
             family="glm4_moe",
             model_types=("glm4_moe",),

@@ -21,7 +21,7 @@ from typing import Any, Union
 import torch
 from omegaconf import DictConfig
 
-from oscar.models.adapters import ModelDims, check_head_dim, get_adapter
+from oscar.models.adapters import ModelDims, check_head_dim, check_supported, get_adapter
 
 DENSE_STAMP = "oscar_dense.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -180,6 +180,7 @@ def check_model_matches(model: Any, model_cfg: DictConfig) -> ModelDims:
             f"the loaded model_type {model.config.model_type!r} maps to {adapter.family!r}"
         )
     check_head_dim(dims.head_dim)
+    check_supported(model)
     return dims
 
 

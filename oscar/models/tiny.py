@@ -22,7 +22,10 @@ TOKENIZER_TEXT = (
     "def main(): return 42\nclass Cache:\n    pass\n"
 ) * 4
 
-_FAMILY_CONFIG = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "glm4_moe": "Glm4MoeConfig"}
+_FAMILY_CONFIG = {
+    "llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "glm4_moe": "Glm4MoeConfig",
+    "gemma3": "Gemma3TextConfig",
+}
 
 
 def build_tokenizer(vocab_size: int = 320) -> Any:
@@ -67,6 +70,11 @@ def tiny_config(
         max_position_embeddings=4096,
         tie_word_embeddings=False,
     )
+    if family == "gemma3":  # sliding-window layers (window 8) around every third, full-attention layer
+        kwargs.update(
+            sliding_window=8, query_pre_attn_scalar=head_dim,
+            layer_types=["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(num_layers)],
+        )
     if family == "glm4_moe":
         kwargs.update(
             moe_intermediate_size=hidden_size, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,

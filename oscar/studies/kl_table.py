@@ -7,6 +7,10 @@ For each model, held-out Paul Graham essay windows (disjoint from the calibratio
 tokens, `oscar.data.corpora.eval_sequences`) go through the model once per method with the cache in
 decode-equivalent mode: position `t` sees the BF16 sink, the quantized history `[S0, t-W]` and the
 BF16 recent window, exactly as while decoding token by token. The reference is the BF16 cache.
+The headline KL averages the positions that read quantized history (`t >= S0 + W`); the average
+over all positions (which includes the first `S0 + W`, identical to BF16) is a second column.
+Every method runs under the same clip policy (`method.clip`, default `fit`); a method written
+`name:clip` (e.g. `quarot:paper`, `oscar:none`) runs with that policy instead.
 Calibrated methods read their artifact from `<results-dir>/calibration/<model>/<method>/`
 (`python -m oscar calibrate`); a method whose artifact is missing is reported as such.
 """
@@ -14,7 +18,9 @@ Calibrated methods read their artifact from `<results-dir>/calibration/<model>/<
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import re
 import os
 import platform
 import sys
@@ -27,7 +33,7 @@ import torch
 
 DEFAULT_METHODS = [
     "bf16", "int2", "quarot", "saw_int4", "turboquant", "kivi2",
-    "oscar", "oscar_center", "oscar_hp", "oscar_raw", "oscar_uh", "oscar_up", "auto",
+    "oscar", "oscar_center", "oscar_hp", "oscar_raw", "auto", "auto@0/128", "int2:paper", "quarot:paper",
 ]
 
 
@@ -61,18 +67,49 @@ def mean_ci(per_window: list[torch.Tensor]) -> tuple[float, float, float]:
     return float(torch.cat(per_window).double().mean()), lo, hi
 
 
-def _method_cfg(name: str, sink: Optional[int], recent: Optional[int], model: str, results_dir: str) -> Any:
+def split_spec(spec: str) -> tuple[str, Optional[str]]:
+    """`name[:clip][@S0/W]` -> (method name, clip policy or None); refuses an unknown policy or malformed windows."""
+    from oscar.methods import CLIP_MODES
+
+    head, _, windows = spec.partition("@")
+    name, _, clip = head.partition(":")
+    if clip and clip not in CLIP_MODES:
+        raise ValueError(f"method spec {spec!r}: clip policy {clip!r} is not one of {', '.join(CLIP_MODES)}")
+    if windows and not re.fullmatch(r"\d+/\d+", windows):
+        raise ValueError(f"method spec {spec!r}: windows {windows!r} must read S0/W, e.g. auto@0/128")
+    return name, (clip or None)
+
+
+def spec_windows(spec: str) -> Optional[tuple[int, int]]:
+    """The `(S0, W)` of a `name[:clip]@S0/W` spec, or None."""
+    split_spec(spec)
+    _, _, windows = spec.partition("@")
+    if not windows:
+        return None
+    s0, w = windows.split("/")
+    return int(s0), int(w)
+
+
+def _method_cfg(spec: str, sink: Optional[int], recent: Optional[int], model: str, results_dir: str) -> Any:
     from omegaconf import OmegaConf
 
     from oscar.config import compose
 
+    name, clip = split_spec(spec)
     cfg = compose([f"model={model}", f"method={name}", f"results_dir={results_dir}"])
     method = OmegaConf.to_container(cfg.method, resolve=True)
+    if clip is not None:
+        method["clip"] = clip
     if str(method["kind"]) in ("rotated", "turboquant"):
         if sink is not None:
             method["sink"] = sink
         if recent is not None:
             method["recent"] = recent
+    own = spec_windows(spec)
+    if own is not None:
+        if str(method["kind"]) not in ("rotated", "turboquant"):
+            raise ValueError(f"method spec {spec!r}: only rotated and turboquant methods take S0/W windows")
+        method["sink"], method["recent"] = own
     return cfg, OmegaConf.create(method)
 
 
@@ -89,6 +126,61 @@ def hardware() -> str:
     return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, CPU float32 weights"
 
 
+def _rotations(cfg: Any, method: Any, model: Any) -> Any:
+    """Per-layer cache state of a rotated method: in code when its clip policy needs no statistics, else
+    from its artifact (fitted under `method.clip=fit`); a `:none` variant of a calibrated method reads the
+    artifact and sets every clip ratio to 1."""
+    from oscar.engine import artifact_dir, rotations_from_artifact, rotations_in_code
+    from oscar.methods import clip_mode, needs_statistics
+
+    if not needs_statistics(method):
+        return rotations_in_code(method, model)
+    rotations = rotations_from_artifact(artifact_dir(cfg), method, model)
+    meta = json.loads((artifact_dir(cfg) / "meta.json").read_text())
+    made_with = str(meta.get("clip", {}).get("mode", "fit"))
+    wanted = clip_mode(method)
+    if wanted == made_with:
+        return rotations
+    if wanted == "none":
+        for r in rotations:
+            r.rho_k, r.rho_v = torch.ones_like(r.rho_k), torch.ones_like(r.rho_v)
+        return rotations
+    raise ValueError(f"artifact {artifact_dir(cfg)} was fitted with clip={made_with!r}; {method.name} with clip={wanted!r} needs its own calibration")
+
+
+def clip_edges(cfg: Any, method: Any) -> Optional[dict[str, Any]]:
+    """Grid-edge counts of a fitted artifact (`meta.clip.edges`), with the grid ends; None when not fitted."""
+    from oscar.engine import artifact_dir
+    from oscar.methods import clip_mode
+
+    path = artifact_dir(cfg) / "meta.json"
+    if clip_mode(method) != "fit" or not path.is_file():
+        return None
+    clip = json.loads(path.read_text()).get("clip", {})
+    if "edges" not in clip:
+        return None
+    return {**clip["edges"], "grid_k": [min(clip["grid_k"]), max(clip["grid_k"])], "grid_v": [min(clip["grid_v"]), max(clip["grid_v"])]}
+
+
+@torch.no_grad()
+def score_and_bits(eng: Any, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Decode-equivalent logits of one window and the bits per cached K/V element the cache holds after it
+    (`OscarCache.bits_per_element`: BF16 windows, INT pages with their scale/zero, page slack; the accounting
+    of the format for the simulated KIVI / TurboQuant caches)."""
+    from oscar.generate import cache_kwarg
+
+    cache = eng.new_cache("decode_equivalent")
+    out = eng.model(input_ids=ids.to(eng.device), use_cache=True, **{cache_kwarg(eng.model): cache})
+    return out.logits, float(cache.bits_per_element())
+
+
+def paired(kl_a: list[torch.Tensor], start_a: int, kl_b: list[torch.Tensor], start_b: int) -> tuple[float, float, float]:
+    """Mean of `a - b` over the positions where both read quantized history (from the later start), with its
+    paired 95% block-bootstrap interval."""
+    start = max(start_a, start_b)
+    return mean_ci([a[start:].double() - b[start:].double() for a, b in zip(kl_a, kl_b)])
+
+
 def run(
     models: list[str],
     methods: list[str],
@@ -100,19 +192,21 @@ def run(
     results_dir: str,
     log=print,
     on_row=None,
-    reference: str = "oscar",
+    reference: str = "auto",
 ) -> list[dict[str, Any]]:
-    """One row per (model, method): KL (all positions and positions past the windows) with 95% block-bootstrap
-    intervals, the paired difference of KL past the windows to ``reference`` (same resampled blocks), PPL,
-    wall time. `on_row(rows)` is called after every row (the command line rewrites its tables each time)."""
+    """One row per (model, method): KL over the positions that read quantized history and over all positions,
+    with 95% block-bootstrap intervals, the paired difference to ``reference`` (over the positions where both
+    read quantized history, same resampled blocks), measured bits per element, PPL, wall time.
+    `on_row(rows)` is called after every row (the command line rewrites its tables each time)."""
     from oscar.config import compose
     from oscar.data.corpora import eval_sequences
-    from oscar.engine import Engine, artifact_dir, rotations_from_artifact
+    from oscar.engine import Engine
+    from oscar.methods import clip_mode
     from oscar.models import load_model
 
     rows: list[dict[str, Any]] = []
     for model_name in models:
-        past_by_method: dict[str, list[torch.Tensor]] = {}
+        per_method: dict[str, tuple[list[torch.Tensor], int]] = {}
         base = compose([f"model={model_name}", f"results_dir={results_dir}"])
         model, tok = load_model(base.model, device="cpu")
         windows = eval_sequences(tok, base.calibration, num_tokens, seq_len=seq_len)
@@ -120,62 +214,67 @@ def run(
         for ids in windows:
             eng = Engine(model, tok, _method_cfg("bf16", sink, recent, model_name, results_dir)[1])
             refs.append(eng.score(ids[None], mode="decode_equivalent"))
-        for name in methods:
-            cfg, method = _method_cfg(name, sink, recent, model_name, results_dir)
-            row: dict[str, Any] = {"model": model_name, "method": name, "kind": str(method.kind), "bits": int(method.bits)}
+        for spec in methods:
+            cfg, method = _method_cfg(spec, sink, recent, model_name, results_dir)
+            row: dict[str, Any] = {"model": model_name, "method": spec, "kind": str(method.kind), "bits": int(method.bits),
+                                   "clip": clip_mode(method)}
             if str(method.kind) in ("rotated", "turboquant"):
                 row.update(sink=int(method.sink), recent=int(method.recent))
             elif str(method.kind) == "kivi":
                 row.update(sink=0, recent=int(method.recent))
             t0 = time.perf_counter()
             try:
-                rotations = None
-                if str(method.kind) == "rotated" and bool(method.needs_calibration):
-                    rotations = rotations_from_artifact(artifact_dir(cfg), method, model)
+                rotations = _rotations(cfg, method, model) if str(method.kind) == "rotated" else None
                 eng = Engine(model, tok, method, rotations)
-            except FileNotFoundError as exc:
+            except (FileNotFoundError, ValueError) as exc:
                 row["status"] = f"missing artifact: {exc}"
-                log(f"{model_name:22s} {name:14s} skipped ({exc})")
+                log(f"{model_name:22s} {spec:14s} skipped ({exc})")
                 rows.append(row)
                 if on_row is not None:
                     on_row(rows)
                 continue
-            kl_all, kl_past, nll = [], [], []
+            edges = clip_edges(cfg, method)
+            if edges:
+                row.update({f"edge_{k}": v for k, v in edges.items() if not k.startswith("grid")},
+                           grid_k=str(edges["grid_k"]), grid_v=str(edges["grid_v"]))
+            kl_all, kl_past, nll, bpe = [], [], [], []
             window_end = (row.get("sink", 0) or 0) + (row.get("recent", 0) or 0)
             for ids, ref in zip(windows, refs):
-                logits = eng.score(ids[None], mode="decode_equivalent")
+                logits, bits = score_and_bits(eng, ids[None])
                 kl, nl = kl_and_nll(ref, logits, ids[None])
                 kl_all.append(kl)
                 kl_past.append(kl[window_end:])
                 nll.append(nl)
+                bpe.append(bits)
                 del logits
             kl_cat, past_cat, nll_cat = torch.cat(kl_all), torch.cat(kl_past), torch.cat(nll)
             _, all_lo, all_hi = mean_ci(kl_all)
             _, past_lo, past_hi = mean_ci(kl_past)
             row.update(kl_lo=all_lo, kl_hi=all_hi, kl_past_lo=past_lo, kl_past_hi=past_hi)
-            past_by_method[name] = kl_past
+            per_method[spec] = (kl_all, window_end)
             row.update(
                 status="ok",
                 kl=float(kl_cat.mean()),
                 kl_past_window=float(past_cat.mean()) if past_cat.numel() else float("nan"),
+                bits_per_element=sum(bpe) / len(bpe),
                 ppl=math.exp(float(nll_cat.mean())),
                 tokens=int(sum(w.numel() for w in windows)),
+                positions_quantized=int(past_cat.numel()),
                 windows=len(windows),
                 seconds=round(time.perf_counter() - t0, 1),
             )
-            log(f"{model_name:22s} {name:14s} KL {row['kl']:.4f}  KL(past window) {row['kl_past_window']:.4f}  PPL {row['ppl']:.3f}  ({row['seconds']} s)")
+            log(f"{model_name:22s} {spec:14s} KL(quantized history) {row['kl_past_window']:.4f}  KL(all) {row['kl']:.4f}  "
+                f"bits/elem {row['bits_per_element']:.2f}  PPL {row['ppl']:.3f}  ({row['seconds']} s)")
             rows.append(row)
             if on_row is not None:
                 on_row(rows)
-        ref_past = past_by_method.get(reference)
+        ref = per_method.get(reference)
         for row in rows:  # paired differences to the reference, on the same resampled blocks
-            if row["model"] != model_name or row["method"] == reference or ref_past is None:
+            if row["model"] != model_name or row["method"] == reference or ref is None or row["method"] not in per_method:
                 continue
-            past = past_by_method.get(row["method"])
-            if past is None or any(a.numel() != b.numel() for a, b in zip(past, ref_past)):
-                continue
-            d_mean, d_lo, d_hi = mean_ci([a.double() - b.double() for a, b in zip(past, ref_past)])
-            row.update(diff_ref=reference, diff_past=d_mean, diff_past_lo=d_lo, diff_past_hi=d_hi)
+            kl_m, start_m = per_method[row["method"]]
+            d_mean, d_lo, d_hi = paired(kl_m, start_m, ref[0], ref[1])
+            row.update(diff_ref=reference, diff_past=d_mean, diff_past_lo=d_lo, diff_past_hi=d_hi, diff_from=max(start_m, ref[1]))
         if on_row is not None:
             on_row(rows)
         del model
@@ -203,6 +302,65 @@ def _ci(r: Any, key: str, lo: str, hi: str, signed: bool = False) -> str:
     return fmt.format(v) + (f" [{fmt.format(a)}, {fmt.format(b)}]" if a is not None and b is not None else "")
 
 
+def _num(r: Any, key: str) -> Optional[float]:
+    v = r.get(key)
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+
+def goal_lines(part: Any, candidate: str = "auto") -> list[str]:
+    """Whether each ``candidate`` row (``auto`` and its variants) has the lowest KL over quantized-history
+    positions among the other 2-bit methods while holding no more bits per element than the best of them;
+    says by how much it misses (KL, paired interval, bits)."""
+    ok = part[(part["status"] == "ok") & (part["kind"] != "bf16")]
+    if "bits_per_element" not in ok:
+        return []
+    is_cand = ok["method"].astype(str).str.split(r"[:@]").str[0] == candidate
+    others = ok[~is_cand & (ok["bits"] == 2)]
+    lines = []
+    for _, c in ok[is_cand].iterrows():
+        if others.empty:
+            continue
+        best = others.loc[others["kl_past_window"].idxmin()]
+        kl_ok = c["kl_past_window"] <= best["kl_past_window"]
+        bits_ok = c["bits_per_element"] <= best["bits_per_element"] + 1e-9
+        why = []
+        if not kl_ok:
+            why.append(f"KL higher by {c['kl_past_window'] - best['kl_past_window']:.4f} nats "
+                       f"({c['kl_past_window'] / best['kl_past_window']:.2f}x)")
+        if not bits_ok:
+            why.append(f"{c['bits_per_element'] - best['bits_per_element']:.2f} more bits per element")
+        verdict = "met" if kl_ok and bits_ok else "missed: " + ", ".join(why)
+        diff = "-"
+        if c["method"] == candidate:
+            diff = _ci(best, "diff_past", "diff_past_lo", "diff_past_hi", signed=True)
+        lines.append(
+            f"Goal for {c['method']} (KL <= the best other 2-bit method, at no more bits per element): {verdict}. "
+            f"Best other 2-bit method: {best['method']} {best['kl_past_window']:.4f} at {best['bits_per_element']:.2f} "
+            f"bits/element; {c['method']} {c['kl_past_window']:.4f} at {c['bits_per_element']:.2f}; "
+            f"{best['method']} minus {candidate} (paired, positions where both read quantized history): {diff}."
+        )
+    return lines
+
+
+def edge_lines(df: Any) -> list[str]:
+    """Table of how many fitted clip ratios sit on an edge of the grid, per model and method."""
+    if "edge_key_low" not in df:
+        return []
+    part = df[df["edge_key_low"].notna()] if "edge_key_low" in df else df.iloc[0:0]
+    if part.empty:
+        return []
+    lines = ["## Fitted clip ratios on the grid's edges", "",
+             "Per (layer, KV head) and side: `low` = at the smallest ratio of the grid (the optimum may lie below it), "
+             "`1.0` = no clipping (the physical end of the range, not a grid artifact).", "",
+             "| model | method | key grid | keys at low / at 1.0 / heads | value grid | values at low / at 1.0 / heads |",
+             "|---|---|---|---|---|---|"]
+    for _, r in part.iterrows():
+        lines.append(f"| {r['model']} | {r['method']} | {r.get('grid_k', '')} | {int(r['edge_key_low'])} / {int(r['edge_key_high'])} / "
+                     f"{int(r['edge_key_heads'])} | {r.get('grid_v', '')} | {int(r['edge_value_low'])} / {int(r['edge_value_high'])} / "
+                     f"{int(r['edge_value_heads'])} |")
+    return lines + [""]
+
+
 def write_tables(rows: list[dict[str, Any]], out: Path, command: str, note: str) -> None:
     """`<out>.csv` and `<out>.md` (atomic writes)."""
     import pandas as pd
@@ -211,21 +369,27 @@ def write_tables(rows: list[dict[str, Any]], out: Path, command: str, note: str)
     _atomic_write(out.with_suffix(".csv"), df.to_csv(index=False))
     lines = ["# Next-token KL to the BF16 cache and perplexity, decode-equivalent teacher forcing", "", note, "", f"Command: `{command}`", ""]
     for model, part in df.groupby("model", sort=False):
-        ref = next((str(x) for x in part.get("diff_ref", pd.Series(dtype=object)).dropna()), "oscar")
+        ref = next((str(x) for x in part.get("diff_ref", pd.Series(dtype=object)).dropna()), "auto")
         lines += [f"## {model}", "",
-                  f"| method | bits | sink/recent | KL (all positions) [95% CI] | KL (past the windows) [95% CI] | "
-                  f"KL past the windows minus {ref} [95% CI] | PPL |", "|---|---|---|---|---|---|---|"]
+                  "| method | clip | sink/recent | bits/element (measured) | KL, positions reading quantized history [95% CI] | "
+                  f"KL, all positions [95% CI] | KL minus {ref}, paired [95% CI] | PPL |",
+                  "|---|---|---|---|---|---|---|---|"]
         for _, r in part.iterrows():
             if r.get("status") != "ok":
-                lines.append(f"| {r['method']} | {r['bits']} | | {r.get('status')} | | | |")
+                lines.append(f"| {r['method']} | {r.get('clip', '')} | | | {r.get('status')} | | | |")
                 continue
             sink, recent = r.get("sink"), r.get("recent")
             known = sink is not None and recent is not None and not (isinstance(sink, float) and math.isnan(sink))
             win = f"{int(sink)}/{int(recent)}" if known else "-"
-            lines.append(f"| {r['method']} | {r['bits']} | {win} | {_ci(r, 'kl', 'kl_lo', 'kl_hi')} | "
-                         f"{_ci(r, 'kl_past_window', 'kl_past_lo', 'kl_past_hi')} | "
+            bpe = _num(r, "bits_per_element")
+            lines.append(f"| {r['method']} | {r.get('clip', '')} | {win} | {'-' if bpe is None else f'{bpe:.2f}'} | "
+                         f"{_ci(r, 'kl_past_window', 'kl_past_lo', 'kl_past_hi')} | {_ci(r, 'kl', 'kl_lo', 'kl_hi')} | "
                          f"{_ci(r, 'diff_past', 'diff_past_lo', 'diff_past_hi', signed=True)} | {r['ppl']:.3f} |")
         lines.append("")
+        goal = goal_lines(part.reset_index(drop=True), ref)
+        if goal:
+            lines += goal + [""]
+    lines += edge_lines(df)
     _atomic_write(out.with_suffix(".md"), "\n".join(lines) + "\n")
 
 
@@ -243,7 +407,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--merge", nargs="+", default=None, metavar="CSV", help="only combine earlier runs' CSVs into --out")
     p.add_argument("--note", default="", help="extra sentence for the table header (e.g. what could not be measured)")
-    p.add_argument("--reference", default="oscar", help="method the paired KL differences are taken against")
+    p.add_argument("--reference", default="auto", help="method the paired KL differences are taken against")
     args = p.parse_args(argv)
     if "bf16" in args.methods and args.methods[0] != "bf16":
         args.methods.remove("bf16")
@@ -252,11 +416,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     note = (
         f"Hardware: {hardware()}. Weights: GGUF Q4 packages dequantized to dense float32 (ASSETS.md); "
         "the reference is a BF16 KV cache over these same weights. Text: held-out Paul Graham essay windows "
-        "(disjoint from calibration and held-back tokens). KL is mean next-token KL(BF16 || method) in nats; "
-        "'past the windows' averages only positions t >= S0 + W, where the quantized history exists. "
-        "KIVI-2 and TurboQuant are accuracy-only simulations (quantize-dequantize at the method's boundaries). "
+        "(disjoint from calibration and held-back tokens). KL is mean next-token KL(BF16 || method) in nats over "
+        "the positions that read quantized history (t >= S0 + W: the first S0 + W positions of a window see only "
+        "BF16 rows and are identical to the reference); the all-position average is the second column. "
+        "Clip policy: the same for every method (`clip` column: `fit` = one ratio per layer, KV head and side "
+        "fitted on held-back calibration rows by measured distortion, grid 0.50-1.00); `name:paper` rows run "
+        "the method's published choice (unclipped baselines); KIVI-2 and TurboQuant have no clip ratio in their "
+        "format. KIVI-2 and TurboQuant are accuracy-only simulations (quantize-dequantize at the method's "
+        "boundaries). Bits per element: measured from the cache after each window (BF16 windows, INT pages with "
+        "their bf16 scale and zero, page slack; the format's accounting for the simulations), averaged over windows. "
         f"Intervals: 95% percentile bootstrap over blocks of {BLOCK} consecutive positions ({N_BOOT} resamples, "
-        "seed 0, the same resamples for every method of a model, so the differences are paired)."
+        "seed 0, the same resamples for every method of a model, so the differences are paired); a difference "
+        "is taken over the positions where both methods read quantized history."
     )
     if args.note:
         note += " " + args.note

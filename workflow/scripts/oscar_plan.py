@@ -259,23 +259,31 @@ class Plan:
         models = self._grid(table, "model")
         methods = self._grid(table, "method")
         seeds = self._grid(table, "seed") if table.kind == "eval" else self._grid(table, "seed")[:1]
+        # (kind, item) pairs: an eval table may also hold fidelity cells (its `corpora`), one per method
         if table.kind == "eval":
             items = [self.axes["benchmark"]] if "benchmark" in self.axes else list(table.benchmarks) or list(
                 self.base.experiment.benchmarks
             )
             if not items:
                 raise ConfigError(f"experiment.tables.{name}: an eval table needs benchmarks")
+            # a `benchmark=X` selection asks for that benchmark's cells only
+            corpora = [] if "benchmark" in self.axes else list(table.corpora)
+            pairs = [("eval", b) for b in items] + [("fidelity", c) for c in corpora]
         else:
             items = list(table.corpora)
             if not items:
                 raise ConfigError(f"experiment.tables.{name}: a fidelity table needs corpora")
+            pairs = [("fidelity", c) for c in items]
         variants = {str(v.name): (list(v.overrides), list(v.flags)) for v in table.variants} or {"": ([], [])}
         for model in models:
             for method in methods:
                 for variant, (variant_overrides, variant_flags) in variants.items():
-                    for item in items:
-                        for seed in seeds:
-                            self._add_cell(plan, model, method, variant, variant_overrides, variant_flags, item, int(seed))
+                    for kind, item in pairs:
+                        # an eval table's fidelity cells live under <method>+<table> (fidelity tables own the plain path)
+                        label = variant if kind == plan.kind else "-".join(x for x in (variant, name) if x)
+                        for seed in seeds if kind == "eval" else seeds[:1]:
+                            self._add_cell(plan, model, method, label, variant_overrides, variant_flags, item,
+                                           int(seed), kind)
 
     def _add_cell(
         self,
@@ -287,12 +295,15 @@ class Plan:
         variant_flags: list[str],
         item: str,
         seed: int,
+        kind: str,
     ) -> None:
         groups = [f"model={model}", f"method={method}"]
-        if plan.kind == "eval":
+        if kind == "eval":
             groups.append(f"benchmark={item}")
         extra = list(plan.spec["overrides"]) + list((plan.spec.get("item_overrides") or {}).get(item, []))
-        flags = _merge_flags(list(plan.spec["flags"]) + variant_flags + ([f"corpus={item}"] if plan.kind == "fidelity" else []))
+        table_flags = list(plan.spec["flags"]) if kind == plan.kind else []
+        item_flags = list((plan.spec.get("item_flags") or {}).get(item, []))
+        flags = _merge_flags(table_flags + item_flags + variant_flags + ([f"corpus={item}"] if kind == "fidelity" else []))
         overrides = self._overrides(groups, extra, variant_overrides) + [f"seed={seed}"]
         cfg = self._composer.compose(overrides, tables=False)
         calib = None
@@ -302,7 +313,7 @@ class Plan:
                 overrides += calib_overrides
                 cfg = self._composer.compose(overrides, tables=False)
             calib = Calibration(model, str(cfg.method.name), str(cfg.calibration.name), _calibration_overrides(overrides))
-        cell = Cell(plan.name, plan.kind, model, method, variant, item, seed, tuple(overrides), flags)
+        cell = Cell(plan.name, kind, model, method, variant, item, seed, tuple(overrides), flags)
         self._register_config(cell.config_path, _cell_view(cfg, flags), plan.name)
         self.cells.setdefault(cell.result_dir, cell)
         plan.cells.append(cell)

@@ -1,0 +1,548 @@
+// Paged INT2 decode attention over pages in tensor-core fragment order (oscar.quant "mma_k"/"mma_v"),
+// one launch per layer step: split-K CTAs over the quantized tokens, CTAs for the BF16 sink and recent
+// windows, and the log-sum-exp merge (with the change of frame) done by the last CTA of each
+// (sequence, KV head). Compiled at first use by NVRTC (oscar.kernels.decode_mma); no headers needed.
+//
+// Warp tile per 16-token block (mma.sync m16n8k16, fp32 accumulators), lane = 4g + t:
+//   scores  S[tokens x heads(8)] = K[tokens x d] . Q^T[d x heads]   (K codes: the A operand, no zero rows)
+//   output  O^T[d x heads]      = V^T[d x tokens] . P'[tokens x heads]  (V codes: the A operand)
+// P' = p * s_V goes from the scores' accumulator layout to the B operand by two movmatrix.trans.
+// Codes become exact fp16 *subnormals* c * 4^J * 2^-24 by one AND per two codes (slot J of a half word;
+// slots 5-7 after one shift per word); the factor 4^J * 2^-24 is folded into the query's B fragment
+// (keys) and into the output rows (values). Per-token scale/zero stay outside the products:
+//   logit = s_K (q.c) + z_K sum(q) + q.mu_K,   o = sum_t (p_t s_V) c_t + sum_t p_t z_V.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#define NEG_INF (__int_as_float(0xff800000))
+#define FULL 0xffffffffu
+
+// 2-bit slot I of a word (bits 2I, 2I+1 of each 16-bit half) as two fp16 subnormals c * 4^J * 2^-24.
+__device__ __forceinline__ constexpr int slot_j(int i) { return i < 5 ? i : i - 5; }
+template <int I>
+__device__ __forceinline__ u32 slot(u32 w) {
+  constexpr int J = slot_j(I);
+  return (I < 5 ? w : (w >> 10)) & ((3u << (2 * J)) * 0x10001u);
+}
+__device__ __forceinline__ float pow4neg(int j) { return __int_as_float((127 - 2 * j) << 23); }  // 4^-j
+
+__device__ __forceinline__ void mma_f16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 movtrans(u32 x) {
+  u32 r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+  return r;
+}
+
+__device__ __forceinline__ u32 pack_f16(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ float h2f(u32 x) {  // low 16 bits as fp16 -> float
+  float r;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"((u16)(x & 0xffffu)));
+  return r;
+}
+
+__device__ __forceinline__ float bf16f(u32 x) { return __uint_as_float((x & 0xffffu) << 16); }
+
+__device__ __forceinline__ float ex2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+struct Params {
+  const u16* q;             // bf16 [B, H, D]
+  const unsigned char* kc;  // codes [P, Hkv, page_size, D/4] (mma_k)
+  const unsigned char* vc;  // (mma_v)
+  const u16* ks;            // bf16 scale/zero [P, Hkv, page_size] (one group per row)
+  const u16* kz;
+  const u16* vs;
+  const u16* vz;
+  const int* page_table;  // [B, pt_stride]
+  const int* int_len;     // [B]
+  const float* rk;        // [Hkv, D, D] or null: q_rot = q @ R_K
+  const float* muk;       // [Hkv, D] or null
+  const float* rot_out;   // [Hkv, D, D] or null: x @ rot_out for the partials not in the output frame
+  const float* muv;       // [Hkv, D] or null
+  const u16* sink_k;      // bf16 [B, Hkv, S0, D] (strides below) or null
+  const u16* sink_v;
+  const int* sink_len;
+  const u16* rec_k;
+  const u16* rec_v;
+  const int* rec_len;
+  float* part_o;   // [B, Hkv, S_total, REP, D]
+  float* part_ml;  // [B, Hkv, S_total, REP, 2]
+  int* counters;   // [B * Hkv], zero between launches
+  u16* out;        // bf16 [B, H, D]
+  float sc;        // sm_scale * log2(e)
+  int hkv, pt_stride, page_shift, s_int, s_total, has_sink, has_rec, out_rotated;
+  long long cs_p, cs_h;  // code strides (bytes) of a page and a head; a slot is D/4 bytes
+  long long ss_p, ss_h;  // scale strides (elements)
+  long long sk_b, sk_h, sk_t, sk_max;  // sink strides (elements) and capacity
+  long long rk_b, rk_h, rk_t, rk_max;  // recent
+};
+
+constexpr int SMAX = 256;  // most partials per (sequence, KV head); the launcher checks
+
+// Online-softmax state of one warp; lane (g, t) holds heads 2t, 2t+1 and O^T (channels 16m+g(+8), heads 2t, 2t+1).
+template <int D>
+struct State {
+  float m[2], l[2], zs[2];
+  float o[D / 16][4];
+};
+
+// Scores of one block (lg[e]: e = 0 (token g, head 2t), 1 (g, 2t+1), 2 (g+8, 2t), 3 (g+8, 2t+1)) -> softmax
+// update -> B fragments of P' = p * sv (two 8x8 transposes). zv: V zeros (quantized blocks only).
+template <int D, bool BF>
+__device__ __forceinline__ void softmax_update(State<D>& st, const float (&lg)[4], const float (&sv)[2], const float (&zv)[2],
+                                               u32& pb0, u32& pb1) {
+  float mh[2] = {fmaxf(lg[0], lg[2]), fmaxf(lg[1], lg[3])};
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    mh[k] = fmaxf(mh[k], __shfl_xor_sync(FULL, mh[k], 4));
+    mh[k] = fmaxf(mh[k], __shfl_xor_sync(FULL, mh[k], 8));
+    mh[k] = fmaxf(mh[k], __shfl_xor_sync(FULL, mh[k], 16));
+  }
+  float alpha[2], mu[2];
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const float mn = fmaxf(st.m[k], mh[k]);
+    mu[k] = mn == NEG_INF ? 0.f : mn;
+    alpha[k] = ex2(st.m[k] - mu[k]);
+    st.m[k] = mn;
+  }
+  float p[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) p[e] = ex2(lg[e] - mu[e & 1]);
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    st.l[k] = st.l[k] * alpha[k] + (p[k] + p[k + 2]);
+    if (!BF) st.zs[k] = st.zs[k] * alpha[k] + fmaf(p[k], zv[0], p[k + 2] * zv[1]);
+  }
+  if (!__all_sync(FULL, alpha[0] == 1.f && alpha[1] == 1.f)) {  // a running max moved: rescale O
+#pragma unroll
+    for (int m = 0; m < D / 16; ++m) {
+      st.o[m][0] *= alpha[0];
+      st.o[m][1] *= alpha[1];
+      st.o[m][2] *= alpha[0];
+      st.o[m][3] *= alpha[1];
+    }
+  }
+  if (BF) {
+    pb0 = movtrans(pack_bf16(p[0], p[1]));
+    pb1 = movtrans(pack_bf16(p[2], p[3]));
+  } else {
+    pb0 = movtrans(pack_f16(p[0] * sv[0], p[1] * sv[0]));
+    pb1 = movtrans(pack_f16(p[2] * sv[1], p[3] * sv[1]));
+  }
+}
+
+// Raw bytes of one quantized block for one lane (prefetched into registers): codes of tokens g, g+8 (K)
+// and token pairs 2t, 2t+1 / +8 (V), scale/zero of tokens g and g+8.
+template <int D>
+struct Raw {
+  u32 k[D / 32], v[D / 32];
+  u32 ks[2], kz[2], vs[2], vz[2];
+};
+
+template <int D>
+__device__ __forceinline__ void load_block(Raw<D>& raw, const Params& P, int b, int kvh, int blk, int lane) {
+  const int tok = blk * 16;
+  const int page = __ldg(P.page_table + (long long)b * P.pt_stride + (tok >> P.page_shift));
+  const int off = tok & ((1 << P.page_shift) - 1);
+  const long long cbase = (long long)page * P.cs_p + (long long)kvh * P.cs_h + (long long)off * (D / 4) + lane * (D / 8);
+  if (D == 128) {
+    const uint4 kk = __ldg(reinterpret_cast<const uint4*>(P.kc + cbase));
+    const uint4 vv = __ldg(reinterpret_cast<const uint4*>(P.vc + cbase));
+    raw.k[0] = kk.x; raw.k[1] = kk.y; raw.k[2] = kk.z; raw.k[3] = kk.w;
+    raw.v[0] = vv.x; raw.v[1] = vv.y; raw.v[2] = vv.z; raw.v[3] = vv.w;
+  } else {
+    const uint2 kk = __ldg(reinterpret_cast<const uint2*>(P.kc + cbase));
+    const uint2 vv = __ldg(reinterpret_cast<const uint2*>(P.vc + cbase));
+    raw.k[0] = kk.x; raw.k[1] = kk.y;
+    raw.v[0] = vv.x; raw.v[1] = vv.y;
+  }
+  const long long sbase = (long long)page * P.ss_p + (long long)kvh * P.ss_h + off + (lane >> 2);
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    raw.ks[n] = __ldg(P.ks + sbase + 8 * n);
+    raw.kz[n] = __ldg(P.kz + sbase + 8 * n);
+    raw.vs[n] = __ldg(P.vs + sbase + 8 * n);
+    raw.vz[n] = __ldg(P.vz + sbase + 8 * n);
+  }
+}
+
+// qb: the query's B fragments (head g; channels 16j + 2t + {0,1}, + 8) times 4^-J of the slot they meet.
+// qs/qm: sum(q) and q.mu_K of heads 2t, 2t+1, times sc. ksc = sc * 2^24 (the codes' subnormal scale).
+template <int D>
+__device__ __forceinline__ void int_block(State<D>& st, const Raw<D>& raw, const u32 (&qb)[D / 16][2], const float (&qs)[2],
+                                          const float (&qm)[2], float ksc, int tok0, int end, int lane) {
+  constexpr int NU = D / 64;
+  float acc[2][4];
+#pragma unroll
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
+#pragma unroll
+  for (int u = 0; u < NU; ++u) {
+    const u32 w0 = raw.k[u], w1 = raw.k[NU + u];  // tokens g and g + 8
+    mma_f16(acc[0], slot<0>(w0), slot<0>(w1), slot<1>(w0), slot<1>(w1), qb[4 * u + 0][0], qb[4 * u + 0][1]);
+    mma_f16(acc[1], slot<2>(w0), slot<2>(w1), slot<3>(w0), slot<3>(w1), qb[4 * u + 1][0], qb[4 * u + 1][1]);
+    mma_f16(acc[0], slot<4>(w0), slot<4>(w1), slot<5>(w0), slot<5>(w1), qb[4 * u + 2][0], qb[4 * u + 2][1]);
+    mma_f16(acc[1], slot<6>(w0), slot<6>(w1), slot<7>(w0), slot<7>(w1), qb[4 * u + 3][0], qb[4 * u + 3][1]);
+  }
+  const int g = lane >> 2;
+  float lg[4], sv[2], zv[2];
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {  // token g + 8n
+    const bool ok = tok0 + 8 * n + g < end;
+    const float sk = bf16f(raw.ks[n]) * ksc, zk = bf16f(raw.kz[n]);
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+      lg[2 * n + k] = ok ? fmaf(acc[0][2 * n + k] + acc[1][2 * n + k], sk, fmaf(zk, qs[k], qm[k])) : NEG_INF;
+    sv[n] = ok ? bf16f(raw.vs[n]) : 0.f;
+    zv[n] = ok ? bf16f(raw.vz[n]) : 0.f;
+  }
+  u32 pb0, pb1;
+  softmax_update<D, false>(st, lg, sv, zv, pb0, pb1);
+#pragma unroll
+  for (int u = 0; u < NU; ++u) {
+    const u32 w0 = raw.v[u], w1 = raw.v[NU + u];  // token pairs (2t, 2t+1) and (2t+8, 2t+9)
+    mma_f16(st.o[4 * u + 0], slot<0>(w0), slot<1>(w0), slot<0>(w1), slot<1>(w1), pb0, pb1);
+    mma_f16(st.o[4 * u + 1], slot<2>(w0), slot<3>(w0), slot<2>(w1), slot<3>(w1), pb0, pb1);
+    mma_f16(st.o[4 * u + 2], slot<4>(w0), slot<5>(w0), slot<4>(w1), slot<5>(w1), pb0, pb1);
+    mma_f16(st.o[4 * u + 3], slot<6>(w0), slot<7>(w0), slot<6>(w1), slot<7>(w1), pb0, pb1);
+  }
+}
+
+// One 16-token block of a BF16 window (rows of D bf16 at stride st_t), tokens >= n masked.
+template <int D>
+__device__ __forceinline__ void bf16_block(State<D>& st, const u16* kp, const u16* vp, long long st_t, const u32 (&qb)[D / 16][2],
+                                           float sc, int tok0, int n, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  float acc[2][4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[h][i] = 0.f;
+  const bool ok0 = tok0 + g < n, ok1 = tok0 + g + 8 < n;
+  const u32* r0 = reinterpret_cast<const u32*>(kp + (long long)(tok0 + g) * st_t);
+  const u32* r1 = reinterpret_cast<const u32*>(kp + (long long)(tok0 + g + 8) * st_t);
+#pragma unroll
+  for (int j = 0; j < D / 16; ++j) {
+    const u32 a0 = ok0 ? __ldg(r0 + 8 * j + t) : 0u, a2 = ok0 ? __ldg(r0 + 8 * j + 4 + t) : 0u;
+    const u32 a1 = ok1 ? __ldg(r1 + 8 * j + t) : 0u, a3 = ok1 ? __ldg(r1 + 8 * j + 4 + t) : 0u;
+    mma_bf16(acc[j & 1], a0, a1, a2, a3, qb[j][0], qb[j][1]);
+  }
+  float lg[4];
+  const float one[2] = {1.f, 1.f}, zero[2] = {0.f, 0.f};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) lg[e] = ((e < 2) ? ok0 : ok1) ? (acc[0][e] + acc[1][e]) * sc : NEG_INF;
+  u32 pb0, pb1;
+  softmax_update<D, true>(st, lg, one, zero, pb0, pb1);
+  bool okv[2][2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) okv[h][e] = tok0 + 8 * h + 2 * t + e < n;
+  const u16* v0 = vp + (long long)(tok0 + 2 * t) * st_t;
+#pragma unroll
+  for (int m = 0; m < D / 16; ++m) {
+    u32 a[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // (channel 16m + g + 8(i&1), tokens 2t + 8(i>>1) + {0,1})
+      const int ch = 16 * m + g + 8 * (i & 1), dt = 8 * (i >> 1);
+      const u32 lo = okv[i >> 1][0] ? __ldg(v0 + (long long)dt * st_t + ch) : 0u;
+      const u32 hi = okv[i >> 1][1] ? __ldg(v0 + (long long)(dt + 1) * st_t + ch) : 0u;
+      a[i] = lo | (hi << 16);
+    }
+    mma_bf16(st.o[m], a[0], a[1], a[2], a[3], pb0, pb1);
+  }
+}
+
+// x[REP][D] (shared) <- x @ M (M [D, D] fp32 in global memory), all threads; red: RG*REP*D floats of shared memory.
+template <int D, int REP, int NT>
+__device__ __forceinline__ void rotate_rows(float* x, const float* __restrict__ M, float* red, int tid) {
+  constexpr int CG = D / 4, RG = NT / CG, RPG = D / RG;
+  const int cg = tid % CG, rg = tid / CG;
+  float4 acc[REP];
+#pragma unroll
+  for (int h = 0; h < REP; ++h) acc[h] = make_float4(0.f, 0.f, 0.f, 0.f);
+  const float4* Mp = reinterpret_cast<const float4*>(M + (long long)rg * RPG * D) + cg;
+#pragma unroll 8
+  for (int k = 0; k < RPG; ++k) {
+    const float4 mv = __ldg(Mp + k * CG);
+#pragma unroll
+    for (int h = 0; h < REP; ++h) {
+      const float xv = x[h * D + rg * RPG + k];
+      acc[h].x = fmaf(xv, mv.x, acc[h].x);
+      acc[h].y = fmaf(xv, mv.y, acc[h].y);
+      acc[h].z = fmaf(xv, mv.z, acc[h].z);
+      acc[h].w = fmaf(xv, mv.w, acc[h].w);
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < REP; ++h) reinterpret_cast<float4*>(red + (rg * REP + h) * D)[cg] = acc[h];
+  __syncthreads();
+  for (int i = tid; i < REP * D; i += NT) {
+    float s = 0.f;
+#pragma unroll
+    for (int r = 0; r < RG; ++r) s += red[r * REP * D + i];
+    x[i] = s;
+  }
+  __syncthreads();
+}
+
+template <int D, int REP, int W, int PF, int MINB>
+__global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P) {
+  constexpr int NT = W * 32;
+  constexpr int RG = NT / (D / 4) > W ? NT / (D / 4) : W;  // rows of s_o: W warps' outputs, or rotation partials
+  __shared__ float s_q[REP * D];
+  __shared__ float s_o[RG * REP * D];
+  __shared__ float s_m[W][2 * REP], s_l[W][2 * REP];
+  __shared__ float s_f[REP][SMAX];
+  __shared__ int s_last;
+
+  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const bool is_int = split < P.s_int;
+
+  // ---- the first blocks' loads go out before the query work
+  int len = 0, lo = 0, n_w = 0;
+  Raw<D> raw[PF];
+  if (is_int) {
+    len = __ldg(P.int_len + b);
+    const int nblk = (len + 15) >> 4;
+    const int per = (nblk + P.s_int - 1) / P.s_int;
+    lo = split * per;
+    const int hi = min(nblk, lo + per);
+    n_w = hi > lo + warp ? (hi - lo - warp + W - 1) / W : 0;  // blocks of this warp: lo + warp + k W
+#pragma unroll
+    for (int s = 0; s < PF; ++s)
+      if (s < n_w) load_block<D>(raw[s], P, b, kvh, lo + warp + s * W, lane);
+  }
+
+  // ---- query of this KV head's REP heads (rotated for the quantized splits)
+  const u16* qg = P.q + ((long long)b * P.hkv * REP + (long long)kvh * REP) * D;
+  for (int i = tid; i < REP * D; i += NT) s_q[i] = bf16f(qg[i]);
+  __syncthreads();
+  float qmu = 0.f;  // q . mu_K of head g (partial over t)
+  if (is_int && P.muk != nullptr) {
+    const float* mk = P.muk + (long long)kvh * D;
+    if (g < REP)
+      for (int i = t; i < D; i += 4) qmu += s_q[g * D + i] * mk[i];
+  }
+  if (is_int && P.rk != nullptr) rotate_rows<D, REP, NT>(s_q, P.rk + (long long)kvh * D * D, s_o, tid);
+  u32 qb[D / 16][2];
+  float qsum = 0.f;  // of head g, partial over t: the fp16 query the products see, scaled back
+#pragma unroll
+  for (int j = 0; j < D / 16; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int ch = 16 * j + 2 * t + 8 * h;
+      const float x0 = g < REP ? s_q[g * D + ch] : 0.f, x1 = g < REP ? s_q[g * D + ch + 1] : 0.f;
+      if (is_int) {
+        const int J = slot_j(2 * (j % 4) + h);
+        const float f = pow4neg(J);
+        qb[j][h] = pack_f16(x0 * f, x1 * f);
+        qsum += (h2f(qb[j][h]) + h2f(qb[j][h] >> 16)) * (1.f / f);
+      } else {
+        qb[j][h] = pack_bf16(x0, x1);
+      }
+    }
+  }
+  qsum += __shfl_xor_sync(FULL, qsum, 1);
+  qsum += __shfl_xor_sync(FULL, qsum, 2);
+  qmu += __shfl_xor_sync(FULL, qmu, 1);
+  qmu += __shfl_xor_sync(FULL, qmu, 2);
+  const float qs[2] = {__shfl_sync(FULL, qsum, 8 * t) * P.sc, __shfl_sync(FULL, qsum, 8 * t + 4) * P.sc};
+  const float qm[2] = {__shfl_sync(FULL, qmu, 8 * t) * P.sc, __shfl_sync(FULL, qmu, 8 * t + 4) * P.sc};
+
+  State<D> st;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    st.m[k] = NEG_INF;
+    st.l[k] = 0.f;
+    st.zs[k] = 0.f;
+  }
+#pragma unroll
+  for (int m = 0; m < D / 16; ++m)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) st.o[m][i] = 0.f;
+
+  if (is_int) {
+    const float ksc = P.sc * 16777216.f;  // 2^24
+    for (int k = 0; k < n_w; k += PF) {
+#pragma unroll
+      for (int s = 0; s < PF; ++s) {
+        if (k + s < n_w) {
+          const int blk = lo + warp + (k + s) * W;
+          int_block<D>(st, raw[s], qb, qs, qm, ksc, blk * 16, len, lane);
+          if (k + s + PF < n_w) load_block<D>(raw[s], P, b, kvh, blk + PF * W, lane);
+        }
+      }
+    }
+  } else {
+    const int seg = split - P.s_int;  // 0: sink (if present), then recent
+    const bool sink = P.has_sink && seg == 0;
+    const u16* kp = sink ? P.sink_k : P.rec_k;
+    const u16* vp = sink ? P.sink_v : P.rec_v;
+    const long long sb = sink ? P.sk_b : P.rk_b, sh = sink ? P.sk_h : P.rk_h, stt = sink ? P.sk_t : P.rk_t;
+    const int n = (int)min((long long)__ldg((sink ? P.sink_len : P.rec_len) + b), sink ? P.sk_max : P.rk_max);
+    kp += b * sb + kvh * sh;
+    vp += b * sb + kvh * sh;
+    for (int blk = warp; blk * 16 < n; blk += W) bf16_block<D>(st, kp, vp, stt, qb, P.sc, blk * 16, n, lane);
+  }
+
+  // ---- combine the warps (lane (g, t): heads 2t, 2t+1; l, zs partial over g)
+#pragma unroll
+  for (int k = 0; k < 2; ++k)
+#pragma unroll
+    for (int x = 4; x < 32; x <<= 1) {
+      st.l[k] += __shfl_xor_sync(FULL, st.l[k], x);
+      st.zs[k] += __shfl_xor_sync(FULL, st.zs[k], x);
+    }
+  __syncthreads();  // s_o may still hold the rotation partials
+  if (g == 0) {
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      if (2 * t + k < REP) {
+        s_m[warp][2 * t + k] = st.m[k];
+        s_l[warp][2 * t + k] = st.l[k];
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < D / 16; ++m) {
+    // values: rows 16m + g use slot 2(m%4), rows + 8 slot 2(m%4)+1: factor 2^24 4^-J
+    const float f0 = is_int ? 16777216.f * pow4neg(slot_j(2 * (m % 4))) : 1.f;
+    const float f1 = is_int ? 16777216.f * pow4neg(slot_j(2 * (m % 4) + 1)) : 1.f;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int h = 2 * t + k;
+      if (h < REP) {
+        s_o[(warp * REP + h) * D + 16 * m + g] = fmaf(st.o[m][k], f0, st.zs[k]);
+        s_o[(warp * REP + h) * D + 16 * m + g + 8] = fmaf(st.o[m][2 + k], f1, st.zs[k]);
+      }
+    }
+  }
+  __syncthreads();
+  const long long pbase = ((long long)b * P.hkv + kvh) * P.s_total + split;
+  for (int i = tid; i < REP * D; i += NT) {
+    const int h = i / D, ch = i % D;
+    float mx = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < W; ++w) mx = fmaxf(mx, s_m[w][h]);
+    float o = 0.f, l = 0.f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float f = s_m[w][h] == NEG_INF ? 0.f : ex2(s_m[w][h] - mx);
+      o = fmaf(f, s_o[(w * REP + h) * D + ch], o);
+      l = fmaf(f, s_l[w][h], l);
+    }
+    P.part_o[pbase * REP * D + i] = o;
+    if (ch == 0) {
+      P.part_ml[(pbase * REP + h) * 2] = mx;
+      P.part_ml[(pbase * REP + h) * 2 + 1] = l;
+    }
+  }
+
+  // ---- the last CTA of this (sequence, KV head) merges every split
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    const int ticket = atomicAdd(P.counters + b * P.hkv + kvh, 1);
+    s_last = ticket == P.s_total - 1;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  const long long hbase = ((long long)b * P.hkv + kvh) * P.s_total;
+  // weights f_s of every partial (per head), masses of the two frames: s_m[0][h] (X, to rotate), s_m[0][REP + h] (Y)
+  for (int h = warp; h < REP; h += W) {
+    float mx = NEG_INF;
+    for (int s = lane; s < P.s_total; s += 32) mx = fmaxf(mx, __ldcg(P.part_ml + ((hbase + s) * REP + h) * 2));
+#pragma unroll
+    for (int x = 1; x < 32; x <<= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, x));
+    float mxs = 0.f, mys = 0.f;
+    for (int s = lane; s < P.s_total; s += 32) {
+      const float ms = __ldcg(P.part_ml + ((hbase + s) * REP + h) * 2);
+      const float f = ms == NEG_INF ? 0.f : ex2(ms - mx);
+      const float l = f * __ldcg(P.part_ml + ((hbase + s) * REP + h) * 2 + 1);
+      s_f[h][s] = f;
+      if ((s < P.s_int) == (P.out_rotated != 0)) mys += l; else mxs += l;
+    }
+#pragma unroll
+    for (int x = 1; x < 32; x <<= 1) {
+      mxs += __shfl_xor_sync(FULL, mxs, x);
+      mys += __shfl_xor_sync(FULL, mys, x);
+    }
+    if (lane == 0) {
+      s_m[0][h] = mxs;
+      s_m[0][REP + h] = mys;
+    }
+  }
+  __syncthreads();
+  constexpr int PER_T = (REP * D + NT - 1) / NT;
+  float y[PER_T];
+  // partials [x_lo, x_hi) are not in the output frame
+  const int x_lo = P.out_rotated ? P.s_int : 0, x_hi = P.out_rotated ? P.s_total : P.s_int;
+#pragma unroll
+  for (int k = 0; k < PER_T; ++k) {
+    const int i = tid + k * NT;
+    y[k] = 0.f;
+    if (i < REP * D) {
+      const int h = i / D;
+      float x = 0.f, yy = 0.f;
+      const float* po = P.part_o + hbase * REP * D + i;
+#pragma unroll 4
+      for (int s = 0; s < P.s_total; ++s) {
+        const float v = s_f[h][s] * __ldcg(po + (long long)s * REP * D);
+        if (s >= x_lo && s < x_hi) x += v; else yy += v;
+      }
+      if (P.out_rotated && P.muv != nullptr) x -= s_m[0][h] * P.muv[(long long)kvh * D + i % D];  // BF16 part, centred
+      s_q[i] = x;
+      y[k] = yy;
+    }
+  }
+  __syncthreads();
+  if (tid == 0) P.counters[b * P.hkv + kvh] = 0;
+  if (P.rot_out != nullptr) rotate_rows<D, REP, NT>(s_q, P.rot_out + (long long)kvh * D * D, s_o, tid);
+  u16* og = P.out + ((long long)b * P.hkv * REP + (long long)kvh * REP) * D;
+#pragma unroll
+  for (int k = 0; k < PER_T; ++k) {
+    const int i = tid + k * NT;
+    if (i < REP * D) {
+      const int h = i / D, j = i % D;
+      float o = s_q[i] + y[k];
+      if (!P.out_rotated && P.muv != nullptr) o = fmaf(s_m[0][h], P.muv[(long long)kvh * D + j], o);
+      const float L = s_m[0][h] + s_m[0][REP + h];
+      o = L > 0.f ? o / L : 0.f;
+      u32 bits = __float_as_uint(o);  // round to nearest even bf16
+      bits += 0x7fffu + ((bits >> 16) & 1u);
+      og[i] = (u16)(bits >> 16);
+    }
+  }
+}

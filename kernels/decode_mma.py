@@ -1,0 +1,251 @@
+"""Paged INT2 decode attention on pages in tensor-core fragment order (CUDA, one launch per call).
+
+The pages are in the ``mma_k`` / ``mma_v`` layouts that ``oscar.quant`` defines (``mma_token_map``):
+each lane of a warp loads the codes of its ``mma.sync`` operands with one 8- or 16-byte load per 16
+tokens and turns them into fp16 registers with one ``lop3`` and one ``fma`` per two codes; no shared
+memory on the way. One launch does everything (``decode_mma.cu``): ``num_splits`` CTAs per sequence and
+KV head over the quantized tokens (query rotated in the CTA, scores ``s_K (q.c) + z_K sum(q) + q.mu_K``,
+output ``sum (p s_V) c + sum p z_V``), one CTA per BF16 window (sink, recent; bf16 tensor cores), and the
+log-sum-exp merge with the change of frame done by the last CTA of each (sequence, KV head) (an atomic
+ticket; the counter is reset by that CTA, so the grid is fixed and the call can be captured in a CUDA graph).
+
+Compiled at first use by NVRTC (``torch.cuda._utils``); CUDA only. The torch twin is
+``oscar.paged.decode_attention_torch`` on the same pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import weakref
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ._runtime import check
+
+LOG2E = 1.4426950408889634
+MAX_PARTIALS = 256  # SMAX in decode_mma.cu: split-K partials plus BF16 windows per (sequence, KV head)
+SOURCE = Path(__file__).with_name("decode_mma.cu")
+_POINTERS = ("q", "kc", "vc", "ks", "kz", "vs", "vz", "page_table", "int_len", "rk", "muk", "rot_out", "muv",
+             "sink_k", "sink_v", "sink_len", "rec_k", "rec_v", "rec_len", "part_o", "part_ml", "counters", "out")
+_INTS = ("hkv", "pt_stride", "page_shift", "s_int", "s_total", "has_sink", "has_rec", "out_rotated")
+_LONGS = ("cs_p", "cs_h", "ss_p", "ss_h", "sk_b", "sk_h", "sk_t", "sk_max", "rk_b", "rk_h", "rk_t", "rk_max")
+
+
+class Params(ctypes.Structure):
+    """Mirror of ``struct Params`` in ``decode_mma.cu`` (same order; C alignment rules)."""
+
+    _fields_ = ([(n, ctypes.c_void_p) for n in _POINTERS] + [("sc", ctypes.c_float)]
+                + [(n, ctypes.c_int) for n in _INTS] + [(n, ctypes.c_longlong) for n in _LONGS])
+
+
+_KERNELS: dict[tuple, ctypes.c_void_p] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COPIES: dict[tuple, tuple] = {}
+
+
+def kernel_name(d: int, rep: int, num_warps: int, prefetch: int, min_blocks: int) -> str:
+    """The template instance: head_dim, GQA ratio, warps per CTA, prefetch depth (blocks of 16 tokens per warp)
+    and the CTAs per SM the register allocation must allow (``__launch_bounds__``)."""
+    return f"oscar_decode_mma<{d},{rep},{num_warps},{prefetch},{min_blocks}>"
+
+
+def _function(d: int, rep: int, num_warps: int, prefetch: int, min_blocks: int, dev: torch.device) -> ctypes.c_void_p:
+    key = (d, rep, num_warps, prefetch, min_blocks, dev)
+    if key not in _KERNELS:
+        try:
+            from torch.cuda._utils import _cuda_load_module, _nvrtc_compile
+        except ImportError as err:  # pragma: no cover - depends on the torch build
+            raise RuntimeError("the mma decode kernel needs torch.cuda._utils (NVRTC), absent in this torch") from err
+        name = kernel_name(d, rep, num_warps, prefetch, min_blocks)
+        with torch.cuda.device(dev):
+            major, minor = torch.cuda.get_device_capability(dev)
+            check(major >= 8, f"the mma decode kernel needs compute capability >= 8.0, got {major}.{minor}")
+            cubin, mangled = _nvrtc_compile(SOURCE.read_text(), name, f"{major}{minor}", None, ["-std=c++17"])
+            _KERNELS[key] = _cuda_load_module(cubin, [mangled])[mangled].func
+    return _KERNELS[key]
+
+
+def _launch(func: ctypes.c_void_p, grid: tuple, threads: int, params: Params, dev: torch.device) -> None:
+    from torch.cuda._utils import _get_gpu_runtime_library
+
+    lib = _get_gpu_runtime_library()
+    args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
+    stream = torch.cuda.current_stream(dev)
+    err = lib.cuLaunchKernel(func, grid[0], grid[1], grid[2], threads, 1, 1, 0,
+                             ctypes.c_void_p(stream.cuda_stream), args, None)
+    if err != 0:
+        raise RuntimeError(f"cuLaunchKernel of the mma decode kernel failed with CUDA error {err}")
+
+
+def _derived(t: torch.Tensor, kind: str, make) -> torch.Tensor:
+    """A derived copy of ``t`` (fp32 contiguous, or its per-head transpose), made once per tensor and version."""
+    key = (id(t), kind)
+    hit = _COPIES.get(key)
+    if hit is not None and hit[0]() is t and hit[1] == t._version:
+        return hit[2]
+    out = make(t)
+    for k in [k for k, v in _COPIES.items() if v[0]() is None]:
+        del _COPIES[k]
+    _COPIES[key] = (weakref.ref(t), t._version, out)
+    return out
+
+
+def _counters(dev: torch.device, n: int) -> torch.Tensor:
+    buf = _COUNTERS.get(dev)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=dev)
+        _COUNTERS[dev] = buf
+    return buf
+
+
+def default_num_splits(batch: int, num_kv_heads: int, capacity_tokens: int, num_warps: int = 4,
+                       num_sms: int = 132, ctas_per_sm: int = 4, waves: float = 2.0) -> int:
+    """Splits per sequence and KV head: about ``waves`` full waves of CTAs, at least 8 blocks of 16 tokens each."""
+    want = math.ceil(waves * num_sms * ctas_per_sm / max(batch * num_kv_heads, 1))
+    most = max(1, min(MAX_PARTIALS - 2, math.ceil(capacity_tokens / (16 * 2 * num_warps))))
+    return int(max(1, min(want, most)))
+
+
+def _segment(k, v, n, name, B, hkv, d, dev):
+    if k is None and v is None:
+        return None
+    check(k is not None and v is not None and n is not None, f"{name}: give keys, values and lengths together")
+    check(k.shape == v.shape and k.dim() == 4 and tuple(k.shape[:2]) == (B, hkv) and k.shape[3] == d,
+          f"{name} keys/values must be [B={B}, Hkv={hkv}, S, {d}], got {tuple(k.shape)} and {tuple(v.shape)}")
+    check(k.dtype == torch.bfloat16 and v.dtype == torch.bfloat16, f"{name} keys/values must be bf16, got {k.dtype}")
+    check(k.stride() == v.stride() and k.stride(-1) == 1 and all(st % 2 == 0 for st in k.stride()[:3]),
+          f"{name} keys and values need equal strides, contiguous rows of even stride; got {k.stride()}, {v.stride()}")
+    check(n.dtype == torch.int32 and n.numel() >= B and n.device == dev, f"{name} lengths must be int32 [>= {B}] on {dev}")
+    return k, v, n
+
+
+def paged_decode_attention_mma(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scale: torch.Tensor,
+    k_zero: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scale: torch.Tensor,
+    v_zero: torch.Tensor,
+    page_table: torch.Tensor,
+    int_len: torch.Tensor,
+    *,
+    R_K: Optional[torch.Tensor] = None,
+    mu_K: Optional[torch.Tensor] = None,
+    R_V: Optional[torch.Tensor] = None,
+    mu_V: Optional[torch.Tensor] = None,
+    sink_k: Optional[torch.Tensor] = None,
+    sink_v: Optional[torch.Tensor] = None,
+    sink_len: Optional[torch.Tensor] = None,
+    recent_k: Optional[torch.Tensor] = None,
+    recent_v: Optional[torch.Tensor] = None,
+    recent_len: Optional[torch.Tensor] = None,
+    sm_scale: Optional[float] = None,
+    output_frame: str = "original",
+    num_splits: Optional[int] = None,
+    num_warps: int = 4,
+    prefetch: int = 2,
+    min_blocks: int = 1,
+) -> torch.Tensor:
+    """Decode attention ``[B, H, d]`` (``q.dtype``) over BF16 sink + INT2 pages in the mma layouts + BF16 recent.
+
+    Same arguments and result as ``oscar.kernels.decode_attention.paged_decode_attention`` (INT2, one
+    group per row); ``num_splits`` (default ``default_num_splits``), ``num_warps`` (2-8) and ``prefetch``
+    (blocks of 16 tokens in flight per warp, 1-4) tune the launch.
+    """
+    check(q.is_cuda, f"the mma decode kernel runs on CUDA tensors, q is on {q.device}")
+    check(q.dim() == 3, f"q must be [B, H, d], got shape {tuple(q.shape)}")
+    B, H, d = (int(s) for s in q.shape)
+    check(d in (64, 128), f"head_dim d={d} is not supported by the mma layout; valid: 64, 128")
+    dev = q.device
+    check(k_codes.dim() == 4 and k_codes.dtype == torch.uint8 and k_codes.shape == v_codes.shape,
+          f"codes must be uint8 [P, Hkv, page_size, {d // 4}] for K and V, got {tuple(k_codes.shape)}, {tuple(v_codes.shape)}")
+    npages, hkv, page_size, nbytes = (int(s) for s in k_codes.shape)
+    check(nbytes == d // 4, f"codes rows must be d/4={d // 4} bytes (INT2), got {nbytes}")
+    check(page_size % 16 == 0 and page_size & (page_size - 1) == 0,
+          f"page_size={page_size} must be a power of two >= 16 for the mma layout")
+    check(H % hkv == 0 and H // hkv in (1, 2, 4, 8), f"query heads H={H} over KV heads Hkv={hkv}: GQA ratio must be 1, 2, 4 or 8")
+    rep = H // hkv
+    for name, t in (("k_codes", k_codes), ("v_codes", v_codes)):
+        check(t.is_contiguous() and t.device == dev, f"{name} must be contiguous on {dev}")
+    for name, t in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
+        check(tuple(t.shape) == (npages, hkv, page_size, 1) and t.dtype == torch.bfloat16 and t.is_contiguous()
+              and t.device == dev, f"{name} must be contiguous bf16 [{npages}, {hkv}, {page_size}, 1] on {dev} "
+              f"(one group per row), got {t.dtype} {tuple(t.shape)}")
+    check(page_table.dtype == torch.int32 and page_table.dim() == 2 and page_table.shape[0] >= B
+          and page_table.stride(1) == 1 and page_table.device == dev,
+          f"page_table must be int32 [>= {B}, pages] with contiguous rows on {dev}, got {page_table.dtype} {tuple(page_table.shape)}")
+    check(int_len.dtype == torch.int32 and int_len.numel() >= B and int_len.device == dev,
+          f"int_len must be int32 [>= {B}] on {dev}, got {int_len.dtype} {tuple(int_len.shape)}")
+    check(output_frame in ("original", "rotated"), f"output_frame={output_frame!r} must be 'original' or 'rotated'")
+    check(num_warps in (2, 4, 8) and prefetch in (1, 2, 3, 4) and 32 * num_warps >= d and 1 <= min_blocks <= 8,
+          f"num_warps={num_warps} (valid 2, 4, 8; at least d/32), prefetch={prefetch} (valid 1-4), "
+          f"min_blocks={min_blocks} (valid 1-8)")
+    sink = _segment(sink_k, sink_v, sink_len, "sink", B, hkv, d, dev)
+    rec = _segment(recent_k, recent_v, recent_len, "recent", B, hkv, d, dev)
+    out = torch.empty(B, H, d, dtype=torch.bfloat16, device=dev)
+    if B == 0:
+        return out.to(q.dtype)
+
+    def f32(t, shape, name):
+        if t is None:
+            return None
+        check(tuple(t.shape) == shape, f"{name} must be {list(shape)}, got {tuple(t.shape)}")
+        return _derived(t, "f32", lambda x: x.to(device=dev, dtype=torch.float32).contiguous())
+
+    rk = f32(R_K, (hkv, d, d), "R_K")
+    muk = f32(mu_K, (hkv, d), "mu_K")
+    muv = f32(mu_V, (hkv, d), "mu_V")
+    rot_out = None
+    if R_V is not None:
+        check(tuple(R_V.shape) == (hkv, d, d), f"R_V must be [{hkv}, {d}, {d}], got {tuple(R_V.shape)}")
+        if output_frame == "original":  # quantized partials o_rot -> o_rot @ R_V^T
+            rot_out = _derived(R_V, "f32T", lambda x: x.to(device=dev, dtype=torch.float32).transpose(1, 2).contiguous())
+        else:  # BF16 partials o -> o @ R_V
+            rot_out = f32(R_V, (hkv, d, d), "R_V")
+    capacity = int(page_table.shape[1]) * page_size
+    s_int = num_splits if num_splits is not None else default_num_splits(B, hkv, capacity, num_warps)
+    s_total = s_int + (sink is not None) + (rec is not None)
+    check(s_int >= 1 and s_total <= MAX_PARTIALS, f"num_splits={s_int} must be in [1, {MAX_PARTIALS - 2}]")
+    part_o = torch.empty(B, hkv, s_total, rep, d, dtype=torch.float32, device=dev)
+    part_ml = torch.empty(B, hkv, s_total, rep, 2, dtype=torch.float32, device=dev)
+    counters = _counters(dev, B * hkv)
+    qb = q.to(torch.bfloat16).contiguous()
+    scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
+
+    p = Params()
+    keep = []  # tensors whose pointers the launch holds
+
+    def ptr(name, t):
+        if t is not None:
+            keep.append(t)
+            setattr(p, name, t.data_ptr())
+
+    for name, t in (("q", qb), ("kc", k_codes), ("vc", v_codes), ("ks", k_scale), ("kz", k_zero), ("vs", v_scale),
+                    ("vz", v_zero), ("page_table", page_table), ("int_len", int_len), ("rk", rk), ("muk", muk),
+                    ("rot_out", rot_out), ("muv", muv), ("part_o", part_o), ("part_ml", part_ml),
+                    ("counters", counters), ("out", out)):
+        ptr(name, t)
+    for prefix, seg in (("sink", sink), ("rec", rec)):
+        if seg is not None:
+            ptr(prefix + "_k", seg[0])
+            ptr(prefix + "_v", seg[1])
+            ptr(prefix + "_len", seg[2])
+            short = "sk" if prefix == "sink" else "rk"
+            for i, field in enumerate(("b", "h", "t")):
+                setattr(p, f"{short}_{field}", int(seg[0].stride(i)))
+            setattr(p, f"{short}_max", int(seg[0].shape[2]))
+    p.sc = scale * LOG2E
+    p.hkv, p.pt_stride, p.page_shift = hkv, int(page_table.stride(0)), page_size.bit_length() - 1
+    p.s_int, p.s_total, p.has_sink, p.has_rec = s_int, s_total, int(sink is not None), int(rec is not None)
+    p.out_rotated = int(output_frame == "rotated")
+    p.cs_p, p.cs_h = int(k_codes.stride(0)), int(k_codes.stride(1))
+    p.ss_p, p.ss_h = int(k_scale.stride(0)), int(k_scale.stride(1))
+    _launch(_function(d, rep, num_warps, prefetch, min_blocks, dev), (s_total, hkv, B), 32 * num_warps, p, dev)
+    return out if q.dtype == torch.bfloat16 else out.to(q.dtype)
+
+
+__all__ = ["Params", "default_num_splits", "kernel_name", "paged_decode_attention_mma"]

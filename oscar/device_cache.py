@@ -1,0 +1,504 @@
+"""Device-resident decode caches that a CUDA graph can capture: static BF16 and paged OSCAR INT2/INT4.
+
+`oscar.cache.OscarCache` keeps page lists and segment lengths on the host and loops over the
+sequences of a batch, so a decode step cannot be captured in a CUDA graph. The caches here keep
+everything a step reads or writes on the device, with shapes fixed when the cache is built:
+
+- `StaticBF16Cache`: K/V ``[B, Hkv, capacity, d]`` per layer; a step writes the new token at
+  ``pos`` and attends over the first ``span`` positions with torch SDPA (the query heads of a KV
+  head become the query rows: no mask, no KV copy; the SDPA backend is the caller's choice).
+- `DeviceOscarCache`: the three segments of docs/DESIGN.md (BF16 sink ``[B, Hkv, S0, d]``, packed
+  pages through `oscar.paged`, BF16 recent window ``[B, Hkv, W, d]`` as a ring). Each sequence
+  owns a fixed-capacity page table row (``[B, M]`` int32 on the device, pages disjoint); one
+  extra page takes the writes of sequences that have nothing to demote. Every index of a step
+  (sink slot, ring slot, demotion slot, segment lengths) is computed on the device from the
+  position vector ``pos``, and the demotion is one `oscar.paged.rotate_quantize_pack_kv` launch
+  for the whole batch, so the step has no host synchronisation and no data-dependent shapes.
+
+Window convention (the same as `oscar.cache`): query ``t`` sees ``[0, S0)`` in BF16, ``[S0, t-W]``
+quantized and ``(t-W, t]`` in BF16; the step demotes the ring's oldest row (token ``t-W``) before
+the new token takes its slot.
+
+Use: `register()` once, build the model with attention implementation `ATTN_IMPLEMENTATION`, fill
+the cache (`import_prefill` from a plain forward's keys/values, or `fill_random` for timing), then
+`decode_step(model, cache, tokens)`; `GraphedDecoder` captures that step in a CUDA graph. Sequences
+of a batch have equal lengths (no padding).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Optional, Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from oscar import paged
+from oscar.attention import plain_causal_attention, set_pending, take_pending
+
+ATTN_IMPLEMENTATION = "oscar_device"
+
+
+def register() -> None:
+    """Register the attention function with transformers (idempotent). No mask function is
+    registered, so transformers builds no attention mask for this implementation."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, device_attention_forward)
+
+
+def enable(model: torch.nn.Module) -> str:
+    """Switch ``model`` to the device-cache attention; returns the previous implementation name."""
+    register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return previous
+
+
+def device_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Registered attention: a device cache layer attends and writes; without one (a prefill through a
+    plain cache) causal attention over the keys given."""
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError(f"sliding-window attention (window {kwargs['sliding_window']}) is not supported")
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    layer = take_pending(key)
+    if layer is None:
+        return plain_causal_attention(module, query, key, value, attention_mask, scale), None
+    if query.shape[2] != 1:
+        raise ValueError(f"device caches take one decode token per sequence, got {query.shape[2]}; "
+                         "prefill through a plain cache and import_prefill")
+    out = layer.attend_and_write(query, key, value, scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+class _DeviceLayer(CacheLayerMixin):
+    """One decoder layer's view of a device cache: records K/V for the attention call that follows."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, cache: "DeviceCache", layer_idx: int) -> None:
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Storage is allocated when the cache is built."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record the new keys/values for the attention call that follows (it writes and attends)."""
+        set_pending(self, key_states, value_states)
+        return key_states, value_states
+
+    def get_mask_sizes(self, *args: Any) -> tuple[int, int]:
+        """(kv_length, kv_offset); no mask is built for this attention implementation."""
+        return self.cache.seq_len + 1, 0
+
+    def get_seq_length(self, *args: Any) -> int:
+        """Tokens per sequence (host mirror of ``pos``)."""
+        return self.cache.seq_len
+
+    def get_max_length(self) -> int:
+        """Fixed capacity in tokens."""
+        return self.cache.capacity
+
+    def reset(self) -> None:
+        """Device caches are reset by building a new one."""
+        raise NotImplementedError("build a new device cache instead of resetting one")
+
+    def attend_and_write(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention output ``[B, H, 1, d]`` of the decode token, after writing it."""
+        return self.cache.attend_and_write(self.layer_idx, query, key, value, scale)
+
+
+class DeviceCache(Cache):
+    """Base of the device caches: per-sequence position vector ``pos`` (int64 ``[B]``, on the device)
+    and its host mirror ``seq_len`` (all sequences have the same length)."""
+
+    def __init__(self, num_layers: int, batch: int, capacity: int, device: torch.device) -> None:
+        if batch <= 0 or capacity <= 0:
+            raise ValueError(f"batch={batch} and capacity={capacity} must be positive")
+        super().__init__(layers=[_DeviceLayer(self, i) for i in range(num_layers)])
+        self.batch, self.capacity, self.device = batch, capacity, torch.device(device)
+        self.pos = torch.zeros(batch, dtype=torch.int64, device=self.device)
+        self.seq_len = 0
+
+    def set_length(self, n: int) -> None:
+        """Every sequence holds ``n`` tokens (after a prefill import or a random fill)."""
+        if not 0 <= n < self.capacity:
+            raise ValueError(f"length {n} must lie in [0, capacity={self.capacity})")
+        self.pos.fill_(n)
+        self.seq_len = n
+
+    def advance(self) -> None:
+        """One token more per sequence (device op; call once per step after the forward)."""
+        self.pos.add_(1)
+        self.seq_len += 1
+
+    def check_room(self, steps: int) -> None:
+        """Refuse (on the host, before capture or replay) a run that would pass the capacity."""
+        if self.seq_len + steps > self.capacity:
+            raise ValueError(f"{steps} more steps from length {self.seq_len} pass the capacity {self.capacity}")
+
+    def prepare(self) -> None:
+        """Per-step device indices shared by every layer (call once per step before the forward)."""
+
+    def attend_and_write(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def storage(self) -> list[torch.Tensor]:
+        """Every tensor that holds cached tokens (for byte accounting)."""
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        """Bytes allocated for cached tokens, all layers, K and V."""
+        return sum(t.numel() * t.element_size() for t in self.storage())
+
+
+# ----------------------------------------------------------------------------------------------
+# static BF16
+
+
+class StaticBF16Cache(DeviceCache):
+    """BF16 (model dtype) K/V ``[B, Hkv, capacity, d]`` per layer; decode attention with torch SDPA."""
+
+    def __init__(self, *, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype = torch.bfloat16, device: Any = "cpu") -> None:
+        super().__init__(num_layers, batch, capacity, device)
+        shape = (batch, num_kv_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.hkv, self.d = num_kv_heads, head_dim
+        self.span: Optional[int] = None  # positions attended; None: seq_len + 1 (read on the host)
+        self.gqa = "rows"  # rows: query heads of a KV head as query rows; enable_gqa: SDPA's GQA flag
+
+    def storage(self) -> list[torch.Tensor]:
+        return self.k + self.v
+
+    def fill_random(self, length: int, generator: Optional[torch.Generator] = None) -> None:
+        """Random keys/values in every slot (exact for timing) and every sequence at ``length``."""
+        for t in self.storage():
+            t.normal_(0.0, 1.0, generator=generator)
+        self.set_length(length)
+
+    def import_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys/values ``[B, Hkv, L, d]`` of a prompt (all layers imported, then ``set_length(L)``)."""
+        n = k.shape[2]
+        self.k[layer][:, :, :n] = k.to(self.k[layer].dtype)
+        self.v[layer][:, :, :n] = v.to(self.v[layer].dtype)
+
+    def attend_and_write(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        kc, vc = self.k[layer], self.v[layer]
+        idx = self.pos[:1]  # equal lengths: one write position for the batch
+        kc.index_copy_(2, idx, key.to(kc.dtype))
+        vc.index_copy_(2, idx, value.to(vc.dtype))
+        span = self.seq_len + 1 if self.span is None else self.span
+        b, h, _, d = query.shape
+        q = query.to(kc.dtype)
+        if self.gqa == "rows":
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.reshape(b, self.hkv, h // self.hkv, d), kc[:, :, :span], vc[:, :, :span], scale=scale)
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, kc[:, :, :span], vc[:, :, :span], scale=scale, enable_gqa=True)
+        return out.reshape(b, h, 1, d).to(query.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# paged OSCAR
+
+
+class DeviceOscarCache(DeviceCache):
+    """BF16 sink + packed INT pages (`oscar.paged`) + BF16 recent ring, all indices on the device.
+
+    ``transforms`` is one ``(kt, vt)`` pair of `oscar.paged.HeadTransform` per layer (float32 on the
+    device). ``quant_capacity`` is the number of quantized tokens a sequence can hold; the page table
+    gets ``ceil(quant_capacity / page_size)`` pages per sequence (``shuffle_pages``: a seeded
+    permutation of the pool instead of consecutive pages, for tests of the indirection).
+    """
+
+    def __init__(self, *, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, bits: int, group_size: int,
+                 sink: int, recent: int, page_size: int, quant_capacity: int,
+                 transforms: Sequence[tuple[paged.HeadTransform, paged.HeadTransform]],
+                 dtype: torch.dtype = torch.bfloat16, device: Any = "cpu", backend: str = "triton",
+                 shuffle_pages: bool = False, kernel_options: Optional[dict] = None) -> None:
+        if sink < 1 or recent < 1:
+            raise ValueError(f"sink={sink} and recent={recent} must be at least 1 on the device cache")
+        if len(transforms) != num_layers:
+            raise ValueError(f"{len(transforms)} layer transforms for {num_layers} layers")
+        super().__init__(num_layers, batch, sink + recent + quant_capacity, device)
+        self.sink, self.recent, self.page_size, self.backend = sink, recent, page_size, backend
+        self.hkv, self.d, self.bits, self.group_size = num_kv_heads, head_dim, bits, group_size
+        self.kernel_options = kernel_options
+        pages_per_seq = max(1, -(-quant_capacity // page_size))
+        num_pages = batch * pages_per_seq + 1  # the last page takes the writes of non-demoting sequences
+        self.trash_slot = (num_pages - 1) * page_size
+        order = torch.arange(batch * pages_per_seq, dtype=torch.int32)
+        if shuffle_pages:
+            order = order[torch.randperm(order.numel(), generator=torch.Generator().manual_seed(0))]
+        self.page_table = order.reshape(batch, pages_per_seq).to(self.device)
+        self.transforms = [(self._on_device(kt), self._on_device(vt)) for kt, vt in transforms]
+        self.k_pages = [paged.QuantPages.empty(num_pages, num_kv_heads, page_size, head_dim, bits, group_size, self.device)
+                        for _ in range(num_layers)]
+        self.v_pages = [paged.QuantPages.empty(num_pages, num_kv_heads, page_size, head_dim, bits, group_size, self.device)
+                        for _ in range(num_layers)]
+        # BF16 rows of a layer in one buffer [2 (K, V), B, Hkv, S0 + W, d]: sink and ring are views, so a
+        # step writes its new token (sink or ring slot) with one indexed store per tensor
+        self.bf16 = [torch.zeros(2, batch, num_kv_heads, sink + recent, head_dim, dtype=dtype, device=self.device)
+                     for _ in range(num_layers)]
+        self.sink_k = [buf[0, :, :, :sink] for buf in self.bf16]
+        self.sink_v = [buf[1, :, :, :sink] for buf in self.bf16]
+        self.recent_k = [buf[0, :, :, sink:] for buf in self.bf16]
+        self.recent_v = [buf[1, :, :, sink:] for buf in self.bf16]
+        self._rows = torch.arange(batch, device=self.device)
+        self.step: dict[str, torch.Tensor] = {}
+
+    def _on_device(self, t: paged.HeadTransform) -> paged.HeadTransform:
+        def mv(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if x is None else x.to(self.device, torch.float32).contiguous()
+
+        return paged.HeadTransform(mv(t.R), mv(t.mu), mv(t.rho))
+
+    def storage(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for pages in self.k_pages + self.v_pages:
+            out += [pages.codes, pages.scale, pages.zero]
+        return out + self.bf16
+
+    def _slots(self, qpos: torch.Tensor) -> torch.Tensor:
+        """Slots (int64) of quantized positions ``qpos`` ``[B, n]`` of every sequence."""
+        page = qpos // self.page_size
+        return self.page_table[self._rows[:, None], page].long() * self.page_size + qpos % self.page_size
+
+    # -- filling ---------------------------------------------------------------------------------
+
+    def import_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys/values ``[B, Hkv, L, d]`` (original frame) of a prompt into the three segments (the
+        middle quantized through `oscar.paged.rotate_quantize_pack_kv`); then ``set_length(L)``."""
+        B, _, L, _ = k.shape
+        S0, W = self.sink, self.recent
+        if L + 1 > self.capacity:
+            raise ValueError(f"a prompt of {L} tokens leaves no room in a cache of capacity {self.capacity}")
+        dt = self.sink_k[layer].dtype
+        k, v = k.to(dt), v.to(dt)  # quantize the rows as stored (as the host cache demotes them)
+        ns = min(L, S0)
+        self.sink_k[layer][:, :, :ns] = k[:, :, :ns].to(dt)
+        self.sink_v[layer][:, :, :ns] = v[:, :, :ns].to(dt)
+        nq = max(0, L - S0 - W)
+        if nq > 0:
+            qpos = torch.arange(nq, device=self.device)[None, :].expand(B, -1)
+            slots = self._slots(qpos).reshape(-1)
+            rows_k = k[:, :, S0:S0 + nq].transpose(1, 2).reshape(B * nq, self.hkv, self.d).contiguous()
+            rows_v = v[:, :, S0:S0 + nq].transpose(1, 2).reshape(B * nq, self.hkv, self.d).contiguous()
+            kt, vt = self.transforms[layer]
+            paged.rotate_quantize_pack_kv(rows_k, rows_v, slots, self.k_pages[layer], self.v_pages[layer], kt, vt,
+                                          backend=self.backend)
+        start = max(S0, L - W)
+        if L > start:
+            ring = (torch.arange(start, L, device=self.device) - S0) % W
+            self.recent_k[layer][:, :, ring] = k[:, :, start:L].to(dt)
+            self.recent_v[layer][:, :, ring] = v[:, :, start:L].to(dt)
+
+    def fill_random(self, length: int, generator: Optional[torch.Generator] = None) -> None:
+        """Random codes, scales, zeros and BF16 rows in every slot (exact for timing: the kernels do the
+        same work on any bytes) and every sequence at ``length``."""
+        for pages in self.k_pages + self.v_pages:
+            pages.codes.random_(0, 256, generator=generator)
+            pages.scale.uniform_(0.005, 0.05, generator=generator)
+            pages.zero.uniform_(-0.2, -0.1, generator=generator)
+        for t in self.bf16:
+            t.normal_(0.0, 1.0, generator=generator)
+        self.set_length(length)
+
+    # -- a decode step ---------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Indices of this step, from ``pos`` (the new token's position), shared by all layers."""
+        S0, W = self.sink, self.recent
+        p = self.pos
+        r = p - S0
+        demote = r >= W
+        qpos = (r - W).clamp(min=0)
+        max_q = self.page_table.shape[1] * self.page_size - 1
+        slot = self._slots(qpos.clamp(max=max_q)[:, None])[:, 0]
+        ring_idx = r.clamp(min=0) % W
+        self.step = {
+            "write_idx": torch.where(p < S0, p, S0 + ring_idx),  # slot of the new token in the BF16 buffer
+            "ring_idx": ring_idx,
+            "demote_slot": torch.where(demote, slot, torch.full_like(slot, self.trash_slot)),
+            "sink_len": (p + 1).clamp(max=S0).to(torch.int32),
+            "recent_len": (r + 1).clamp(min=0, max=W).to(torch.int32),
+            "int_len": (r + 1 - W).clamp(min=0).to(torch.int32),
+        }
+
+    def attend_and_write(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        if not self.step:
+            raise RuntimeError("DeviceOscarCache.prepare() must run before the forward of each step")
+        st = self.step
+        kt, vt = self.transforms[layer]
+        rk, rv = self.recent_k[layer], self.recent_v[layer]
+        sk, sv = self.sink_k[layer], self.sink_v[layer]
+        # 1. demote the ring's oldest row (where the ring is full) before the new token takes its slot
+        paged.rotate_quantize_pack_kv(rk, rv, st["demote_slot"], self.k_pages[layer], self.v_pages[layer], kt, vt,
+                                      src_index=st["ring_idx"], backend=self.backend)
+        # 2. write the new token into its sink or ring slot
+        buf = self.bf16[layer]
+        buf[0, self._rows, :, st["write_idx"]] = key[:, :, 0].to(buf.dtype)
+        buf[1, self._rows, :, st["write_idx"]] = value[:, :, 0].to(buf.dtype)
+        # 3. attend over the three segments
+        out = paged.decode_attention(
+            query[:, :, 0], self.k_pages[layer], self.v_pages[layer], self.page_table, st["int_len"], kt, vt,
+            sink_k=sk, sink_v=sv, sink_len=st["sink_len"], recent_k=rk, recent_v=rv, recent_len=st["recent_len"],
+            sm_scale=scale, output_frame="original", backend=self.backend, kernel_options=self.kernel_options)
+        return out[:, :, None, :]
+
+
+# ----------------------------------------------------------------------------------------------
+# driving the model
+
+
+def forward_kwargs(model: torch.nn.Module) -> set[str]:
+    inner = getattr(model, "model", model)
+    try:
+        return set(inspect.signature(type(inner).forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def prefill(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Plain causal forward of a prompt ``[B, L]`` (no device cache): last-position logits ``[B, V]``
+    and each layer's keys/values ``[B, Hkv, L, d]`` (post-RoPE), to import into a device cache."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    key = "cache" if "cache" in forward_kwargs(model) else "past_key_values"
+    out = model(input_ids=input_ids, use_cache=True, **{key: cache})
+    kv = []
+    for layer in cache.layers:
+        kv.append((layer.keys, layer.values))
+    return out.logits[:, -1], kv
+
+
+def import_prefill(cache: DeviceCache, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """All layers' prompt keys/values into ``cache``; every sequence then holds the prompt."""
+    if len(kv) != len(cache.layers):
+        raise ValueError(f"{len(kv)} layers of keys/values for a cache of {len(cache.layers)} layers")
+    for layer, (k, v) in enumerate(kv):
+        cache.import_prefill(layer, k, v)  # type: ignore[attr-defined]
+    cache.set_length(int(kv[0][0].shape[2]))
+
+
+def sample(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Next tokens ``[B]`` (int64): greedy at temperature 0, else softmax sampling by the exponential race
+    (``argmax p / E`` with ``E ~ Exp(1)``: no host synchronisation, capturable)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / race).argmax(dim=-1)
+
+
+def decode_step(model: torch.nn.Module, cache: DeviceCache, tokens: torch.Tensor, *, temperature: float = 0.0,
+                advance: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step for every sequence: embeddings, every layer, LM head, sampling.
+
+    ``tokens`` ``[B]`` int64 (each sequence's last token, at position ``cache.pos``). Returns
+    ``(next_tokens [B], logits [B, V])``. With ``advance=False`` the cache positions stay (the step
+    then rewrites the same slots when repeated: the timing mode).
+    """
+    cache.prepare()
+    params = forward_kwargs(model)
+    kwargs: dict[str, Any] = dict(input_ids=tokens[:, None], position_ids=cache.pos[:, None], use_cache=True)
+    kwargs["cache" if "cache" in params else "past_key_values"] = cache  # transformers >= 5.2x renamed it
+    if "cache_position" in params:
+        kwargs["cache_position"] = cache.pos[:1]
+    logits = model(**kwargs).logits[:, -1]
+    nxt = sample(logits, temperature)
+    if advance:
+        cache.advance()
+    return nxt, logits
+
+
+class GraphedDecoder:
+    """`decode_step` captured in a CUDA graph over static buffers ``tokens`` ``[B]`` and ``logits``.
+
+    ``replay()`` runs one step reading ``tokens`` and leaves the next tokens in ``tokens`` (and the
+    logits in ``logits``). With ``advance=True`` the graph also moves ``cache.pos`` on the device;
+    the host mirror ``cache.seq_len`` is moved by ``replay``.
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: DeviceCache, tokens: torch.Tensor, *, temperature: float = 0.0,
+                 advance: bool = True, warmup: int = 2) -> None:
+        if advance and isinstance(cache, StaticBF16Cache):
+            raise ValueError("the static BF16 cache attends a span fixed at capture (timing mode): capture it with "
+                             "advance=False, or decode eagerly")
+        self.model, self.cache, self.advance = model, cache, advance
+        self.tokens = tokens.clone()
+        self.temperature = temperature
+        length = cache.seq_len
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(warmup):  # compile kernels and settle the allocator (no advance: idempotent)
+                decode_step(model, cache, self.tokens, temperature=temperature, advance=False)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), torch.no_grad():
+            nxt, logits = decode_step(model, cache, self.tokens, temperature=temperature, advance=advance)
+            self.tokens.copy_(nxt)
+            self.logits = logits
+        if advance:  # capture ran the host part of advance() once: undo it; replays move pos on the device
+            cache.seq_len = length
+        self.tokens.copy_(tokens)
+
+    def replay(self) -> None:
+        """One decode step."""
+        if self.advance:
+            self.cache.check_room(1)
+        self.graph.replay()
+        if self.advance:
+            self.cache.seq_len += 1
+
+
+def kv_elements(num_layers: int, batch: int, tokens: int, num_kv_heads: int, head_dim: int) -> int:
+    """K and V elements held for ``batch`` sequences of ``tokens`` tokens."""
+    return 2 * num_layers * batch * tokens * num_kv_heads * head_dim
+
+
+def oscar_quant_capacity(context: int, sink: int, recent: int, page_size: int, extra_steps: int = 0) -> int:
+    """Quantized tokens per sequence for a context of ``context`` tokens plus ``extra_steps`` decode steps."""
+    need = max(1, context + extra_steps + 1 - sink - recent)
+    return int(math.ceil(need / page_size) * page_size)
+
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "DeviceCache",
+    "DeviceOscarCache",
+    "GraphedDecoder",
+    "StaticBF16Cache",
+    "decode_step",
+    "device_attention_forward",
+    "enable",
+    "import_prefill",
+    "kv_elements",
+    "oscar_quant_capacity",
+    "prefill",
+    "register",
+    "sample",
+]

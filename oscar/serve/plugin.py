@@ -1,0 +1,257 @@
+"""The SGLang plugin: entry point ``oscar`` in group ``sglang.srt.plugins`` (see pyproject.toml).
+
+``register()`` runs in every SGLang process (``sglang.srt.plugins.load_plugins``) and only registers;
+everything it hooks is inert unless the server runs with ``--attention-backend oscar``:
+
+- attention backend ``oscar`` (``attention_registry.register_attention_backend``) and its CLI choice;
+- ``ServerArgs.check_server_args`` (after): refuses unsupported flags and models and validates the OSCAR
+  settings (``oscar.serve.settings``) against the model, in the launching process, before any server
+  process starts; marks the backend active for the scheduler processes (``OSCAR_SERVE_ACTIVE``);
+- ``KVCacheConfigurator._resolve_kv_pool_class`` (around): the MHA pool becomes ``OscarTokenToKVPool``;
+- ``DefaultPoolConfigurator._compute_cell_size`` / ``calculate_pool_sizes`` (around): pool sizing from the
+  real bytes per token, with the BF16 windows of ``--max-running-requests`` request slots reserved first;
+- ``ModelRunner.load_model`` (after): the value rotation folded into each layer's ``o_proj``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "oscar"
+ENV_ACTIVE = "OSCAR_SERVE_ACTIVE"
+ENV_FOLD = "OSCAR_FOLD"
+
+_STATE: dict[str, Any] = {}
+
+
+def active() -> bool:
+    """True in a server started with ``--attention-backend oscar`` (set by the start-up check)."""
+    return os.environ.get(ENV_ACTIVE) == "1"
+
+
+def ensure_state(hf_config: Any) -> dict[str, Any]:
+    """Settings, rotations, bits and group of this process (validated against ``hf_config`` once)."""
+    if not _STATE:
+        from oscar.serve.settings import ServeSettings, validate
+
+        settings = ServeSettings.from_env()
+        rotations, bits, group = validate(settings, hf_config)
+        fold = os.environ.get(ENV_FOLD, "1")
+        if fold not in ("0", "1"):
+            from oscar.serve.settings import OscarServeError
+
+            raise OscarServeError(f"{ENV_FOLD}={fold!r} is not valid; use 1 (fold R_V into o_proj) or 0")
+        _STATE.update(settings=settings, rotations=rotations, bits=bits, group_size=group, fold=fold == "1")
+    return _STATE
+
+
+def current_state() -> dict[str, Any]:
+    """The state set up by ``ensure_state`` in this process (the pool and backend read it)."""
+    if not _STATE:
+        raise RuntimeError("the oscar plugin has no settings in this process: ensure_state() did not run "
+                           "(was the pool built without the plugin's hooks?)")
+    return _STATE
+
+
+# -- start-up check (launching process) -----------------------------------------------------------
+
+
+def _flag_problems(args: Any) -> list[str]:
+    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    out = []
+    for name, flag in (("tp_size", "--tp-size"), ("pp_size", "--pp-size"), ("dp_size", "--dp-size"),
+                       ("dcp_size", "--dcp-size")):
+        if (get(name) or 1) > 1:
+            out.append(f"tensor/pipeline/data parallelism is not supported yet: set {flag} 1 (got {get(name)})")
+    if get("enable_dp_attention"):
+        out.append("DP attention is not supported: drop --enable-dp-attention")
+    if get("speculative_algorithm"):
+        out.append(f"speculative decoding is not supported: drop --speculative-algorithm {get('speculative_algorithm')}")
+    if not get("disable_radix_cache"):
+        out.append("prefix (radix) cache reuse is not supported yet: add --disable-radix-cache")
+    if get("chunked_prefill_size") != -1:
+        out.append(f"chunked prefill is not supported yet: add --chunked-prefill-size -1 (got {get('chunked_prefill_size')})")
+    if get("enable_mixed_chunk"):
+        out.append("mixed prefill/decode batches are not supported: drop --enable-mixed-chunk")
+    if str(get("device") or "") not in ("cpu",) and not get("disable_cuda_graph"):
+        out.append("CUDA graphs are not supported yet: add --disable-cuda-graph")
+    for name in ("prefill_attention_backend", "decode_attention_backend"):
+        if get(name) not in (None, BACKEND):
+            out.append(f"--{name.replace('_', '-')} {get(name)} would bypass the OSCAR pool: drop it or set it to oscar")
+    if not get("max_running_requests"):
+        out.append("set --max-running-requests N: the BF16 sink and recent windows are reserved per running request")
+    if str(get("kv_cache_dtype") or "auto") not in ("auto", "bfloat16", "bf16"):
+        out.append(f"--kv-cache-dtype {get('kv_cache_dtype')} is not supported with oscar: keep auto (the pool is "
+                   "INT2/INT4; its settings come from OSCAR_* variables)")
+    if get("enable_hierarchical_cache"):
+        out.append("hierarchical cache is not supported: drop --enable-hierarchical-cache")
+    if str(get("disaggregation_mode") or "null") != "null":
+        out.append(f"PD disaggregation is not supported: drop --disaggregation-mode {get('disaggregation_mode')}")
+    return out
+
+
+def check_server_args_after(result: Any, args: Any, *rest: Any, **kwargs: Any) -> Any:
+    """AFTER hook of ``ServerArgs.check_server_args``: refuse what the plugin cannot serve correctly."""
+    if getattr(args, "attention_backend", None) != BACKEND:
+        os.environ[ENV_ACTIVE] = "0"
+        return result
+    from oscar.serve.settings import OscarServeError, ServeSettings, validate
+
+    problems = _flag_problems(args)
+    if problems:
+        raise OscarServeError("--attention-backend oscar refuses these settings:\n  - " + "\n  - ".join(problems))
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(args.model_path, trust_remote_code=bool(args.trust_remote_code))
+    validate(ServeSettings.from_env(), hf_config)
+    os.environ[ENV_ACTIVE] = "1"
+    return result
+
+
+# -- scheduler process hooks ----------------------------------------------------------------------
+
+
+def resolve_kv_pool_class_around(original: Any, kvc: Any, *args: Any, **kwargs: Any) -> Any:
+    """``KVCacheConfigurator._resolve_kv_pool_class``: the OSCAR pool for MHA when the backend is oscar."""
+    if active() and kwargs.get("kind", args[0] if args else None) == "mha":
+        from oscar.serve.pool import OscarTokenToKVPool
+
+        ensure_state(kvc.model_config.hf_config)
+        return OscarTokenToKVPool
+    return original(kvc, *args, **kwargs)
+
+
+def compute_cell_size_around(original: Any, conf: Any, kvc: Any, num_layers: int, *args: Any, **kwargs: Any) -> Any:
+    """``DefaultPoolConfigurator._compute_cell_size``: OSCAR bytes per token; remembers the window bytes."""
+    if not active():
+        return original(conf, kvc, num_layers, *args, **kwargs)
+    from sglang.srt.runtime_context import get_parallel, get_schedule
+
+    from oscar.serve.settings import bytes_per_token, window_bytes_per_request
+
+    st = ensure_state(kvc.model_config.hf_config)
+    mc = kvc.model_config
+    par = get_parallel()
+    hkv = mc.get_num_kv_heads(par.attn_tp_size, par.attn_dcp_size)
+    cell = bytes_per_token(int(num_layers), int(hkv), int(mc.head_dim), st["bits"], st["group_size"])
+    bf16 = int(hkv) * (int(mc.head_dim) + int(mc.v_head_dim)) * int(num_layers) * 2
+    reqs = int(get_schedule().max_running_requests) + 1
+    conf._oscar_window_bytes = reqs * window_bytes_per_request(
+        int(num_layers), int(hkv), int(mc.head_dim), st["settings"].sink, st["settings"].recent)
+    logger.info("OSCAR pool sizing: %d bytes/token (BF16 would be %d: %.2fx the tokens per byte); BF16 windows "
+                "of %d request slots reserved first: %.3f GB", cell, bf16, bf16 / cell, reqs,
+                conf._oscar_window_bytes / 2**30)
+    return cell
+
+
+def calculate_pool_sizes_around(original: Any, conf: Any, available_bytes: int, *args: Any, **kwargs: Any) -> Any:
+    """``DefaultPoolConfigurator.calculate_pool_sizes``: tokens from what is left after the windows."""
+    reserve = int(getattr(conf, "_oscar_window_bytes", 0)) if active() else 0
+    if reserve:
+        if reserve >= available_bytes:
+            from oscar.serve.settings import OscarServeError
+
+            raise OscarServeError(
+                f"the BF16 windows of --max-running-requests need {reserve / 2**30:.2f} GB, more than the "
+                f"{available_bytes / 2**30:.2f} GB left for the KV cache; lower --max-running-requests, OSCAR_SINK "
+                "or OSCAR_RECENT, or raise --mem-fraction-static")
+        available_bytes -= reserve
+    return original(conf, available_bytes, *args, **kwargs)
+
+
+def fold_after_load(result: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """``ModelRunner.load_model`` (after): fold ``R_V`` (and ``mu_V``) into every layer's ``o_proj``."""
+    if not active():
+        return result
+    st = ensure_state(runner.model_config.hf_config)
+    if st["fold"]:
+        n = fold_model(runner.model, st["rotations"])
+        logger.info("OSCAR: value rotation folded into o_proj of %d layers", n)
+    return result
+
+
+def _attention_modules(model: Any) -> list[Any]:
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise NotImplementedError(f"{type(model).__name__} has no .model.layers; the oscar plugin cannot find o_proj")
+    out = []
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        if attn is None or not hasattr(attn, "o_proj"):
+            raise NotImplementedError(f"{type(layer).__name__} has no self_attn.o_proj; the oscar plugin cannot fold")
+        out.append(attn)
+    return out
+
+
+def fold_model(model: Any, rotations: list[Any]) -> int:
+    """Fold each layer's ``R_V`` / ``mu_V`` into its ``o_proj`` in place (tensor-parallel rank 0 of 1)."""
+    import torch
+
+    from oscar.surgery import folded_bias, folded_weight
+
+    attns = _attention_modules(model)
+    if len(attns) != len(rotations):
+        raise ValueError(f"{len(rotations)} layer rotations for a model with {len(attns)} attention layers")
+    for attn, rot in zip(attns, rotations):
+        o = attn.o_proj
+        heads = int(getattr(attn, "num_heads"))
+        w = o.weight
+        with torch.no_grad():
+            if rot.mu_v is not None:
+                new_bias = folded_bias(w.detach(), None if o.bias is None else o.bias.detach(), rot.mu_v, heads)
+                if o.bias is None:
+                    o.bias = torch.nn.Parameter(new_bias, requires_grad=False)
+                else:
+                    o.bias.copy_(new_bias)
+            w.copy_(folded_weight(w.detach(), rot.r_v, heads))
+    return len(attns)
+
+
+def create_backend(runner: Any) -> Any:
+    """Factory registered as attention backend ``oscar``."""
+    from oscar.serve.backend import OscarAttnBackend
+
+    return OscarAttnBackend(runner)
+
+
+def register() -> None:
+    """Entry point: register the backend, its CLI choice and the hooks (idempotent)."""
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if BACKEND not in ATTENTION_BACKENDS:
+        register_attention_backend(BACKEND)(create_backend)
+    if BACKEND not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([BACKEND])
+    hooks: list[tuple[str, Any, Any]] = [
+        ("sglang.srt.server_args.ServerArgs.check_server_args", check_server_args_after, HookType.AFTER),
+        ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_kv_pool_class",
+         resolve_kv_pool_class_around, HookType.AROUND),
+        ("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
+         compute_cell_size_around, HookType.AROUND),
+        ("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes",
+         calculate_pool_sizes_around, HookType.AROUND),
+        ("sglang.srt.model_executor.model_runner.ModelRunner.load_model", fold_after_load, HookType.AFTER),
+    ]
+    registered = {(t, h) for t, entries in HookRegistry._hooks.items() for _, h, _ in entries}
+    for target, hook, kind in hooks:
+        if (target, hook) not in registered:
+            HookRegistry.register(target, hook, kind)
+
+
+def plugin_loaded() -> Optional[bool]:
+    """True when ``register`` ran in this process (the backend is in SGLang's registry)."""
+    try:
+        from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    except ImportError:
+        return None
+    return BACKEND in ATTENTION_BACKENDS
+
+
+__all__ = ["BACKEND", "active", "current_state", "ensure_state", "fold_model", "register"]

@@ -1,0 +1,208 @@
+"""OSCAR settings of the SGLang plugin: read from the environment, validated against the model at start-up.
+
+SGLang's ``--kv-cache-dtype`` choices are a closed list, so the plugin carries its own settings in
+environment variables (inherited by SGLang's scheduler processes):
+
+========================  ==========================================================================
+``OSCAR_ARTIFACT``        calibration artifact directory (``rotations.safetensors`` + ``meta.json``);
+                          required
+``OSCAR_SINK``            BF16 sink tokens per request (default 64)
+``OSCAR_RECENT``          BF16 recent window per request (default 256, at least 1)
+``OSCAR_BITS``            2 or 4; must equal the artifact's bits (default: the artifact's)
+``OSCAR_GROUP_SIZE``      quantization group; must equal the artifact's (default: the artifact's)
+``OSCAR_KERNELS``         ``torch`` (the twins in ``oscar.paged``) or ``triton``; default ``triton``
+                          on CUDA, ``torch`` elsewhere
+========================  ==========================================================================
+
+Everything here is plain Python + torch (no sglang import), so it is tested in the default environment too.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+
+ENV_ARTIFACT = "OSCAR_ARTIFACT"
+ENV_SINK = "OSCAR_SINK"
+ENV_RECENT = "OSCAR_RECENT"
+ENV_BITS = "OSCAR_BITS"
+ENV_GROUP = "OSCAR_GROUP_SIZE"
+ENV_KERNELS = "OSCAR_KERNELS"
+ENV_VARS = (ENV_ARTIFACT, ENV_SINK, ENV_RECENT, ENV_BITS, ENV_GROUP, ENV_KERNELS)
+
+# Model types whose attention the plugin handles (the oscar.models adapter registry) and config fields
+# that mark architectures it refuses.
+_REFUSED_FIELDS = {
+    "kv_lora_rank": "multi-head latent attention (MLA)",
+    "q_lora_rank": "multi-head latent attention (MLA)",
+    "linear_attn_config": "hybrid linear attention",
+    "mamba_d_state": "hybrid linear attention (Mamba layers)",
+    "full_attention_interval": "hybrid linear attention",
+}
+
+
+class OscarServeError(ValueError):
+    """An OSCAR serving setting, flag or model that the plugin refuses at start-up."""
+
+
+def _int_env(env: Mapping[str, str], name: str, default: Optional[int]) -> Optional[int]:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise OscarServeError(f"{name}={raw!r} is not an integer") from None
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """The OSCAR cache settings of one server."""
+
+    artifact: Path
+    sink: int = 64
+    recent: int = 256
+    bits: Optional[int] = None
+    group_size: Optional[int] = None
+    kernels: Optional[str] = None
+
+    @staticmethod
+    def from_env(env: Optional[Mapping[str, str]] = None) -> "ServeSettings":
+        """Settings from ``OSCAR_*`` variables; refuses missing or malformed values, naming them."""
+        env = os.environ if env is None else env
+        art = env.get(ENV_ARTIFACT)
+        if not art:
+            raise OscarServeError(
+                f"--attention-backend oscar needs {ENV_ARTIFACT}=<calibration artifact directory> "
+                "(made by `python -m oscar calibrate model=<model> method=<method>`)"
+            )
+        kernels = env.get(ENV_KERNELS) or None
+        if kernels not in (None, "torch", "triton"):
+            raise OscarServeError(f"{ENV_KERNELS}={kernels!r} is not valid; choose 'torch' or 'triton'")
+        s = ServeSettings(
+            artifact=Path(art),
+            sink=int(_int_env(env, ENV_SINK, 64)),  # type: ignore[arg-type]
+            recent=int(_int_env(env, ENV_RECENT, 256)),  # type: ignore[arg-type]
+            bits=_int_env(env, ENV_BITS, None),
+            group_size=_int_env(env, ENV_GROUP, None),
+            kernels=kernels,
+        )
+        if s.sink < 0:
+            raise OscarServeError(f"{ENV_SINK}={s.sink} must be >= 0")
+        if s.recent < 1:
+            raise OscarServeError(f"{ENV_RECENT}={s.recent} must be >= 1 (the newest token is always BF16)")
+        if s.bits is not None and s.bits not in (2, 4):
+            raise OscarServeError(f"{ENV_BITS}={s.bits} is not supported; valid values are 2 and 4")
+        return s
+
+    def kernel_backend(self, device: Any) -> str:
+        """``torch`` or ``triton`` for ``device`` (the setting, else triton on CUDA and torch elsewhere)."""
+        if self.kernels is not None:
+            return self.kernels
+        return "triton" if torch.device(device).type == "cuda" else "torch"
+
+
+def check_architecture(hf_config: Any) -> None:
+    """Refuse architectures the plugin cannot serve correctly (naming what is unsupported)."""
+    from oscar.models.adapters import UnsupportedModel, check_head_dim, get_adapter
+
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    model_type = getattr(cfg, "model_type", None)
+    try:
+        get_adapter(str(model_type))
+    except UnsupportedModel as err:
+        raise OscarServeError(f"--attention-backend oscar cannot serve this model: {err}") from None
+    for field, what in _REFUSED_FIELDS.items():
+        if getattr(cfg, field, None) is not None:
+            raise OscarServeError(
+                f"--attention-backend oscar does not support {what} (config field {field} of model_type "
+                f"{model_type!r}); serve it with another --attention-backend"
+            )
+    layer_types = getattr(cfg, "layer_types", None) or []
+    odd = sorted({t for t in layer_types if t != "full_attention"})
+    if odd:
+        raise OscarServeError(
+            f"--attention-backend oscar does not support layer types {odd} (sliding-window or hybrid layers) "
+            f"of model_type {model_type!r}; only full-attention layers"
+        )
+    uses_window = getattr(cfg, "use_sliding_window", None)
+    if uses_window or (getattr(cfg, "sliding_window", None) and uses_window is None):
+        raise OscarServeError(
+            f"--attention-backend oscar does not support sliding-window attention (sliding_window="
+            f"{getattr(cfg, 'sliding_window', None)} in the config of model_type {model_type!r})"
+        )
+    from oscar.artifact import model_config_fields
+
+    try:
+        check_head_dim(int(model_config_fields(cfg)["head_dim"]))
+    except UnsupportedModel as err:
+        raise OscarServeError(str(err)) from None
+
+
+def load_rotations(settings: ServeSettings, hf_config: Any) -> tuple[list[Any], int, int]:
+    """Per-layer ``LayerRotations`` (float32, CPU), bits and effective group size, from the artifact,
+    after checking it against ``hf_config`` (config hash, layers, KV heads, head_dim) and the settings."""
+    from oscar.artifact import ArtifactMismatch, load_artifact
+    from oscar.engine import layer_rotations
+
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    path = settings.artifact
+    if not path.is_dir():
+        raise OscarServeError(f"{ENV_ARTIFACT}={str(path)!r} is not a directory (a calibration artifact is a "
+                              "directory with rotations.safetensors and meta.json)")
+    try:
+        art = load_artifact(path, model=cfg, group_size=settings.group_size, bits=settings.bits)
+    except (ArtifactMismatch, FileNotFoundError) as err:
+        raise OscarServeError(f"{ENV_ARTIFACT}: {err}") from None
+    return layer_rotations(art), int(art.meta["bits"]), int(art.meta["group_size"])
+
+
+def validate(settings: ServeSettings, hf_config: Any) -> tuple[list[Any], int, int]:
+    """Architecture check, then the artifact against the model (what the plugin runs at start-up)."""
+    check_architecture(hf_config)
+    return load_rotations(settings, hf_config)
+
+
+def head_transforms(rot: Any, device: Any) -> tuple[Any, Any]:
+    """``oscar.paged.HeadTransform`` for K and V of one layer's ``LayerRotations`` (float32 on ``device``);
+    clip ratios only where some are below 1, as in the embedded cache."""
+    from oscar import paged
+
+    def one(r: torch.Tensor, mu: Optional[torch.Tensor], rho: Optional[torch.Tensor]) -> Any:
+        clip = rho is not None and bool((rho < 1).any())
+        return paged.HeadTransform(
+            r.to(device, torch.float32),
+            None if mu is None else mu.to(device, torch.float32),
+            rho.to(device, torch.float32) if clip else None,
+        )
+
+    return one(rot.r_k, rot.mu_k, rot.rho_k), one(rot.r_v, rot.mu_v, rot.rho_v)
+
+
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bits: int, group_size: int) -> int:
+    """Pool bytes per token (all layers, K and V): packed codes plus BF16 scale and zero per group."""
+    per_row = head_dim * bits // 8 + 2 * 2 * (head_dim // group_size)
+    return 2 * num_layers * num_kv_heads * per_row
+
+
+def window_bytes_per_request(num_layers: int, num_kv_heads: int, head_dim: int, sink: int, recent: int,
+                             itemsize: int = 2) -> int:
+    """BF16 sink + recent window bytes of one request slot (all layers, K and V)."""
+    return 2 * num_layers * num_kv_heads * (sink + recent) * head_dim * itemsize
+
+
+__all__ = [
+    "ENV_VARS",
+    "OscarServeError",
+    "ServeSettings",
+    "bytes_per_token",
+    "check_architecture",
+    "head_transforms",
+    "load_rotations",
+    "validate",
+    "window_bytes_per_request",
+]

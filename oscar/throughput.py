@@ -1,0 +1,312 @@
+"""End-to-end decode throughput: random-weight models of real architectures, device caches, CUDA-graph
+timing, a per-step breakdown (GEMM / attention / quantize+demote / other) and the correctness check
+of the device path against the host-driven cache.
+
+Used by `python -m oscar profile` (oscar/commands/profile.py); the functions take plain arguments so
+tests can drive them on the CPU with tiny models.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from oscar import device_cache as dc
+from oscar import paged
+
+CACHES = ("bf16", "oscar", "saw_int4")
+
+
+# ----------------------------------------------------------------------------------------------
+# models
+
+
+def architecture_config(family: str, dims: dict[str, Any]) -> Any:
+    """A transformers config of ``family`` (config class from the registry) with the given sizes."""
+    import transformers
+
+    classes = {"qwen3": "Qwen3Config", "qwen2": "Qwen2Config", "llama": "LlamaConfig"}
+    if family not in classes:
+        raise ValueError(f"family {family!r} has no throughput profile; valid: {', '.join(classes)}")
+    cls = getattr(transformers, classes[family])
+    return cls(**dims)
+
+
+def build_random_model(config: Any, *, device: Any, dtype: torch.dtype, seed: int = 0, std: float = 0.02) -> Any:
+    """``AutoModelForCausalLM`` of ``config`` with seeded random weights, built directly on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, std)
+    return model.eval()
+
+
+def geometry(model: Any) -> tuple[int, int, int, int]:
+    """(layers, query heads, KV heads, head_dim)."""
+    cfg = model.config
+    heads = int(cfg.num_attention_heads)
+    hkv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    return int(cfg.num_hidden_layers), heads, hkv, d
+
+
+# ----------------------------------------------------------------------------------------------
+# cache formats
+
+
+@dataclass
+class CacheFormat:
+    """What a timed cache is: ``bf16``, or a paged format (bits, group, windows, per-layer transforms)."""
+
+    name: str
+    bits: int = 16
+    group_size: int = 128
+    sink: int = 64
+    recent: int = 256
+    page_size: int = 64
+    transforms: Optional[list[tuple[paged.HeadTransform, paged.HeadTransform]]] = None
+    note: str = ""
+
+
+def head_transforms(rotations: Sequence[Any]) -> list[tuple[paged.HeadTransform, paged.HeadTransform]]:
+    """`oscar.cache.LayerRotations` -> per-layer (K, V) `HeadTransform`s (clip ratios only where < 1)."""
+    out = []
+    for r in rotations:
+        def one(rot: torch.Tensor, mu: Optional[torch.Tensor], rho: Optional[torch.Tensor]) -> paged.HeadTransform:
+            clip = rho is not None and bool((rho < 1).any())
+            return paged.HeadTransform(rot.float(), None if mu is None else mu.float(), rho.float() if clip else None)
+
+        out.append((one(r.r_k, r.mu_k, r.rho_k), one(r.r_v, r.mu_v, r.rho_v)))
+    return out
+
+
+def timing_rotations(method_cfg: Any, model: Any, seed: int = 0) -> tuple[list[Any], str]:
+    """Per-layer rotations for timing a method: built in code where the method needs no calibration;
+    for calibrated methods a seeded random orthogonal matrix per (layer, head) of the same shape (a
+    dense ``[Hkv, d, d]`` rotation, the same kernel work as ``U.H.P``), with the method's fixed clip
+    ratios. Returns the rotations and a note saying which."""
+    from oscar.cache import LayerRotations
+    from oscar.engine import rotations_in_code
+    from oscar.methods import needs_statistics
+    from oscar.rotation import random_orthogonal
+
+    if not needs_statistics(method_cfg):
+        return rotations_in_code(method_cfg, model), f"{method_cfg.name}: rotations built in code"
+    layers, _, hkv, d = geometry(model)
+    clip = str(method_cfg.clip) != "none"
+    rho_k = torch.full((hkv,), float(method_cfg.rho_k)) if clip else None
+    rho_v = torch.full((hkv,), float(method_cfg.rho_v)) if clip else None
+    rots = []
+    for layer in range(layers):
+        rk = torch.stack([random_orthogonal(d, seed=seed + 1000 * layer + h, dtype=torch.float32) for h in range(hkv)])
+        rv = torch.stack([random_orthogonal(d, seed=seed + 1000 * layer + h + 500, dtype=torch.float32) for h in range(hkv)])
+        rots.append(LayerRotations(rk, rv, None, None, rho_k, rho_v))
+    note = (f"{method_cfg.name}: seeded random orthogonal [Hkv, d, d] rotations in place of the calibrated U.H.P "
+            f"(same shape, same kernel work), clip ratios {float(method_cfg.rho_k)}/{float(method_cfg.rho_v)}")
+    return rots, note
+
+
+def cache_format(method_cfg: Any, model: Any, seed: int = 0) -> CacheFormat:
+    """The `CacheFormat` of a method (``kind`` bf16 or rotated) on ``model``."""
+    from oscar.methods import effective_group_size
+
+    if str(method_cfg.kind) == "bf16":
+        return CacheFormat(name=str(method_cfg.name), note="static BF16 cache, torch SDPA")
+    if str(method_cfg.kind) != "rotated":
+        raise ValueError(f"method {method_cfg.name!r} of kind {method_cfg.kind!r} has no device cache; "
+                         "valid kinds: bf16, rotated")
+    _, _, _, d = geometry(model)
+    rots, note = timing_rotations(method_cfg, model, seed)
+    return CacheFormat(name=str(method_cfg.name), bits=int(method_cfg.bits), group_size=effective_group_size(method_cfg, d),
+                       sink=int(method_cfg.sink), recent=int(method_cfg.recent), page_size=int(method_cfg.page_size),
+                       transforms=head_transforms(rots), note=note)
+
+
+def new_device_cache(fmt: CacheFormat, model: Any, batch: int, context: int, *, extra_steps: int, device: Any,
+                     backend: str = "triton", dtype: torch.dtype = torch.bfloat16,
+                     shuffle_pages: bool = False) -> dc.DeviceCache:
+    """A device cache of ``fmt`` with room for ``context + extra_steps`` tokens per sequence."""
+    layers, _, hkv, d = geometry(model)
+    if fmt.name == "bf16" or fmt.transforms is None:
+        return dc.StaticBF16Cache(num_layers=layers, batch=batch, num_kv_heads=hkv, head_dim=d,
+                                  capacity=context + extra_steps + 1, dtype=dtype, device=device)
+    quant_cap = dc.oscar_quant_capacity(context, fmt.sink, fmt.recent, fmt.page_size, extra_steps)
+    return dc.DeviceOscarCache(num_layers=layers, batch=batch, num_kv_heads=hkv, head_dim=d, bits=fmt.bits,
+                               group_size=fmt.group_size, sink=fmt.sink, recent=fmt.recent, page_size=fmt.page_size,
+                               quant_capacity=quant_cap, transforms=fmt.transforms, dtype=dtype, device=device,
+                               backend=backend, shuffle_pages=shuffle_pages)
+
+
+# ----------------------------------------------------------------------------------------------
+# correctness: device path against the host-driven cache
+
+
+def reference_decode(model: Any, prompt: torch.Tensor, fmt: CacheFormat, steps: int, rotations: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy decode through the host-driven `oscar.cache.OscarCache` (torch backend): tokens ``[B, steps]``
+    and the logits of each step ``[B, steps, V]`` (step 0 = the prompt's last position)."""
+    from oscar import attention
+    from oscar.cache import CacheSpec, new_cache
+
+    attention.enable(model)
+    if fmt.transforms is None:
+        spec = CacheSpec(kind="bf16")
+    else:
+        spec = CacheSpec(kind="rotated", bits=fmt.bits, group_size=fmt.group_size, sink=fmt.sink, recent=fmt.recent,
+                         page_size=fmt.page_size, layers=list(rotations))
+    cache = new_cache(model, spec)
+    key = "cache" if "cache" in dc.forward_kwargs(model) else "past_key_values"
+    toks, logits = [], []
+    with torch.no_grad():
+        lg = model(prompt, use_cache=True, **{key: cache}).logits[:, -1]
+        for _ in range(steps):
+            logits.append(lg.float())
+            tok = lg.argmax(-1)
+            toks.append(tok)
+            lg = model(tok[:, None], use_cache=True, **{key: cache}).logits[:, -1]
+    return torch.stack(toks, 1), torch.stack(logits, 1)
+
+
+def device_decode(model: Any, prompt: torch.Tensor, cache: dc.DeviceCache, steps: int, *, graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy decode through a device cache (prefill by a plain forward, then `decode_step`, in a CUDA
+    graph when ``graph``): tokens ``[B, steps]`` and logits ``[B, steps, V]`` as `reference_decode`."""
+    dc.enable(model)
+    toks, logits = [], []
+    with torch.no_grad():
+        lg, kv = dc.prefill(model, prompt)
+        dc.import_prefill(cache, kv)
+        tok = lg.argmax(-1)
+        toks.append(tok)
+        logits.append(lg.float())
+        cache.check_room(steps)
+        if graph:
+            runner = dc.GraphedDecoder(model, cache, tok, advance=True)
+            for _ in range(steps - 1):
+                runner.replay()
+                toks.append(runner.tokens.clone())
+                logits.append(runner.logits.float().clone())
+        else:
+            for _ in range(steps - 1):
+                tok, lg = dc.decode_step(model, cache, tok)
+                toks.append(tok)
+                logits.append(lg.float())
+    return torch.stack(toks, 1), torch.stack(logits, 1)
+
+
+def teacher_forced_kl(model: Any, prompt: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Per-step KL(BF16 || cache) of ``logits`` ``[B, n, V]`` against a plain full forward of
+    ``prompt + tokens`` (the BF16 reference on the same token path)."""
+    from oscar import attention
+
+    attention.enable(model)
+    seq = torch.cat([prompt, tokens[:, :-1].to(prompt.device)], dim=1)
+    with torch.no_grad():
+        ref = model(seq).logits[:, prompt.shape[1] - 1:].float()
+    ref_lp = torch.log_softmax(ref, -1)
+    lp = torch.log_softmax(logits.to(ref.device), -1)
+    return (ref_lp.exp() * (ref_lp - lp)).sum(-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# timing and the step breakdown
+
+
+def time_graph(replay: Callable[[], None], reps: int, warmup: int = 3) -> list[float]:
+    """Microseconds of each of ``reps`` replays (CUDA events, after ``warmup``)."""
+    for _ in range(warmup):
+        replay()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        replay()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) * 1e3)
+    return out
+
+
+GEMM_NAMES = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk")
+ATTENTION_NAMES = ("_planes_kernel", "_partial_kernel", "_bf16_partial_kernel", "_merge_kernel", "_merge_cols_kernel",
+                   "_prep_kernel", "fmha", "flash", "sdpa", "attention", "cudnn")
+QUANT_NAMES = ("_rotate_quantize_kernel",)
+
+
+def classify_kernel(name: str) -> str:
+    """``quantize`` | ``attention`` | ``gemm`` | ``other`` from a CUDA kernel's name."""
+    low = name.lower()
+    if any(k in low for k in QUANT_NAMES):
+        return "quantize"
+    if any(k.lower() in low for k in ATTENTION_NAMES):
+        return "attention"
+    if any(k in low for k in GEMM_NAMES):
+        return "gemm"
+    return "other"
+
+
+def kernel_breakdown(step: Callable[[], None]) -> tuple[dict[str, float], dict[str, float]]:
+    """Run ``step`` once under the torch profiler: microseconds of GPU kernel time per category and per
+    kernel name (summed over the step's launches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    per_cat = {"gemm": 0.0, "attention": 0.0, "quantize": 0.0, "other": 0.0}
+    per_name: dict[str, float] = {}
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = float(getattr(evt, "device_time", 0.0) or getattr(evt, "cuda_time", 0.0) or 0.0)
+        if us <= 0:
+            continue
+        per_cat[classify_kernel(evt.name)] += us
+        per_name[evt.name] = per_name.get(evt.name, 0.0) + us
+    return per_cat, per_name
+
+
+def split_step(step_us: float, kernels: dict[str, float]) -> dict[str, float]:
+    """Graph step time split into GEMM / attention / quantize+demote / other: the first three are the
+    kernels' measured times, ``other`` the rest of the step (small kernels and gaps); never negative."""
+    gemm, attn, quant = kernels["gemm"], kernels["attention"], kernels["quantize"]
+    return {"gemm_us": gemm, "attention_us": attn, "quantize_us": quant, "other_us": max(0.0, step_us - gemm - attn - quant)}
+
+
+def median(xs: Sequence[float]) -> float:
+    """Median (nan for an empty list)."""
+    return statistics.median(xs) if xs else math.nan
+
+
+__all__ = [
+    "CACHES",
+    "CacheFormat",
+    "architecture_config",
+    "build_random_model",
+    "cache_format",
+    "classify_kernel",
+    "device_decode",
+    "geometry",
+    "head_transforms",
+    "kernel_breakdown",
+    "new_device_cache",
+    "reference_decode",
+    "split_step",
+    "teacher_forced_kl",
+    "time_graph",
+    "timing_rotations",
+]

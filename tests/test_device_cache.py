@@ -1,0 +1,154 @@
+"""Device-resident decode caches (oscar.device_cache) against the host-driven cache, on tiny random Qwen3
+models in BF16 (the dtype the caches store): same greedy tokens, logits within bf16 rounding, no host
+synchronisation in a Triton-backend step (what a CUDA graph needs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from oscar import device_cache as dc
+from oscar import throughput as tp
+from oscar.cache import LayerRotations
+from oscar.rotation import random_orthogonal
+
+LAYERS, HEADS, HKV, D = 2, 4, 2, 64
+# Logits of these models stay under 8 in magnitude, where one bf16 step is 1/32: the two paths store the
+# same bf16 rows and codes but reduce in different orders, so a logit may land one bf16 step away.
+LOGIT_TOL = 0.05
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = tp.architecture_config("qwen3", dict(
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HKV, head_dim=D, hidden_size=128,
+        intermediate_size=256, vocab_size=320, max_position_embeddings=4096, tie_word_embeddings=False))
+    return tp.build_random_model(cfg, device="cpu", dtype=torch.bfloat16, std=0.08)
+
+
+def rotations(center: bool) -> list[LayerRotations]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for layer in range(LAYERS):
+        rk = torch.stack([random_orthogonal(D, seed=100 * layer + h, dtype=torch.float32) for h in range(HKV)])
+        rv = torch.stack([random_orthogonal(D, seed=100 * layer + h + 50, dtype=torch.float32) for h in range(HKV)])
+        mu_k = 0.1 * torch.randn(HKV, D, generator=g) if center else None
+        mu_v = 0.1 * torch.randn(HKV, D, generator=g) if center else None
+        out.append(LayerRotations(rk, rv, mu_k, mu_v, torch.full((HKV,), 0.9), torch.full((HKV,), 0.9)))
+    return out
+
+
+def oscar_format(rots: list[LayerRotations], bits: int = 2) -> tp.CacheFormat:
+    return tp.CacheFormat(name="oscar", bits=bits, group_size=D, sink=4, recent=8, page_size=4,
+                          transforms=tp.head_transforms(rots))
+
+
+def prompt(n: int = 30, batch: int = 2) -> torch.Tensor:
+    return torch.randint(0, 320, (batch, n), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("bits,center", [(2, True), pytest.param(4, False, marks=pytest.mark.slow)])
+def test_oscar_device_cache_matches_host_cache(model, bits, center):
+    """Prompt past sink + recent (quantized prefill rows), then decode steps that demote every step, through
+    a shuffled page table: greedy tokens equal, logits within one bf16 step."""
+    rots = rotations(center)
+    fmt = oscar_format(rots, bits)
+    ids, steps = prompt(24), 8
+    ref_tok, ref_lg = tp.reference_decode(model, ids, fmt, steps, rots)
+    cache = tp.new_device_cache(fmt, model, 2, ids.shape[1], extra_steps=steps, device="cpu", backend="torch",
+                                shuffle_pages=True)
+    tok, lg = tp.device_decode(model, ids, cache, steps)
+    assert torch.equal(tok, ref_tok)
+    assert (lg - ref_lg).abs().max().item() <= LOGIT_TOL
+    assert cache.seq_len == ids.shape[1] + steps - 1
+    assert torch.equal(cache.pos, torch.full((2,), cache.seq_len))
+
+
+def test_static_bf16_cache_matches_host_cache(model):
+    ids, steps = prompt(), 8
+    ref_tok, ref_lg = tp.reference_decode(model, ids, tp.CacheFormat(name="bf16"), steps, [])
+    for gqa in ("rows", "enable_gqa"):
+        cache = tp.new_device_cache(tp.CacheFormat(name="bf16"), model, 2, ids.shape[1], extra_steps=steps, device="cpu")
+        cache.gqa = gqa
+        tok, lg = tp.device_decode(model, ids, cache, steps)
+        assert torch.equal(tok, ref_tok)
+        assert (lg - ref_lg).abs().max().item() <= LOGIT_TOL
+
+
+def test_step_indices_follow_the_window_convention():
+    """Lengths and slots of each step from pos alone: sink fill, ring fill, then one demotion per step into
+    consecutive quantized positions; sequences that demote nothing write the spare page."""
+    t = tp.head_transforms([LayerRotations.identity(1, 16)])[0]
+    cache = dc.DeviceOscarCache(num_layers=1, batch=1, num_kv_heads=1, head_dim=16, bits=2, group_size=16, sink=2,
+                                recent=3, page_size=4, quant_capacity=8, transforms=[t], shuffle_pages=True)
+    seen_slots = []
+    for p in range(12):
+        cache.set_length(p)
+        cache.prepare()
+        st = cache.step
+        assert int(st["sink_len"]) == min(p + 1, 2)
+        assert int(st["recent_len"]) == min(max(p + 1 - 2, 0), 3)
+        assert int(st["int_len"]) == max(p + 1 - 5, 0)
+        assert int(st["write_idx"]) == (p if p < 2 else 2 + (p - 2) % 3)  # sink slot, else ring slot after the sink
+        if p >= 5:
+            q = p - 5
+            expect = int(cache.page_table[0, q // 4]) * 4 + q % 4
+            assert int(st["demote_slot"]) == expect
+            assert int(st["ring_idx"]) == (p - 2) % 3  # the oldest ring row is the slot the new token takes
+            seen_slots.append(expect)
+        else:
+            assert int(st["demote_slot"]) == cache.trash_slot
+    assert len(set(seen_slots)) == len(seen_slots) and cache.trash_slot not in seen_slots
+
+
+class _SyncCounter(TorchDispatchMode):
+    SYNCING = ("aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero", "aten.item")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(str(func).startswith(s) for s in self.SYNCING):
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.slow
+def test_triton_step_matches_torch_and_never_syncs(model):
+    """The Triton backend (interpreted here) gives the torch backend's tokens, and a whole decode step
+    (embeddings, layers, demotion, attention, LM head, sampling) reads nothing back to the host."""
+    rots = rotations(False)
+    fmt = oscar_format(rots)
+    ids = prompt(16)
+    toks = {}
+    for backend in ("torch", "triton"):
+        cache = tp.new_device_cache(fmt, model, 2, ids.shape[1], extra_steps=8, device="cpu", backend=backend,
+                                    shuffle_pages=True)
+        toks[backend], _ = tp.device_decode(model, ids, cache, 3)
+    assert torch.equal(toks["torch"], toks["triton"])
+    counter = _SyncCounter()
+    with counter, torch.no_grad():
+        dc.decode_step(model, cache, toks["triton"][:, -1], temperature=0.6)
+    assert counter.ops == []
+
+
+def test_capacity_is_checked_on_the_host(model):
+    fmt = oscar_format(rotations(False))
+    cache = tp.new_device_cache(fmt, model, 1, 10, extra_steps=2, device="cpu", backend="torch")
+    with pytest.raises(ValueError, match="capacity"):
+        cache.check_room(cache.capacity + 1)
+    with pytest.raises(ValueError, match="capacity"):
+        cache.set_length(cache.capacity)
+
+
+def test_kernel_classification():
+    assert tp.classify_kernel("nvjet_tst_128x64_64x8_1x1_v_bz_coopB_TNT") == "gemm"
+    assert tp.classify_kernel("void gemv2T_kernel_val<int, int, __nv_bfloat16>") == "gemm"
+    assert tp.classify_kernel("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma") == "attention"
+    assert tp.classify_kernel("_planes_kernel") == "attention"
+    assert tp.classify_kernel("_rotate_quantize_kernel") == "quantize"
+    assert tp.classify_kernel("void at::native::vectorized_elementwise_kernel<4, silu>") == "other"
+    split = tp.split_step(100.0, {"gemm": 50.0, "attention": 30.0, "quantize": 5.0, "other": 9.0})
+    assert split == {"gemm_us": 50.0, "attention_us": 30.0, "quantize_us": 5.0, "other_us": 15.0}

@@ -1,0 +1,210 @@
+"""Fragment-order page layout (oscar.quant "mma_k"/"mma_v") and the CUDA decode kernel that reads it.
+
+CPU: the layout contract (pack/unpack exact, every byte owned by one token, the torch writer and reader
+of an mma pool equal to the row pool's bit for bit). CUDA: the kernel against the float32
+dequantize-then-attend twin on the same pages (1.5e-2 relative error per head, the tolerance of the
+Triton path: the kernel rounds the rotated query, the codes' products and p * s_V to fp16, the BF16
+windows' products to bf16, and returns bf16), and the Triton row-layout kernel on the same codes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oscar import quant
+from oscar.paged import HeadTransform, PagedKVPool, QuantPages, decode_attention, decode_attention_torch, \
+    gather_dequantize, rotate_quantize_pack
+
+REL_TOL = 1.5e-2
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="the mma decode kernel needs a CUDA device")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("layout", ["mma_k", "mma_v"])
+def test_token_map_is_a_byte_partition_and_round_trips(d, layout):
+    order, byte_index = quant.mma_token_map(d, layout)
+    assert torch.equal(torch.sort(byte_index.flatten()).values, torch.arange(16 * d // 4))  # each byte: one token
+    assert torch.equal(torch.sort(order, dim=1).values, torch.arange(d).expand(16, d))
+    gen = torch.Generator().manual_seed(d)
+    codes = torch.randint(0, 4, (3, 16, d), generator=gen, dtype=torch.uint8)
+    tb = torch.arange(16).expand(3, 16)
+    assert torch.equal(quant.unpack_codes_mma(quant.pack_codes_mma(codes, tb, layout), tb, layout), codes)
+
+
+def test_fragment_positions_match_the_mma_operands():
+    """Spot-check the documented positions: lane (r, c), part p, word u, half h, slot i."""
+    d = 128
+    _, kb = quant.mma_token_map(d, "mma_k")
+    korder, _ = quant.mma_token_map(d, "mma_k")
+    vorder, vb = quant.mma_token_map(d, "mma_v")
+    for lane, p, u, h, i in ((0, 0, 0, 0, 0), (5, 1, 1, 1, 7), (31, 1, 0, 0, 3), (18, 0, 1, 1, 6)):
+        r, c = divmod(lane, 4)
+        byte = lane * d // 8 + p * d // 16 + 4 * u + 2 * h + i // 4
+        tok, ch = 8 * p + r, 16 * (4 * u + i // 2) + 8 * (i % 2) + 2 * c + h  # key: B operand (k=channel, n=token)
+        k = int((kb[tok] == byte).nonzero())
+        assert int(korder[tok, 4 * k + i % 4]) == ch
+        tok, ch = 8 * p + 2 * c + h, 16 * (4 * u + i // 2) + 8 * (i % 2) + r  # value: A operand (m=channel, k=token)
+        k = int((vb[tok] == byte).nonzero())
+        assert int(vorder[tok, 4 * k + i % 4]) == ch
+
+
+@pytest.mark.parametrize("bad", [dict(bits=4, group_size=128, d=128), dict(bits=2, group_size=64, d=128),
+                                 dict(bits=2, group_size=32, d=32), dict(bits=2, group_size=128, d=128, page_size=8)])
+def test_mma_layout_refuses_formats_it_does_not_cover(bad):
+    with pytest.raises(ValueError):
+        quant.check_mma_layout(**bad)
+
+
+def _pools(d, hkv, ps, layout, device="cpu"):
+    return PagedKVPool(num_layers=1, num_kv_heads=hkv, head_dim=d, num_pages=12, max_batch=3, max_pages_per_seq=6,
+                       bits=2, group_size=d, page_size=ps, device=device, layout=layout)
+
+
+@pytest.mark.parametrize("d,ps", [(64, 16), (128, 64), (128, 32)])
+def test_mma_pool_stores_the_same_codes_as_the_row_pool(d, ps):
+    gen = torch.Generator().manual_seed(7)
+    hkv = 2
+    rows, mma = _pools(d, hkv, ps, "rows"), _pools(d, hkv, ps, "mma")
+    R = torch.linalg.qr(torch.randn(hkv, d, d, generator=gen))[0]
+    kt = HeadTransform(R=R, mu=0.1 * torch.randn(hkv, d, generator=gen), rho=torch.full((hkv,), 0.95))
+    vt = HeadTransform(R=R.flip(1), rho=torch.full((hkv,), 0.9))
+    for n0, n1 in ((37, 5), (1, 70), (30, 1)):  # several steps: tokens land across block and page boundaries
+        k = torch.randn(n0 + n1, hkv, d, generator=gen)
+        v = torch.randn(n0 + n1, hkv, d, generator=gen)
+        for pool in (rows, mma):
+            slots = pool.reserve([0, 2], [n0, n1])
+            pool.write(0, k, v, slots, kt, vt)
+    for b in (0, 2):
+        kr, vr = rows.read(0, b)
+        km, vm = mma.read(0, b)
+        assert torch.equal(kr, km) and torch.equal(vr, vm)
+    # the bytes differ (another layout) but hold the same multiset of codes per page
+    assert not torch.equal(rows.k[0].codes, mma.k[0].codes)
+
+
+def test_mma_pages_on_cpu_need_the_torch_backend():
+    pool = _pools(128, 1, 64, "mma")
+    q = torch.randn(1, 4, 128)
+    pool.reserve([0], [3])
+    with pytest.raises(ValueError, match="backend='torch'"):
+        pool.attend(0, q, HeadTransform(), HeadTransform(), backend="triton")
+
+
+# ---------------------------------------------------------------------------------------------- CUDA
+
+
+def _case(*, B, H, hkv, d, ps, int_lens, sink_lens, recent_lens, S0, W, seed, rotate=True, mu=True, dev="cuda"):
+    """Random codes in pages of both layouts holding the same values, shuffled page tables, windows, transforms."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    max_pages = max(1, max(-(-n // ps) for n in int_lens))
+    npages = B * max_pages + 5
+    page_table = torch.randperm(npages, device=dev, generator=gen)[: B * max_pages].to(torch.int32).reshape(B, max_pages)
+    pages = {}
+    for name in ("k", "v"):
+        codes = torch.randint(0, 4, (npages, hkv, ps, d), device=dev, generator=gen, dtype=torch.uint8)
+        scale = (0.02 + 0.1 * torch.rand(npages, hkv, ps, 1, device=dev, generator=gen)).to(torch.bfloat16)
+        zero = (-0.15 * torch.rand(npages, hkv, ps, 1, device=dev, generator=gen)).to(torch.bfloat16)
+        rows = QuantPages(quant.pack_codes(codes, 2, d), scale, zero, 2, d)
+        tb = (torch.arange(ps, device=dev) % 16).expand(npages, hkv, ps)
+        packed = quant.pack_codes_mma(codes, tb, f"mma_{name}")  # [P, Hkv, ps, d/4] bytes of each token
+        blocks = torch.zeros(npages, hkv, ps // 16, 16 * d // 4, dtype=torch.uint8, device=dev)
+        _, byte_index = quant.mma_token_map(d, f"mma_{name}")
+        idx = byte_index.to(dev).expand(npages, hkv, ps // 16, 16, d // 4).reshape(npages, hkv, ps // 16, -1)
+        blocks.scatter_(-1, idx, packed.reshape(npages, hkv, ps // 16, -1))
+        mma = QuantPages(blocks.reshape(npages, hkv, ps, d // 4), scale, zero, 2, d, f"mma_{name}")
+        pages[name] = (rows, mma)
+
+    def orth():
+        return torch.linalg.qr(torch.randn(hkv, d, d, device=dev, generator=gen, dtype=torch.float64))[0].float()
+
+    kt = HeadTransform(R=orth() if rotate else None, mu=0.3 * torch.randn(hkv, d, device=dev, generator=gen) if mu else None)
+    vt = HeadTransform(R=orth() if rotate else None, mu=0.2 * torch.randn(hkv, d, device=dev, generator=gen) if mu else None)
+    seg = {}
+    if S0:
+        seg.update(sink_k=torch.randn(B, hkv, S0, d, device=dev, generator=gen).to(torch.bfloat16),
+                   sink_v=torch.randn(B, hkv, S0, d, device=dev, generator=gen).to(torch.bfloat16),
+                   sink_len=torch.tensor(sink_lens, dtype=torch.int32, device=dev))
+    if W:
+        seg.update(recent_k=torch.randn(B, hkv, W, d, device=dev, generator=gen).to(torch.bfloat16),
+                   recent_v=torch.randn(B, hkv, W, d, device=dev, generator=gen).to(torch.bfloat16),
+                   recent_len=torch.tensor(recent_lens, dtype=torch.int32, device=dev))
+    q = (2.0 * torch.randn(B, H, d, device=dev, generator=gen)).to(torch.bfloat16)
+    int_len = torch.tensor(int_lens, dtype=torch.int32, device=dev)
+    return q, pages, page_table, int_len, kt, vt, seg
+
+
+def _rel(out, ref):
+    return float(((out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)).max())
+
+
+CASES = [
+    dict(B=3, H=32, hkv=8, d=128, ps=64, int_lens=[1000, 37, 4101], sink_lens=[64, 10, 0], recent_lens=[256, 100, 3],
+         S0=64, W=256),
+    dict(B=2, H=16, hkv=2, d=64, ps=16, int_lens=[517, 2048], sink_lens=[4, 64], recent_lens=[31, 256], S0=64, W=256),
+    dict(B=2, H=8, hkv=8, d=128, ps=32, int_lens=[300, 16], sink_lens=[1, 2], recent_lens=[5, 0], S0=8, W=40),
+    dict(B=2, H=16, hkv=2, d=128, ps=128, int_lens=[0, 777], sink_lens=[3, 0], recent_lens=[0, 9], S0=16, W=16),
+    dict(B=1, H=8, hkv=4, d=64, ps=64, int_lens=[3000], sink_lens=[0], recent_lens=[0], S0=0, W=0),
+]
+
+
+@pytest.mark.parametrize("case", [1, 3])
+def test_case_builder_puts_equal_values_in_both_layouts(case):
+    spec = dict(CASES[case])
+    _, pages, pt, _, _, _, _ = _case(seed=case, dev="cpu", **spec)
+    for name in ("k", "v"):
+        rows, mma = pages[name]
+        for b, n in enumerate(spec["int_lens"]):
+            assert torch.equal(gather_dequantize(rows, pt, b, n), gather_dequantize(mma, pt, b, n))
+
+
+@CUDA
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("frame", ["original", "rotated"])
+def test_cuda_mma_kernel_matches_twin_and_row_kernel(case, frame):
+    spec = dict(CASES[case])
+    q, pages, pt, int_len, kt, vt, seg = _case(seed=case, **spec)
+    (k_rows, k_mma), (v_rows, v_mma) = pages["k"], pages["v"]
+    for b, n in enumerate(spec["int_lens"]):  # same values in both layouts
+        assert torch.equal(gather_dequantize(k_rows, pt, b, n), gather_dequantize(k_mma, pt, b, n))
+        assert torch.equal(gather_dequantize(v_rows, pt, b, n), gather_dequantize(v_mma, pt, b, n))
+    ref = decode_attention_torch(q, k_rows, v_rows, pt, int_len, kt, vt, output_frame=frame, **seg)
+    out = decode_attention(q, k_mma, v_mma, pt, int_len, kt, vt, output_frame=frame, backend="triton", **seg)
+    assert out.dtype == q.dtype and torch.isfinite(out.float()).all()
+    assert _rel(out, ref) < REL_TOL
+    if spec["d"] * 2 // 8 >= 16:  # the Triton row-layout kernel on the same codes
+        tri = decode_attention(q, k_rows, v_rows, pt, int_len, kt, vt, output_frame=frame, backend="triton", **seg)
+        assert _rel(tri, ref) < REL_TOL
+    again = decode_attention(q, k_mma, v_mma, pt, int_len, kt, vt, output_frame=frame, backend="triton", **seg)
+    assert torch.equal(out, again)  # the counters were reset: a second launch gives the same result
+
+
+@CUDA
+@pytest.mark.parametrize("opts", [dict(num_splits=1), dict(num_splits=7, num_warps=8, mma_min_blocks=2),
+                                  dict(num_warps=2, mma_prefetch=1), dict(mma_prefetch=4, num_splits=64, mma_min_blocks=4)])
+def test_cuda_mma_kernel_options_and_no_transform(opts):
+    spec = dict(CASES[0])
+    if opts.get("num_warps") == 2:
+        spec.update(d=64, H=16, hkv=2)
+    q, pages, pt, int_len, kt, vt, seg = _case(seed=11, rotate=False, mu=False, **spec)
+    ref = decode_attention_torch(q, pages["k"][0], pages["v"][0], pt, int_len, kt, vt, **seg)
+    out = decode_attention(q, pages["k"][1], pages["v"][1], pt, int_len, kt, vt, backend="triton",
+                           num_splits=opts.get("num_splits"), kernel_options={k: v for k, v in opts.items() if k != "num_splits"},
+                           **seg)
+    assert _rel(out, ref) < REL_TOL
+
+
+@CUDA
+def test_cuda_mma_kernel_in_a_cuda_graph():
+    q, pages, pt, int_len, kt, vt, seg = _case(seed=5, **CASES[0])
+    args = (pages["k"][1], pages["v"][1], pt, int_len, kt, vt)
+    eager = decode_attention(q, *args, backend="triton", **seg)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, *args, backend="triton", **seg)
+    q.copy_(torch.randn_like(q))
+    int_len[0] += 5  # lengths are read on the device at replay
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = decode_attention_torch(q, pages["k"][0], pages["v"][0], pt, int_len, kt, vt, **seg)
+    assert _rel(out, ref) < REL_TOL and not torch.equal(out, eager)
