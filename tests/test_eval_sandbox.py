@@ -582,3 +582,27 @@ def test_evaluator_environment_and_files_are_out_of_reach(tmp_path, monkeypatch)
     assert "leak False" in res.stdout and "moved" not in res.stdout, res.stdout + res.stderr
     assert victim.read_text() == "keep me"
     assert run_python("print('still here')", limits=FAST).passed
+
+
+@needs_namespaces
+def test_a_program_killed_by_the_memory_cap_is_reported_as_memory():
+    code = textwrap.dedent(
+        """
+        import os, time
+        if os.fork() == 0:
+            held = bytearray(150 << 20)
+            for i in range(0, len(held), 4096):
+                held[i] = 1
+            time.sleep(5)
+            os._exit(0)
+        time.sleep(1)
+        mine = bytearray(450 << 20)  # within RLIMIT_AS (512 MiB), beyond the program's 528 MiB with the child
+        for i in range(0, len(mine), 4096):
+            mine[i] = 1
+        print("survived")
+        """
+    )
+    res = run_python(code, limits=SandboxLimits(timeout_s=20, cpu_s=10, memory_mb=512, tmpfs_mb=16))
+    if res.memory_scope != "program":
+        pytest.skip("no cgroup here: memory is bounded per process only")
+    assert res.status == "memory" and "survived" not in res.stdout, res
