@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import os
 import socket
+import sys
 import textwrap
 import threading
 import time
@@ -17,8 +18,8 @@ from oscar.eval.sandbox import UID_BASE, UID_COUNT, SandboxLimits, _expose_dirs,
 FAST = SandboxLimits(timeout_s=6.0, cpu_s=3, memory_mb=512, nproc=8)
 
 
-def _sandbox_uid_processes() -> list[int]:
-    """PIDs of live processes owned by a sandbox uid."""
+def _sandbox_uid_processes(uid: int | None = None) -> list[int]:
+    """PIDs of live processes owned by `uid` (default: any sandbox uid)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -28,7 +29,8 @@ def _sandbox_uid_processes() -> list[int]:
         except OSError:
             continue
         for line in status.splitlines():
-            if line.startswith("Uid:") and UID_BASE <= int(line.split()[1]) < UID_BASE + UID_COUNT and "State:\tZ" not in status:
+            owner = int(line.split()[1]) if line.startswith("Uid:") else -1
+            if (owner == uid or (uid is None and UID_BASE <= owner < UID_BASE + UID_COUNT)) and "State:\tZ" not in status:
                 pids.append(int(entry.name))
     return pids
 
@@ -84,7 +86,7 @@ def test_bounded_fork_loop_is_stopped_by_nproc_and_reaped():
     if isolation_mode() == "namespaces":
         assert "BlockingIOError" in res.stderr or "Resource temporarily unavailable" in res.stderr
         time.sleep(0.5)
-        assert _sandbox_uid_processes() == [], "sleeping children survived the sandbox"
+        assert res.uid is not None and _sandbox_uid_processes(res.uid) == [], "sleeping children survived the sandbox"
 
 
 def test_memory_hog_is_refused():
@@ -502,9 +504,9 @@ def test_daemons_and_setsid_children_do_not_outlive_the_run():
         """
     )
     res = run_python(code, limits=FAST)
-    assert res.passed
+    assert res.passed and res.uid is not None
     time.sleep(0.5)
-    assert _sandbox_uid_processes() == []
+    assert _sandbox_uid_processes(res.uid) == []
 
 
 def test_unisolated_fallback_needs_an_explicit_opt_in(monkeypatch):
@@ -606,3 +608,49 @@ def test_a_program_killed_by_the_memory_cap_is_reported_as_memory():
     if res.memory_scope != "program":
         pytest.skip("no cgroup here: memory is bounded per process only")
     assert res.status == "memory" and "survived" not in res.stdout, res
+
+
+@needs_namespaces
+def test_a_sandbox_does_not_outlive_a_killed_evaluator():
+    """The evaluator is SIGKILLed mid-run (no clean-up runs): the namespace's init sees its lifeline
+    pipe close and ends, taking the program with it."""
+    import signal
+    import subprocess
+
+    evaluator = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom oscar.eval.sandbox import start_python\n"
+         "run = start_python('import time\\ntime.sleep(60)')\nprint(run.lease.uid, flush=True)\ntime.sleep(60)\n"],
+        stdout=subprocess.PIPE, text=True)
+    uid = int(evaluator.stdout.readline())
+    deadline = time.monotonic() + 10
+    while not _sandbox_uid_processes(uid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _sandbox_uid_processes(uid), "the sandboxed program never started"
+    evaluator.send_signal(signal.SIGKILL)
+    evaluator.wait()
+    deadline = time.monotonic() + 5
+    while _sandbox_uid_processes(uid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _sandbox_uid_processes(uid) == []
+
+
+@needs_namespaces
+def test_a_uid_with_live_processes_is_not_leased():
+    """A crashed evaluator's program may still be dying: its uid must not be shared with a new sandbox."""
+    import subprocess
+
+    from oscar.eval.sandbox import _UidLease
+
+    stale = subprocess.Popen(["sleep", "30"], user=UID_BASE, group=UID_BASE)
+    try:
+        deadline = time.monotonic() + 5
+        while not _sandbox_uid_processes(UID_BASE) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        lease = _UidLease()
+        try:
+            assert lease.uid != UID_BASE
+        finally:
+            lease.release()
+    finally:
+        stale.kill()
+        stale.wait()

@@ -124,6 +124,7 @@ except BaseException:
 child = os.fork()
 if child == 0:
     try:
+        os.close(cfg["lifeline"])
         os.setgroups([])
         os.setgid(cfg["gid"])
         os.setuid(cfg["uid"])
@@ -144,6 +145,12 @@ if child == 0:
         sys.stderr.flush()
     finally:
         os._exit(125)
+def watch_evaluator():  # EOF: the evaluator is gone, so end the namespace (all in it dies with PID 1)
+    while os.read(cfg["lifeline"], 64):
+        pass
+    os._exit(137)
+import threading
+threading.Thread(target=watch_evaluator, daemon=True).start()
 while True:  # PID 1 of the namespace: reap orphans until the program itself ends
     pid, wstatus = os.waitpid(-1, 0)
     if pid == child:
@@ -225,6 +232,7 @@ class ExecResult:
     wall_s: float
     isolation: str
     memory_scope: str = "process"  # "program" when a cgroup bounded the whole program
+    uid: int | None = None  # the sandbox uid the program ran as (namespaces)
     cleanup: str = "ok"  # what clean-up could not do, if anything
 
     @property
@@ -476,18 +484,38 @@ class _Cgroup:
 
 # ----------------------------------------------------------------------------------------- uids
 
+def _process_uids() -> set[int]:
+    """Owners of the live processes of this PID namespace (from /proc)."""
+    uids = set()
+    try:
+        with os.scandir("/proc") as entries:
+            for entry in entries:
+                if entry.name.isdigit():
+                    try:
+                        uids.add(entry.stat().st_uid)
+                    except OSError:
+                        continue
+    except OSError:
+        pass
+    return uids
+
+
 class _UidLease:
     """A sandbox uid held exclusively (flock) by this run, so concurrent sandboxes never share one."""
 
     def __init__(self) -> None:
         folder = Path(tempfile.gettempdir()) / "oscar-sandbox-uids"
         folder.mkdir(mode=0o700, exist_ok=True)
+        busy = _process_uids()
         for i in range(UID_COUNT):  # the lowest free one: as many lock files as concurrent sandboxes
             uid = UID_BASE + i
             fd = os.open(folder / f"{uid}.lock", os.O_CREAT | os.O_RDWR, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                os.close(fd)
+                continue
+            if uid in busy:  # processes left by a crashed evaluator: their uid stays out of use
                 os.close(fd)
                 continue
             self.uid, self._fd = uid, fd
@@ -605,6 +633,8 @@ class SandboxRun:
         self.proc: subprocess.Popen | None = None
         self.cgroup: _Cgroup | None = None
         self.lease: _UidLease | None = None
+        self.lifeline: int | None = None  # write end held while the run lasts; EOF ends the namespace
+        self._lifeline_r: int | None = None
         self.base = Path(tempfile.mkdtemp(prefix="oscar-sbx-"))
         self.notes: list[str] = []
         try:
@@ -641,12 +671,16 @@ class SandboxRun:
                 self.notes.append(f"memory and process count bounded per process only ({exc})")
             root = control / "root"
             root.mkdir()
+            self._lifeline_r, self.lifeline = os.pipe()
+            lifeline_r = self._lifeline_r
+            pass_fds = (*pass_fds, lifeline_r)
             cfg = {"program": str(control / "program.py"), "root": str(root), "expose": _expose_dirs(),
                    "hide": [os.path.realpath(h) for h in hide], "uid": uid, "gid": uid,
                    "tmpfs_mb": int(limits.tmpfs_mb), "files": int(limits.files),
                    "cgroup_procs": self.cgroup.procs_files if self.cgroup else [],
                    "seccomp": (seccomp_filter() or b"").hex(), "python": sys.executable,
                    "sys_pivot_root": _PIVOT_ROOT.get(platform.machine(), -1), "setup_failed": _SETUP_FAILED,
+                   "lifeline": lifeline_r,
                    "env": dict(env, HOME="/tmp/work"), "stage2_argv": stage2_argv}
             (control / "stage1.py").write_text(_STAGE1)
             argv = [shutil.which("unshare") or "unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--cgroup",
@@ -661,10 +695,15 @@ class SandboxRun:
             argv = [sys.executable] + stage2_argv
             cwd = str(workdir)
         self.out_path, self.err_path = control / "stdout", control / "stderr"
-        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            self.proc = subprocess.Popen(
-                argv, cwd=cwd, env=env, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                stdout=out, stderr=err, start_new_session=True, close_fds=True, pass_fds=tuple(pass_fds))
+        try:
+            with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+                self.proc = subprocess.Popen(
+                    argv, cwd=cwd, env=env, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                    stdout=out, stderr=err, start_new_session=True, close_fds=True, pass_fds=tuple(pass_fds))
+        finally:
+            if self._lifeline_r is not None:
+                os.close(self._lifeline_r)
+                self._lifeline_r = None
 
     def wait(self, timeout: float | None = None) -> ExecResult:
         """Wait for the program (at most `timeout`, default the wall-clock limit), stop it, clean up."""
@@ -695,6 +734,7 @@ class SandboxRun:
 
     def _finish(self, status: str, rc: int | None) -> ExecResult:
         _kill_group(self.proc)
+        uid = self.lease.uid if self.lease is not None else None
         if self.cgroup is not None and self.cgroup.memory_killed() and status != "ok":
             status = "memory"
         stdout = _read_tail(self.out_path, self.limits.output_chars)
@@ -705,7 +745,7 @@ class SandboxRun:
         self.result = ExecResult(status=status, returncode=rc, stdout=stdout, stderr=stderr,
                                  wall_s=time.monotonic() - self.start, isolation=self.mode,
                                  memory_scope="program" if self.cgroup is not None else "process",
-                                 cleanup="; ".join(self.notes) or "ok")
+                                 cleanup="; ".join(self.notes) or "ok", uid=uid)
         return self.result
 
     def close(self) -> None:
@@ -717,6 +757,11 @@ class SandboxRun:
             note = self.cgroup.remove(deadline)
             if note:
                 self.notes.append(note)
+        for name in ("lifeline", "_lifeline_r"):
+            fd = getattr(self, name)
+            if fd is not None:
+                os.close(fd)
+                setattr(self, name, None)
         if self.lease is not None:
             self.lease.release()
             self.lease = None
