@@ -175,6 +175,26 @@ class TrackingConfig:
     experiment: Optional[str] = None
 
 
+ENGINES = ("embedded", "sglang")
+
+
+@dataclass
+class EngineConfig:
+    """Who runs the model for `eval`: the embedded transformers engine or an SGLang server (conf/engine/)."""
+
+    name: str = "embedded"  # embedded | sglang
+    python: str = "auto"  # sglang: serving interpreter (auto: $OSCAR_SERVE_PYTHON, .venv-serve/bin/python, this one)
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    device: str = "auto"  # auto: the root `device`
+    max_running_requests: int = 16
+    mem_fraction_static: float = 0.5
+    max_total_tokens: Optional[int] = None
+    startup_timeout_s: float = 900.0
+    request_timeout_s: float = 3600.0
+    extra_args: list[str] = field(default_factory=list)  # more `sglang.launch_server` flags
+
+
 @dataclass
 class OscarConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -183,6 +203,7 @@ class OscarConfig:
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     backend: str = "torch"  # torch | triton (attention and quantization kernels)
@@ -351,6 +372,8 @@ def _validate(cfg: DictConfig | dict, settings: list[tuple[str, Any]] | None) ->
         else:
             parent[leaf] = value
     OmegaConf.to_container(merged, throw_on_missing=True)
+    if merged.engine.name not in ENGINES:
+        raise ConfigError(f"engine.name={merged.engine.name!r} is not valid; valid: {', '.join(ENGINES)}")
     for table_name, table in merged.experiment.tables.items():
         if table.kind not in TABLE_KINDS:
             raise ConfigError(

@@ -18,8 +18,13 @@ from oscar.config import ConfigError, compose
 FLAGS = {"force": False, "progress": True, "threads": 0}
 
 
+def _raise_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str]) -> int:
-    """Run one evaluation cell; 0 on success, 2 on a configuration or data error."""
+    """Run one evaluation cell; 0 on success, 2 on a configuration or data error, 3 when the SGLang server
+    (engine=sglang) fails to start or refuses a request."""
     from oscar.eval.items import DataNotAvailable
     from oscar.eval.runner import RESULT_FILE, cell_config_hash, cell_dir, run_cell
 
@@ -35,18 +40,30 @@ def main(argv: list[str]) -> int:
         print(f"oscar eval: {out} is up to date (force=true reruns it)", file=sys.stderr)
         print(json.dumps(previous["metrics"], sort_keys=True))
         return 0
+    import signal
+
     import torch
 
-    from oscar.engine import Engine
+    from oscar.eval.runner import build_engine, engine_name
+    from oscar.serve.server import ServerError
 
     if flags["threads"]:
         torch.set_num_threads(int(flags["threads"]))
+    if engine_name(cfg) != "embedded":  # a kill of this job must still stop the server (via close below)
+        signal.signal(signal.SIGTERM, _raise_exit)
+    engine = None
     try:
-        engine = Engine.from_config(cfg)
+        engine = build_engine(cfg, log_path=out / "server.log" if engine_name(cfg) != "embedded" else None)
         result = run_cell(cfg, engine, out, progress=bool(flags["progress"]))
     except (DataNotAvailable, FileNotFoundError) as exc:
         print(f"oscar eval: {exc}", file=sys.stderr)
         return 2
+    except ServerError as exc:
+        print(f"oscar eval: {exc}", file=sys.stderr)
+        return 3
+    finally:
+        if engine is not None and callable(getattr(engine, "close", None)) and engine_name(cfg) != "embedded":
+            engine.close()
     label = f" (stand-in for {result['stand_in_for']})" if result["stand_in_for"] else ""
     print(f"oscar eval: {cfg.model.name} / {cfg.method.name} / {cfg.benchmark.name}{label} seed {cfg.seed}: "
           f"n={result['n']} {json.dumps(result['metrics'], sort_keys=True)} in {result['wall_s']:.1f}s -> {out}",

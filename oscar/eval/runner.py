@@ -45,7 +45,27 @@ def cell_config_hash(cfg: Any) -> str:
     part = {"model": OmegaConf.to_container(cfg.model, resolve=True),
             "method": OmegaConf.to_container(cfg.method, resolve=True), "benchmark": bench,
             "calibration": OmegaConf.to_container(cfg.calibration, resolve=True), "seed": int(cfg.seed)}
+    if engine_name(cfg) != "embedded":  # another engine is another cell (embedded hashes stay as they were)
+        part["engine"] = engine_name(cfg)
     return config_hash(part)
+
+
+def engine_name(cfg: Any) -> str:
+    """`cfg.engine.name` (embedded when the configuration has no engine group)."""
+    engine = cfg.get("engine") if hasattr(cfg, "get") else None
+    return str(engine.name) if engine is not None else "embedded"
+
+
+def build_engine(cfg: Any, log_path: Path | None = None) -> Any:
+    """The cell's engine: `oscar.engine.Engine` in this process, or (`engine=sglang`) an SGLang server with
+    the oscar plugin (`oscar.serve.client.SGLangEngine`; stop it with `close()`)."""
+    if engine_name(cfg) == "sglang":
+        from oscar.serve.client import SGLangEngine
+
+        return SGLangEngine(cfg, log_path=log_path)
+    from oscar.engine import Engine
+
+    return Engine.from_config(cfg)
 
 
 def git_commit() -> str | None:
@@ -300,7 +320,7 @@ def run_cell(cfg: Any, engine: Any, out_dir: Path | None = None, progress: bool 
         "metrics": metrics, "config_hash": chash, "oscar_version": __version__,
         "git_commit": git_commit(), "hardware": hardware(getattr(engine, "device", cfg.device)),
         "wall_s": round(time.monotonic() - start, 3),
-        "sampling": _sampling(cfg), "source": cfg.benchmark.source, "notes": notes,
+        "sampling": _sampling(cfg), "source": cfg.benchmark.source, "notes": notes, "engine": engine_name(cfg),
     }
     write_text_atomic(out_dir / RESULT_FILE, json.dumps(result, indent=2, sort_keys=True) + "\n")
     partial.unlink(missing_ok=True)

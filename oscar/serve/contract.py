@@ -31,7 +31,7 @@ SIGNATURES: dict[str, Any] = {
         "self", "size", "page_size", "dtype", "head_num", "head_dim", "layer_num", "device", "enable_memory_saver"],
     "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers": ["self"],
     "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.get_kv_size_bytes": ["self"],
-    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer": ["self", "layer", "loc", "cache_k", "cache_v"],
+    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer": ["self", "layer", "loc_info", "cache_k", "cache_v"],
     "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.init_forward_metadata": ["self", "forward_batch"],
     "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.forward_extend": [
         "self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache"],
@@ -57,8 +57,6 @@ def _params(obj: Any) -> list[str]:
 
 def check_contract() -> list[str]:
     """Problems with the installed SGLang (empty when every symbol exists with the expected signature)."""
-    import dataclasses
-
     import sglang
 
     problems = []
@@ -78,8 +76,9 @@ def check_contract() -> list[str]:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
     from sglang.srt.server_args import ServerArgs
 
+    # ForwardBatch is a dataclass, ServerArgs a msgspec struct: both list their fields in the constructor
     for cls, fields in ((ForwardBatch, FORWARD_BATCH_FIELDS), (ServerArgs, SERVER_ARGS_FIELDS)):
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = set(inspect.signature(cls).parameters)
         problems += [f"{cls.__name__}.{f}: missing field" for f in fields if f not in names]
     return problems
 

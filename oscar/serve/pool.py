@@ -127,7 +127,7 @@ class OscarTokenToKVPool(MHATokenToKVPool):
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._refuse("get_kv_buffer")
 
-    def set_kv_buffer(self, layer: Any, loc: Any, cache_k: torch.Tensor, cache_v: torch.Tensor, *args: Any,
+    def set_kv_buffer(self, layer: Any, loc_info: Any, cache_k: torch.Tensor, cache_v: torch.Tensor, *args: Any,
                       **kwargs: Any) -> None:
         self._refuse("set_kv_buffer (writes need the request positions: OscarAttnBackend writes the pool)")
 

@@ -1,0 +1,181 @@
+"""``engine=sglang`` for the evaluation runner: the cell's model and method served by an SGLang server.
+
+``SGLangEngine`` has the runner's engine interface (``tokenizer``, ``device``, ``generate``,
+``loglikelihood``, ``close``) and sends each batch as one OpenAI-compatible request (``/v1/completions``
+with a list of prompts; scoring through SGLang's native ``/generate`` with input log-probabilities).
+The method maps to the server: ``bf16`` -> ``--attention-backend torch_native``; rotated INT methods ->
+``--attention-backend oscar`` with the ``OSCAR_*`` settings from the method (artifact, sink, recent,
+bits, group) and the artifact the embedded engine would use (``results/calibration/<model>/<method>/``,
+or, for methods without calibration, the same rotations built in code and written to a temporary folder).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from oscar.serve.server import SGLangServer, ServerError
+
+SUPPORTED_KINDS = ("bf16", "rotated")
+
+
+def model_path(model_cfg: Any) -> str:
+    """What SGLang loads: the dense copy of an offline (GGUF) model, made on first use, or the ``hf_id``."""
+    if bool(model_cfg.offline):
+        from oscar.models.loading import dense_dir, load_model
+
+        path = dense_dir(model_cfg)
+        if not (path / "config.json").exists():
+            load_model(model_cfg, device="cpu")  # dequantizes the GGUF once and writes the dense copy
+        return str(path)
+    if not model_cfg.hf_id:
+        raise ValueError(f"model {model_cfg.name!r} has neither an offline package nor an hf_id to serve")
+    return str(model_cfg.hf_id)
+
+
+def _in_code_artifact(cfg: Any, path: str, out: Path) -> Path:
+    from transformers import AutoConfig
+
+    from oscar.artifact import config_hash_of, model_config_fields, save_artifact
+    from oscar.methods import in_code_artifact
+
+    hf = AutoConfig.from_pretrained(path)
+    f = model_config_fields(hf)
+    art = in_code_artifact(cfg.method, num_layers=f["num_layers"], num_kv_heads=f["num_kv_heads"],
+                           head_dim=f["head_dim"], model_id=str(cfg.model.name), config_hash=config_hash_of(hf))
+    save_artifact(art, out)
+    return out
+
+
+def _device(cfg: Any) -> str:
+    dev = str(cfg.engine.device if cfg.engine.device != "auto" else cfg.device)
+    if dev == "auto":
+        import torch
+
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+    return dev.split(":")[0]
+
+
+class SGLangEngine:
+    """The runner's engine, backed by an SGLang server that lives as long as this object (``close``)."""
+
+    def __init__(self, cfg: Any, log_path: Optional[Path] = None) -> None:
+        from transformers import AutoTokenizer
+
+        from oscar.engine import artifact_dir, effective_group_size
+
+        e = cfg.engine
+        kind = str(cfg.method.kind)
+        if kind not in SUPPORTED_KINDS:
+            raise NotImplementedError(f"engine=sglang serves method kinds {SUPPORTED_KINDS}; method {cfg.method.name!r} "
+                                      f"has kind {kind!r} (use engine=embedded)")
+        self.cfg = cfg
+        self.path = model_path(cfg.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.device = _device(cfg)
+        self._tmp: Optional[str] = None
+        env: dict[str, str] = {}
+        args = ["--device", self.device, "--dtype", str(cfg.model.dtype), "--disable-radix-cache",
+                "--chunked-prefill-size", "-1", "--max-running-requests", str(int(e.max_running_requests)),
+                "--mem-fraction-static", str(float(e.mem_fraction_static)), "--random-seed", str(int(cfg.seed)),
+                "--context-length", str(int(cfg.model.max_context))]
+        if e.max_total_tokens:
+            args += ["--max-total-tokens", str(int(e.max_total_tokens))]
+        if self.device == "cuda":
+            args += ["--disable-cuda-graph"]
+        if kind == "bf16":
+            args += ["--attention-backend", "torch_native"]
+        else:
+            if bool(cfg.method.needs_calibration):
+                art = artifact_dir(cfg)
+                if not (art / "rotations.safetensors").exists():
+                    raise FileNotFoundError(f"calibration artifact {art} is missing; create it with: "
+                                            f"python -m oscar calibrate model={cfg.model.name} method={cfg.method.name}")
+            else:
+                self._tmp = tempfile.mkdtemp(prefix="oscar-sglang-")
+                art = _in_code_artifact(cfg, self.path, Path(self._tmp) / "artifact")
+            head_dim = int(cfg.model.head_dim)
+            env = {"OSCAR_ARTIFACT": str(art), "OSCAR_SINK": str(int(cfg.method.sink)),
+                   "OSCAR_RECENT": str(int(cfg.method.recent)), "OSCAR_BITS": str(int(cfg.method.bits)),
+                   "OSCAR_GROUP_SIZE": str(effective_group_size(cfg.method, head_dim)),
+                   "OSCAR_KERNELS": str(cfg.backend)}
+            args += ["--attention-backend", "oscar"]
+        args += [str(a) for a in e.extra_args]
+        self.server = SGLangServer(self.path, args, env=env, python=str(e.python), host=str(e.host), port=int(e.port),
+                                   startup_timeout_s=float(e.startup_timeout_s), log_path=log_path)
+        self.timeout_s = float(e.request_timeout_s)
+        try:
+            self.server.start()
+        except BaseException:
+            self._cleanup()
+            raise
+
+    # -- the runner's interface ---------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[str], max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int = 0, stop: Optional[Sequence[str]] = None) -> list[str]:
+        """One batched ``/v1/completions`` request for all prompts (same sampling settings and seed)."""
+        payload: dict[str, Any] = {"model": self.path, "prompt": list(prompts), "max_tokens": int(max_new_tokens),
+                                   "temperature": float(temperature), "top_p": float(top_p),
+                                   "top_k": int(top_k) if top_k else -1, "seed": int(seed)}
+        if stop:
+            payload["stop"] = list(stop)
+        out = self.server.post("/v1/completions", payload, timeout_s=self.timeout_s)
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        if len(choices) != len(prompts):
+            raise ServerError(f"/v1/completions returned {len(choices)} choices for {len(prompts)} prompts")
+        return [c["text"] for c in choices]
+
+    def loglikelihood(self, contexts: Sequence[str], continuations: Sequence[str], mode: str = "serving",
+                      batch_size: int = 1) -> list[tuple[float, bool]]:
+        """Sum of log-probabilities of each continuation after its context, and whether it is greedy; one
+        batched ``/generate`` request (prefill only) with input-token log-probabilities."""
+        from oscar.engine import Engine
+
+        if mode != "serving":
+            raise ValueError(f"engine=sglang scores with the serving semantics only (score_mode=serving); got {mode!r}. "
+                             "Use engine=embedded for decode_equivalent scoring")
+        if len(contexts) != len(continuations):
+            raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuations")
+        # the embedded engine's tokenization of (context, continuation), so both engines score the same ids
+        reqs = [Engine._request(self, c, k) for c, k in zip(contexts, continuations)]  # type: ignore[arg-type]
+        payload = {"input_ids": [full for full, _ in reqs], "return_logprob": True, "top_logprobs_num": 1,
+                   # SGLang returns None for the token at logprob_start_len (no context before it in that window)
+                   "logprob_start_len": [n_ctx - 1 for _, n_ctx in reqs],
+                   "sampling_params": {"max_new_tokens": 0, "temperature": 0.0}}
+        outs = self.server.post("/generate", payload, timeout_s=self.timeout_s)
+        results = []
+        for (full, n_ctx), out in zip(reqs, outs):
+            meta = out["meta_info"]
+            lps = meta["input_token_logprobs"][1:]
+            tops = meta["input_top_logprobs"][1:]
+            want = full[n_ctx:]
+            if [int(t[1]) for t in lps] != want:
+                raise ServerError(f"/generate returned log-probabilities for tokens {[t[1] for t in lps]}, "
+                                  f"expected the continuation {want}")
+            greedy = all(int(top[0][1]) == tok for top, tok in zip(tops, want))
+            results.append((float(sum(t[0] for t in lps)), greedy))
+        return results
+
+    def close(self) -> None:
+        """Stop the server (its whole process group) and remove the temporary artifact."""
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.stop()
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __enter__(self) -> "SGLangEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+__all__ = ["SGLangEngine", "model_path"]

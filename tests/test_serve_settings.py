@@ -1,0 +1,107 @@
+"""OSCAR serving settings and start-up validation (oscar.serve.settings): plain Python, no sglang import,
+so the default environment tests them too; tests/serve/ runs the same checks through a real server."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import pytest
+
+from oscar.serve.settings import (
+    OscarServeError,
+    ServeSettings,
+    bytes_per_token,
+    check_architecture,
+    validate,
+    window_bytes_per_request,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoConfig
+
+    from oscar.artifact import config_hash_of, model_config_fields, save_artifact
+    from oscar.config import compose
+    from oscar.methods import in_code_artifact
+    from oscar.models.tiny import save_random_model
+
+    root = tmp_path_factory.mktemp("serve_settings")
+    model = save_random_model("llama", root / "model")
+    hf = AutoConfig.from_pretrained(str(model))
+    f = model_config_fields(hf)
+    art = in_code_artifact(compose(["method=quarot"]).method, num_layers=f["num_layers"],
+                           num_kv_heads=f["num_kv_heads"], head_dim=f["head_dim"], config_hash=config_hash_of(hf))
+    save_artifact(art, root / "quarot")
+    return hf, root / "quarot"
+
+
+def test_from_env_defaults_and_errors():
+    s = ServeSettings.from_env({"OSCAR_ARTIFACT": "/a"})
+    assert (s.sink, s.recent, s.bits, s.group_size, s.kernels) == (64, 256, None, None, None)
+    assert s.kernel_backend("cpu") == "torch" and s.kernel_backend("cuda") == "triton"
+    with pytest.raises(OscarServeError, match="needs OSCAR_ARTIFACT"):
+        ServeSettings.from_env({})
+    for env, msg in (({"OSCAR_SINK": "x"}, "OSCAR_SINK='x' is not an integer"),
+                     ({"OSCAR_RECENT": "0"}, "OSCAR_RECENT=0 must be >= 1"),
+                     ({"OSCAR_BITS": "3"}, "valid values are 2 and 4"),
+                     ({"OSCAR_KERNELS": "cuda"}, "choose 'torch' or 'triton'")):
+        with pytest.raises(OscarServeError, match=msg):
+            ServeSettings.from_env({"OSCAR_ARTIFACT": "/a", **env})
+
+
+def test_validate_loads_matching_artifact(tiny):
+    hf, art = tiny
+    rotations, bits, group = validate(ServeSettings.from_env({"OSCAR_ARTIFACT": str(art)}), hf)
+    assert (len(rotations), bits, group) == (hf.num_hidden_layers, 2, 64)
+    assert tuple(rotations[0].r_k.shape) == (hf.num_key_value_heads, hf.head_dim, hf.head_dim)
+
+
+def test_validate_refuses_bad_artifacts(tiny, tmp_path):
+    hf, art = tiny
+    with pytest.raises(OscarServeError, match="is not a directory"):
+        validate(ServeSettings(artifact=tmp_path / "none"), hf)
+    broken = tmp_path / "broken"
+    shutil.copytree(art, broken)
+    (broken / "rotations.safetensors").write_bytes(b"garbage")
+    with pytest.raises(OscarServeError, match="do not belong together"):
+        validate(ServeSettings(artifact=broken), hf)
+    with pytest.raises(OscarServeError, match="bits"):
+        validate(ServeSettings(artifact=art, bits=4), hf)
+    with pytest.raises(OscarServeError, match="group_size"):
+        validate(ServeSettings(artifact=art, group_size=32), hf)
+    other = type(hf).from_dict({**hf.to_dict(), "num_hidden_layers": 3})
+    with pytest.raises(OscarServeError, match="config_hash"):
+        validate(ServeSettings(artifact=art), other)
+
+
+@pytest.mark.parametrize("change, msg", [
+    ({"model_type": "mistral"}, "no adapter for model_type 'mistral'"),
+    ({"use_sliding_window": True, "sliding_window": 128}, "sliding-window"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "layer types"),
+    ({"kv_lora_rank": 512}, "multi-head latent attention"),
+    ({"head_dim": 96 + 4}, "unsupported head_dim"),
+])
+def test_check_architecture_refuses(tiny, change, msg):
+    from types import SimpleNamespace
+
+    hf, _ = tiny
+    cfg = SimpleNamespace(**{**hf.to_dict(), **change})
+    with pytest.raises(OscarServeError, match=msg):
+        check_architecture(cfg)
+    check_architecture(hf)
+
+
+def test_bytes_accounting():
+    # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, INT2 with one group per row
+    assert bytes_per_token(30, 3, 64, 2, 64) == 2 * 30 * 3 * (16 + 4)
+    assert 2 * 30 * 3 * 64 * 2 / bytes_per_token(30, 3, 64, 2, 64) == pytest.approx(6.4)
+    # head_dim 128 at group 128 (Qwen3 geometry): 32 code bytes + 4 bytes scale/zero per row, 7.1x under BF16
+    assert bytes_per_token(1, 1, 128, 2, 128) == 2 * (32 + 4)
+    assert 2 * 128 * 2 / bytes_per_token(1, 1, 128, 2, 128) == pytest.approx(512 / 72)
+    assert window_bytes_per_request(30, 3, 64, 64, 256) == 2 * 30 * 3 * 320 * 64 * 2
+
+
+def test_default_environment_does_not_import_sglang():
+    assert "sglang" not in sys.modules
