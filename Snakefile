@@ -15,6 +15,7 @@ include: "workflow/rules/calibration.smk"
 include: "workflow/rules/evaluation.smk"
 include: "workflow/rules/reports.smk"
 include: "workflow/rules/kernels.smk"
+include: "workflow/rules/throughput.smk"
 
 
 rule all:

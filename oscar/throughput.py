@@ -180,9 +180,12 @@ def reference_decode(model: Any, prompt: torch.Tensor, fmt: CacheFormat, steps: 
     return torch.stack(toks, 1), torch.stack(logits, 1)
 
 
-def device_decode(model: Any, prompt: torch.Tensor, cache: dc.DeviceCache, steps: int, *, graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def device_decode(model: Any, prompt: torch.Tensor, cache: dc.DeviceCache, steps: int, *, graph: bool = False,
+                  forced: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy decode through a device cache (prefill by a plain forward, then `decode_step`, in a CUDA
-    graph when ``graph``): tokens ``[B, steps]`` and logits ``[B, steps, V]`` as `reference_decode`."""
+    graph when ``graph``): tokens ``[B, steps]`` and logits ``[B, steps, V]`` as `reference_decode`.
+    ``forced`` ``[B, >= steps - 1]``: feed these tokens instead of the path's own (teacher forcing, so
+    two paths can be compared step by step on the same history)."""
     dc.enable(model)
     toks, logits = [], []
     with torch.no_grad():
@@ -192,17 +195,17 @@ def device_decode(model: Any, prompt: torch.Tensor, cache: dc.DeviceCache, steps
         toks.append(tok)
         logits.append(lg.float())
         cache.check_room(steps)
-        if graph:
-            runner = dc.GraphedDecoder(model, cache, tok, advance=True)
-            for _ in range(steps - 1):
+        feed = (lambda s, own: own) if forced is None else (lambda s, own: forced[:, s].to(own.device))
+        runner = dc.GraphedDecoder(model, cache, feed(0, tok), advance=True) if graph and steps > 1 else None
+        for s in range(steps - 1):
+            if runner is not None:
+                runner.tokens.copy_(feed(s, tok))
                 runner.replay()
-                toks.append(runner.tokens.clone())
-                logits.append(runner.logits.float().clone())
-        else:
-            for _ in range(steps - 1):
-                tok, lg = dc.decode_step(model, cache, tok)
-                toks.append(tok)
-                logits.append(lg.float())
+                tok, lg = runner.tokens.clone(), runner.logits
+            else:
+                tok, lg = dc.decode_step(model, cache, feed(s, tok))
+            toks.append(tok)
+            logits.append(lg.float().clone())
     return torch.stack(toks, 1), torch.stack(logits, 1)
 
 

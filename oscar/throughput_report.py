@@ -206,7 +206,8 @@ def markdown(res: dict[str, Any]) -> str:
                  f"{_f(env.get('copy_bandwidth_tb_s'))} TB/s (read + write)" if env.get("gpu") else ""),
               f"- Software: Python {env.get('python')}, torch {env.get('torch')} (CUDA {env.get('cuda')}, cuDNN "
               f"{env.get('cudnn')}), triton {env.get('triton')}, transformers {env.get('transformers')}",
-              f"- Date: {env.get('date_utc')}; command: `{env.get('command')}`",
+              f"- Date: {env.get('date_utc')}; command(s), in the order they wrote into this folder: "
+              + "; ".join(f"`{c}`" for c in env.get("commands") or [env.get("command")]),
               "- Models: random BF16 weights built from the transformers config class of each architecture (exact for "
               "timing). Each decode step runs embeddings, every layer, the LM head and sampling (temperature "
               f"{env.get('settings', {}).get('temperature')}) on the GPU, captured in one CUDA graph; times are medians of "
@@ -227,11 +228,21 @@ def markdown(res: dict[str, Any]) -> str:
     lines.append("")
     check = read_csv(Path(env.get("_out", ".")) / "check.csv") if env.get("_out") else []
     if check:
-        lines += ["## GPU correctness (tiny Qwen3, head_dim 128, float32 weights)", ""]
-        lines += _table(["cache", "device path", "tokens equal", "first divergence (step)", "max abs logit diff (before)",
+        lines += ["## GPU correctness (tiny Qwen3, head_dim 128, float32 weights)", "",
+                  "The device path (CUDA, Triton kernels, CUDA graph; BF16 eager) against the CPU host-cache path "
+                  "(torch). Free running: each path feeds its own greedy tokens. Teacher forced: the device path is fed "
+                  "the CPU tokens, so every step compares the same history (argmax agreement, largest logit "
+                  "difference, and the largest CPU top-2 margin among the disagreements: a flip at a margin under the "
+                  "logit difference is a near-tie, not a different computation). KL: teacher-forced KL to the "
+                  "uncached forward on the CPU tokens, device against the CPU 95% block-bootstrap interval.", ""]
+        lines += _table(["cache", "device path", "free running: tokens equal (first divergence)",
+                         "forced: argmax agree", "forced: max abs logit diff", "margin at disagreements (median margin)",
                          "KL CPU [95% CI]", "KL device", "within"],
-                        [[r["cache"], r["path"], f"{r['tokens_equal']}/{r['tokens_total']}", r["first_divergence"],
-                          r["max_abs_logit_diff"], f"{r['kl_cpu']:.4g} [{r['kl_cpu_lo']:.4g}, {r['kl_cpu_hi']:.4g}]",
+                        [[r["cache"], r["path"], f"{r['tokens_equal']}/{r['tokens_total']} ({r['first_divergence']})",
+                          f"{r.get('forced_argmax_agree', '-')}/{r['tokens_total']}",
+                          r.get("forced_max_abs_logit_diff"),
+                          f"{_f(r.get('forced_disagree_max_margin'), 3)} ({_f(r.get('median_margin'), 3)})",
+                          f"{r['kl_cpu']:.4g} [{r['kl_cpu_lo']:.4g}, {r['kl_cpu_hi']:.4g}]",
                           f"{r['kl_device']:.4g}", str(r["kl_within_cpu_interval"])] for r in check])
     if res["targets"]:
         lines += ["## Targets (same run, same GPU)", ""]

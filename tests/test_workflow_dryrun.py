@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SNAKEMAKE = shutil.which("snakemake")
 TARGETS = ["reproduce_table2", "reproduce_table3", "reproduce_table4", "reproduce_table5", "reproduce_table6",
-           "reproduce_table7", "reproduce_fig2", "reproduce_fig3", "reproduce_kernels", "all"]
+           "reproduce_table7", "reproduce_fig2", "reproduce_fig3", "reproduce_kernels", "reproduce_throughput", "all"]
 
 pytestmark = pytest.mark.skipif(SNAKEMAKE is None, reason="snakemake is not installed")
 
@@ -110,3 +110,11 @@ def test_kernels_target_explains_the_skip(tmp_path):
     out = snakemake(tmp_path, "--cores", "1", "reproduce_kernels", "--config", "overrides=[experiment=kernels]")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SKIPPED, no CUDA GPU" in out.stdout + out.stderr
+
+
+def test_throughput_target_explains_the_skip(tmp_path):
+    if shutil.which("nvidia-smi"):
+        pytest.skip("a GPU host runs the throughput profile instead")
+    out = snakemake(tmp_path, "--cores", "1", "reproduce_throughput")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "reproduce_throughput: SKIPPED, no CUDA GPU" in out.stdout + out.stderr

@@ -340,31 +340,46 @@ def run_check(s: Settings, machine: Machine) -> list[dict[str, Any]]:
         ref_kl = tp.teacher_forced_kl(cpu_model, prompt, ref_tok, ref_lg)
         cpu_s = time.perf_counter() - t0
         dev_model = copy.deepcopy(cpu_model).to(machine.device)  # the same weights (device RNGs differ)
-        cache = tp.new_device_cache(fmt, dev_model, prompt.shape[0], prompt.shape[1], extra_steps=steps,
-                                    device=machine.device, backend="triton" if machine.cuda else "torch",
-                                    shuffle_pages=True)
         graph = machine.cuda and fmt.transforms is not None
-        tok, lg = tp.device_decode(dev_model, prompt.to(machine.device), cache, steps, graph=graph)
-        kl = tp.teacher_forced_kl(dev_model, prompt.to(machine.device), tok, lg).cpu()
-        tok, lg = tok.cpu(), lg.cpu()
+
+        def device_run(forced: Optional[Any]) -> tuple[Any, Any]:
+            cache = tp.new_device_cache(fmt, dev_model, prompt.shape[0], prompt.shape[1], extra_steps=steps,
+                                        device=machine.device, backend="triton" if machine.cuda else "torch",
+                                        shuffle_pages=True)
+            tok, lg = tp.device_decode(dev_model, prompt.to(machine.device), cache, steps, graph=graph, forced=forced)
+            del cache
+            return tok.cpu(), lg.cpu()
+
+        tok, lg = device_run(None)  # free running: each path feeds its own greedy tokens
         same = (tok == ref_tok)
         first_diff = [int((~same[b]).nonzero()[0]) if bool((~same[b]).any()) else steps for b in range(same.shape[0])]
         upto = min(first_diff)
+        ftok, flg = device_run(ref_tok)  # teacher forced on the CPU tokens: step-by-step comparison
+        agree = ftok == ref_tok
+        top2 = ref_lg.topk(2, dim=-1).values
+        margin = top2[..., 0] - top2[..., 1]
+        kl = tp.teacher_forced_kl(dev_model, prompt.to(machine.device), ref_tok.to(machine.device),
+                                  flg.to(machine.device)).cpu()
         lo, hi = block_bootstrap_ci([ref_kl[b] for b in range(ref_kl.shape[0])], block=4)
         rows.append({
             "cache": method, "device": str(machine.device), "path": "triton + cuda graph" if graph else
             ("eager" + (" triton" if machine.cuda and fmt.transforms is not None else "")),
             "sequences": int(prompt.shape[0]), "prompt": int(prompt.shape[1]), "steps": steps,
             "tokens_equal": int(same.sum()), "tokens_total": int(same.numel()), "first_divergence": upto,
-            "max_abs_logit_diff": float((lg[:, :upto] - ref_lg[:, :upto]).abs().max()) if upto else math.nan,
+            "forced_argmax_agree": int(agree.sum()),
+            "forced_max_abs_logit_diff": float((flg - ref_lg).abs().max()),
+            "forced_disagree_max_margin": float(margin[~agree].max()) if bool((~agree).any()) else math.nan,
+            "median_margin": float(margin.median()),
             "logit_scale": float(ref_lg.abs().max()),
             "kl_cpu": float(ref_kl.mean()), "kl_cpu_lo": lo, "kl_cpu_hi": hi, "kl_device": float(kl.mean()),
             "kl_within_cpu_interval": bool(lo <= float(kl.mean()) <= hi), "cpu_s": round(cpu_s, 1),
             "note": fmt.note,
         })
-        print(f"check {method}: tokens {int(same.sum())}/{same.numel()} equal, KL cpu {float(ref_kl.mean()):.4g} "
-              f"[{lo:.4g}, {hi:.4g}] device {float(kl.mean()):.4g}", flush=True)
-        del cache, dev_model
+        print(f"check {method}: free-running tokens {int(same.sum())}/{same.numel()} equal (first divergence at step "
+              f"{upto}); teacher-forced argmax {int(agree.sum())}/{agree.numel()}, max |dlogit| "
+              f"{float((flg - ref_lg).abs().max()):.3g}; KL cpu {float(ref_kl.mean()):.4g} [{lo:.4g}, {hi:.4g}] "
+              f"device {float(kl.mean()):.4g}", flush=True)
+        del dev_model
         machine.release()
     return rows
 
@@ -518,6 +533,7 @@ def run(cfg: Any, s: Settings, out: Path) -> None:
                 write_csv(out / "job.csv", job_rows)
         del model
         machine.release()
+    env["commands"] = old_env.get("commands", []) + [env["command"]]  # runs that wrote into this folder
     env["models"] = models_env
     env["cache_notes"] = notes
     write_atomic(out / "env.json", json.dumps(env, indent=1, sort_keys=True, default=str) + "\n")
