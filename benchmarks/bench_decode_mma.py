@@ -27,9 +27,9 @@ SHAPES = {
               (128, 32, 131072), (64, 1, 4096), (64, 8, 32768), (64, 32, 131072)],
     "table": [(d, b, t) for d in (128, 64) for t in (4096, 32768, 65536, 131072) for b in (1, 8, 32, 64, 128)],
 }
-MMA_VARIANTS = [dict(num_warps=w, mma_prefetch=pf, mma_min_blocks=mb, waves=wv) for (w, pf, mb, wv) in
-                ((4, 1, 4, 0.25), (4, 1, 4, 0.5), (4, 1, 4, 1.0), (4, 1, 4, 2.0), (4, 2, 4, 1.0), (4, 2, 4, 2.0),
-                 (4, 1, 1, 1.0), (8, 1, 2, 1.0), (8, 2, 2, 1.0), (4, 2, 3, 1.0))]
+MMA_VARIANTS = [dict(mma_warps=w, mma_stages=st, mma_min_blocks=mb, waves=wv) for (w, st, mb, wv) in
+                ((8, 2, 2, 1.0), (8, 3, 2, 1.0), (8, 4, 2, 0.5), (8, 4, 2, 1.0), (8, 4, 2, 2.0), (4, 4, 4, 1.0),
+                 (4, 6, 4, 1.0), (4, 4, 4, 0.5))]
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
@@ -60,9 +60,8 @@ def main(argv: list[str]) -> int:
     for d, B, T in SHAPES[which]:
         sd = {be: bench_sdpa(B, T, H, hkv, d, be, opts, l2) for be in ("cudnn", "flash")}
         cap = max(1, T - S0 - W)
-        vs = [{"layout": "mma", "num_warps": v["num_warps"], "mma_prefetch": v["mma_prefetch"],
-               "mma_min_blocks": v["mma_min_blocks"],
-               "num_splits": default_num_splits(B, hkv, -(-cap // 64) * 64, v["num_warps"], waves=v["waves"])}
+        vs = [{"layout": "mma", **{k: x for k, x in v.items() if k != "waves"},
+               "num_splits": default_num_splits(B, hkv, -(-cap // 64) * 64, v["mma_warps"], waves=v["waves"])}
               for v in variants]
         if with_v8:
             vs.append({})

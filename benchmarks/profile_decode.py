@@ -5,7 +5,8 @@ Usage (GPU machine, checkout importable as `oscar` with `oscar.kernels`):
         python3 benchmarks/profile_decode.py batch=8 context=32768 head_dim=128
 
 Kernel options left out take the kernel's defaults (``planes=0`` selects the v7 word path, whose split
-kernel is ``_partial_kernel``).
+kernel is ``_partial_kernel``; ``layout=mma`` the CUDA kernel ``oscar_decode_mma`` of ``oscar.kernels.decode_mma``,
+the random codes being valid in either layout).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def main(argv: list[str]) -> int:
     """Parse `key=value` (batch, context, head_dim; kernel options block_n, num_warps, num_stages, fast_unpack,
     planes, num_splits), run 3 calls."""
     args = {"batch": 8, "context": 32768, "head_dim": 128}
-    options = ("block_n", "num_warps", "num_stages", "fast_unpack", "planes", "num_splits")
+    options = ("block_n", "num_warps", "num_stages", "fast_unpack", "planes", "num_splits", "layout", "mma_warps",
+               "mma_stages", "mma_min_blocks")
     kernel: dict = {}
     for a in argv:
         k, _, v = a.partition("=")
@@ -31,7 +33,7 @@ def main(argv: list[str]) -> int:
         if k in args:
             args[k] = int(v)
         else:
-            kernel[k] = bool(int(v)) if k in ("fast_unpack", "planes") else int(v)
+            kernel[k] = bool(int(v)) if k in ("fast_unpack", "planes") else v if k == "layout" else int(v)
     opts = dict(DEFAULTS)
     kp, vp, tables, int_len, kt, vt, segs, qs, _ = _int2_inputs(args["batch"], args["context"], 32, 8,
                                                                 args["head_dim"], opts, 1)

@@ -65,6 +65,25 @@ __device__ __forceinline__ float h2f(u32 x) {  // low 16 bits as fp16 -> float
 
 __device__ __forceinline__ float bf16f(u32 x) { return __uint_as_float((x & 0xffffu) << 16); }
 
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* dst, const void* src) {
+  if (BYTES == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smem_addr(dst)), "l"(src), "n"(BYTES));
+}
+
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
 __device__ __forceinline__ float ex2(float x) {
   float r;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
@@ -81,9 +100,9 @@ struct Params {
   const u16* vz;
   const int* page_table;  // [B, pt_stride]
   const int* int_len;     // [B]
-  const float* rk;        // [Hkv, D, D] or null: q_rot = q @ R_K
+  const uint2* rk;        // B fragments of R_K per KV head (rotate_rows) or null: q_rot = q @ R_K
   const float* muk;       // [Hkv, D] or null
-  const float* rot_out;   // [Hkv, D, D] or null: x @ rot_out for the partials not in the output frame
+  const uint2* rot_out;   // B fragments per KV head or null: x @ M for the partials not in the output frame
   const float* muv;       // [Hkv, D] or null
   const u16* sink_k;      // bf16 [B, Hkv, S0, D] (strides below) or null
   const u16* sink_v;
@@ -158,38 +177,55 @@ __device__ __forceinline__ void softmax_update(State<D>& st, const float (&lg)[4
   }
 }
 
-// Raw bytes of one quantized block for one lane (prefetched into registers): codes of tokens g, g+8 (K)
-// and token pairs 2t, 2t+1 / +8 (V), scale/zero of tokens g and g+8.
+// Raw bytes of one quantized block for one lane: codes of tokens g, g+8 (K) and token pairs 2t, 2t+1 / +8 (V),
+// scale/zero of tokens g and g+8.
 template <int D>
 struct Raw {
   u32 k[D / 32], v[D / 32];
   u32 ks[2], kz[2], vs[2], vz[2];
 };
 
+// A warp's ring stage for one block: K codes, V codes (16 * D/4 bytes each, lane L's at L * D/8), then the
+// block's 16 bf16 K scales, K zeros, V scales, V zeros.
 template <int D>
-__device__ __forceinline__ void load_block(Raw<D>& raw, const Params& P, int b, int kvh, int blk, int lane) {
-  const int tok = blk * 16;
-  const int page = __ldg(P.page_table + (long long)b * P.pt_stride + (tok >> P.page_shift));
-  const int off = tok & ((1 << P.page_shift) - 1);
-  const long long cbase = (long long)page * P.cs_p + (long long)kvh * P.cs_h + (long long)off * (D / 4) + lane * (D / 8);
+struct Stage {
+  static constexpr int CB = 16 * D / 4;
+  static constexpr int BYTES = 2 * CB + 128;
+};
+
+template <int D>
+__device__ __forceinline__ void issue_block(unsigned char* st, const Params& P, int page, int kvh, int off, int lane) {
+  constexpr int CB = Stage<D>::CB, LB = D / 8;
+  const long long cbase = (long long)page * P.cs_p + (long long)kvh * P.cs_h + (long long)off * (D / 4) + lane * LB;
+  cp_async<LB>(st + lane * LB, P.kc + cbase);
+  cp_async<LB>(st + CB + lane * LB, P.vc + cbase);
+  const int a = lane >> 3;  // 4 bytes (2 tokens) of one of the four scale/zero arrays per lane
+  const u16* src = a == 0 ? P.ks : a == 1 ? P.kz : a == 2 ? P.vs : P.vz;
+  cp_async<4>(st + 2 * CB + 4 * lane, src + (long long)page * P.ss_p + (long long)kvh * P.ss_h + off + 2 * (lane & 7));
+}
+
+template <int D>
+__device__ __forceinline__ void read_block(Raw<D>& raw, const unsigned char* st, int lane) {
+  constexpr int CB = Stage<D>::CB, LB = D / 8;
   if (D == 128) {
-    const uint4 kk = __ldg(reinterpret_cast<const uint4*>(P.kc + cbase));
-    const uint4 vv = __ldg(reinterpret_cast<const uint4*>(P.vc + cbase));
+    const uint4 kk = *reinterpret_cast<const uint4*>(st + lane * LB);
+    const uint4 vv = *reinterpret_cast<const uint4*>(st + CB + lane * LB);
     raw.k[0] = kk.x; raw.k[1] = kk.y; raw.k[2] = kk.z; raw.k[3] = kk.w;
     raw.v[0] = vv.x; raw.v[1] = vv.y; raw.v[2] = vv.z; raw.v[3] = vv.w;
   } else {
-    const uint2 kk = __ldg(reinterpret_cast<const uint2*>(P.kc + cbase));
-    const uint2 vv = __ldg(reinterpret_cast<const uint2*>(P.vc + cbase));
+    const uint2 kk = *reinterpret_cast<const uint2*>(st + lane * LB);
+    const uint2 vv = *reinterpret_cast<const uint2*>(st + CB + lane * LB);
     raw.k[0] = kk.x; raw.k[1] = kk.y;
     raw.v[0] = vv.x; raw.v[1] = vv.y;
   }
-  const long long sbase = (long long)page * P.ss_p + (long long)kvh * P.ss_h + off + (lane >> 2);
+  const u16* sc = reinterpret_cast<const u16*>(st + 2 * CB);
+  const int g = lane >> 2;
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
-    raw.ks[n] = __ldg(P.ks + sbase + 8 * n);
-    raw.kz[n] = __ldg(P.kz + sbase + 8 * n);
-    raw.vs[n] = __ldg(P.vs + sbase + 8 * n);
-    raw.vz[n] = __ldg(P.vz + sbase + 8 * n);
+    raw.ks[n] = sc[g + 8 * n];
+    raw.kz[n] = sc[16 + g + 8 * n];
+    raw.vs[n] = sc[32 + g + 8 * n];
+    raw.vz[n] = sc[48 + g + 8 * n];
   }
 }
 
@@ -281,45 +317,49 @@ __device__ __forceinline__ void bf16_block(State<D>& st, const u16* kp, const u1
   }
 }
 
-// x[REP][D] (shared) <- x @ M (M [D, D] fp32 in global memory), all threads; red: RG*REP*D floats of shared memory.
-template <int D, int REP, int NT>
-__device__ __forceinline__ void rotate_rows(float* x, const float* __restrict__ M, float* red, int tid) {
-  constexpr int CG = D / 4, RG = NT / CG, RPG = D / RG;
-  const int cg = tid % CG, rg = tid / CG;
-  float4 acc[REP];
+// x[REP][D] (shared, float) <- x @ M on the tensor cores (fp16 operands, fp32 sums). Mf: M's B fragments in
+// fp16, [D/8 n-tiles][D/16 k-chunks][32 lanes] x uint2 (oscar.kernels.decode_mma.mma_b_fragments); warp w
+// computes n-tiles w, w + W, ...; every lane's loads are issued before the first product.
+template <int D, int REP, int W>
+__device__ __forceinline__ void rotate_rows(float* x, const uint2* __restrict__ Mf, int tid) {
+  constexpr int KC = D / 16, NTW = D / 8 / W;
+  const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  uint2 bf[NTW][KC];
 #pragma unroll
-  for (int h = 0; h < REP; ++h) acc[h] = make_float4(0.f, 0.f, 0.f, 0.f);
-  const float4* Mp = reinterpret_cast<const float4*>(M + (long long)rg * RPG * D) + cg;
-#pragma unroll 8
-  for (int k = 0; k < RPG; ++k) {
-    const float4 mv = __ldg(Mp + k * CG);
+  for (int n = 0; n < NTW; ++n)
 #pragma unroll
-    for (int h = 0; h < REP; ++h) {
-      const float xv = x[h * D + rg * RPG + k];
-      acc[h].x = fmaf(xv, mv.x, acc[h].x);
-      acc[h].y = fmaf(xv, mv.y, acc[h].y);
-      acc[h].z = fmaf(xv, mv.z, acc[h].z);
-      acc[h].w = fmaf(xv, mv.w, acc[h].w);
-    }
+    for (int kc = 0; kc < KC; ++kc) bf[n][kc] = __ldg(Mf + ((warp + n * W) * KC + kc) * 32 + lane);
+  u32 a[KC][2];
+#pragma unroll
+  for (int kc = 0; kc < KC; ++kc) {
+    const int ch = 16 * kc + 2 * t;
+    a[kc][0] = g < REP ? pack_f16(x[g * D + ch], x[g * D + ch + 1]) : 0u;
+    a[kc][1] = g < REP ? pack_f16(x[g * D + ch + 8], x[g * D + ch + 9]) : 0u;
   }
+  __syncthreads();  // x is read by every warp before any writes it
 #pragma unroll
-  for (int h = 0; h < REP; ++h) reinterpret_cast<float4*>(red + (rg * REP + h) * D)[cg] = acc[h];
-  __syncthreads();
-  for (int i = tid; i < REP * D; i += NT) {
-    float s = 0.f;
+  for (int n = 0; n < NTW; ++n) {
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int r = 0; r < RG; ++r) s += red[r * REP * D + i];
-    x[i] = s;
+    for (int kc = 0; kc < KC; ++kc) mma_f16(c, a[kc][0], 0u, a[kc][1], 0u, bf[n][kc].x, bf[n][kc].y);
+    if (g < REP) {
+      const int col = 8 * (warp + n * W) + 2 * t;
+      x[g * D + col] = c[0];
+      x[g * D + col + 1] = c[1];
+    }
   }
   __syncthreads();
 }
 
-template <int D, int REP, int W, int PF, int MINB>
+// ST: stages of each warp's cp.async ring (ST - 1 blocks in flight while one is computed).
+template <int D, int REP, int W, int ST, int MINB>
 __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P) {
   constexpr int NT = W * 32;
-  constexpr int RG = NT / (D / 4) > W ? NT / (D / 4) : W;  // rows of s_o: W warps' outputs, or rotation partials
+  constexpr int RING = W * ST * Stage<D>::BYTES, OB = W * REP * D * 4;
   __shared__ float s_q[REP * D];
-  __shared__ float s_o[RG * REP * D];
+  __shared__ __align__(16) unsigned char s_buf[RING > OB ? RING : OB];  // the rings, then the warps' outputs
+  float* s_o = reinterpret_cast<float*>(s_buf);
+  unsigned char* ring = s_buf + (threadIdx.x >> 5) * ST * Stage<D>::BYTES;
   __shared__ float s_m[W][2 * REP], s_l[W][2 * REP];
   __shared__ float s_f[REP][SMAX];
   __shared__ int s_last;
@@ -329,9 +369,13 @@ __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P)
   const int g = lane >> 2, t = lane & 3;
   const bool is_int = split < P.s_int;
 
-  // ---- the first blocks' loads go out before the query work
-  int len = 0, lo = 0, n_w = 0;
-  Raw<D> raw[PF];
+  // ---- the first blocks' copies go out before the query work
+  int len = 0, lo = 0, n_w = 0, pv_cur = 0, pv_next = 0;
+  const int* pt = P.page_table + (long long)b * P.pt_stride;
+  const int pmask = (1 << P.page_shift) - 1;
+  auto page_of = [&](int kk) -> int {  // page of this warp's kk-th block
+    return kk < n_w ? __ldg(pt + (((lo + warp + kk * W) * 16) >> P.page_shift)) : 0;
+  };
   if (is_int) {
     len = __ldg(P.int_len + b);
     const int nblk = (len + 15) >> 4;
@@ -339,9 +383,14 @@ __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P)
     lo = split * per;
     const int hi = min(nblk, lo + per);
     n_w = hi > lo + warp ? (hi - lo - warp + W - 1) / W : 0;  // blocks of this warp: lo + warp + k W
+    pv_cur = page_of(lane);  // pages of blocks 0..31 (lane k holds block k), then 32..63
+    pv_next = page_of(32 + lane);
 #pragma unroll
-    for (int s = 0; s < PF; ++s)
-      if (s < n_w) load_block<D>(raw[s], P, b, kvh, lo + warp + s * W, lane);
+    for (int s = 0; s < ST - 1; ++s) {
+      if (s < n_w)
+        issue_block<D>(ring + s * Stage<D>::BYTES, P, __shfl_sync(FULL, pv_cur, s), kvh, ((lo + warp + s * W) * 16) & pmask, lane);
+      cp_commit();
+    }
   }
 
   // ---- query of this KV head's REP heads (rotated for the quantized splits)
@@ -354,7 +403,7 @@ __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P)
     if (g < REP)
       for (int i = t; i < D; i += 4) qmu += s_q[g * D + i] * mk[i];
   }
-  if (is_int && P.rk != nullptr) rotate_rows<D, REP, NT>(s_q, P.rk + (long long)kvh * D * D, s_o, tid);
+  if (is_int && P.rk != nullptr) rotate_rows<D, REP, W>(s_q, P.rk + (long long)kvh * D * D / 4, tid);
   u32 qb[D / 16][2];
   float qsum = 0.f;  // of head g, partial over t: the fp16 query the products see, scaled back
 #pragma unroll
@@ -394,15 +443,25 @@ __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P)
 
   if (is_int) {
     const float ksc = P.sc * 16777216.f;  // 2^24
-    for (int k = 0; k < n_w; k += PF) {
-#pragma unroll
-      for (int s = 0; s < PF; ++s) {
-        if (k + s < n_w) {
-          const int blk = lo + warp + (k + s) * W;
-          int_block<D>(st, raw[s], qb, qs, qm, ksc, blk * 16, len, lane);
-          if (k + s + PF < n_w) load_block<D>(raw[s], P, b, kvh, blk + PF * W, lane);
-        }
+    int rs = 0, ws = ST - 1;  // ring stage read and written this iteration
+    for (int k = 0; k < n_w; ++k) {
+      const int kn = k + ST - 1;
+      if (kn >= 32 && (kn & 31) == 0) {  // next 32 pages
+        pv_cur = pv_next;
+        pv_next = page_of(kn + 32 + lane);
       }
+      __syncwarp();  // every lane is done with the stage about to be refilled
+      if (kn < n_w)
+        issue_block<D>(ring + ws * Stage<D>::BYTES, P, __shfl_sync(FULL, pv_cur, kn & 31), kvh,
+                       ((lo + warp + kn * W) * 16) & pmask, lane);
+      cp_commit();
+      cp_wait<ST - 1>();  // block k has landed
+      __syncwarp();
+      Raw<D> raw;
+      read_block<D>(raw, ring + rs * Stage<D>::BYTES, lane);
+      int_block<D>(st, raw, qb, qs, qm, ksc, (lo + warp + k * W) * 16, len, lane);
+      rs = rs + 1 == ST ? 0 : rs + 1;
+      ws = ws + 1 == ST ? 0 : ws + 1;
     }
   } else {
     const int seg = split - P.s_int;  // 0: sink (if present), then recent
@@ -424,7 +483,6 @@ __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P)
       st.l[k] += __shfl_xor_sync(FULL, st.l[k], x);
       st.zs[k] += __shfl_xor_sync(FULL, st.zs[k], x);
     }
-  __syncthreads();  // s_o may still hold the rotation partials
   if (g == 0) {
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
@@ -480,69 +538,91 @@ __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P)
   if (!s_last) return;
   __threadfence();
   const long long hbase = ((long long)b * P.hkv + kvh) * P.s_total;
-  // weights f_s of every partial (per head), masses of the two frames: s_m[0][h] (X, to rotate), s_m[0][REP + h] (Y)
+  // weights f_s of every partial (per head) and the masses of the two frames, over L:
+  // s_m[0][h] = X (to rotate), s_m[0][REP + h] = Y (in the output frame)
   for (int h = warp; h < REP; h += W) {
+    float2 ml[SMAX / 32];
     float mx = NEG_INF;
-    for (int s = lane; s < P.s_total; s += 32) mx = fmaxf(mx, __ldcg(P.part_ml + ((hbase + s) * REP + h) * 2));
+#pragma unroll
+    for (int k = 0; k < SMAX / 32; ++k) {
+      const int s = lane + 32 * k;
+      ml[k] = s < P.s_total ? __ldcg(reinterpret_cast<const float2*>(P.part_ml) + (hbase + s) * REP + h)
+                            : make_float2(NEG_INF, 0.f);
+      mx = fmaxf(mx, ml[k].x);
+    }
 #pragma unroll
     for (int x = 1; x < 32; x <<= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, x));
     float mxs = 0.f, mys = 0.f;
-    for (int s = lane; s < P.s_total; s += 32) {
-      const float ms = __ldcg(P.part_ml + ((hbase + s) * REP + h) * 2);
-      const float f = ms == NEG_INF ? 0.f : ex2(ms - mx);
-      const float l = f * __ldcg(P.part_ml + ((hbase + s) * REP + h) * 2 + 1);
-      s_f[h][s] = f;
-      if ((s < P.s_int) == (P.out_rotated != 0)) mys += l; else mxs += l;
+#pragma unroll
+    for (int k = 0; k < SMAX / 32; ++k) {
+      const int s = lane + 32 * k;
+      const float f = ml[k].x == NEG_INF ? 0.f : ex2(ml[k].x - mx);
+      if (s < P.s_total) {
+        s_f[h][s] = f;
+        if ((s < P.s_int) == (P.out_rotated != 0)) mys += f * ml[k].y; else mxs += f * ml[k].y;
+      }
     }
 #pragma unroll
     for (int x = 1; x < 32; x <<= 1) {
       mxs += __shfl_xor_sync(FULL, mxs, x);
       mys += __shfl_xor_sync(FULL, mys, x);
     }
+    const float inv = mxs + mys > 0.f ? 1.f / (mxs + mys) : 0.f;
+    for (int s = lane; s < P.s_total; s += 32) s_f[h][s] *= inv;
     if (lane == 0) {
-      s_m[0][h] = mxs;
-      s_m[0][REP + h] = mys;
+      s_m[0][h] = mxs * inv;
+      s_m[0][REP + h] = mys * inv;
     }
   }
   __syncthreads();
-  constexpr int PER_T = (REP * D + NT - 1) / NT;
-  float y[PER_T];
-  // partials [x_lo, x_hi) are not in the output frame
+  // X and Y, normalized, four channels per unit; partials [x_lo, x_hi) are not in the output frame
+  constexpr int UNITS = REP * D / 4, PER_T = (UNITS + NT - 1) / NT;
   const int x_lo = P.out_rotated ? P.s_int : 0, x_hi = P.out_rotated ? P.s_total : P.s_int;
+  float4 y[PER_T];
 #pragma unroll
   for (int k = 0; k < PER_T; ++k) {
-    const int i = tid + k * NT;
-    y[k] = 0.f;
-    if (i < REP * D) {
-      const int h = i / D;
-      float x = 0.f, yy = 0.f;
-      const float* po = P.part_o + hbase * REP * D + i;
-#pragma unroll 4
+    const int u = tid + k * NT;
+    y[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (u < UNITS) {
+      const int h = (4 * u) / D;
+      float4 x = make_float4(0.f, 0.f, 0.f, 0.f), yy = x;
+      const float4* po = reinterpret_cast<const float4*>(P.part_o + hbase * REP * D) + u;
+#pragma unroll 8
       for (int s = 0; s < P.s_total; ++s) {
-        const float v = s_f[h][s] * __ldcg(po + (long long)s * REP * D);
-        if (s >= x_lo && s < x_hi) x += v; else yy += v;
+        const float4 v = __ldcg(po + (long long)s * UNITS);
+        const float f = s_f[h][s], fx = (s >= x_lo && s < x_hi) ? f : 0.f, fy = f - fx;
+        x.x = fmaf(fx, v.x, x.x); x.y = fmaf(fx, v.y, x.y); x.z = fmaf(fx, v.z, x.z); x.w = fmaf(fx, v.w, x.w);
+        yy.x = fmaf(fy, v.x, yy.x); yy.y = fmaf(fy, v.y, yy.y); yy.z = fmaf(fy, v.z, yy.z); yy.w = fmaf(fy, v.w, yy.w);
       }
-      if (P.out_rotated && P.muv != nullptr) x -= s_m[0][h] * P.muv[(long long)kvh * D + i % D];  // BF16 part, centred
-      s_q[i] = x;
+      if (P.out_rotated && P.muv != nullptr) {  // BF16 part, centred before the rotation
+        const float4 mv = *reinterpret_cast<const float4*>(P.muv + (long long)kvh * D + (4 * u) % D);
+        const float ms = s_m[0][h];
+        x.x -= ms * mv.x; x.y -= ms * mv.y; x.z -= ms * mv.z; x.w -= ms * mv.w;
+      }
+      reinterpret_cast<float4*>(s_q)[u] = x;
       y[k] = yy;
     }
   }
   __syncthreads();
   if (tid == 0) P.counters[b * P.hkv + kvh] = 0;
-  if (P.rot_out != nullptr) rotate_rows<D, REP, NT>(s_q, P.rot_out + (long long)kvh * D * D, s_o, tid);
+  if (P.rot_out != nullptr) rotate_rows<D, REP, W>(s_q, P.rot_out + (long long)kvh * D * D / 4, tid);
   u16* og = P.out + ((long long)b * P.hkv * REP + (long long)kvh * REP) * D;
 #pragma unroll
   for (int k = 0; k < PER_T; ++k) {
-    const int i = tid + k * NT;
-    if (i < REP * D) {
-      const int h = i / D, j = i % D;
-      float o = s_q[i] + y[k];
-      if (!P.out_rotated && P.muv != nullptr) o = fmaf(s_m[0][h], P.muv[(long long)kvh * D + j], o);
-      const float L = s_m[0][h] + s_m[0][REP + h];
-      o = L > 0.f ? o / L : 0.f;
-      u32 bits = __float_as_uint(o);  // round to nearest even bf16
-      bits += 0x7fffu + ((bits >> 16) & 1u);
-      og[i] = (u16)(bits >> 16);
+    const int u = tid + k * NT;
+    if (u < UNITS) {
+      const int h = (4 * u) / D, j = (4 * u) % D;
+      float4 o = reinterpret_cast<const float4*>(s_q)[u];
+      o.x += y[k].x; o.y += y[k].y; o.z += y[k].z; o.w += y[k].w;
+      if (!P.out_rotated && P.muv != nullptr) {
+        const float4 mv = *reinterpret_cast<const float4*>(P.muv + (long long)kvh * D + j);
+        const float ms = s_m[0][h];
+        o.x = fmaf(ms, mv.x, o.x); o.y = fmaf(ms, mv.y, o.y); o.z = fmaf(ms, mv.z, o.z); o.w = fmaf(ms, mv.w, o.w);
+      }
+      uint2 packed;
+      packed.x = pack_bf16(o.x, o.y);
+      packed.y = pack_bf16(o.z, o.w);
+      reinterpret_cast<uint2*>(og)[u] = packed;
     }
   }
 }

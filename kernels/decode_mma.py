@@ -46,20 +46,27 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _COPIES: dict[tuple, tuple] = {}
 
 
-def kernel_name(d: int, rep: int, num_warps: int, prefetch: int, min_blocks: int) -> str:
-    """The template instance: head_dim, GQA ratio, warps per CTA, prefetch depth (blocks of 16 tokens per warp)
-    and the CTAs per SM the register allocation must allow (``__launch_bounds__``)."""
-    return f"oscar_decode_mma<{d},{rep},{num_warps},{prefetch},{min_blocks}>"
+def kernel_name(d: int, rep: int, num_warps: int, stages: int, min_blocks: int) -> str:
+    """The template instance: head_dim, GQA ratio, warps per CTA, stages of each warp's cp.async ring (blocks of
+    16 tokens; stages - 1 in flight) and the CTAs per SM the register allocation must allow (``__launch_bounds__``)."""
+    return f"oscar_decode_mma<{d},{rep},{num_warps},{stages},{min_blocks}>"
 
 
-def _function(d: int, rep: int, num_warps: int, prefetch: int, min_blocks: int, dev: torch.device) -> ctypes.c_void_p:
-    key = (d, rep, num_warps, prefetch, min_blocks, dev)
+def shared_bytes(d: int, rep: int, num_warps: int, stages: int) -> int:
+    """Static shared memory of a kernel instance (mirrors decode_mma.cu; at most 48 KiB)."""
+    ring = num_warps * stages * (2 * 16 * d // 4 + 128)
+    outs = num_warps * rep * d * 4
+    return 4 * rep * d + max(ring, outs) + 4 * rep * MAX_PARTIALS + 2 * 4 * num_warps * 2 * rep + 4
+
+
+def _function(d: int, rep: int, num_warps: int, stages: int, min_blocks: int, dev: torch.device) -> ctypes.c_void_p:
+    key = (d, rep, num_warps, stages, min_blocks, dev)
     if key not in _KERNELS:
         try:
             from torch.cuda._utils import _cuda_load_module, _nvrtc_compile
         except ImportError as err:  # pragma: no cover - depends on the torch build
             raise RuntimeError("the mma decode kernel needs torch.cuda._utils (NVRTC), absent in this torch") from err
-        name = kernel_name(d, rep, num_warps, prefetch, min_blocks)
+        name = kernel_name(d, rep, num_warps, stages, min_blocks)
         with torch.cuda.device(dev):
             major, minor = torch.cuda.get_device_capability(dev)
             check(major >= 8, f"the mma decode kernel needs compute capability >= 8.0, got {major}.{minor}")
@@ -93,6 +100,22 @@ def _derived(t: torch.Tensor, kind: str, make) -> torch.Tensor:
     return out
 
 
+def mma_b_fragments(M: torch.Tensor) -> torch.Tensor:
+    """``M`` ``[H, D, D]`` (for ``y = x @ M``) as fp16 B fragments of ``mma.m16n8k16``: int32 ``[H, D/8, D/16, 32, 2]``.
+
+    Entry ``[h, nt, kc, 4g + t, r]`` packs ``M[h, 16 kc + 2t + 8r + e, 8 nt + g]`` for ``e = 0`` (low half), 1 (high).
+    """
+    H, D, D2 = M.shape
+    if D != D2 or D % 16:
+        raise ValueError(f"M must be [H, D, D] with D a multiple of 16, got {tuple(M.shape)}")
+    dev = M.device
+    ar = lambda n, at: torch.arange(n, device=dev).view([-1 if i == at else 1 for i in range(6)])  # noqa: E731
+    nt, kc, g, t, r, e = ar(D // 8, 0), ar(D // 16, 1), ar(8, 2), ar(4, 3), ar(2, 4), ar(2, 5)
+    rows, cols = torch.broadcast_tensors(16 * kc + 2 * t + 8 * r + e, 8 * nt + g)
+    frag = M.to(torch.float16)[:, rows, cols]  # [H, D/8, D/16, 8, 4, 2, 2]
+    return frag.reshape(H, D // 8, D // 16, 32, 2, 2).contiguous().view(torch.int32).reshape(H, D // 8, D // 16, 32, 2)
+
+
 def _counters(dev: torch.device, n: int) -> torch.Tensor:
     buf = _COUNTERS.get(dev)
     if buf is None or buf.numel() < n:
@@ -101,11 +124,12 @@ def _counters(dev: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def default_num_splits(batch: int, num_kv_heads: int, capacity_tokens: int, num_warps: int = 4,
-                       num_sms: int = 132, ctas_per_sm: int = 4, waves: float = 2.0) -> int:
-    """Splits per sequence and KV head: about ``waves`` full waves of CTAs, at least 8 blocks of 16 tokens each."""
+def default_num_splits(batch: int, num_kv_heads: int, capacity_tokens: int, num_warps: int = 8,
+                       num_sms: int = 132, ctas_per_sm: int = 2, waves: float = 1.0, blocks_per_warp: int = 4) -> int:
+    """Splits per sequence and KV head: about ``waves`` full waves of CTAs, each warp at least ``blocks_per_warp``
+    blocks of 16 tokens."""
     want = math.ceil(waves * num_sms * ctas_per_sm / max(batch * num_kv_heads, 1))
-    most = max(1, min(MAX_PARTIALS - 2, math.ceil(capacity_tokens / (16 * 2 * num_warps))))
+    most = max(1, min(MAX_PARTIALS - 2, math.ceil(capacity_tokens / (16 * blocks_per_warp * num_warps))))
     return int(max(1, min(want, most)))
 
 
@@ -146,15 +170,16 @@ def paged_decode_attention_mma(
     sm_scale: Optional[float] = None,
     output_frame: str = "original",
     num_splits: Optional[int] = None,
-    num_warps: int = 4,
-    prefetch: int = 2,
-    min_blocks: int = 1,
+    num_warps: int = 8,
+    stages: Optional[int] = None,
+    min_blocks: int = 2,
 ) -> torch.Tensor:
     """Decode attention ``[B, H, d]`` (``q.dtype``) over BF16 sink + INT2 pages in the mma layouts + BF16 recent.
 
     Same arguments and result as ``oscar.kernels.decode_attention.paged_decode_attention`` (INT2, one
-    group per row); ``num_splits`` (default ``default_num_splits``), ``num_warps`` (2-8) and ``prefetch``
-    (blocks of 16 tokens in flight per warp, 1-4) tune the launch.
+    group per row); ``num_splits`` (default ``default_num_splits``), ``num_warps`` (2, 4, 8), ``stages`` (of each
+    warp's cp.async ring, 2-6; default: 4, or the most that fit in 48 KiB of shared memory) and ``min_blocks``
+    (CTAs per SM the registers must allow: 2 caps them at 128 for 8 warps) tune the launch.
     """
     check(q.is_cuda, f"the mma decode kernel runs on CUDA tensors, q is on {q.device}")
     check(q.dim() == 3, f"q must be [B, H, d], got shape {tuple(q.shape)}")
@@ -169,6 +194,13 @@ def paged_decode_attention_mma(
           f"page_size={page_size} must be a power of two >= 16 for the mma layout")
     check(H % hkv == 0 and H // hkv in (1, 2, 4, 8), f"query heads H={H} over KV heads Hkv={hkv}: GQA ratio must be 1, 2, 4 or 8")
     rep = H // hkv
+    if stages is None:
+        stages = 4
+        while stages > 2 and shared_bytes(d, rep, num_warps, stages) > 48 * 1024:
+            stages -= 1
+    check(2 <= stages <= 6 and shared_bytes(d, rep, num_warps, stages) <= 48 * 1024,
+          f"stages={stages} must be in 2-6 and fit 48 KiB of shared memory "
+          f"({shared_bytes(d, rep, num_warps, stages)} bytes at d={d}, GQA {rep}, {num_warps} warps)")
     for name, t in (("k_codes", k_codes), ("v_codes", v_codes)):
         check(t.is_contiguous() and t.device == dev, f"{name} must be contiguous on {dev}")
     for name, t in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
@@ -181,9 +213,8 @@ def paged_decode_attention_mma(
     check(int_len.dtype == torch.int32 and int_len.numel() >= B and int_len.device == dev,
           f"int_len must be int32 [>= {B}] on {dev}, got {int_len.dtype} {tuple(int_len.shape)}")
     check(output_frame in ("original", "rotated"), f"output_frame={output_frame!r} must be 'original' or 'rotated'")
-    check(num_warps in (2, 4, 8) and prefetch in (1, 2, 3, 4) and 32 * num_warps >= d and 1 <= min_blocks <= 8,
-          f"num_warps={num_warps} (valid 2, 4, 8; at least d/32), prefetch={prefetch} (valid 1-4), "
-          f"min_blocks={min_blocks} (valid 1-8)")
+    check(num_warps in (2, 4, 8) and 32 * num_warps >= d and 1 <= min_blocks <= 8,
+          f"num_warps={num_warps} (valid 2, 4, 8; at least d/32), min_blocks={min_blocks} (valid 1-8)")
     sink = _segment(sink_k, sink_v, sink_len, "sink", B, hkv, d, dev)
     rec = _segment(recent_k, recent_v, recent_len, "recent", B, hkv, d, dev)
     out = torch.empty(B, H, d, dtype=torch.bfloat16, device=dev)
@@ -196,16 +227,19 @@ def paged_decode_attention_mma(
         check(tuple(t.shape) == shape, f"{name} must be {list(shape)}, got {tuple(t.shape)}")
         return _derived(t, "f32", lambda x: x.to(device=dev, dtype=torch.float32).contiguous())
 
-    rk = f32(R_K, (hkv, d, d), "R_K")
+    def frags(t, kind, name):
+        if t is None:
+            return None
+        check(tuple(t.shape) == (hkv, d, d), f"{name} must be [{hkv}, {d}, {d}], got {tuple(t.shape)}")
+        make = (lambda x: mma_b_fragments(x.to(dev, torch.float32).transpose(1, 2))) if kind == "T" else \
+            (lambda x: mma_b_fragments(x.to(dev, torch.float32)))
+        return _derived(t, "frag" + kind, make)
+
+    rk = frags(R_K, "", "R_K")
     muk = f32(mu_K, (hkv, d), "mu_K")
     muv = f32(mu_V, (hkv, d), "mu_V")
-    rot_out = None
-    if R_V is not None:
-        check(tuple(R_V.shape) == (hkv, d, d), f"R_V must be [{hkv}, {d}, {d}], got {tuple(R_V.shape)}")
-        if output_frame == "original":  # quantized partials o_rot -> o_rot @ R_V^T
-            rot_out = _derived(R_V, "f32T", lambda x: x.to(device=dev, dtype=torch.float32).transpose(1, 2).contiguous())
-        else:  # BF16 partials o -> o @ R_V
-            rot_out = f32(R_V, (hkv, d, d), "R_V")
+    # the quantized partials o_rot go to the original frame by o_rot @ R_V^T; BF16 partials to the rotated by o @ R_V
+    rot_out = frags(R_V, "T" if output_frame == "original" else "", "R_V")
     capacity = int(page_table.shape[1]) * page_size
     s_int = num_splits if num_splits is not None else default_num_splits(B, hkv, capacity, num_warps)
     s_total = s_int + (sink is not None) + (rec is not None)
@@ -244,8 +278,8 @@ def paged_decode_attention_mma(
     p.out_rotated = int(output_frame == "rotated")
     p.cs_p, p.cs_h = int(k_codes.stride(0)), int(k_codes.stride(1))
     p.ss_p, p.ss_h = int(k_scale.stride(0)), int(k_scale.stride(1))
-    _launch(_function(d, rep, num_warps, prefetch, min_blocks, dev), (s_total, hkv, B), 32 * num_warps, p, dev)
+    _launch(_function(d, rep, num_warps, stages, min_blocks, dev), (s_total, hkv, B), 32 * num_warps, p, dev)
     return out if q.dtype == torch.bfloat16 else out.to(q.dtype)
 
 
-__all__ = ["Params", "default_num_splits", "kernel_name", "paged_decode_attention_mma"]
+__all__ = ["Params", "default_num_splits", "kernel_name", "mma_b_fragments", "paged_decode_attention_mma", "shared_bytes"]

@@ -18,6 +18,7 @@ of the 31-step radix search of the block path: 8.8 us instead of 23.2 us per lay
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -57,6 +58,8 @@ def _rotate_quantize_kernel(
     codes2_ptr,
     scale2_ptr,
     zero2_ptr,
+    bidx_ptr,
+    bidx2_ptr,
     stride_cp,
     stride_ch,
     stride_cs,
@@ -75,6 +78,7 @@ def _rotate_quantize_kernel(
     PRECISION: tl.constexpr,
     RADIX4: tl.constexpr,
     ROW_PATH: tl.constexpr = False,
+    MMA: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
@@ -86,6 +90,7 @@ def _rotate_quantize_kernel(
         codes_ptr = codes2_ptr
         scale_ptr = scale2_ptr
         zero_ptr = zero2_ptr
+        bidx_ptr = bidx2_ptr
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < n_rows
     cols = tl.arange(0, D)
@@ -212,7 +217,12 @@ def _rotate_quantize_kernel(
     page = slot // PAGE_SIZE
     off = slot % PAGE_SIZE
     bcols = tl.arange(0, D // PER)
-    c_off = page[:, None] * stride_cp + h * stride_ch + off[:, None] * stride_cs + bcols[None, :]
+    if MMA:  # fragment-order pages (oscar.quant.mma_token_map): the row's bytes go to its token's places
+        tb = off % 16
+        boff = tl.load(bidx_ptr + tb[:, None] * (D // PER) + bcols[None, :], mask=rmask[:, None], other=0)
+        c_off = page[:, None] * stride_cp + h * stride_ch + (off - tb)[:, None] * stride_cs + boff
+    else:
+        c_off = page[:, None] * stride_cp + h * stride_ch + off[:, None] * stride_cs + bcols[None, :]
     tl.store(codes_ptr + c_off, packed, mask=rmask[:, None])
     gcols = tl.arange(0, NG)
     s_off = page[:, None] * stride_sp + h * stride_sh + off[:, None] * stride_ss + gcols[None, :]
@@ -220,7 +230,45 @@ def _rotate_quantize_kernel(
     tl.store(zero_ptr + s_off, zero_bf, mask=rmask[:, None])
 
 
-def _kernel_args(x, slots, codes, scale, zero, bits, group_size, R, mu, rho, src_index):
+_MMA_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _mma_tables(mma_map: tuple[torch.Tensor, torch.Tensor], d: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(byte_index int32 [16, d/4], channel permutation [d]) of a fragment-order layout given by its token map
+    (``oscar.quant.mma_token_map``: channel order [16, d], byte index [16, d/4]): the permutation puts the
+    channels of token byte k, slot s at planar position k + (d/4) s, so the planar packing of the permuted row
+    is the token's bytes in order."""
+    order, byte_index = mma_map
+    key = (id(order), id(byte_index), dev)
+    if key not in _MMA_TABLES:
+        check(tuple(order.shape) == (16, d) and tuple(byte_index.shape) == (16, d // 4),
+              f"mma_map must be (channel order [16, {d}], byte index [16, {d // 4}])")
+        check(bool((order == order[0]).all()), "mma layouts keep one channel order for every token of a block")
+        perm = order[0].reshape(d // 4, 4).t().reshape(d)  # perm[k + (d/4) s] = order[4k + s]
+        _MMA_TABLES[key] = (byte_index.to(device=dev, dtype=torch.int32).contiguous(), perm.to(dev))
+    return _MMA_TABLES[key]
+
+
+_PERMUTED: dict[tuple, tuple] = {}
+
+
+def _permuted_rotation(R: Optional[torch.Tensor], perm: torch.Tensor, hkv: int, d: int, dev: torch.device) -> torch.Tensor:
+    """``R[:, :, perm]`` (or the permutation matrix when ``R`` is None), once per tensor and version."""
+    key = (id(R), R._version if R is not None else 0, hkv, d, dev, id(perm))
+    hit = _PERMUTED.get(key)
+    if hit is not None and (R is None or hit[0]() is R):
+        return hit[1]
+    if R is None:
+        out = torch.eye(d, device=dev, dtype=torch.float32)[:, perm].expand(hkv, d, d).contiguous()
+    else:
+        out = R.to(device=dev, dtype=torch.float32)[:, :, perm].contiguous()
+    for k in [k for k, v in _PERMUTED.items() if v[0] is not None and v[0]() is None]:
+        del _PERMUTED[k]
+    _PERMUTED[key] = (weakref.ref(R) if R is not None else None, out)
+    return out
+
+
+def _kernel_args(x, slots, codes, scale, zero, bits, group_size, R, mu, rho, src_index, mma_map=None):
     """Validate one tensor's inputs; return (pointer args, stride args, constexpr flags)."""
     check(bits in (2, 4), f"bits={bits} is not supported; valid values are 2 and 4")
     d = int(x.shape[-1])
@@ -248,6 +296,14 @@ def _kernel_args(x, slots, codes, scale, zero, bits, group_size, R, mu, rho, src
         check(t.device == dev, f"{name} is on {t.device} but x is on {dev}")
     if R is not None:
         check(tuple(R.shape) == (hkv, d, d), f"R must be [{hkv}, {d}, {d}], got {tuple(R.shape)}")
+    bidx = None
+    if mma_map is not None:
+        check(bits == 2 and group_size == d and d in (64, 128) and page_size % 16 == 0,
+              f"the mma layouts need INT2, one group per row, d 64/128 and pages of 16k slots; got bits={bits}, "
+              f"group_size={group_size}, d={d}, page_size={page_size}")
+        bidx, perm = _mma_tables(mma_map, d, dev)
+        R = _permuted_rotation(R, perm, hkv, d, dev)  # channels come out in the token's byte order
+    elif R is not None:
         R = R.to(device=dev, dtype=torch.float32).contiguous()
     if mu is not None:
         check(tuple(mu.shape) == (hkv, d), f"mu must be [{hkv}, {d}], got {tuple(mu.shape)}")
@@ -259,11 +315,11 @@ def _kernel_args(x, slots, codes, scale, zero, bits, group_size, R, mu, rho, src
         check(src_index.shape == (n,), f"src_index must be [N={n}], got {tuple(src_index.shape)}")
     dummy = slots
     ptrs = (x, R if R is not None else dummy, mu if mu is not None else dummy, rho if rho is not None else dummy,
-            codes, scale, zero)
+            codes, scale, zero, bidx if bidx is not None else dummy)
     strides = (x.stride(0), x.stride(1), x.stride(2) if src_index is not None else 0,
                codes.stride(0), codes.stride(1), codes.stride(2), scale.stride(0), scale.stride(1), scale.stride(2))
     flags = dict(PAGE_SIZE=page_size, D=d, G=group_size, BITS=bits, HAS_SRC=src_index is not None,
-                 HAS_ROT=R is not None, HAS_MU=mu is not None, CLIP=rho is not None)
+                 HAS_ROT=R is not None, HAS_MU=mu is not None, CLIP=rho is not None, MMA=bidx is not None)
     return ptrs, strides, flags, (n, hkv)
 
 
@@ -280,18 +336,18 @@ def _launch(first, second, slots, src_index, block_t, num_warps, rot_precision, 
         block_t, num_warps = 1, row_warps
     if second is not None:
         check(second[1] == strides and second[2] == flags and second[3] == (n, hkv),
-              "the two tensors of a pair must have equal shapes, strides and transform flags")
+              "the two tensors of a pair must have equal shapes, strides, transform flags and kinds of layout")
         ptrs2 = second[0]
     else:
         ptrs2 = ptrs
     if n == 0:
         return
-    x, r, mu, rho, codes, scale, zero = ptrs
+    x, r, mu, rho, codes, scale, zero, bidx = ptrs
     dev = x.device
     grid = (triton.cdiv(n, block_t), hkv, 1 if second is None else 2)
     launchable(_rotate_quantize_kernel, dev)[grid](
         x, src_index if src_index is not None else slots, slots, n,
-        strides[0], strides[1], strides[2], r, mu, rho, codes, scale, zero, *ptrs2,
+        strides[0], strides[1], strides[2], r, mu, rho, codes, scale, zero, *ptrs2[:7], bidx, ptrs2[7],
         *strides[3:], BLOCK_T=block_t, PRECISION="ieee" if dev.type != "cuda" else rot_precision,
         num_warps=num_warps, RADIX4=radix4, ROW_PATH=row_path, **flags,
     )
@@ -316,6 +372,7 @@ def rotate_quantize_pack(
     radix4: bool = False,
     row_path: Optional[bool] = None,
     row_warps: int = 1,
+    mma_map: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> None:
     """Quantize rows into pool slots in place (Triton).
 
@@ -323,8 +380,9 @@ def rotate_quantize_pack(
     choosing row `x[n, :, src_index[n]]` (demotion out of a recent window). `slots` `[N]` int
     (`page * page_size + offset`). `codes` `[P, Hkv, page_size, d*bits//8]` uint8, `scale`/`zero`
     `[P, Hkv, page_size, d//G]` bf16. `R` `[Hkv, d, d]`, `mu` `[Hkv, d]`, `rho` `[Hkv]` optional.
+    `mma_map`: the token map of a fragment-order page layout (`oscar.quant.mma_token_map`) to store in.
     """
-    args = _kernel_args(x, slots, codes, scale, zero, bits, group_size, R, mu, rho, src_index)
+    args = _kernel_args(x, slots, codes, scale, zero, bits, group_size, R, mu, rho, src_index, mma_map)
     _launch(args, None, slots, src_index, block_t, num_warps, rot_precision, radix4, row_path, row_warps)
 
 
@@ -346,9 +404,13 @@ def rotate_quantize_pack_pair(
     radix4: bool = False,
     row_path: Optional[bool] = None,
     row_warps: int = 1,
+    k_mma_map: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    v_mma_map: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> None:
     """K and V rows into their pools in one launch (same slots); pages are ``(codes, scale, zero)``,
-    transforms ``(R, mu, rho)``. Both tensors need the same shapes, strides and transform kinds."""
-    a = _kernel_args(xk, slots, *k_pages, bits, group_size, *k_transform, src_index)
-    b = _kernel_args(xv, slots, *v_pages, bits, group_size, *v_transform, src_index)
+    transforms ``(R, mu, rho)``. Both tensors need the same shapes, strides and transform kinds.
+    ``*_mma_map``: the token map of a fragment-order page layout (``oscar.quant.mma_token_map``); the codes
+    are then stored in that layout (the rotation runs with the layout's channel permutation folded in)."""
+    a = _kernel_args(xk, slots, *k_pages, bits, group_size, *k_transform, src_index, k_mma_map)
+    b = _kernel_args(xv, slots, *v_pages, bits, group_size, *v_transform, src_index, v_mma_map)
     _launch(a, b, slots, src_index, block_t, num_warps, rot_precision, radix4, row_path, row_warps)

@@ -172,7 +172,11 @@ def rotate_quantize_pack(x: torch.Tensor, slots: torch.Tensor, pages: QuantPages
     from oscar.kernels.quantize import rotate_quantize_pack as kernel
 
     kernel(x, slots, pages.codes, pages.scale, pages.zero, bits=pages.bits, group_size=pages.group_size,
-           R=t.R, mu=t.mu, rho=t.rho, src_index=src_index)
+           R=t.R, mu=t.mu, rho=t.rho, src_index=src_index, mma_map=_mma_map(pages))
+
+
+def _mma_map(pages: QuantPages) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    return None if pages.layout == "rows" else quant.mma_token_map(pages.head_dim, pages.layout)
 
 
 def rotate_quantize_pack_kv(xk: torch.Tensor, xv: torch.Tensor, slots: torch.Tensor, k_pages: QuantPages,
@@ -181,6 +185,7 @@ def rotate_quantize_pack_kv(xk: torch.Tensor, xv: torch.Tensor, slots: torch.Ten
     """K and V rows into their pages at the same slots; one fused launch on the Triton backend when possible."""
     _check_backend(backend)
     same_kind = all((a is None) == (b is None) for a, b in ((kt.R, vt.R), (kt.mu, vt.mu), (kt.rho, vt.rho)))
+    same_kind = same_kind and (k_pages.layout == "rows") == (v_pages.layout == "rows")
     if backend == "torch" or not same_kind or xk.stride() != xv.stride() or xk.dtype != xv.dtype:
         rotate_quantize_pack(xk, slots, k_pages, kt, src_index=src_index, backend=backend)
         rotate_quantize_pack(xv, slots, v_pages, vt, src_index=src_index, backend=backend)
@@ -190,7 +195,8 @@ def rotate_quantize_pack_kv(xk: torch.Tensor, xv: torch.Tensor, slots: torch.Ten
     rotate_quantize_pack_pair(xk, xv, slots, (k_pages.codes, k_pages.scale, k_pages.zero),
                               (v_pages.codes, v_pages.scale, v_pages.zero), bits=k_pages.bits,
                               group_size=k_pages.group_size, k_transform=(kt.R, kt.mu, kt.rho),
-                              v_transform=(vt.R, vt.mu, vt.rho), src_index=src_index)
+                              v_transform=(vt.R, vt.mu, vt.rho), src_index=src_index,
+                              k_mma_map=_mma_map(k_pages), v_mma_map=_mma_map(v_pages))
 
 
 # ----------------------------------------------------------------------------------------------
