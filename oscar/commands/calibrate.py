@@ -48,14 +48,24 @@ def write_choices(artifact: Path, prefix: Path, title: str, note: str = "") -> t
     return write_auto_choices(meta, prefix, title, note)
 
 
+# verb flags and defaults, listed by `--help`
+HELP_FLAGS = {"force": False, "report": ""}
+
+
 def main(argv: list[str]) -> int:
     """Compose the configuration, run the three stages, print a summary with timings."""
     from oscar.config import compose
 
-    flags, overrides = pop_flags(argv, {"force": False, "report": ""})
+    from oscar.config import ConfigError
+
+    try:
+        flags, overrides = pop_flags(argv, {"force": False, "report": ""})
+        cfg = compose(overrides)
+    except ConfigError as exc:
+        print(f"oscar calibrate: {exc}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     try:
-        cfg = compose(overrides)
         results = run_calibrate(cfg, force=bool(flags["force"]), out=Path(str(cfg.output)) if cfg.output else None)
         if flags["report"]:
             if str(cfg.method.key_rotation) != "auto":

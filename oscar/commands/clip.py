@@ -19,6 +19,8 @@ from oscar.commands._stage import (
     recorded_hash,
     rotations_dir,
     rotations_hash,
+    Progress,
+    count_calls,
     single_thread,
 )
 
@@ -49,7 +51,10 @@ def run_clip(cfg: Any, *, force: bool = False, out: Path | None = None, stats: A
     clip = clip_mode(cfg.method)
     if stats is None and clip == "fit":
         stats = load_stats(cfg)
-    with single_thread():
+    import oscar.calibration
+
+    steps = Progress(f"clip {cfg.model.name}/{cfg.method.name} (layer, side)", 2 * art.num_layers)
+    with single_thread(), count_calls(steps, oscar.calibration, ("fit_layer_clip",)):
         art = fit_clip(
             art, cfg.method, stats=stats,
             clip_grid_k=list(cfg.calibration.clip_grid_k), clip_grid_v=list(cfg.calibration.clip_grid_v),
@@ -58,6 +63,10 @@ def run_clip(cfg: Any, *, force: bool = False, out: Path | None = None, stats: A
     art.meta.pop("tensors_sha256", None)
     save_artifact(art, target)
     return StageResult("clip", target, False, time.perf_counter() - t0, h)
+
+
+# verb flags and defaults, listed by `--help`
+HELP_FLAGS = {"force": False}
 
 
 def main(argv: list[str]) -> int:

@@ -15,7 +15,8 @@ from oscar.config import ConfigError, compose, dump_yaml, flatten, to_dict, writ
 
 def main(argv: list[str]) -> int:
     """Compose, validate and show the configuration; returns a process exit code."""
-    parser = argparse.ArgumentParser(prog="python -m oscar config", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m oscar config", description=__doc__.splitlines()[0],
+                                     epilog="example: python -m oscar config model=qwen2.5-coder-0.5b method=quarot --format flat")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=qwen2.5-coder-0.5b method=quarot")
     parser.add_argument("--output", help="write the resolved YAML here (atomically, only when changed)")
     parser.add_argument("--format", choices=("yaml", "json", "flat"), default="yaml")

@@ -117,6 +117,10 @@ def run_dump(cfg: Any, *, model: Any = None, tokenizer: Any = None, force: bool 
     return StageResult("dump", target, False, time.perf_counter() - t0, h)
 
 
+# verb flags and defaults, listed by `--help`
+HELP_FLAGS = {"force": False}
+
+
 def main(argv: list[str]) -> int:
     """Compose the configuration, run `dump`, print where the statistics are."""
     return run_stage_verb("dump", argv, run_dump, takes_out=False)

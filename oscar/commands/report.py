@@ -29,7 +29,8 @@ FORMATS = ("csv", "md", "tex", "png")
 
 def main(argv: list[str]) -> int:
     """Render and/or track one table; returns a process exit code."""
-    parser = argparse.ArgumentParser(prog="python -m oscar report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m oscar report", description=__doc__.splitlines()[0],
+                                     epilog="example: python -m oscar report --plan results/plan/default/table2.json --table results/tables/default/table2.csv --output-dir /tmp/reports")
     parser.add_argument("--plan", required=True, help="table plan JSON written by the workflow")
     parser.add_argument("--table", help="long CSV from `oscar aggregate` (needed to render)")
     parser.add_argument("--output-dir", help="folder for <table>.csv/.md/.tex/.png")

@@ -19,6 +19,8 @@ from oscar.commands._stage import (
     recorded_hash,
     rotations_dir,
     rotations_hash,
+    Progress,
+    count_calls,
     single_thread,
     stats_dir,
 )
@@ -81,7 +83,10 @@ def run_rotations(cfg: Any, *, force: bool = False, out: Path | None = None, sta
     if stats is None and needs_statistics(cfg.method):
         stats = load_stats(cfg)
     geom = model_geometry(cfg, stats)
-    with single_thread():
+    import oscar.calibration
+
+    steps = Progress(f"rotations {cfg.model.name}/{cfg.method.name} (layer, side)", 2 * int(geom["num_layers"]))
+    with single_thread(), count_calls(steps, oscar.calibration, ("select_layer", "layer_rotations")):
         art = build_rotations(
             cfg.method,
             num_layers=geom["num_layers"], num_kv_heads=geom["num_kv_heads"], head_dim=geom["head_dim"],
@@ -91,6 +96,10 @@ def run_rotations(cfg: Any, *, force: bool = False, out: Path | None = None, sta
     art.meta["pipeline"] = {"rotations_hash": h, "stats_hash": dump_hash(cfg) if stats is not None else None}
     save_artifact(art, target)
     return StageResult("rotations", target, False, time.perf_counter() - t0, h)
+
+
+# verb flags and defaults, listed by `--help`
+HELP_FLAGS = {"force": False}
 
 
 def main(argv: list[str]) -> int:

@@ -35,7 +35,8 @@ def _python():
 
 # Jobs call `$OSCAR_PYTHON -m oscar ...`, set by the shell prefix rather than a rule parameter,
 # so switching interpreters (or --sdm conda) does not count as a parameter change of every job.
-shell.prefix(f"set -euo pipefail; export OSCAR_PYTHON={shlex.quote(_python())}; ")
+# OSCAR_EXIT_WITH_PARENT: a job ends when snakemake is gone (kill -9), instead of running on orphaned.
+shell.prefix(f"set -euo pipefail; export OSCAR_PYTHON={shlex.quote(_python())} OSCAR_EXIT_WITH_PARENT=1; ")
 
 
 def _gpu_present():
