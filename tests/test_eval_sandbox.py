@@ -361,11 +361,11 @@ def test_remove_tree_has_no_recursion_limit_and_respects_its_deadline(tmp_path):
     deep = tmp_path / "deep"
     deep.mkdir()
     fd = os.open(deep, os.O_RDONLY)
-    for i in range(5000):  # deeper than Python's recursion limit, paths longer than PATH_MAX
+    for i in range(2100):  # deeper than Python's recursion limit, paths longer than PATH_MAX (4096)
         os.mkdir("d", dir_fd=fd)
-        for j in range(3 if i % 1000 == 0 else 0):
-            os.close(os.open(f"f{j}", os.O_CREAT | os.O_WRONLY, dir_fd=fd))
-        os.symlink("/etc", "link", dir_fd=fd)  # never followed
+        if i % 300 == 0:
+            os.close(os.open("f", os.O_CREAT | os.O_WRONLY, dir_fd=fd))
+            os.symlink("/etc", "link", dir_fd=fd)  # never followed
         nxt = os.open("d", os.O_RDONLY, dir_fd=fd)
         os.close(fd)
         fd = nxt
@@ -410,6 +410,8 @@ def test_path_sockets_user_namespaces_and_host_interfaces_are_out_of_reach(tmp_p
     only this namespace's loopback; an internet socket may be made (the network namespace is empty)."""
     import socket as socket_mod
 
+    from oscar.eval.sandbox import seccomp_filter
+
     server = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM)
     server.bind(str(tmp_path / "host.sock"))
     server.listen(1)
@@ -443,6 +445,8 @@ def test_path_sockets_user_namespaces_and_host_interfaces_are_out_of_reach(tmp_p
         server.close()
     out = dict(line.split(" ", 1) for line in res.stdout.strip().splitlines())
     assert res.passed, res.stderr
+    if seccomp_filter() is None:
+        pytest.skip("no seccomp filter for this machine's architecture")
     assert out["unix"] == out["netlink"] == out["userns"] == out["mountns"] == "Operation not permitted", out
     assert out["inet"] == "ok" and out["fork"] == "7" and out["net"] in ("[]", "['lo']")
     assert not connected

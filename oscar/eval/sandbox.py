@@ -647,7 +647,7 @@ class SandboxRun:
         limits, mode = self.limits, self.mode
         control = self.base / "control"  # evaluator-owned: program, bootstrap, captured output
         control.mkdir()
-        (control / "program.py").write_text(code)
+        (control / "program.py").write_text(code, encoding="utf-8")
         rlimits = {
             "RLIMIT_CPU": int(limits.cpu_s),
             "RLIMIT_AS": int(limits.memory_mb) << 20,
@@ -667,8 +667,8 @@ class SandboxRun:
             uid = self.lease.uid
             try:
                 self.cgroup = _Cgroup(f"oscar-sbx-{uid}-{os.getpid()}", limits)
-            except OSError as exc:
-                self.notes.append(f"memory and process count bounded per process only ({exc})")
+            except OSError:  # memory and process count bounded per process only: memory_scope says so
+                self.cgroup = None
             root = control / "root"
             root.mkdir()
             self._lifeline_r, self.lifeline = os.pipe()
@@ -690,7 +690,7 @@ class SandboxRun:
         else:
             workdir = self.base / "work"
             workdir.mkdir()
-            (workdir / "program.py").write_text(code)
+            (workdir / "program.py").write_text(code, encoding="utf-8")
             env["HOME"] = str(workdir)
             argv = [sys.executable] + stage2_argv
             cwd = str(workdir)
