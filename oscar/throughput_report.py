@@ -298,6 +298,11 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _short(model: str) -> str:
+    """``qwen3-4b-thinking-2507`` -> ``qwen3-4b`` (figure labels)."""
+    return "-".join(model.split("-")[:2])
+
+
 def figure(res: dict[str, Any], path: Path) -> Optional[Path]:
     """Speedup against context, job tokens/s, largest batch and the step split at the job context."""
     try:
@@ -319,18 +324,23 @@ def figure(res: dict[str, Any], path: Path) -> Optional[Path]:
     ax.set(xlabel="context (k tokens)", ylabel="speedup vs BF16 (dashed: byte bound)", title="batch-1 decode step")
     ax.legend(fontsize=7)
     ax = axes[0][1]
-    labels, vals = [], []
-    for j in res["job"]:
+    colors = {"bf16": "tab:gray", "oscar": "tab:blue", "saw_int4": "tab:orange"}
+    labels, vals, cols = [], [], []
+    for j in sorted(res["job"], key=lambda j: (j["model"], j["job_batch"], j["cache"])):
         if j.get("tokens_per_s") not in (None, ""):
-            labels.append(f"{j['model'][:8]}\n{j['cache']}\nN={j['job_batch']}")
+            labels.append(f"{_short(j['model'])}\nN={j['job_batch']}")
             vals.append(float(j["tokens_per_s"]))
-    ax.bar(range(len(vals)), vals)
+            cols.append(colors.get(j["cache"], "tab:green"))
+    ax.bar(range(len(vals)), vals, color=cols)
     ax.set_xticks(range(len(vals)), labels, fontsize=6)
+    for c, col in colors.items():
+        ax.bar([0], [0], color=col, label=c)
+    ax.legend(fontsize=7)
     ax.set(ylabel="tokens/s", title="job throughput at the job context (one memory budget)")
     ax = axes[1][0]
     labels, vals = [], []
     for f in res["fit"]:
-        labels.append(f"{f['model'][:8]}\n{f['cache']}")
+        labels.append(f"{_short(f['model'])}\n{f['cache']}")
         vals.append(int(f["max_batch"]))
     ax.bar(range(len(vals)), vals, color="tab:green")
     ax.set_xticks(range(len(vals)), labels, fontsize=7)

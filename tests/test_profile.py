@@ -126,8 +126,9 @@ def test_profile_verb_on_a_tiny_architecture(tmp_path):
     """Every part end to end on the CPU: files written, each cache at each point, the check agreeing."""
     assert profile.main(["tiny=true", f"output_dir={tmp_path}", "tracking.enabled=false"]) == 0
     grid = report.read_csv(tmp_path / "grid.csv")
-    assert {(r["cache"], r["batch"], r["context"]) for r in grid} == {
-        (c, b, t) for c in ("bf16", "oscar", "saw_int4") for b in (1, 2) for t in (400, 800)}
+    points = {(r["cache"], r["batch"], r["context"]) for r in grid}
+    planned = {(c, b, t) for c in ("bf16", "oscar", "saw_int4") for b in (1, 2) for t in (400, 800)}
+    assert planned <= points and all(t == 800 for _, _, t in points - planned)  # extras: job batches at the job context
     assert all(r["status"] == "ok" and r["step_us"] > 0 for r in grid)
     check = report.read_csv(tmp_path / "check.csv")
     assert all(r["forced_argmax_agree"] == r["tokens_total"] for r in check)
