@@ -244,6 +244,19 @@ def markdown(res: dict[str, Any]) -> str:
                           f"{_f(r.get('forced_disagree_max_margin'), 3)} ({_f(r.get('median_margin'), 3)})",
                           f"{r['kl_cpu']:.4g} [{r['kl_cpu_lo']:.4g}, {r['kl_cpu_hi']:.4g}]",
                           f"{r['kl_device']:.4g}", str(r["kl_within_cpu_interval"])] for r in check])
+        twins = [r for r in check if r.get("twin_forced_max_abs_logit_diff") not in (None, "")]
+        if twins:
+            lines += ["Where a difference comes from (same device): the torch twins of the kernels run the device "
+                      "path teacher forced (their logits against the CPU path); the prompt imported through the Triton "
+                      "quantize kernel and through its twin (share of dequantized elements that differ, largest "
+                      "relative row difference); each layer's Triton decode attention against its twin on the same "
+                      "cache (largest relative difference of an output row).", ""]
+            lines += _table(["cache", "twins: max abs logit diff", "twins: argmax agree", "quantized elements differing",
+                             "largest row difference", "attention: largest row difference"],
+                            [[r["cache"], r["twin_forced_max_abs_logit_diff"],
+                              f"{r['twin_forced_argmax_agree']}/{r['tokens_total']}",
+                              f"{float(r['quant_elements_differ']):.2e}", f"{float(r['quant_row_rel_diff_max']):.2e}",
+                              f"{float(r['attention_rel_diff_max']):.2e}"] for r in twins])
     if res["targets"]:
         lines += ["## Targets (same run, same GPU)", ""]
         lines += _table(["model", "cache", "target", "measured", "bound", "met"],
