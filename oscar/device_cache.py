@@ -154,6 +154,10 @@ class DeviceCache(Cache):
     def prepare(self) -> None:
         """Per-step device indices shared by every layer (call once per step before the forward)."""
 
+    def step_state(self) -> list[torch.Tensor]:
+        """Tensors a step reads after writing them in the same step's slots (restored after warm-up steps)."""
+        return []
+
     def attend_and_write(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          scale: float) -> torch.Tensor:
         raise NotImplementedError
@@ -271,6 +275,11 @@ class DeviceOscarCache(DeviceCache):
             return None if x is None else x.to(self.device, torch.float32).contiguous()
 
         return paged.HeadTransform(mv(t.R), mv(t.mu), mv(t.rho))
+
+    def step_state(self) -> list[torch.Tensor]:
+        """The BF16 buffers: a step demotes the ring row that it then overwrites with the new token, so a
+        repeated step would demote the new token; everything else a step writes, it rewrites identically."""
+        return self.bf16
 
     def storage(self) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
@@ -412,6 +421,19 @@ def sample(logits: torch.Tensor, temperature: float, generator: Optional[torch.G
     return (probs / race).argmax(dim=-1)
 
 
+def warm_up(model: torch.nn.Module, cache: DeviceCache, tokens: torch.Tensor, *, temperature: float = 0.0,
+            steps: int = 2) -> None:
+    """Run ``steps`` decode steps without advancing (kernel compilation, allocator), then put back what
+    they changed that the next real step reads, so that step computes exactly what it would have
+    computed without the warm-up."""
+    saved = [t.clone() for t in cache.step_state()]
+    with torch.no_grad():
+        for _ in range(steps):
+            decode_step(model, cache, tokens, temperature=temperature, advance=False)
+    for t, s in zip(cache.step_state(), saved):
+        t.copy_(s)
+
+
 def decode_step(model: torch.nn.Module, cache: DeviceCache, tokens: torch.Tensor, *, temperature: float = 0.0,
                 advance: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step for every sequence: embeddings, every layer, LM head, sampling.
@@ -450,18 +472,22 @@ class GraphedDecoder:
         self.tokens = tokens.clone()
         self.temperature = temperature
         length = cache.seq_len
+        self.graph = torch.cuda.CUDAGraph()
+
+        def capture() -> None:
+            torch.cuda.synchronize()
+            with torch.cuda.graph(self.graph), torch.no_grad():
+                nxt, logits = decode_step(model, cache, self.tokens, temperature=temperature, advance=advance)
+                self.tokens.copy_(nxt)
+                self.logits = logits
+            torch.cuda.synchronize()
+
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.no_grad():
-            for _ in range(warmup):  # compile kernels and settle the allocator (no advance: idempotent)
-                decode_step(model, cache, self.tokens, temperature=temperature, advance=False)
+        with torch.cuda.stream(stream):  # compile kernels, settle the allocator; the state is put back after
+            warm_up(model, cache, self.tokens, temperature=temperature, steps=warmup)
         torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.no_grad():
-            nxt, logits = decode_step(model, cache, self.tokens, temperature=temperature, advance=advance)
-            self.tokens.copy_(nxt)
-            self.logits = logits
+        capture()  # records only: nothing runs, the cache is as the warm-up left it
         if advance:  # capture ran the host part of advance() once: undo it; replays move pos on the device
             cache.seq_len = length
         self.tokens.copy_(tokens)
@@ -501,4 +527,5 @@ __all__ = [
     "prefill",
     "register",
     "sample",
+    "warm_up",
 ]

@@ -209,6 +209,52 @@ def device_decode(model: Any, prompt: torch.Tensor, cache: dc.DeviceCache, steps
     return torch.stack(toks, 1), torch.stack(logits, 1)
 
 
+def kernels_against_twins(model: Any, prompt: torch.Tensor, fmt: CacheFormat, device: Any) -> dict[str, float]:
+    """Localise a device-path difference: the prompt imported into two caches on ``device``, one through
+    the Triton quantize kernel and one through its torch twin, then each layer's decode attention on the
+    Triton-written cache by the Triton kernel and by the torch twin (random query of the model's scale).
+
+    Returns the share of dequantized cache elements that differ between the two imports, the largest
+    relative difference of those elements' rows, and the largest per-row relative difference of the
+    attention outputs (``||o_triton - o_torch|| / ||o_torch||``)."""
+    layers, heads, hkv, d = geometry(model)
+    B, L = prompt.shape
+    with torch.no_grad():
+        dc.enable(model)
+        _, kv = dc.prefill(model, prompt.to(device))
+        caches = {}
+        for backend in ("triton", "torch"):
+            caches[backend] = new_device_cache(fmt, model, B, L, extra_steps=1, device=device, backend=backend,
+                                               shuffle_pages=True)
+            dc.import_prefill(caches[backend], kv)
+        tr, tw = caches["triton"], caches["torch"]
+        nq = max(0, L - fmt.sink - fmt.recent)
+        differ, total, row_rel, attn_rel = 0, 0, 0.0, 0.0
+        gen = torch.Generator(device=device).manual_seed(0)
+        for layer in range(layers):
+            for b in range(B):
+                for pages_tr, pages_tw in ((tr.k_pages[layer], tw.k_pages[layer]), (tr.v_pages[layer], tw.v_pages[layer])):
+                    a = paged.gather_dequantize(pages_tr, tr.page_table, b, nq)
+                    c = paged.gather_dequantize(pages_tw, tw.page_table, b, nq)
+                    differ += int((a != c).sum())
+                    total += a.numel()
+                    rel = (a - c).norm(dim=-1) / c.norm(dim=-1).clamp_min(1e-12)
+                    row_rel = max(row_rel, float(rel.max()) if rel.numel() else 0.0)
+            q = kv[layer][0].float().std() * torch.randn(B, heads, d, generator=gen, device=device)
+            lens = {"sink_len": torch.full((B,), min(L, fmt.sink), dtype=torch.int32, device=device),
+                    "recent_len": torch.full((B,), min(max(L - fmt.sink, 0), fmt.recent), dtype=torch.int32, device=device)}
+            kt, vt = tr.transforms[layer]
+            outs = [paged.decode_attention(q, tr.k_pages[layer], tr.v_pages[layer], tr.page_table,
+                                           torch.full((B,), nq, dtype=torch.int32, device=device), kt, vt,
+                                           sink_k=tr.sink_k[layer], sink_v=tr.sink_v[layer], recent_k=tr.recent_k[layer],
+                                           recent_v=tr.recent_v[layer], sm_scale=d ** -0.5, backend=backend, **lens).float()
+                    for backend in ("triton", "torch")]
+            rel = (outs[0] - outs[1]).norm(dim=-1) / outs[1].norm(dim=-1).clamp_min(1e-12)
+            attn_rel = max(attn_rel, float(rel.max()))
+    return {"quant_elements_differ": differ / max(total, 1), "quant_row_rel_diff_max": row_rel,
+            "attention_rel_diff_max": attn_rel}
+
+
 def teacher_forced_kl(model: Any, prompt: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Per-step KL(BF16 || cache) of ``logits`` ``[B, n, V]`` against a plain full forward of
     ``prompt + tokens`` (the BF16 reference on the same token path)."""
@@ -306,6 +352,7 @@ __all__ = [
     "geometry",
     "head_transforms",
     "kernel_breakdown",
+    "kernels_against_twins",
     "new_device_cache",
     "reference_decode",
     "split_step",

@@ -244,6 +244,19 @@ def markdown(res: dict[str, Any]) -> str:
                           f"{_f(r.get('forced_disagree_max_margin'), 3)} ({_f(r.get('median_margin'), 3)})",
                           f"{r['kl_cpu']:.4g} [{r['kl_cpu_lo']:.4g}, {r['kl_cpu_hi']:.4g}]",
                           f"{r['kl_device']:.4g}", str(r["kl_within_cpu_interval"])] for r in check])
+        twins = [r for r in check if r.get("twin_forced_max_abs_logit_diff") not in (None, "")]
+        if twins:
+            lines += ["Where a difference comes from (same device): the torch twins of the kernels run the device "
+                      "path teacher forced (their logits against the CPU path); the prompt imported through the Triton "
+                      "quantize kernel and through its twin (share of dequantized elements that differ, largest "
+                      "relative row difference); each layer's Triton decode attention against its twin on the same "
+                      "cache (largest relative difference of an output row).", ""]
+            lines += _table(["cache", "twins: max abs logit diff", "twins: argmax agree", "quantized elements differing",
+                             "largest row difference", "attention: largest row difference"],
+                            [[r["cache"], r["twin_forced_max_abs_logit_diff"],
+                              f"{r['twin_forced_argmax_agree']}/{r['tokens_total']}",
+                              f"{float(r['quant_elements_differ']):.2e}", f"{float(r['quant_row_rel_diff_max']):.2e}",
+                              f"{float(r['attention_rel_diff_max']):.2e}"] for r in twins])
     if res["targets"]:
         lines += ["## Targets (same run, same GPU)", ""]
         lines += _table(["model", "cache", "target", "measured", "bound", "met"],
@@ -298,6 +311,11 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _short(model: str) -> str:
+    """``qwen3-4b-thinking-2507`` -> ``qwen3-4b`` (figure labels)."""
+    return "-".join(model.split("-")[:2])
+
+
 def figure(res: dict[str, Any], path: Path) -> Optional[Path]:
     """Speedup against context, job tokens/s, largest batch and the step split at the job context."""
     try:
@@ -319,18 +337,23 @@ def figure(res: dict[str, Any], path: Path) -> Optional[Path]:
     ax.set(xlabel="context (k tokens)", ylabel="speedup vs BF16 (dashed: byte bound)", title="batch-1 decode step")
     ax.legend(fontsize=7)
     ax = axes[0][1]
-    labels, vals = [], []
-    for j in res["job"]:
+    colors = {"bf16": "tab:gray", "oscar": "tab:blue", "saw_int4": "tab:orange"}
+    labels, vals, cols = [], [], []
+    for j in sorted(res["job"], key=lambda j: (j["model"], j["job_batch"], j["cache"])):
         if j.get("tokens_per_s") not in (None, ""):
-            labels.append(f"{j['model'][:8]}\n{j['cache']}\nN={j['job_batch']}")
+            labels.append(f"{_short(j['model'])}\nN={j['job_batch']}")
             vals.append(float(j["tokens_per_s"]))
-    ax.bar(range(len(vals)), vals)
+            cols.append(colors.get(j["cache"], "tab:green"))
+    ax.bar(range(len(vals)), vals, color=cols)
     ax.set_xticks(range(len(vals)), labels, fontsize=6)
+    for c, col in colors.items():
+        ax.bar([0], [0], color=col, label=c)
+    ax.legend(fontsize=7)
     ax.set(ylabel="tokens/s", title="job throughput at the job context (one memory budget)")
     ax = axes[1][0]
     labels, vals = [], []
     for f in res["fit"]:
-        labels.append(f"{f['model'][:8]}\n{f['cache']}")
+        labels.append(f"{_short(f['model'])}\n{f['cache']}")
         vals.append(int(f["max_batch"]))
     ax.bar(range(len(vals)), vals, color="tab:green")
     ax.set_xticks(range(len(vals)), labels, fontsize=7)

@@ -152,3 +152,41 @@ def test_kernel_classification():
     assert tp.classify_kernel("void at::native::vectorized_elementwise_kernel<4, silu>") == "other"
     split = tp.split_step(100.0, {"gemm": 50.0, "attention": 30.0, "quantize": 5.0, "other": 9.0})
     assert split == {"gemm_us": 50.0, "attention_us": 30.0, "quantize_us": 5.0, "other_us": 15.0}
+
+
+@pytest.mark.parametrize("steps", [0, 2])
+def test_warm_up_leaves_the_next_step_unchanged(model, steps):
+    """Warm-up steps (before a CUDA graph capture) rewrite the ring slot the next step demotes from; after
+    warm_up the next steps give exactly the tokens and logits of a cache that never warmed up."""
+    fmt = oscar_format(rotations(False))
+    ids = prompt(24)
+    out = []
+    for warm in (0, steps):
+        cache = tp.new_device_cache(fmt, model, 2, ids.shape[1], extra_steps=8, device="cpu", backend="torch")
+        dc.enable(model)
+        with torch.no_grad():
+            lg, kv = dc.prefill(model, ids)
+            dc.import_prefill(cache, kv)
+            tok = lg.argmax(-1)
+            dc.warm_up(model, cache, tok, steps=warm)
+            logits = []
+            for _ in range(4):
+                tok, lg = dc.decode_step(model, cache, tok)
+                logits.append(lg)
+        out.append(torch.stack(logits))
+    assert torch.equal(out[0], out[1])
+
+
+def test_a_repeated_step_without_restore_would_demote_the_new_token(model):
+    """Why warm_up restores the BF16 buffers: the same step run twice demotes the token it wrote."""
+    fmt = oscar_format(rotations(False))
+    ids = prompt(24)
+    cache = tp.new_device_cache(fmt, model, 2, ids.shape[1], extra_steps=8, device="cpu", backend="torch")
+    dc.enable(model)
+    with torch.no_grad():
+        lg, kv = dc.prefill(model, ids)
+        dc.import_prefill(cache, kv)
+        tok = lg.argmax(-1)
+        before = [t.clone() for t in cache.step_state()]
+        dc.decode_step(model, cache, tok, advance=False)
+    assert any(not torch.equal(a, b) for a, b in zip(before, cache.step_state()))

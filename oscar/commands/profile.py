@@ -342,10 +342,10 @@ def run_check(s: Settings, machine: Machine) -> list[dict[str, Any]]:
         dev_model = copy.deepcopy(cpu_model).to(machine.device)  # the same weights (device RNGs differ)
         graph = machine.cuda and fmt.transforms is not None
 
-        def device_run(forced: Optional[Any]) -> tuple[Any, Any]:
+        def device_run(forced: Optional[Any], backend: str = "triton" if machine.cuda else "torch",
+                       graph: bool = graph) -> tuple[Any, Any]:
             cache = tp.new_device_cache(fmt, dev_model, prompt.shape[0], prompt.shape[1], extra_steps=steps,
-                                        device=machine.device, backend="triton" if machine.cuda else "torch",
-                                        shuffle_pages=True)
+                                        device=machine.device, backend=backend, shuffle_pages=True)
             tok, lg = tp.device_decode(dev_model, prompt.to(machine.device), cache, steps, graph=graph, forced=forced)
             del cache
             return tok.cpu(), lg.cpu()
@@ -361,6 +361,16 @@ def run_check(s: Settings, machine: Machine) -> list[dict[str, Any]]:
         kl = tp.teacher_forced_kl(dev_model, prompt.to(machine.device), ref_tok.to(machine.device),
                                   flg.to(machine.device)).cpu()
         lo, hi = block_bootstrap_ci([ref_kl[b] for b in range(ref_kl.shape[0])], block=4)
+        twins: dict[str, Any] = {}
+        if fmt.transforms is not None and machine.cuda:  # where a difference comes from: kernels or the rest
+            _, tlg = device_run(ref_tok, backend="torch", graph=False)
+            twins = {"twin_forced_max_abs_logit_diff": float((tlg - ref_lg).abs().max()),
+                     "twin_forced_argmax_agree": int((tlg.argmax(-1) == ref_tok).sum()),
+                     **tp.kernels_against_twins(dev_model, prompt, fmt, machine.device)}
+            print(f"  {method} on {machine.device}: torch twins teacher-forced max |dlogit| "
+                  f"{twins['twin_forced_max_abs_logit_diff']:.3g}; Triton vs twin: quantized elements differing "
+                  f"{twins['quant_elements_differ']:.2e}, attention rel diff {twins['attention_rel_diff_max']:.2e}",
+                  flush=True)
         rows.append({
             "cache": method, "device": str(machine.device), "path": "triton + cuda graph" if graph else
             ("eager" + (" triton" if machine.cuda and fmt.transforms is not None else "")),
@@ -373,7 +383,7 @@ def run_check(s: Settings, machine: Machine) -> list[dict[str, Any]]:
             "logit_scale": float(ref_lg.abs().max()),
             "kl_cpu": float(ref_kl.mean()), "kl_cpu_lo": lo, "kl_cpu_hi": hi, "kl_device": float(kl.mean()),
             "kl_within_cpu_interval": bool(lo <= float(kl.mean()) <= hi), "cpu_s": round(cpu_s, 1),
-            "note": fmt.note,
+            **twins, "note": fmt.note,
         })
         print(f"check {method}: free-running tokens {int(same.sum())}/{same.numel()} equal (first divergence at step "
               f"{upto}); teacher-forced argmax {int(agree.sum())}/{agree.numel()}, max |dlogit| "

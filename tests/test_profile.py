@@ -1,0 +1,136 @@
+"""`python -m oscar profile`: the report's derived numbers from result files, the MLflow mirror, the refusal
+without a GPU, and (slow) the whole verb on a tiny architecture on the CPU, budget-limited OOM points included."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from oscar import throughput as tp
+from oscar import throughput_report as report
+from oscar.commands import profile
+
+GB = 1e9
+
+
+def write_fixture(out):
+    """A small result set in the verb's file format (made-up times: the test checks arithmetic, not speed)."""
+    grid = []
+    for cache, kv_per_seq, attn in (("bf16", 8 * GB, 4000.0), ("oscar", 1 * GB, 2000.0)):
+        for batch, status in ((1, "ok"), (4, "ok" if cache == "oscar" else "OOM")):
+            row = {"model": "m", "cache": cache, "batch": batch, "context": 1000, "status": status}
+            if status == "ok":
+                step = 5000.0 + batch * attn
+                row.update(step_us=step, gemm_us=3000.0, attention_us=batch * attn, quantize_us=100.0 if cache != "bf16" else 0.0,
+                           other_us=step - 3000.0 - batch * attn, tokens_per_s=batch / (step * 1e-6))
+            row.update(kv_bytes=kv_per_seq * batch, kv_bytes_per_element=0.3 if cache == "oscar" else 2.0)
+            grid.append(row)
+    report.write_csv(out / "grid.csv", grid, profile.GRID_KEYS)
+    report.write_csv(out / "fit.csv", [{"model": "m", "cache": "bf16", "context": 1000, "max_batch": 2, "budget_gib": 1, "tried": "1 2 4 3"},
+                                       {"model": "m", "cache": "oscar", "context": 1000, "max_batch": 16, "budget_gib": 1, "tried": "1"}])
+    report.write_csv(out / "job.csv", [
+        {"model": "m", "cache": "bf16", "context": 1000, "job_batch": 4, "run_batch": 1, "waves": 4, "status": "ok",
+         "step_us": grid[0]["step_us"], "tokens_per_s": grid[0]["tokens_per_s"]},
+        {"model": "m", "cache": "oscar", "context": 1000, "job_batch": 4, "run_batch": 4, "waves": 1, "status": "ok",
+         "step_us": grid[3]["step_us"], "tokens_per_s": grid[3]["tokens_per_s"]}])
+    env = {"copy_bandwidth_tb_s": 4.0, "models": {"m": {"weight_bytes_read_per_step": 10 * GB}},
+           "settings": {"job_context": 1000, "reps": 3, "temperature": 0.6}, "formats": {}}
+    (out / "env.json").write_text(json.dumps(env))
+    return grid
+
+
+def test_report_numbers_follow_from_the_files(tmp_path):
+    grid = write_fixture(tmp_path)
+    res = report.analyse(tmp_path)
+    sp = res["speedup"][0]
+    assert sp["speedup"] == pytest.approx(grid[0]["step_us"] / grid[2]["step_us"])
+    assert sp["bound"] == pytest.approx((10 + 8) / (10 + 1))  # (weights + BF16 cache) / (weights + INT cache)
+    base = grid[0]
+    assert sp["amdahl"] == pytest.approx(base["step_us"] / (base["step_us"] - 4000 + 4000 / 8))
+    job = res["jobs"][0]
+    assert job["ratio"] == pytest.approx(grid[3]["tokens_per_s"] / grid[0]["tokens_per_s"])
+    assert job["bound"] == pytest.approx((4 / (10 + 4 * 1)) / (1 / (10 + 1 * 8)))
+    targets = {t["target"].split(":")[0]: t["met"] for t in res["targets"]}
+    assert targets["largest batch at 1000"] is False and targets["quantize + demote < 5% of a step"] is True
+    paths = report.write_report(tmp_path)
+    md = (tmp_path / "throughput.md").read_text()
+    assert "| bf16 | 4 | 1,000 | OOM |" in md and (tmp_path / "throughput.png").stat().st_size > 0
+    assert all(p.is_file() for p in paths)
+
+
+def test_mlflow_mirror_has_one_run_per_point(tmp_path):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    grid = write_fixture(tmp_path)
+    report.write_report(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    for _ in range(2):  # mirroring again replaces the runs
+        receipt = report.track(tmp_path, uri, experiment="throughput", root=tmp_path)
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("oscar/throughput/throughput")
+    runs = client.search_runs([exp.experiment_id], max_results=100)
+    assert len(runs) == len(grid) + 1 == len(receipt["children"]) + 1
+    ok = [r for r in runs if r.data.tags.get("oscar.status") == "ok"]
+    assert {round(r.data.metrics["perf.step_ms"], 6) for r in ok} == {round(g["step_us"] / 1e3, 6) for g in grid if g["status"] == "ok"}
+
+
+def test_profile_refuses_real_architectures_without_a_gpu(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    rc = profile.main(["parts=grid", f"output_dir={tmp_path}", "tracking.enabled=false"])
+    assert rc == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bad_part_is_refused(tmp_path, capsys):
+    assert profile.main(["parts=grid,speed", f"output_dir={tmp_path}"]) == 2
+    assert "speed" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_settings():
+    from oscar.config import compose
+
+    cfg = compose(["experiment=throughput"])
+    return cfg, profile.Settings(cfg, {**profile.FLAGS, "tiny": True})
+
+
+def test_points_over_the_budget_are_marked_oom_and_the_fit_search_finds_the_edge(tiny_settings):
+    cfg, s = tiny_settings
+    s.reps = 1
+    family, dims = s.architecture("tiny-qwen3", cfg)
+    model = tp.build_random_model(tp.architecture_config(family, dims), device="cpu", dtype=torch.bfloat16)
+    from oscar import device_cache as dc
+    from oscar.config import compose
+
+    dc.enable(model)
+    fmt = tp.cache_format(compose(["method=oscar"]).method, model)
+    per_seq = tp.new_device_cache(fmt, model, 1, s.job_context, extra_steps=s.extra_steps, device="cpu").nbytes()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    machine = profile.Machine("cpu", budget=weights + 3.5 * per_seq)
+    machine.cpu_bytes = weights
+    row, _ = profile.measure_point(model, fmt, 4, s.job_context, s, machine)
+    assert row["status"] == "OOM" and machine.cpu_bytes == weights
+    bmax, tried = profile.max_batch(model, fmt, s.job_context, s, machine)
+    assert bmax == 3 and tried[:3] == [1, 2, 4]
+    row, _ = profile.measure_point(model, fmt, 2, s.job_context, s, machine)
+    assert row["status"] == "ok" and row["step_us"] > 0 and math.isclose(row["kv_bytes"], 2 * per_seq, rel_tol=0.02)  # one spare page per cache, not per sequence
+
+
+@pytest.mark.slow
+def test_profile_verb_on_a_tiny_architecture(tmp_path):
+    """Every part end to end on the CPU: files written, each cache at each point, the check agreeing."""
+    assert profile.main(["tiny=true", f"output_dir={tmp_path}", "tracking.enabled=false"]) == 0
+    grid = report.read_csv(tmp_path / "grid.csv")
+    points = {(r["cache"], r["batch"], r["context"]) for r in grid}
+    planned = {(c, b, t) for c in ("bf16", "oscar", "saw_int4") for b in (1, 2) for t in (400, 800)}
+    assert planned <= points and all(t == 800 for _, _, t in points - planned)  # extras: job batches at the job context
+    assert all(r["status"] == "ok" and r["step_us"] > 0 for r in grid)
+    check = report.read_csv(tmp_path / "check.csv")
+    assert all(r["forced_argmax_agree"] == r["tokens_total"] for r in check)
+    assert {f["cache"] for f in report.read_csv(tmp_path / "fit.csv")} == {"bf16", "oscar", "saw_int4"}
+    assert (tmp_path / "throughput.md").is_file() and (tmp_path / "env.json").is_file()
