@@ -125,10 +125,15 @@ def _counters(dev: torch.device, n: int) -> torch.Tensor:
 
 
 def default_num_splits(batch: int, num_kv_heads: int, capacity_tokens: int, num_warps: int = 8,
-                       num_sms: int = 132, ctas_per_sm: int = 2, waves: float = 1.0, blocks_per_warp: int = 4) -> int:
-    """Splits per sequence and KV head: about ``waves`` full waves of CTAs, each warp at least ``blocks_per_warp``
-    blocks of 16 tokens."""
-    want = math.ceil(waves * num_sms * ctas_per_sm / max(batch * num_kv_heads, 1))
+                       num_sms: int = 132, ctas_per_sm: int = 2, waves: Optional[float] = None,
+                       blocks_per_warp: int = 4) -> int:
+    """Splits per sequence and KV head: about ``waves`` full waves of CTAs (default: one below 64 (sequence,
+    KV head) pairs, two from there; measured on the H200, reports/kernels/mma/sweep4.csv), each warp at least
+    ``blocks_per_warp`` blocks of 16 tokens."""
+    pairs = max(batch * num_kv_heads, 1)
+    if waves is None:
+        waves = 1.0 if pairs < 64 else 2.0
+    want = math.ceil(waves * num_sms * ctas_per_sm / pairs)
     most = max(1, min(MAX_PARTIALS - 2, math.ceil(capacity_tokens / (16 * blocks_per_warp * num_warps))))
     return int(max(1, min(want, most)))
 

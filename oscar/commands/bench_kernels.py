@@ -284,7 +284,8 @@ def bench_quantize(B: int, d: int, hkv: int, opts: dict[str, Any], l2: int) -> l
     for kind, n_rows in (("demote", B), ("prefill", 8192)):
         n_sets = sets if kind == "demote" else 1
         npages = -(-n_rows // ps) + 1
-        pages = [[QuantPages.empty(npages, hkv, ps, d, bits, d, "cuda") for _ in range(2)] for _ in range(n_sets)]
+        lay = ("mma_k", "mma_v") if _mma(opts) and d in (64, 128) else ("rows", "rows")  # the benchmarked layout
+        pages = [[QuantPages.empty(npages, hkv, ps, d, bits, d, "cuda", lay[i]) for i in range(2)] for _ in range(n_sets)]
         R = torch.linalg.qr(torch.randn(hkv, d, d, device="cuda", generator=g))[0]
         t = HeadTransform(R=R, mu=torch.randn(hkv, d, device="cuda", generator=g), rho=torch.full((hkv,), 0.95, device="cuda"))
         slots = torch.randperm(npages * ps, device="cuda", generator=g)[:n_rows]
@@ -307,7 +308,8 @@ def bench_quantize(B: int, d: int, hkv: int, opts: dict[str, Any], l2: int) -> l
             status = "ok"
         except Exception as exc:
             us, mode, status = float("nan"), "-", f"error: {type(exc).__name__}: {str(exc)[:160]}"
-        out.append({"kind": kind, "batch": B, "head_dim": d, "rows": n_rows, "us": us, "timing": mode, "status": status})
+        out.append({"kind": kind, "batch": B, "head_dim": d, "rows": n_rows, "us": us, "timing": mode, "status": status,
+                    "layout": lay[0]})
     return out
 
 
