@@ -4,7 +4,7 @@ Usage (repo root on the GPU machine, after `source benchmarks/_gpu_copy.sh`):
     python3 benchmarks/bench_decode_mma.py OUTDIR [shapes=sweep|table] [variants=JSON;JSON...]
 
 Random codes are valid in both layouts, so the same inputs time both paths. Each timing replays a CUDA
-graph over input sets several times the L2 (oscar.commands.bench_kernels.time_calls); per shape it
+graph over input sets several times the L2 (oscar.kernel_bench.time_calls); per shape it
 writes one row per variant to OUTDIR/decode_mma_<shapes>.csv and prints a table of the best variant.
 """
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from oscar.commands.bench_kernels import DEFAULTS, bench_int2, bench_sdpa, copy_bandwidth
-from oscar.kernels.decode_mma import default_num_splits
+from oscar.kernel_bench import DEFAULTS, bench_int2, bench_sdpa, copy_bandwidth
+from oscar.kernels.decode_mma import default_num_splits  # noqa: F401  (variants name their waves)
 
 SHAPES = {
     "sweep": [(128, 1, 4096), (128, 8, 4096), (128, 1, 32768), (128, 8, 32768), (128, 32, 32768), (128, 1, 131072),
@@ -68,7 +68,8 @@ def main(argv: list[str]) -> int:
         res = bench_int2(B, T, H, hkv, d, opts, l2, vs)
         bf = min(sd[k]["us"] for k in sd if sd[k].get("status") == "ok")
         for v, r in zip(vs, res):
-            rows.append({"head_dim": d, "batch": B, "context": T, "variant": json.dumps(v, sort_keys=True), "us": r["us"],
+            rows.append({"head_dim": d, "batch": B, "context": T, "variant": json.dumps(v, sort_keys=True),
+                         "us": r["us"],
                          "status": r["status"], "bytes": r["bytes"], "cudnn_us": sd["cudnn"]["us"],
                          "flash_us": sd["flash"]["us"], "bf16_best_us": bf, "copy_tb_s": bw / 1e12,
                          "tb_s": r["bytes"] / (r["us"] * 1e-6) / 1e12, "bw_frac": r["bytes"] / (r["us"] * 1e-6) / bw,

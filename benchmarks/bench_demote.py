@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from oscar.commands.bench_kernels import _write_csv, time_calls
+from oscar.kernel_bench import _write_csv, time_calls
 
 HKV, W, PS = 8, 256, 64
 

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from oscar.commands.bench_kernels import DEFAULTS, _int2_inputs
+from oscar.kernel_bench import DEFAULTS, _int2_inputs
 from oscar.kernels.decode_attention import paged_decode_attention
 
 

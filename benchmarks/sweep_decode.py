@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from oscar.commands.bench_kernels import (_write_atomic, _write_csv, bench_int2, bench_sdpa, copy_bandwidth,
+from oscar.kernel_bench import (_write_atomic, _write_csv, bench_int2, bench_sdpa, copy_bandwidth,
                                           time_calls)
 
 HQ, HKV = 32, 8
@@ -53,7 +53,7 @@ def profile_breakdown(l2: int) -> list[dict[str, Any]]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from oscar.commands.bench_kernels import _int2_inputs
+    from oscar.kernel_bench import _int2_inputs
     from oscar.kernels.decode_attention import paged_decode_attention
 
     out = []

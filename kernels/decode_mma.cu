@@ -483,6 +483,8 @@ __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P)
       st.l[k] += __shfl_xor_sync(FULL, st.l[k], x);
       st.zs[k] += __shfl_xor_sync(FULL, st.zs[k], x);
     }
+  cp_wait<0>();
+  __syncthreads();  // the warps' outputs go where the rings were: every warp must be done with its ring
   if (g == 0) {
 #pragma unroll
     for (int k = 0; k < 2; ++k) {

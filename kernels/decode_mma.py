@@ -125,10 +125,15 @@ def _counters(dev: torch.device, n: int) -> torch.Tensor:
 
 
 def default_num_splits(batch: int, num_kv_heads: int, capacity_tokens: int, num_warps: int = 8,
-                       num_sms: int = 132, ctas_per_sm: int = 2, waves: float = 1.0, blocks_per_warp: int = 4) -> int:
-    """Splits per sequence and KV head: about ``waves`` full waves of CTAs, each warp at least ``blocks_per_warp``
-    blocks of 16 tokens."""
-    want = math.ceil(waves * num_sms * ctas_per_sm / max(batch * num_kv_heads, 1))
+                       num_sms: int = 132, ctas_per_sm: int = 2, waves: Optional[float] = None,
+                       blocks_per_warp: int = 4) -> int:
+    """Splits per sequence and KV head: about ``waves`` full waves of CTAs (default: one below 64 (sequence,
+    KV head) pairs, two from there; measured on the H200, reports/kernels/mma/sweep4.csv), each warp at least
+    ``blocks_per_warp`` blocks of 16 tokens."""
+    pairs = max(batch * num_kv_heads, 1)
+    if waves is None:
+        waves = 1.0 if pairs < 64 else 2.0
+    want = math.ceil(waves * num_sms * ctas_per_sm / pairs)
     most = max(1, min(MAX_PARTIALS - 2, math.ceil(capacity_tokens / (16 * blocks_per_warp * num_warps))))
     return int(max(1, min(want, most)))
 
@@ -142,7 +147,8 @@ def _segment(k, v, n, name, B, hkv, d, dev):
     check(k.dtype == torch.bfloat16 and v.dtype == torch.bfloat16, f"{name} keys/values must be bf16, got {k.dtype}")
     check(k.stride() == v.stride() and k.stride(-1) == 1 and all(st % 2 == 0 for st in k.stride()[:3]),
           f"{name} keys and values need equal strides, contiguous rows of even stride; got {k.stride()}, {v.stride()}")
-    check(n.dtype == torch.int32 and n.numel() >= B and n.device == dev, f"{name} lengths must be int32 [>= {B}] on {dev}")
+    check(n.dtype == torch.int32 and n.numel() >= B and n.device == dev,
+          f"{name} lengths must be int32 [>= {B}] on {dev}")
     return k, v, n
 
 
@@ -187,12 +193,14 @@ def paged_decode_attention_mma(
     check(d in (64, 128), f"head_dim d={d} is not supported by the mma layout; valid: 64, 128")
     dev = q.device
     check(k_codes.dim() == 4 and k_codes.dtype == torch.uint8 and k_codes.shape == v_codes.shape,
-          f"codes must be uint8 [P, Hkv, page_size, {d // 4}] for K and V, got {tuple(k_codes.shape)}, {tuple(v_codes.shape)}")
+          f"codes must be uint8 [P, Hkv, page_size, {d // 4}] for K and V, got {tuple(k_codes.shape)}, "
+          f"{tuple(v_codes.shape)}")
     npages, hkv, page_size, nbytes = (int(s) for s in k_codes.shape)
     check(nbytes == d // 4, f"codes rows must be d/4={d // 4} bytes (INT2), got {nbytes}")
     check(page_size % 16 == 0 and page_size & (page_size - 1) == 0,
           f"page_size={page_size} must be a power of two >= 16 for the mma layout")
-    check(H % hkv == 0 and H // hkv in (1, 2, 4, 8), f"query heads H={H} over KV heads Hkv={hkv}: GQA ratio must be 1, 2, 4 or 8")
+    check(H % hkv == 0 and H // hkv in (1, 2, 4, 8),
+          f"query heads H={H} over KV heads Hkv={hkv}: GQA ratio must be 1, 2, 4 or 8")
     rep = H // hkv
     if stages is None:
         stages = 4
@@ -209,7 +217,8 @@ def paged_decode_attention_mma(
               f"(one group per row), got {t.dtype} {tuple(t.shape)}")
     check(page_table.dtype == torch.int32 and page_table.dim() == 2 and page_table.shape[0] >= B
           and page_table.stride(1) == 1 and page_table.device == dev,
-          f"page_table must be int32 [>= {B}, pages] with contiguous rows on {dev}, got {page_table.dtype} {tuple(page_table.shape)}")
+          f"page_table must be int32 [>= {B}, pages] with contiguous rows on {dev}, got {page_table.dtype} "
+          f"{tuple(page_table.shape)}")
     check(int_len.dtype == torch.int32 and int_len.numel() >= B and int_len.device == dev,
           f"int_len must be int32 [>= {B}] on {dev}, got {int_len.dtype} {tuple(int_len.shape)}")
     check(output_frame in ("original", "rotated"), f"output_frame={output_frame!r} must be 'original' or 'rotated'")
@@ -282,4 +291,5 @@ def paged_decode_attention_mma(
     return out if q.dtype == torch.bfloat16 else out.to(q.dtype)
 
 
-__all__ = ["Params", "default_num_splits", "kernel_name", "mma_b_fragments", "paged_decode_attention_mma", "shared_bytes"]
+__all__ = ["Params", "default_num_splits", "kernel_name", "mma_b_fragments", "paged_decode_attention_mma",
+           "shared_bytes"]

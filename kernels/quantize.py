@@ -233,7 +233,8 @@ def _rotate_quantize_kernel(
 _MMA_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _mma_tables(mma_map: tuple[torch.Tensor, torch.Tensor], d: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _mma_tables(mma_map: tuple[torch.Tensor, torch.Tensor], d: int,
+                dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(byte_index int32 [16, d/4], channel permutation [d]) of a fragment-order layout given by its token map
     (``oscar.quant.mma_token_map``: channel order [16, d], byte index [16, d/4]): the permutation puts the
     channels of token byte k, slot s at planar position k + (d/4) s, so the planar packing of the permuted row
@@ -252,7 +253,8 @@ def _mma_tables(mma_map: tuple[torch.Tensor, torch.Tensor], d: int, dev: torch.d
 _PERMUTED: dict[tuple, tuple] = {}
 
 
-def _permuted_rotation(R: Optional[torch.Tensor], perm: torch.Tensor, hkv: int, d: int, dev: torch.device) -> torch.Tensor:
+def _permuted_rotation(R: Optional[torch.Tensor], perm: torch.Tensor, hkv: int, d: int,
+                       dev: torch.device) -> torch.Tensor:
     """``R[:, :, perm]`` (or the permutation matrix when ``R`` is None), once per tensor and version."""
     key = (id(R), R._version if R is not None else 0, hkv, d, dev, id(perm))
     hit = _PERMUTED.get(key)

@@ -68,7 +68,8 @@ def test_rotation_b_fragments_hold_the_documented_entries(d):
         g, t = divmod(lane, 4)
         assert halves[h, nt, kc, lane, r, e] == M[h, 16 * kc + 2 * t + 8 * r + e, 8 * nt + g].half()
     # every entry of M appears once
-    assert torch.equal(torch.sort(halves.reshape(2, -1), dim=1).values, torch.sort(M.half().reshape(2, -1), dim=1).values)
+    assert torch.equal(torch.sort(halves.reshape(2, -1), dim=1).values,
+                       torch.sort(M.half().reshape(2, -1), dim=1).values)
 
 
 def _pools(d, hkv, ps, layout, device="cpu"):
@@ -145,7 +146,8 @@ def _case(*, B, H, hkv, d, ps, int_lens, sink_lens, recent_lens, S0, W, seed, ro
     gen = torch.Generator(device=dev).manual_seed(seed)
     max_pages = max(1, max(-(-n // ps) for n in int_lens))
     npages = B * max_pages + 5
-    page_table = torch.randperm(npages, device=dev, generator=gen)[: B * max_pages].to(torch.int32).reshape(B, max_pages)
+    perm = torch.randperm(npages, device=dev, generator=gen)
+    page_table = perm[: B * max_pages].to(torch.int32).reshape(B, max_pages)
     pages = {}
     for name in ("k", "v"):
         codes = torch.randint(0, 4, (npages, hkv, ps, d), device=dev, generator=gen, dtype=torch.uint8)
@@ -164,8 +166,11 @@ def _case(*, B, H, hkv, d, ps, int_lens, sink_lens, recent_lens, S0, W, seed, ro
     def orth():
         return torch.linalg.qr(torch.randn(hkv, d, d, device=dev, generator=gen, dtype=torch.float64))[0].float()
 
-    kt = HeadTransform(R=orth() if rotate else None, mu=0.3 * torch.randn(hkv, d, device=dev, generator=gen) if mu else None)
-    vt = HeadTransform(R=orth() if rotate else None, mu=0.2 * torch.randn(hkv, d, device=dev, generator=gen) if mu else None)
+    def mean(scale):
+        return scale * torch.randn(hkv, d, device=dev, generator=gen) if mu else None
+
+    kt = HeadTransform(R=orth() if rotate else None, mu=mean(0.3))
+    vt = HeadTransform(R=orth() if rotate else None, mu=mean(0.2))
     seg = {}
     if S0:
         seg.update(sink_k=torch.randn(B, hkv, S0, d, device=dev, generator=gen).to(torch.bfloat16),
@@ -235,7 +240,8 @@ def test_cuda_mma_kernel_options_and_no_transform(opts):
     q, pages, pt, int_len, kt, vt, seg = _case(seed=11, rotate=False, mu=False, **spec)
     ref = decode_attention_torch(q, pages["k"][0], pages["v"][0], pt, int_len, kt, vt, **seg)
     out = decode_attention(q, pages["k"][1], pages["v"][1], pt, int_len, kt, vt, backend="triton",
-                           num_splits=opts.get("num_splits"), kernel_options={k: v for k, v in opts.items() if k != "num_splits"},
+                           num_splits=opts.get("num_splits"),
+                           kernel_options={k: v for k, v in opts.items() if k != "num_splits"},
                            **seg)
     assert _rel(out, ref) < REL_TOL
 
