@@ -198,3 +198,28 @@ def test_wire_refuses_objects_subclasses_and_code():
             decode_value(tree)
     with pytest.raises(WireError, match="JSON"):
         decode_line(b"{'not': json}")
+
+
+def test_oversized_and_pipelined_responses():
+    """A 40 MiB answer is a failed call (the reader stops at 32 MiB); answers written ahead of the calls
+    are read in order and count only as the answers they are."""
+    huge = "class Solution:\n    def sumList(self, nums):\n        return 'x' * (40 << 20)\n"
+    res = graders.grade_livecodebench(LCB_FUNCTIONAL, "sumList", huge, limits=LIMITS)
+    assert res["correct"] is False and "longer than" in res["error"], res["error"][:200]
+    ahead = textwrap.dedent(
+        """
+        import os
+        for fd in range(3, 64):
+            try:
+                os.write(fd, b'{"ok": 6}\\n{"ok": 0}\\n')
+            except OSError:
+                pass
+        class Solution:
+            def sumList(self, nums):
+                return -1
+        """
+    )
+    assert graders.grade_livecodebench(LCB_FUNCTIONAL, "sumList", ahead, limits=LIMITS)["correct"] is True
+    wrong_ahead = ahead.replace('{"ok": 6}', '{"ok": 5}')
+    assert wrong_ahead != ahead
+    assert graders.grade_livecodebench(LCB_FUNCTIONAL, "sumList", wrong_ahead, limits=LIMITS)["correct"] is False

@@ -214,15 +214,18 @@ class Channel:
             raise CandidateGone("time limit reached")
 
     def _read_line(self) -> bytes:
+        buf = bytearray(self._buf)  # what followed the previous line (no newline in it)
         while b"\n" not in self._buf:
-            if len(self._buf) > MAX_MESSAGE_BYTES:
+            if len(buf) > MAX_MESSAGE_BYTES:
                 raise CandidateGone(f"response longer than {MAX_MESSAGE_BYTES} bytes")
             self._wait(self.fd_in)
-            chunk = os.read(self.fd_in, 1 << 16)
+            chunk = os.read(self.fd_in, 1 << 20)
             if not chunk:
                 raise CandidateGone("the candidate exited before answering")
-            self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
+            buf += chunk
+            self._buf = chunk  # a newline can only be in the newest chunk
+        line, _, rest = bytes(buf).partition(b"\n")
+        self._buf = rest
         return line
 
 
