@@ -175,7 +175,6 @@ def grade_humaneval(problem: dict, response: str, limits: SandboxLimits | None =
     program = humaneval_program(problem, humaneval_completion(problem, response))
     (req_r, req_w), (resp_r, resp_w) = os.pipe(), os.pipe()
     serve = {"source": serve_source(), "target": problem["entry_point"], "fd_in": req_r, "fd_out": resp_w}
-    checker = None
     try:
         run = start_python(program, None, limits, serve=serve, pass_fds=(req_r, resp_w), hide=_benchmark_data_dirs())
     except BaseException:
