@@ -82,3 +82,40 @@ def test_unsupported_architecture_refused(tiny_llama, quarot, tmp_path):
     cfg.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=16)
     (model / "config.json").write_text(json.dumps(cfg))
     _refused(tmp_path, model, {"OSCAR_ARTIFACT": str(quarot)}, "cannot serve this model")
+
+
+CHILD = """
+import sys, time
+from pathlib import Path
+from oscar.serve.server import SGLangServer
+args = {args!r}
+srv = SGLangServer({model!r}, args, env={env!r}, log_path=Path({log!r}))
+with srv:
+    print("UP", srv.port, srv.proc.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_ctrl_c_stops_the_server(tiny_llama, quarot, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from oscar.serve.server import group_alive
+
+    code = CHILD.format(args=ARGS, model=str(tiny_llama), env={"OSCAR_ARTIFACT": str(quarot)},
+                        log=str(tmp_path / "server.log"))
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    line = ""
+    deadline = time.monotonic() + 600
+    while not line.startswith("UP") and time.monotonic() < deadline:
+        line = child.stdout.readline()
+        if not line and child.poll() is not None:
+            break
+    assert line.startswith("UP"), (line, (tmp_path / "server.log").read_text()[-3000:])
+    _, port, pgid = line.split()
+    child.send_signal(signal.SIGINT)
+    assert child.wait(timeout=120) != 0  # KeyboardInterrupt propagated after the server was stopped
+    assert not group_alive(int(pgid))
+    assert not port_in_use("127.0.0.1", int(port))
