@@ -240,7 +240,7 @@ def markdown(res: dict[str, Any]) -> str:
                          "KL CPU [95% CI]", "KL device", "within"],
                         [[r["cache"], r["path"], f"{r['tokens_equal']}/{r['tokens_total']} ({r['first_divergence']})",
                           f"{r.get('forced_argmax_agree', '-')}/{r['tokens_total']}",
-                          r.get("forced_max_abs_logit_diff"),
+                          f"{float(r.get('forced_max_abs_logit_diff')):.3g}",
                           f"{_f(r.get('forced_disagree_max_margin'), 3)} ({_f(r.get('median_margin'), 3)})",
                           f"{r['kl_cpu']:.4g} [{r['kl_cpu_lo']:.4g}, {r['kl_cpu_hi']:.4g}]",
                           f"{r['kl_device']:.4g}", str(r["kl_within_cpu_interval"])] for r in check])
@@ -253,7 +253,7 @@ def markdown(res: dict[str, Any]) -> str:
                       "cache (largest relative difference of an output row).", ""]
             lines += _table(["cache", "twins: max abs logit diff", "twins: argmax agree", "quantized elements differing",
                              "largest row difference", "attention: largest row difference"],
-                            [[r["cache"], r["twin_forced_max_abs_logit_diff"],
+                            [[r["cache"], f"{float(r['twin_forced_max_abs_logit_diff']):.3g}",
                               f"{r['twin_forced_argmax_agree']}/{r['tokens_total']}",
                               f"{float(r['quant_elements_differ']):.2e}", f"{float(r['quant_row_rel_diff_max']):.2e}",
                               f"{float(r['attention_rel_diff_max']):.2e}"] for r in twins])
