@@ -8,8 +8,8 @@
 set -o pipefail
 source "$(dirname "$0")/_gpu_copy.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
-[ -n "${SKIP_TESTS:-}" ] || timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests/test_kernels_quantize.py tests/test_kernels_decode.py \
-  tests/test_paged.py -q -p no:cacheprovider -k "cuda or test_pool or twin_equals" ${PYTEST_EXTRA:-} 2>&1 | tee "$OUTDIR/pytest_cuda.log" | tail -25
+[ -n "${SKIP_TESTS:-}" ] || timeout "${TEST_TIMEOUT:-240}" python3 -m pytest tests/test_kernels_quantize.py tests/test_kernels_decode.py \
+  tests/test_kernels_decode_mma.py tests/test_paged.py -q -p no:cacheprovider -k "cuda or test_pool or twin_equals" ${PYTEST_EXTRA:-} 2>&1 | tee "$OUTDIR/pytest_cuda.log" | tail -25
 timeout "${BENCH_TIMEOUT:-420}" python3 -m oscar bench-kernels output="$OUTDIR/decode_attention.csv" "$@" 2>&1 \
   | tee "$OUTDIR/bench.log" | grep -v "^tune" | tail -80
 if [ -n "${PROFILE:-}" ]; then
