@@ -93,13 +93,16 @@ EXIT_WITH_PARENT_ENV = "OSCAR_EXIT_WITH_PARENT"
 
 
 def _proc(pid: int) -> tuple[int, str, str] | None:
-    """(parent pid, start time, command line) of a process from /proc, or None when it is gone."""
+    """(parent pid, start time, command line) of a process from /proc, or None when it is gone
+    (a zombie, killed but not yet reaped by its parent, counts as gone)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+    if fields[0] in ("Z", "X"):
+        return None
     return int(fields[1]), fields[19], cmdline
 
 

@@ -75,15 +75,17 @@ def test_job_ends_when_its_parent_is_killed(tmp_path):
         time.sleep(0.1)
     pid = int(pid_file.read_text())
     time.sleep(1.0)  # the child is up and watching
-    parent.send_signal(signal.SIGKILL)
-    parent.wait()
-    for _ in range(100):
-        if not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]:
-            break
-        time.sleep(0.1)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        pytest.fail("the orphaned job kept running after its parent was killed")
+    parent.send_signal(signal.SIGKILL)  # not reaped yet: a zombie parent must count as gone
+    try:
+        for _ in range(100):
+            if cli._proc(pid) is None:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail("the orphaned job kept running after its parent was killed")
+    finally:
+        parent.wait()
 
 
 def test_without_the_environment_variable_nothing_is_watched(monkeypatch):

@@ -12,6 +12,7 @@ Two flavours:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -36,6 +37,8 @@ from pathlib import Path
 args = sys.argv[1:]
 if args[:2] != ["-m", "oscar"] or args[2] not in ("dump", "rotations", "clip", "eval", "fidelity"):
     os.execv({python!r}, [{python!r}, *args])
+from oscar.cli import exit_with_parent
+exit_with_parent(poll_s=0.2)  # as the real verbs do under the workflow (OSCAR_EXIT_WITH_PARENT=1)
 verb, rest = args[2], args[3:]
 kv = dict(a.split("=", 1) for a in rest if "=" in a)
 out = Path(kv["output"])
@@ -43,6 +46,9 @@ out.mkdir(parents=True, exist_ok=True)
 label = out.parts[3] if verb in ("eval", "fidelity") else ""
 with open(os.environ["STUB_CALLS"], "a") as log:
     log.write(f"{{verb}} {{out}}\n")
+if "STUB_PIDS" in os.environ:
+    with open(os.environ["STUB_PIDS"], "a") as log:
+        log.write(f"{{os.getpid()}} {{out}}\n")
 if label and label == os.environ.get("STUB_SLOW", ""):
     time.sleep(float(os.environ.get("STUB_SLEEP", "60")))
 acc = {{"bf16": 0.75, "int2": 0.25, "oscar": 0.5}}.get(label.split("+")[0], 0.1)
@@ -53,9 +59,13 @@ elif verb in ("rotations", "clip"):
     (out / "rotations.safetensors").write_bytes(b"rot")
     (out / "meta.json").write_text("{{}}")
 elif verb == "eval":
-    (out / "items.jsonl").write_text(json.dumps({{"id": 0, "correct": True}}) + "\n")
+    from omegaconf import OmegaConf
+    from oscar.eval.runner import cell_config_hash
+    planned = OmegaConf.load(str(Path("results/config") / out.relative_to("results")) + ".yaml")
+    (out / "items.jsonl").write_text(json.dumps({{"id": 0, "correct": True, "prediction": "B" if acc >= 0.5 else "A"}}) + "\n")
     result = {{"model": "smollm2-135m", "method": label, "benchmark": out.parts[4], "seed": 0, "n": 2,
-              "metrics": {{"accuracy": acc}}, "stand_in_for": "gpqa-diamond", "wall_s": 0.1, "git_commit": "stub"}}
+              "metrics": {{"accuracy": acc}}, "stand_in_for": "gpqa-diamond", "wall_s": 0.1, "git_commit": "stub",
+              "config_hash": cell_config_hash(planned)}}
     tmp = out / ".result.json.tmp"
     tmp.write_text(json.dumps(result))
     os.replace(tmp, out / "result.json")
@@ -110,7 +120,7 @@ def _mlflow_runs(workdir: Path, name: str):
 
 def _check_table_and_runs(workdir: Path, expected: dict[str, str] | None) -> None:
     text = (workdir / "reports/tiny/table2.md").read_text()
-    assert "| method | mmlu (for gpqa-diamond) |" in text
+    assert "| method | mmlu (for gpqa-diamond) / agree % | mmlu (for gpqa-diamond) / acc % | paul_graham / kl |" in text
     for method in ("bf16", "int2", "oscar"):
         row = next(line for line in text.splitlines() if line.startswith(f"| {method} |"))
         if expected:
@@ -120,10 +130,14 @@ def _check_table_and_runs(workdir: Path, expected: dict[str, str] | None) -> Non
     runs = _mlflow_runs(workdir, "oscar/tiny/table2")
     parent = [r for r in runs if r.data.tags.get("oscar.role") == "table"]
     cells = [r for r in runs if r.data.tags.get("oscar.role") == "cell"]
-    assert len(parent) == 1 and len(cells) == 3
+    assert len(parent) == 1 and len(cells) == 6  # 3 eval cells and 3 KL cells
     assert {r.data.tags["mlflow.parentRunId"] for r in cells} == {parent[0].info.run_id}
-    assert {r.data.tags["wildcard.method"] for r in cells} == {"bf16", "int2", "oscar"}
-    assert all("acc.mmlu" in r.data.metrics and r.data.params["model.name"] == "smollm2-135m" for r in cells)
+    evals = [r for r in cells if r.data.tags["oscar.rule"] == "eval_cell"]
+    assert {r.data.tags["wildcard.method"] for r in evals} == {"bf16", "int2", "oscar"}
+    assert {r.info.run_name for r in evals} == {"bf16/mmlu/s0", "int2/mmlu/s0", "oscar/mmlu/s0"}
+    assert all("acc.mmlu" in r.data.metrics and "mmlu.agree" in r.data.metrics for r in evals)
+    assert all(r.data.params["model.name"] == "smollm2-135m" for r in cells)
+    assert {"agree.mmlu.int2", "acc.mmlu.bf16", "kl.paul_graham.oscar"} <= set(parent[0].data.metrics)
     receipt = json.loads((workdir / "results/tracking/tiny/table2.json").read_text())
     assert receipt["parent_run_id"] == parent[0].info.run_id
 
@@ -139,8 +153,9 @@ def test_stub_pipeline_table_mlflow_and_resume(tmp_path):
     wf.run()
     calls = wf.take_calls()
     assert [c.split()[0] for c in calls].count("eval") == 3
-    assert {c.split()[0] for c in calls} == {"dump", "rotations", "clip", "eval"}
+    assert {c.split()[0] for c in calls} == {"dump", "rotations", "clip", "eval", "fidelity"}
     _check_table_and_runs(work, {"bf16": "**75.0**", "int2": "25.0", "oscar": "50.0"})
+    assert sorted(c.split()[0] for c in calls).count("fidelity") == 3
 
     # the Snakemake HTML report carries the tables with their captions
     html = tmp_path / "report.html"
@@ -148,7 +163,7 @@ def test_stub_pipeline_table_mlflow_and_resume(tmp_path):
                             env=wf.env, capture_output=True, text=True, timeout=600, check=False)
     assert report.returncode == 0, report.stderr[-2000:]
     text = html.read_text()
-    assert "Accuracy by KV-cache method and benchmark" in text and "OSCAR experiment workflow" in text
+    assert "Fidelity to BF16 and accuracy by KV-cache method" in text and "OSCAR experiment workflow" in text
 
     # a second invocation does nothing
     again = wf.run()
@@ -164,7 +179,7 @@ def test_stub_pipeline_table_mlflow_and_resume(tmp_path):
     # a configuration change reruns the cells it touches, not the calibration it leaves alone
     wf.run(overrides="[experiment=tiny,method.sink=8]")
     calls = wf.take_calls()
-    assert sorted(c.split()[0] for c in calls) == ["eval", "eval", "eval"], calls
+    assert sorted(c.split()[0] for c in calls) == ["eval"] * 3 + ["fidelity"] * 3, calls
 
 
 def test_stub_pipeline_interrupted_run_resumes(tmp_path):
@@ -174,7 +189,8 @@ def test_stub_pipeline_interrupted_run_resumes(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     wf = Workflow(work, python=str(stub))
-    env = {**wf.env, "STUB_SLOW": "oscar", "STUB_SLEEP": "120"}
+    pids = tmp_path / "pids.log"
+    env = {**wf.env, "STUB_SLOW": "oscar", "STUB_SLEEP": "120", "STUB_PIDS": str(pids)}
     proc = subprocess.Popen(wf.command("reproduce_table2", "[experiment=tiny]", cores=6), cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     slow_cell = work / "results/eval/smollm2-135m/oscar/mmlu/seed0"
@@ -188,16 +204,33 @@ def test_stub_pipeline_interrupted_run_resumes(tmp_path):
         proc.kill()
         pytest.fail("the run never reached the slow cell: " + (proc.communicate()[0] or "")[-2000:])
     time.sleep(1.0)
-    os.killpg(proc.pid, signal.SIGKILL)  # a hard kill of Snakemake and its running jobs
+    slow_pid = next(int(line.split()[0]) for line in pids.read_text().splitlines() if line.endswith(str(slow_cell.relative_to(work))))
+    from oscar.cli import _proc
+
+    runner = _proc(slow_pid)[0]  # the job's nearest snakemake ancestor (`snakemake` may be a launcher script)
+    while "snakemake" not in _proc(runner)[2]:
+        runner = _proc(runner)[0]
+    os.kill(runner, signal.SIGKILL)  # a hard kill of Snakemake alone: its running job must not live on
+    for _ in range(100):
+        if not Path(f"/proc/{slow_pid}").exists() or Path(f"/proc/{slow_pid}/stat").read_text().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the running job kept running after snakemake was killed")
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # a launcher left above the killed snakemake, if any
     proc.communicate(timeout=60)
     assert not (slow_cell / "result.json").exists(), "the killed cell left no result (outputs are atomic)"
     wf.take_calls()
 
-    # after a hard kill Snakemake's lock is stale: --unlock, then the same command resumes
+    # the documented recovery after a hard kill: --unlock, then the same command with --rerun-incomplete
     unlock = subprocess.run(wf.command("reproduce_table2", "[experiment=tiny]") + ["--unlock"], cwd=ROOT, env=wf.env,
                             capture_output=True, text=True, timeout=300, check=False)
     assert unlock.returncode == 0, unlock.stderr[-2000:]
-    wf.run()
+    done_again = subprocess.run(wf.command("reproduce_table2", "[experiment=tiny]") + ["--rerun-incomplete"], cwd=ROOT,
+                                env=wf.env, capture_output=True, text=True, timeout=900, check=False)
+    assert done_again.returncode == 0, done_again.stderr[-3000:]
     calls = wf.take_calls()
     assert [c for c in calls if c.startswith("eval")] == ["eval results/eval/smollm2-135m/oscar/mmlu/seed0"], calls
     _check_table_and_runs(work, {"bf16": "**75.0**", "int2": "25.0", "oscar": "50.0"})

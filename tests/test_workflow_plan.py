@@ -116,6 +116,8 @@ def test_user_axis_override_replaces_the_grid():
     ("benchmark.limit=abc", "abc"),
     ("model=nope", "model/nope"),
     ("results_dir=elsewhere", "--directory"),
+    ("method.sink=-5", "method.sink=-5 is not valid; valid: >= 0"),  # values too, before any job is planned
+    ("benchmark.limit=-3", "benchmark.limit=-3 is not valid"),
 ])
 def test_invalid_user_override_names_the_problem(bad, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("/", "/")):
