@@ -105,3 +105,21 @@ def test_bytes_accounting():
 
 def test_default_environment_does_not_import_sglang():
     assert "sglang" not in sys.modules
+
+
+def test_verbs_without_an_sglang_path_refuse_it(capsys):
+    from oscar.commands import fidelity, generate
+
+    assert generate.main(["engine=sglang", "prompt=hi"]) == 2
+    assert "engine=sglang is not supported" in capsys.readouterr().err
+    assert fidelity.main(["engine=sglang"]) == 2
+    assert "engine=sglang is not supported" in capsys.readouterr().err
+
+
+def test_engine_enters_the_cell_hash_only_when_not_embedded():
+    from oscar.config import compose
+    from oscar.eval.runner import cell_config_hash
+
+    base = compose(["benchmark=mmlu"])
+    assert cell_config_hash(base) == cell_config_hash(compose(["benchmark=mmlu", "engine=embedded"]))
+    assert cell_config_hash(base) != cell_config_hash(compose(["benchmark=mmlu", "engine=sglang"]))

@@ -50,6 +50,10 @@ def main(argv: list[str]) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"oscar fidelity: {exc}", file=sys.stderr)
         return 2
+    if cfg.engine.name != "embedded":
+        print(f"oscar fidelity: engine={cfg.engine.name} is not supported (the diagnostics read the embedded engine's "
+              "logits and attention); use engine=embedded", file=sys.stderr)
+        return 2
     modes = [m for m in str(flags["modes"]).split(",") if m]
     from oscar.eval.fidelity import MODES
 

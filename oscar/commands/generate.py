@@ -64,6 +64,10 @@ def main(argv: list[str]) -> int:
     except (ValueError, OSError) as exc:
         print(f"oscar generate: {exc}", file=sys.stderr)
         return 2
+    if cfg.engine.name != "embedded":
+        print(f"oscar generate: engine={cfg.engine.name} is not supported here; serve with sglang.launch_server "
+              "(README, Serving with SGLang) or evaluate with `oscar eval engine=sglang`", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     try:
         engine = Engine.from_config(cfg)
