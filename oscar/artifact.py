@@ -45,8 +45,9 @@ class ArtifactMismatch(ValueError):
     """The artifact does not belong to the model (or settings) it is being loaded for."""
 
 
-class ArtifactCorrupt(ValueError):
-    """An artifact file cannot be read as written (truncated, damaged or edited)."""
+class ArtifactCorrupt(ArtifactMismatch):
+    """An artifact file cannot be read as written (truncated, damaged or edited); an `ArtifactMismatch`
+    so that every caller that refuses a mismatched artifact refuses a damaged one the same way."""
 
 
 def model_config_hash(

@@ -119,3 +119,9 @@ def test_swapped_tensors_are_still_refused(tmp_path, saved):
     (saved / "rotations.safetensors").write_bytes((tmp_path / "third" / "rotations.safetensors").read_bytes())
     with pytest.raises(ArtifactMismatch, match="do not belong together"):
         load_artifact(saved)
+
+
+def test_a_damaged_artifact_is_refused_like_a_mismatched_one(saved):
+    (saved / "meta.json").write_text("{")
+    with pytest.raises(ArtifactMismatch):  # callers that catch mismatches (serving, the engine) catch this too
+        load_artifact(saved)
