@@ -106,7 +106,10 @@ def test_tables_pair_seeds_and_items(tmp_path):
 
     for method, right in (("bf16", True), ("quarot", False)):
         for seed in (0, 1):
-            cfg = compose([f"results_dir={tmp_path}", f"method={method}", "benchmark=champ", "benchmark.limit=3", f"seed={seed}"])
+            # the workflow's cell folder (ad-hoc runs without `output` go to results/adhoc, which no table reads)
+            out = tmp_path / "eval" / "smollm2-135m" / method / "champ" / f"seed{seed}"
+            cfg = compose([f"results_dir={tmp_path}", f"method={method}", "benchmark=champ", "benchmark.limit=3",
+                           f"seed={seed}", f"output={out}"])
             runner.run_cell(cfg, Eng(right), progress=False)
     rows = tables.eval_rows(tmp_path, "smollm2-135m")
     by = {r["method"]: r for r in rows}

@@ -31,7 +31,7 @@ def tiny(tmp_path_factory):
     model = save_random_model("llama", root / "model")
     hf = AutoConfig.from_pretrained(str(model))
     f = model_config_fields(hf)
-    art = in_code_artifact(compose(["method=quarot"]).method, num_layers=f["num_layers"],
+    art = in_code_artifact(compose(["method=quarot", "method.clip=none"]).method, num_layers=f["num_layers"],
                            num_kv_heads=f["num_kv_heads"], head_dim=f["head_dim"], config_hash=config_hash_of(hf))
     save_artifact(art, root / "quarot")
     return hf, root / "quarot"
