@@ -96,6 +96,6 @@ def test_paired_differences_fill_in_as_soon_as_the_reference_exists():
     per_method["auto"] = (auto, 320)
     _paired_to_reference(rows, per_method, "m", "auto")
     # over the positions where both read quantized history: from the later start (320)
-    assert rows[0]["diff_from"] == 320 and abs(rows[0]["diff_past"] - 0.05) < 1e-9
+    assert rows[0]["diff_from"] == 320 and abs(rows[0]["diff_past"] - 0.05) < 1e-6  # float32 rounding of a + 0.05
     assert (rows[0]["diff_past"], rows[0]["diff_past_lo"], rows[0]["diff_past_hi"]) == mean_ci([k[320:].double() - a[320:].double() for k, a in zip(kivi, auto)])
     assert "diff_past" not in rows[1]
