@@ -35,7 +35,7 @@ def test_tables_lead_with_quantized_history_and_state_the_goal(tmp_path):
          "kl_past_window": 0.0, "bits_per_element": 16.0, "ppl": 20.0},
         {"model": "m", "method": "kivi2", "kind": "kivi", "bits": 2, "clip": "none", "sink": 0, "recent": 128,
          "status": "ok", "kl": 0.03, "kl_lo": 0.02, "kl_hi": 0.04, "kl_past_window": 0.035, "kl_past_lo": 0.025,
-         "kl_past_hi": 0.045, "bits_per_element": 3.9, "diff_ref": "auto", "diff_past": 0.02, "diff_past_lo": 0.01,
+         "kl_past_hi": 0.045, "bits_per_element": 3.9, "windows": 2, "tokens": 4096, "diff_ref": "auto", "diff_past": 0.02, "diff_past_lo": 0.01,
          "diff_past_hi": 0.03, "ppl": 21.0},
         {"model": "m", "method": "auto", "kind": "rotated", "bits": 2, "clip": "fit", "sink": 64, "recent": 256,
          "status": "ok", "kl": 0.01, "kl_lo": 0.005, "kl_hi": 0.015, "kl_past_window": 0.012, "kl_past_lo": 0.006,
@@ -49,8 +49,8 @@ def test_tables_lead_with_quantized_history_and_state_the_goal(tmp_path):
     write_tables(rows, tmp_path / "kl", "cmd", "note")
     md = (tmp_path / "kl.md").read_text()
     # headline column: positions that read quantized history; all positions second; then the paired difference
-    assert "| kivi2 | none | 0/128 | 3.90 | 0.0350 [0.0250, 0.0450] | 0.0300 [0.0200, 0.0400] | +0.0200 [+0.0100, +0.0300] |" in md
-    assert "| bf16 | none | - | 16.00 | 0.0000 | 0.0000 | - | 20.000 |" in md
+    assert "| kivi2 | none | 0/128 | 2 x 2048 | 3.90 | 0.0350 [0.0250, 0.0450] | 0.0300 [0.0200, 0.0400] | +0.0200 [+0.0100, +0.0300] |" in md
+    assert "| bf16 | none | - | - | 16.00 | 0.0000 | 0.0000 | - | 20.000 |" in md
     assert "minus auto" in md
     # the best other 2-bit method (kivi2) has the higher KL but holds fewer bits per element: missed on bits only
     assert ("Goal for auto (KL <= the best other 2-bit method, at no more bits per element): missed: 0.70 more bits "
@@ -80,3 +80,22 @@ def test_method_specs_carry_a_clip_policy():
         split_spec("auto@128")
     with pytest.raises(ValueError, match="clip policy 'sometimes' is not one of fit, fixed, none, paper"):
         split_spec("quarot:sometimes")
+
+
+def test_paired_differences_fill_in_as_soon_as_the_reference_exists():
+    from oscar.studies.kl_table import _paired_to_reference, mean_ci
+
+    gen = torch.Generator().manual_seed(2)
+    auto = [torch.rand(700, generator=gen)]
+    kivi = [a + 0.05 for a in auto]
+    rows = [{"model": "m", "method": "kivi2"}]
+    per_method = {"kivi2": (kivi, 128)}
+    _paired_to_reference(rows, per_method, "m", "auto")
+    assert "diff_past" not in rows[0]  # no reference yet
+    rows.append({"model": "m", "method": "auto"})
+    per_method["auto"] = (auto, 320)
+    _paired_to_reference(rows, per_method, "m", "auto")
+    # over the positions where both read quantized history: from the later start (320)
+    assert rows[0]["diff_from"] == 320 and abs(rows[0]["diff_past"] - 0.05) < 1e-6  # float32 rounding of a + 0.05
+    assert (rows[0]["diff_past"], rows[0]["diff_past_lo"], rows[0]["diff_past_hi"]) == mean_ci([k[320:].double() - a[320:].double() for k, a in zip(kivi, auto)])
+    assert "diff_past" not in rows[1]

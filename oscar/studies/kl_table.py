@@ -181,6 +181,21 @@ def paired(kl_a: list[torch.Tensor], start_a: int, kl_b: list[torch.Tensor], sta
     return mean_ci([a[start:].double() - b[start:].double() for a, b in zip(kl_a, kl_b)])
 
 
+def _paired_to_reference(rows: list[dict[str, Any]], per_method: dict[str, tuple[list[torch.Tensor], int]], model: str, reference: str) -> None:
+    """Fill the paired difference to ``reference`` (same resampled blocks, positions where both read quantized
+    history) into every row of ``model`` that lacks it, once the reference row exists; a study stopped early
+    keeps the differences of the rows it finished."""
+    ref = per_method.get(reference)
+    if ref is None:
+        return
+    for row in rows:
+        if row["model"] != model or row["method"] == reference or row["method"] not in per_method or "diff_past" in row:
+            continue
+        kl_m, start_m = per_method[row["method"]]
+        d_mean, d_lo, d_hi = paired(kl_m, start_m, ref[0], ref[1])
+        row.update(diff_ref=reference, diff_past=d_mean, diff_past_lo=d_lo, diff_past_hi=d_hi, diff_from=max(start_m, ref[1]))
+
+
 def run(
     models: list[str],
     methods: list[str],
@@ -266,17 +281,9 @@ def run(
             log(f"{model_name:22s} {spec:14s} KL(quantized history) {row['kl_past_window']:.4f}  KL(all) {row['kl']:.4f}  "
                 f"bits/elem {row['bits_per_element']:.2f}  PPL {row['ppl']:.3f}  ({row['seconds']} s)")
             rows.append(row)
+            _paired_to_reference(rows, per_method, model_name, reference)  # as soon as both rows exist
             if on_row is not None:
                 on_row(rows)
-        ref = per_method.get(reference)
-        for row in rows:  # paired differences to the reference, on the same resampled blocks
-            if row["model"] != model_name or row["method"] == reference or ref is None or row["method"] not in per_method:
-                continue
-            kl_m, start_m = per_method[row["method"]]
-            d_mean, d_lo, d_hi = paired(kl_m, start_m, ref[0], ref[1])
-            row.update(diff_ref=reference, diff_past=d_mean, diff_past_lo=d_lo, diff_past_hi=d_hi, diff_from=max(start_m, ref[1]))
-        if on_row is not None:
-            on_row(rows)
         del model
     return rows
 
@@ -371,18 +378,20 @@ def write_tables(rows: list[dict[str, Any]], out: Path, command: str, note: str)
     for model, part in df.groupby("model", sort=False):
         ref = next((str(x) for x in part.get("diff_ref", pd.Series(dtype=object)).dropna()), "auto")
         lines += [f"## {model}", "",
-                  "| method | clip | sink/recent | bits/element (measured) | KL, positions reading quantized history [95% CI] | "
-                  f"KL, all positions [95% CI] | KL minus {ref}, paired [95% CI] | PPL |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| method | clip | sink/recent | windows x tokens | bits/element (measured) | KL, positions reading quantized "
+                  f"history [95% CI] | KL, all positions [95% CI] | KL minus {ref}, paired [95% CI] | PPL |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for _, r in part.iterrows():
             if r.get("status") != "ok":
-                lines.append(f"| {r['method']} | {r.get('clip', '')} | | | {r.get('status')} | | | |")
+                lines.append(f"| {r['method']} | {r.get('clip', '')} | | | | {r.get('status')} | | | |")
                 continue
             sink, recent = r.get("sink"), r.get("recent")
             known = sink is not None and recent is not None and not (isinstance(sink, float) and math.isnan(sink))
             win = f"{int(sink)}/{int(recent)}" if known else "-"
             bpe = _num(r, "bits_per_element")
-            lines.append(f"| {r['method']} | {r.get('clip', '')} | {win} | {'-' if bpe is None else f'{bpe:.2f}'} | "
+            nwin, ntok = _num(r, "windows"), _num(r, "tokens")
+            size = f"{int(nwin)} x {int(ntok) // int(nwin)}" if nwin and ntok else "-"
+            lines.append(f"| {r['method']} | {r.get('clip', '')} | {win} | {size} | {'-' if bpe is None else f'{bpe:.2f}'} | "
                          f"{_ci(r, 'kl_past_window', 'kl_past_lo', 'kl_past_hi')} | {_ci(r, 'kl', 'kl_lo', 'kl_hi')} | "
                          f"{_ci(r, 'diff_past', 'diff_past_lo', 'diff_past_hi', signed=True)} | {r['ppl']:.3f} |")
         lines.append("")
