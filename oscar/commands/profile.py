@@ -450,6 +450,17 @@ def copy_bandwidth(machine: Machine) -> float:
 # the run
 
 
+def keep_rows(rows: list[dict[str, Any]], part: str, s: Settings, remeasured: set[tuple]) -> list[dict[str, Any]]:
+    """Rows of an earlier run's file that this run keeps: all of a part it does not run; of the grid (and its
+    kernels) those whose (model, cache, batch, context) it does not measure again; of fit and job those of
+    the (model, cache) pairs it does not measure."""
+    if part not in s.parts:
+        return rows
+    if part == "grid":
+        return [r for r in rows if (r.get("model"), r.get("cache"), r.get("batch"), r.get("context")) not in remeasured]
+    return [r for r in rows if not (r.get("model") in s.models and r.get("cache") in s.caches)]
+
+
 def run(cfg: Any, s: Settings, out: Path) -> None:
     """Measure every part asked for; write the CSVs as each part ends."""
     import torch
@@ -481,12 +492,7 @@ def run(cfg: Any, s: Settings, out: Path) -> None:
     remeasured = {(m, c, b, t) for m in s.models for c in s.caches for b, t in points}
 
     def kept(name: str, part: str) -> list[dict[str, Any]]:
-        rows = read_csv(out / name)
-        if part not in s.parts:
-            return rows
-        if part == "grid":
-            return [r for r in rows if (r.get("model"), r.get("cache"), r.get("batch"), r.get("context")) not in remeasured]
-        return [r for r in rows if not (r.get("model") in s.models and r.get("cache") in s.caches)]
+        return keep_rows(read_csv(out / name), part, s, remeasured)
 
     grid = kept("grid.csv", "grid")
     kernels = kept("kernels.csv", "grid")
@@ -566,7 +572,8 @@ def run(cfg: Any, s: Settings, out: Path) -> None:
         machine.release()
     env["commands"] = old_env.get("commands", []) + [env["command"]]  # runs that wrote into this folder
     env["models"] = models_env
-    env["cache_notes"] = notes
+    env["cache_notes"] = {**old_env.get("cache_notes", {}), **notes}  # caches of earlier runs into this folder too
+    env["formats"] = {**old_env.get("formats", {}), **env.get("formats", {})}
     write_atomic(out / "env.json", json.dumps(env, indent=1, sort_keys=True, default=str) + "\n")
 
 
