@@ -8,12 +8,13 @@ everything a step reads or writes on the device, with shapes fixed when the cach
   ``pos`` and attends over the first ``span`` positions with torch SDPA (the query heads of a KV
   head become the query rows: no mask, no KV copy; the SDPA backend is the caller's choice).
 - `DeviceOscarCache`: the three segments of docs/DESIGN.md (BF16 sink ``[B, Hkv, S0, d]``, packed
-  pages through `oscar.paged` in the row or the fragment-order (mma) page layout, BF16 recent window ``[B, Hkv, W, d]`` as a ring). Each sequence
-  owns a fixed-capacity page table row (``[B, M]`` int32 on the device, pages disjoint); one
-  extra page takes the writes of sequences that have nothing to demote. Every index of a step
-  (sink slot, ring slot, demotion slot, segment lengths) is computed on the device from the
-  position vector ``pos``, and the demotion is one `oscar.paged.rotate_quantize_pack_kv` launch
-  for the whole batch, so the step has no host synchronisation and no data-dependent shapes.
+  pages through `oscar.paged` in the row or the fragment-order (mma) page layout, BF16 recent window
+  ``[B, Hkv, W, d]`` as a ring). Each sequence owns a fixed-capacity page table row (``[B, M]`` int32
+  on the device, pages disjoint); one extra page takes the writes of sequences that have nothing to
+  demote. Every index of a step (sink slot, ring slot, demotion slot, segment lengths) is computed on
+  the device from the position vector ``pos``, and the demotion is one
+  `oscar.paged.rotate_quantize_pack_kv` launch for the whole batch, so the step has no host
+  synchronisation and no data-dependent shapes.
 
 Window convention (the same as `oscar.cache`): query ``t`` sees ``[0, S0)`` in BF16, ``[S0, t-W]``
 quantized and ``(t-W, t]`` in BF16; the step demotes the ring's oldest row (token ``t-W``) before
@@ -34,7 +35,7 @@ from typing import Any, Optional, Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from oscar import paged
+from oscar import paged, quant
 from oscar.attention import plain_causal_attention, set_pending, take_pending
 
 ATTN_IMPLEMENTATION = "oscar_device"
@@ -230,8 +231,6 @@ LAYOUTS = ("auto", "rows", "mma")
 
 def mma_supported(bits: int, group_size: int, head_dim: int, page_size: int) -> bool:
     """Whether the fragment-order (mma) page layout covers this format (`oscar.quant.check_mma_layout`)."""
-    from oscar import quant
-
     try:
         quant.check_mma_layout(bits, group_size, head_dim, page_size)
     except ValueError:
@@ -248,8 +247,6 @@ def resolve_layout(layout: str, bits: int, group_size: int, head_dim: int, page_
     if layout == "auto":
         return "mma" if device.type == "cuda" and mma_supported(bits, group_size, head_dim, page_size) else "rows"
     if layout == "mma":
-        from oscar import quant
-
         quant.check_mma_layout(bits, group_size, head_dim, page_size)
     return layout
 

@@ -496,7 +496,8 @@ def track(out: Path, uri: str, experiment: str = "throughput", root: Path = Path
             if r.get("kv_bytes_per_element") not in (None, ""):
                 m["mem.kv_bits_per_element"] = 8 * float(r["kv_bytes_per_element"])
             client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in m.items()],
-                             params=[Param(k, str(r[k])) for k in ("model", "cache", "batch", "context", "status")],
+                             params=[Param(k, str(r[k])) for k in ("model", "cache", "batch", "context", "status")]
+                             + [Param("layout", row_layout(r)), Param("attention_kernel", row_kernel(r) or "-")],
                              tags=[RunTag(k, v) for k, v in {}.items()])
             client.set_terminated(run_id)
             children.append(run_id)

@@ -76,6 +76,8 @@ def test_mlflow_mirror_has_one_run_per_point(tmp_path):
     assert len(runs) == len(grid) + 1 == len(receipt["children"]) + 1
     ok = [r for r in runs if r.data.tags.get("oscar.status") == "ok"]
     assert {round(r.data.metrics["perf.step_ms"], 6) for r in ok} == {round(g["step_us"] / 1e3, 6) for g in grid if g["status"] == "ok"}
+    children = [r for r in runs if "cache" in r.data.params]
+    assert {(r.data.params["cache"], r.data.params["layout"]) for r in children} == {("bf16", "-"), ("oscar", "rows")}
 
 
 def test_profile_refuses_real_architectures_without_a_gpu(tmp_path, capsys):
