@@ -3,7 +3,9 @@
 #   bash benchmarks/gpu_profile.sh [profile overrides/flags ...]      (repo root, on the GPU machine)
 # Copies the checkout to /tmp/oscar_w with kernels/ at oscar/kernels (what the editable install maps);
 # pure-Python packages the image lacks (hydra-core, omegaconf, antlr4) may travel in ./_site.
-# Outputs go to $OUT/throughput (or reports/throughput without $OUT).
+# Outputs go to $OUT/throughput (or reports/throughput without $OUT). `layout=auto|rows|mma` picks the page layout
+# of the INT2 cache (auto: mma pages and the v9 CUDA kernel on CUDA); several calls may write slices of the grid
+# into one folder (a call replaces only the points it measures).
 set -o pipefail
 OUTDIR=${OUT:+$OUT/throughput}
 OUTDIR=${OUTDIR:-$PWD/reports/throughput}

@@ -8,12 +8,13 @@ everything a step reads or writes on the device, with shapes fixed when the cach
   ``pos`` and attends over the first ``span`` positions with torch SDPA (the query heads of a KV
   head become the query rows: no mask, no KV copy; the SDPA backend is the caller's choice).
 - `DeviceOscarCache`: the three segments of docs/DESIGN.md (BF16 sink ``[B, Hkv, S0, d]``, packed
-  pages through `oscar.paged`, BF16 recent window ``[B, Hkv, W, d]`` as a ring). Each sequence
-  owns a fixed-capacity page table row (``[B, M]`` int32 on the device, pages disjoint); one
-  extra page takes the writes of sequences that have nothing to demote. Every index of a step
-  (sink slot, ring slot, demotion slot, segment lengths) is computed on the device from the
-  position vector ``pos``, and the demotion is one `oscar.paged.rotate_quantize_pack_kv` launch
-  for the whole batch, so the step has no host synchronisation and no data-dependent shapes.
+  pages through `oscar.paged` in the row or the fragment-order (mma) page layout, BF16 recent window
+  ``[B, Hkv, W, d]`` as a ring). Each sequence owns a fixed-capacity page table row (``[B, M]`` int32
+  on the device, pages disjoint); one extra page takes the writes of sequences that have nothing to
+  demote. Every index of a step (sink slot, ring slot, demotion slot, segment lengths) is computed on
+  the device from the position vector ``pos``, and the demotion is one
+  `oscar.paged.rotate_quantize_pack_kv` launch for the whole batch, so the step has no host
+  synchronisation and no data-dependent shapes.
 
 Window convention (the same as `oscar.cache`): query ``t`` sees ``[0, S0)`` in BF16, ``[S0, t-W]``
 quantized and ``(t-W, t]`` in BF16; the step demotes the ring's oldest row (token ``t-W``) before
@@ -34,7 +35,7 @@ from typing import Any, Optional, Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from oscar import paged
+from oscar import paged, quant
 from oscar.attention import plain_causal_attention, set_pending, take_pending
 
 ATTN_IMPLEMENTATION = "oscar_device"
@@ -225,6 +226,31 @@ class StaticBF16Cache(DeviceCache):
 # paged OSCAR
 
 
+LAYOUTS = ("auto", "rows", "mma")
+
+
+def mma_supported(bits: int, group_size: int, head_dim: int, page_size: int) -> bool:
+    """Whether the fragment-order (mma) page layout covers this format (`oscar.quant.check_mma_layout`)."""
+    try:
+        quant.check_mma_layout(bits, group_size, head_dim, page_size)
+    except ValueError:
+        return False
+    return True
+
+
+def resolve_layout(layout: str, bits: int, group_size: int, head_dim: int, page_size: int,
+                   device: torch.device) -> str:
+    """``"rows"`` or ``"mma"`` for a requested ``layout`` (``auto``: mma on CUDA where the format allows it).
+    An explicit ``"mma"`` for a format it does not cover is refused with the reason."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not valid; choose one of {', '.join(LAYOUTS)}")
+    if layout == "auto":
+        return "mma" if device.type == "cuda" and mma_supported(bits, group_size, head_dim, page_size) else "rows"
+    if layout == "mma":
+        quant.check_mma_layout(bits, group_size, head_dim, page_size)
+    return layout
+
+
 class DeviceOscarCache(DeviceCache):
     """BF16 sink + packed INT pages (`oscar.paged`) + BF16 recent ring, all indices on the device.
 
@@ -232,13 +258,20 @@ class DeviceOscarCache(DeviceCache):
     device). ``quant_capacity`` is the number of quantized tokens a sequence can hold; the page table
     gets ``ceil(quant_capacity / page_size)`` pages per sequence (``shuffle_pages``: a seeded
     permutation of the pool instead of consecutive pages, for tests of the indirection).
+
+    ``layout``: ``"mma"`` stores K/V pages in the fragment-order layouts ``mma_k``/``mma_v`` of `oscar.quant`
+    (demotion through the Triton writer that stores that layout, attention through the v9 CUDA kernel
+    `oscar.kernels.decode_mma`; INT2 with one group per row, head_dim 64/128, pages of 16k tokens);
+    ``"rows"`` the token-row layout (v8 Triton kernel; any format); ``"auto"`` (default) resolves to
+    ``"mma"`` on a CUDA device where the format allows it, else ``"rows"`` (`resolve_layout`). The torch
+    backend reads and writes both layouts (the twin of either path).
     """
 
     def __init__(self, *, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, bits: int, group_size: int,
                  sink: int, recent: int, page_size: int, quant_capacity: int,
                  transforms: Sequence[tuple[paged.HeadTransform, paged.HeadTransform]],
                  dtype: torch.dtype = torch.bfloat16, device: Any = "cpu", backend: str = "triton",
-                 shuffle_pages: bool = False, kernel_options: Optional[dict] = None) -> None:
+                 shuffle_pages: bool = False, kernel_options: Optional[dict] = None, layout: str = "auto") -> None:
         if sink < 1 or recent < 1:
             raise ValueError(f"sink={sink} and recent={recent} must be at least 1 on the device cache")
         if len(transforms) != num_layers:
@@ -247,6 +280,8 @@ class DeviceOscarCache(DeviceCache):
         self.sink, self.recent, self.page_size, self.backend = sink, recent, page_size, backend
         self.hkv, self.d, self.bits, self.group_size = num_kv_heads, head_dim, bits, group_size
         self.kernel_options = kernel_options
+        self.layout = resolve_layout(layout, bits, group_size, head_dim, page_size, torch.device(device))
+        k_layout, v_layout = ("rows", "rows") if self.layout == "rows" else ("mma_k", "mma_v")
         pages_per_seq = max(1, -(-quant_capacity // page_size))
         num_pages = batch * pages_per_seq + 1  # the last page takes the writes of non-demoting sequences
         self.trash_slot = (num_pages - 1) * page_size
@@ -255,10 +290,10 @@ class DeviceOscarCache(DeviceCache):
             order = order[torch.randperm(order.numel(), generator=torch.Generator().manual_seed(0))]
         self.page_table = order.reshape(batch, pages_per_seq).to(self.device)
         self.transforms = [(self._on_device(kt), self._on_device(vt)) for kt, vt in transforms]
-        self.k_pages = [paged.QuantPages.empty(num_pages, num_kv_heads, page_size, head_dim, bits, group_size, self.device)
-                        for _ in range(num_layers)]
-        self.v_pages = [paged.QuantPages.empty(num_pages, num_kv_heads, page_size, head_dim, bits, group_size, self.device)
-                        for _ in range(num_layers)]
+        self.k_pages = [paged.QuantPages.empty(num_pages, num_kv_heads, page_size, head_dim, bits, group_size, self.device,
+                                               k_layout) for _ in range(num_layers)]
+        self.v_pages = [paged.QuantPages.empty(num_pages, num_kv_heads, page_size, head_dim, bits, group_size, self.device,
+                                               v_layout) for _ in range(num_layers)]
         # BF16 rows of a layer in one buffer [2 (K, V), B, Hkv, S0 + W, d]: sink and ring are views, so a
         # step writes its new token (sink or ring slot) with one indexed store per tensor
         self.bf16 = [torch.zeros(2, batch, num_kv_heads, sink + recent, head_dim, dtype=dtype, device=self.device)
@@ -517,15 +552,18 @@ __all__ = [
     "DeviceCache",
     "DeviceOscarCache",
     "GraphedDecoder",
+    "LAYOUTS",
     "StaticBF16Cache",
     "decode_step",
     "device_attention_forward",
     "enable",
     "import_prefill",
     "kv_elements",
+    "mma_supported",
     "oscar_quant_capacity",
     "prefill",
     "register",
+    "resolve_layout",
     "sample",
     "warm_up",
 ]

@@ -80,6 +80,7 @@ class CacheFormat:
     page_size: int = 64
     transforms: Optional[list[tuple[paged.HeadTransform, paged.HeadTransform]]] = None
     note: str = ""
+    layout: str = "auto"  # page layout of a paged format: auto | rows | mma (oscar.device_cache.resolve_layout)
 
 
 def head_transforms(rotations: Sequence[Any]) -> list[tuple[paged.HeadTransform, paged.HeadTransform]]:
@@ -148,7 +149,16 @@ def new_device_cache(fmt: CacheFormat, model: Any, batch: int, context: int, *, 
     return dc.DeviceOscarCache(num_layers=layers, batch=batch, num_kv_heads=hkv, head_dim=d, bits=fmt.bits,
                                group_size=fmt.group_size, sink=fmt.sink, recent=fmt.recent, page_size=fmt.page_size,
                                quant_capacity=quant_cap, transforms=fmt.transforms, dtype=dtype, device=device,
-                               backend=backend, shuffle_pages=shuffle_pages)
+                               backend=backend, shuffle_pages=shuffle_pages, layout=fmt.layout)
+
+
+def kernel_label(cache: dc.DeviceCache) -> str:
+    """Which attention kernel and page layout a device cache runs (recorded in every report row)."""
+    if isinstance(cache, dc.DeviceOscarCache):
+        if cache.backend != "triton":
+            return f"torch twin, {cache.layout} pages"
+        return "v9 CUDA mma kernel, mma pages" if cache.layout == "mma" else "v8 Triton kernel, row pages"
+    return "torch SDPA, static BF16"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -290,7 +300,7 @@ def time_graph(replay: Callable[[], None], reps: int, warmup: int = 3) -> list[f
 
 
 GEMM_NAMES = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk")
-ATTENTION_NAMES = ("_planes_kernel", "_partial_kernel", "_bf16_partial_kernel", "_merge_kernel", "_merge_cols_kernel",
+ATTENTION_NAMES = ("oscar_decode_mma", "_planes_kernel", "_partial_kernel", "_bf16_partial_kernel", "_merge_kernel", "_merge_cols_kernel",
                    "_prep_kernel", "fmha", "flash", "sdpa", "attention", "cudnn")
 QUANT_NAMES = ("_rotate_quantize_kernel",)
 
@@ -352,6 +362,7 @@ __all__ = [
     "geometry",
     "head_transforms",
     "kernel_breakdown",
+    "kernel_label",
     "kernels_against_twins",
     "new_device_cache",
     "reference_decode",

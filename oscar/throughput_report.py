@@ -87,6 +87,33 @@ def _kv_per_seq(rows: list[dict[str, Any]], model: str, cache: str, context: int
     return None
 
 
+def row_layout(r: dict[str, Any]) -> str:
+    """Page layout of a grid row: its ``layout`` cell; rows written before that column existed were row pages."""
+    if r.get("layout") not in (None, ""):
+        return str(r["layout"])
+    return "-" if r.get("cache") == "bf16" else "rows"
+
+
+def row_kernel(r: dict[str, Any]) -> str:
+    """Attention kernel of a grid row (``attn_variant``; the label of rows written before it was spelled out)."""
+    v = str(r.get("attn_variant") or "")
+    return "v8 Triton kernel, row pages" if v == "triton paged" else v
+
+
+def cache_labels(grid: list[dict[str, Any]]) -> dict[tuple[str, str], str]:
+    """``(model, cache) -> "cache (layout pages)"`` for the tables: which page layout (and so which kernel) every
+    number of a cache came from; the BF16 cache keeps its name."""
+    out: dict[tuple[str, str], str] = {}
+    for r in grid:
+        lay = row_layout(r)
+        key = (r["model"], r["cache"])
+        label = r["cache"] if lay == "-" else f"{r['cache']} ({lay})"
+        if key in out and out[key] != label:
+            raise ValueError(f"{key} has rows in two page layouts ({out[key]}, {label}); keep one layout per folder")
+        out[key] = label
+    return out
+
+
 def analyse(out: Path) -> dict[str, Any]:
     """Every derived number of the report (speedups, bounds, shares, targets) from the files."""
     grid = read_csv(out / "grid.csv")
@@ -98,7 +125,8 @@ def analyse(out: Path) -> dict[str, Any]:
     caches = list(dict.fromkeys(r["cache"] for r in grid))
     quant = [c for c in caches if c != "bf16"]
     res: dict[str, Any] = {"env": env, "grid": grid, "fit": fit, "job": job, "models": models, "caches": caches,
-                           "speedup": [], "jobs": [], "fits": {}, "bytes": [], "targets": []}
+                           "speedup": [], "jobs": [], "fits": {}, "bytes": [], "targets": [],
+                           "labels": cache_labels(grid)}
     for r in grid:  # bandwidth floor of each point: weights read once + the cache allocation read once
         m = env.get("models", {}).get(r["model"], {})
         if r.get("status") == "ok" and m and r.get("kv_bytes") and not math.isnan(bw):
@@ -114,6 +142,9 @@ def analyse(out: Path) -> dict[str, Any]:
             base = _ok(grid, model=model, cache="bf16", batch=1, context=ctx)
             for c in quant:
                 r = _ok(grid, model=model, cache=c, batch=1, context=ctx)
+                if r is None and not any(x["model"] == model and x["cache"] == c and x["batch"] == 1
+                                         and x["context"] == ctx for x in grid):
+                    continue  # a point this cache was not asked for (OOM points are kept)
                 kvb, kvq = _kv_per_seq(grid, model, "bf16", ctx), _kv_per_seq(grid, model, c, ctx)
                 bound = (read + kvb) / (read + kvq) if read and kvb and kvq else math.nan
                 amdahl = math.nan  # BF16's step with only its attention shrunk by the byte ratio
@@ -200,6 +231,11 @@ def _targets(res: dict[str, Any]) -> None:
 
 def markdown(res: dict[str, Any]) -> str:
     env = res["env"]
+    labels = res.get("labels", {})
+
+    def cl(model: str, cache: str) -> str:
+        return labels.get((model, cache), cache)
+
     lines = ["# End-to-end decode throughput", ""]
     lines += [f"- Hardware: {env.get('gpu') or env.get('cpu')}"
               + (f", {env.get('gpu_memory_gib')} GiB, {env.get('sms')} SMs; measured copy bandwidth "
@@ -225,11 +261,20 @@ def markdown(res: dict[str, Any]) -> str:
     for c, note in env.get("cache_notes", {}).items():
         if note:
             lines.append(f"- `{c}`: {note}")
+    kernels = {}
+    for r in res["grid"]:
+        if r.get("cache") != "bf16" and row_kernel(r):
+            kernels.setdefault(cl(r["model"], r["cache"]), row_kernel(r))
+    if kernels:
+        lines.append("- Page layout and attention kernel of each quantized cache (the name in parentheses in every "
+                     "table): " + "; ".join(f"`{k}`: {v}" for k, v in kernels.items()) + ". `mma` pages are the "
+                     "fragment-order layouts `mma_k`/`mma_v` of `oscar.quant` (v9 CUDA kernel, `kernels/decode_mma.cu`); "
+                     "`rows` pages the token-row layout (v8 Triton kernel).")
     lines.append("")
     check = read_csv(Path(env.get("_out", ".")) / "check.csv") if env.get("_out") else []
     if check:
         lines += ["## GPU correctness (tiny Qwen3, head_dim 128, float32 weights)", "",
-                  "The device path (CUDA, Triton kernels, CUDA graph; BF16 eager) against the CPU host-cache path "
+                  "The device path (CUDA, the project's kernels in the layout of the column `cache`, CUDA graph; BF16 eager) against the CPU host-cache path "
                   "(torch). Free running: each path feeds its own greedy tokens. Teacher forced: the device path is fed "
                   "the CPU tokens, so every step compares the same history (argmax agreement, largest logit "
                   "difference, and the largest CPU top-2 margin among the disagreements: a flip at a margin under the "
@@ -238,7 +283,8 @@ def markdown(res: dict[str, Any]) -> str:
         lines += _table(["cache", "device path", "free running: tokens equal (first divergence)",
                          "forced: argmax agree", "forced: max abs logit diff", "margin at disagreements (median margin)",
                          "KL CPU [95% CI]", "KL device", "within"],
-                        [[r["cache"], r["path"], f"{r['tokens_equal']}/{r['tokens_total']} ({r['first_divergence']})",
+                        [[r["cache"] + (f" ({r['layout']})" if r.get("layout") not in (None, "", "-") else ""),
+                          r["path"], f"{r['tokens_equal']}/{r['tokens_total']} ({r['first_divergence']})",
                           f"{r.get('forced_argmax_agree', '-')}/{r['tokens_total']}",
                           f"{float(r.get('forced_max_abs_logit_diff')):.3g}",
                           f"{_f(r.get('forced_disagree_max_margin'), 3)} ({_f(r.get('median_margin'), 3)})",
@@ -248,19 +294,21 @@ def markdown(res: dict[str, Any]) -> str:
         if twins:
             lines += ["Where a difference comes from (same device): the torch twins of the kernels run the device "
                       "path teacher forced (their logits against the CPU path); the prompt imported through the Triton "
-                      "quantize kernel and through its twin (share of dequantized elements that differ, largest "
-                      "relative row difference); each layer's Triton decode attention against its twin on the same "
-                      "cache (largest relative difference of an output row).", ""]
+                      "quantize kernel (storing the cache's page layout) and through its twin (share of dequantized "
+                      "elements that differ, largest relative row difference); each layer's decode attention kernel "
+                      "(v9 CUDA on mma pages, v8 Triton on row pages) against its twin on the same cache (largest "
+                      "relative difference of an output row).", ""]
             lines += _table(["cache", "twins: max abs logit diff", "twins: argmax agree", "quantized elements differing",
                              "largest row difference", "attention: largest row difference"],
-                            [[r["cache"], f"{float(r['twin_forced_max_abs_logit_diff']):.3g}",
+                            [[r["cache"] + (f" ({r['layout']})" if r.get("layout") not in (None, "", "-") else ""),
+                              f"{float(r['twin_forced_max_abs_logit_diff']):.3g}",
                               f"{r['twin_forced_argmax_agree']}/{r['tokens_total']}",
                               f"{float(r['quant_elements_differ']):.2e}", f"{float(r['quant_row_rel_diff_max']):.2e}",
                               f"{float(r['attention_rel_diff_max']):.2e}"] for r in twins])
     if res["targets"]:
         lines += ["## Targets (same run, same GPU)", ""]
         lines += _table(["model", "cache", "target", "measured", "bound", "met"],
-                        [[t["model"], t["cache"], t["target"], t["measured"], t["bound"], "yes" if t["met"] else "no"]
+                        [[t["model"], cl(t["model"], t["cache"]), t["target"], t["measured"], t["bound"], "yes" if t["met"] else "no"]
                          for t in res["targets"]])
     if res["speedup"]:
         lines += ["## Batch-1 decode step against context (Fig. 4 left)", "",
@@ -270,7 +318,7 @@ def markdown(res: dict[str, Any]) -> str:
                   "attention at BF16's bandwidth would give with this step's GEMM and other time).", ""]
         lines += _table(["model", "cache", "context", "BF16 step ms", "step ms", "speedup", "attention speedup",
                          "byte bound", "step bound"],
-                        [[x["model"], x["cache"], x["context"], x["bf16_ms"], x["ms"], x["speedup"], x["attn_speedup"],
+                        [[x["model"], cl(x["model"], x["cache"]), x["context"], x["bf16_ms"], x["ms"], x["speedup"], x["attn_speedup"],
                           x["bound"], x["amdahl"]] for x in res["speedup"]])
     if res["jobs"]:
         lines += ["## Job tokens/s at the job context under one memory budget (Fig. 4 right)", "",
@@ -278,21 +326,21 @@ def markdown(res: dict[str, Any]) -> str:
                   "the same ratio if both batches ran at the bandwidth floor (weights + caches read once per step).", ""]
         lines += _table(["model", "cache", "job batch", "run batch", "tokens/s", "BF16 run batch", "BF16 tokens/s",
                          "ratio", "bound"],
-                        [[x["model"], x["cache"], x["job_batch"], x["run_batch"], x["tokens_per_s"], x["bf16_run_batch"],
+                        [[x["model"], cl(x["model"], x["cache"]), x["job_batch"], x["run_batch"], x["tokens_per_s"], x["bf16_run_batch"],
                           x["bf16_tokens_per_s"], x["ratio"], x["bound"]] for x in res["jobs"]])
     if res["fit"]:
         lines += ["## Largest batch that fits (Fig. 5)", "",
                   "Cache allocated and one eager decode step run (activations and kernel workspace included), doubling "
                   "then bisection.", ""]
         lines += _table(["model", "cache", "context", "largest batch", "memory (GiB)", "batches tried"],
-                        [[f["model"], f["cache"], f["context"], f["max_batch"], f["budget_gib"], str(f["tried"])]
+                        [[f["model"], cl(f["model"], f["cache"]), f["context"], f["max_batch"], f["budget_gib"], str(f["tried"])]
                          for f in res["fit"]])
     if res["bytes"]:
         lines += ["## KV bytes per element (from the allocations, batch 1)", "",
                   "Measured: bytes the cache allocated / (layers x 2 x KV heads x head_dim x context); includes the "
                   "capacity for the timed steps and page rounding. Accounting: `oscar.quant.bits_per_element` / 8.", ""]
         lines += _table(["model", "cache", "context", "measured bytes", "measured bits", "accounting bits"],
-                        [[b["model"], b["cache"], b["context"], b["measured"], 8 * float(b["measured"]),
+                        [[b["model"], cl(b["model"], b["cache"]), b["context"], b["measured"], 8 * float(b["measured"]),
                           8 * b["accounting"]] for b in res["bytes"]])
     for model in res["models"]:
         rows = [r for r in res["grid"] if r["model"] == model]
@@ -300,11 +348,11 @@ def markdown(res: dict[str, Any]) -> str:
                   "Milliseconds per decode step; `floor` = (weights + cache allocation) / copy bandwidth.", ""]
         lines += _table(["cache", "batch", "context", "status", "step", "GEMM", "attention", "quant+demote", "other",
                          "quant %", "floor/step", "tokens/s", "attn"],
-                        [[r["cache"], r["batch"], r["context"], r["status"],
+                        [[cl(model, r["cache"]), r["batch"], r["context"], r["status"],
                           *(float(r[k]) / 1e3 if r.get(k) not in (None, "") else None
                             for k in ("step_us", "gemm_us", "attention_us", "quantize_us", "other_us")),
                           100 * r["quantize_share"] if r.get("quantize_share") is not None else None,
-                          r.get("floor_fraction"), r.get("tokens_per_s"), str(r.get("attn_variant") or "")]
+                          r.get("floor_fraction"), r.get("tokens_per_s"), row_kernel(r)]
                          for r in rows])
     lines += ["Files: `grid.csv` (every point), `kernels.csv` (per-kernel times of each point), `check.csv`, `fit.csv`, "
               "`job.csv`, `env.json` (hardware, versions, settings), `throughput.png`.", ""]
@@ -331,7 +379,7 @@ def figure(res: dict[str, Any], path: Path) -> Optional[Path]:
         for c in [x for x in res["caches"] if x != "bf16"]:
             pts = sorted((x["context"], x["speedup"], x["bound"]) for x in res["speedup"] if x["model"] == model and x["cache"] == c)
             if pts:
-                line, = ax.plot([p[0] / 1e3 for p in pts], [p[1] for p in pts], "o-", label=f"{model} {c}")
+                line, = ax.plot([p[0] / 1e3 for p in pts], [p[1] for p in pts], "o-", label=f"{model} {res['labels'].get((model, c), c)}")
                 ax.plot([p[0] / 1e3 for p in pts], [p[2] for p in pts], "--", color=line.get_color(), alpha=0.5)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set(xlabel="context (k tokens)", ylabel="speedup vs BF16 (dashed: byte bound)", title="batch-1 decode step")
@@ -353,7 +401,7 @@ def figure(res: dict[str, Any], path: Path) -> Optional[Path]:
     ax = axes[1][0]
     labels, vals = [], []
     for f in res["fit"]:
-        labels.append(f"{_short(f['model'])}\n{f['cache']}")
+        labels.append(f"{_short(f['model'])}\n{res['labels'].get((f['model'], f['cache']), f['cache'])}")
         vals.append(int(f["max_batch"]))
     ax.bar(range(len(vals)), vals, color="tab:green")
     ax.set_xticks(range(len(vals)), labels, fontsize=7)
@@ -367,7 +415,7 @@ def figure(res: dict[str, Any], path: Path) -> Optional[Path]:
         vals = [float(r[key]) / 1e3 for r in rows]
         ax.bar(range(len(rows)), vals, bottom=bottom, color=color, label=key[:-3])
         bottom = [a + b for a, b in zip(bottom, vals)]
-    ax.set_xticks(range(len(rows)), [f"{r['cache']}\nb={r['batch']}" for r in rows], fontsize=6)
+    ax.set_xticks(range(len(rows)), [f"{res['labels'].get((r['model'], r['cache']), r['cache'])}\nb={r['batch']}" for r in rows], fontsize=6)
     ax.set(ylabel="ms per step", title=f"step split at context {job_ctx} ({(res['models'] or ['-'])[0]})")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -448,7 +496,8 @@ def track(out: Path, uri: str, experiment: str = "throughput", root: Path = Path
             if r.get("kv_bytes_per_element") not in (None, ""):
                 m["mem.kv_bits_per_element"] = 8 * float(r["kv_bytes_per_element"])
             client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in m.items()],
-                             params=[Param(k, str(r[k])) for k in ("model", "cache", "batch", "context", "status")],
+                             params=[Param(k, str(r[k])) for k in ("model", "cache", "batch", "context", "status")]
+                             + [Param("layout", row_layout(r)), Param("attention_kernel", row_kernel(r) or "-")],
                              tags=[RunTag(k, v) for k, v in {}.items()])
             client.set_terminated(run_id)
             children.append(run_id)

@@ -9,6 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from oscar import device_cache as dc
+from oscar import paged
 from oscar import throughput as tp
 from oscar.cache import LayerRotations
 from oscar.rotation import random_orthogonal
@@ -39,25 +40,31 @@ def rotations(center: bool) -> list[LayerRotations]:
     return out
 
 
-def oscar_format(rots: list[LayerRotations], bits: int = 2) -> tp.CacheFormat:
-    return tp.CacheFormat(name="oscar", bits=bits, group_size=D, sink=4, recent=8, page_size=4,
-                          transforms=tp.head_transforms(rots))
+def oscar_format(rots: list[LayerRotations], bits: int = 2, layout: str = "auto") -> tp.CacheFormat:
+    # the mma layout stores blocks of 16 tokens: its pages hold 16 (two pages still cover the prompt's middle)
+    return tp.CacheFormat(name="oscar", bits=bits, group_size=D, sink=4, recent=8, page_size=16 if layout == "mma" else 4,
+                          transforms=tp.head_transforms(rots), layout=layout)
 
 
 def prompt(n: int = 30, batch: int = 2) -> torch.Tensor:
     return torch.randint(0, 320, (batch, n), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("bits,center", [(2, True), pytest.param(4, False, marks=pytest.mark.slow)])
-def test_oscar_device_cache_matches_host_cache(model, bits, center):
+@pytest.mark.parametrize("bits,center,layout", [(2, True, "rows"), (2, True, "mma"),
+                                                 pytest.param(4, False, "rows", marks=pytest.mark.slow)])
+def test_oscar_device_cache_matches_host_cache(model, bits, center, layout):
     """Prompt past sink + recent (quantized prefill rows), then decode steps that demote every step, through
-    a shuffled page table: greedy tokens equal, logits within one bf16 step."""
+    a shuffled page table: greedy tokens equal, logits within one bf16 step; in the row layout and in the
+    fragment-order (mma) layout of the v9 kernel (torch twins of its writer and attention)."""
     rots = rotations(center)
-    fmt = oscar_format(rots, bits)
-    ids, steps = prompt(24), 8
+    fmt = oscar_format(rots, bits, layout)
+    ids, steps = prompt(40 if layout == "mma" else 24), 8
     ref_tok, ref_lg = tp.reference_decode(model, ids, fmt, steps, rots)
     cache = tp.new_device_cache(fmt, model, 2, ids.shape[1], extra_steps=steps, device="cpu", backend="torch",
                                 shuffle_pages=True)
+    assert cache.layout == ("rows" if layout == "auto" else layout)
+    assert [p.layout for p in (cache.k_pages[0], cache.v_pages[0])] == (
+        ["mma_k", "mma_v"] if layout == "mma" else ["rows", "rows"])
     tok, lg = tp.device_decode(model, ids, cache, steps)
     assert torch.equal(tok, ref_tok)
     assert (lg - ref_lg).abs().max().item() <= LOGIT_TOL
@@ -148,6 +155,7 @@ def test_kernel_classification():
     assert tp.classify_kernel("void gemv2T_kernel_val<int, int, __nv_bfloat16>") == "gemm"
     assert tp.classify_kernel("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma") == "attention"
     assert tp.classify_kernel("_planes_kernel") == "attention"
+    assert tp.classify_kernel("void oscar_decode_mma<128, 4, 8, 4, 2>(Params)") == "attention"
     assert tp.classify_kernel("_rotate_quantize_kernel") == "quantize"
     assert tp.classify_kernel("void at::native::vectorized_elementwise_kernel<4, silu>") == "other"
     split = tp.split_step(100.0, {"gemm": 50.0, "attention": 30.0, "quantize": 5.0, "other": 9.0})
@@ -190,3 +198,64 @@ def test_a_repeated_step_without_restore_would_demote_the_new_token(model):
         before = [t.clone() for t in cache.step_state()]
         dc.decode_step(model, cache, tok, advance=False)
     assert any(not torch.equal(a, b) for a, b in zip(before, cache.step_state()))
+
+
+def test_mma_and_row_layouts_hold_the_same_cache(model):
+    """The same prompt and decode steps through row pages and through mma pages (torch backend): the layouts
+    differ only in where the codes lie, so the dequantized cache of every layer is bit-identical (same
+    arithmetic, same page table order), and the BF16 windows too."""
+    rots = rotations(True)
+    ids, steps = prompt(40), 6
+    caches = {}
+    for layout in ("rows", "mma"):
+        fmt = oscar_format(rots, 2, layout)
+        fmt.page_size = 16  # equal page tables in both layouts
+        caches[layout] = tp.new_device_cache(fmt, model, 2, ids.shape[1], extra_steps=steps, device="cpu",
+                                             backend="torch", shuffle_pages=True)
+        tp.device_decode(model, ids, caches[layout], steps)
+    rows, mma = caches["rows"], caches["mma"]
+    assert torch.equal(rows.page_table, mma.page_table)
+    assert rows.k_pages[0].codes.shape == mma.k_pages[0].codes.shape  # same bytes per token
+    n = rows.seq_len - rows.sink - rows.recent  # quantized tokens per sequence
+    assert n > 16  # the pages hold more than one block of 16 tokens
+    for layer in range(LAYERS):
+        for b in range(2):
+            for a, c in ((rows.k_pages[layer], mma.k_pages[layer]), (rows.v_pages[layer], mma.v_pages[layer])):
+                assert torch.equal(paged.gather_dequantize(a, rows.page_table, b, n),
+                                   paged.gather_dequantize(c, mma.page_table, b, n))
+        assert torch.equal(rows.bf16[layer], mma.bf16[layer])
+    assert not torch.equal(rows.k_pages[0].codes, mma.k_pages[0].codes)  # the layouts do differ in place
+
+
+def test_layout_setting_resolves_and_refuses():
+    """auto: mma only on CUDA and where the format allows it; an explicit mma outside INT2 with one group per
+    row (or with pages not of 16k tokens) is refused with the reason; unknown names are refused."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert dc.resolve_layout("auto", 2, 128, 128, 64, cuda) == "mma"
+    assert dc.resolve_layout("auto", 2, 128, 128, 64, cpu) == "rows"
+    assert dc.resolve_layout("auto", 4, 128, 128, 64, cuda) == "rows"  # Saw-INT4 stays on row pages
+    assert dc.resolve_layout("auto", 2, 32, 128, 64, cuda) == "rows"
+    assert dc.resolve_layout("auto", 2, 128, 128, 8, cuda) == "rows"
+    assert dc.resolve_layout("rows", 2, 128, 128, 64, cuda) == "rows"
+    assert dc.resolve_layout("mma", 2, 64, 64, 16, cpu) == "mma"
+    with pytest.raises(ValueError, match="bits=2"):
+        dc.resolve_layout("mma", 4, 128, 128, 64, cuda)
+    with pytest.raises(ValueError, match="one group per row"):
+        dc.resolve_layout("mma", 2, 32, 128, 64, cuda)
+    with pytest.raises(ValueError, match="layout='planar'"):
+        dc.resolve_layout("planar", 2, 128, 128, 64, cuda)
+
+
+def test_mma_pages_need_the_cuda_kernel_or_the_twin(model):
+    """On a CPU the Triton backend cannot attend over mma pages (the v9 kernel is CUDA C++): the step is
+    refused with the way out, not run through a wrong path."""
+    fmt = oscar_format(rotations(False), 2, "mma")
+    ids = prompt(40)
+    cache = tp.new_device_cache(fmt, model, 2, ids.shape[1], extra_steps=4, device="cpu", backend="triton")
+    assert tp.kernel_label(cache) == "v9 CUDA mma kernel, mma pages"
+    dc.enable(model)
+    with torch.no_grad():
+        _, kv = dc.prefill(model, ids)
+        dc.import_prefill(cache, kv)  # the Triton writer (interpreted here) stores the mma layout
+        with pytest.raises(ValueError, match="backend='torch'"):
+            dc.decode_step(model, cache, ids[:, -1])

@@ -76,6 +76,8 @@ def test_mlflow_mirror_has_one_run_per_point(tmp_path):
     assert len(runs) == len(grid) + 1 == len(receipt["children"]) + 1
     ok = [r for r in runs if r.data.tags.get("oscar.status") == "ok"]
     assert {round(r.data.metrics["perf.step_ms"], 6) for r in ok} == {round(g["step_us"] / 1e3, 6) for g in grid if g["status"] == "ok"}
+    children = [r for r in runs if "cache" in r.data.params]
+    assert {(r.data.params["cache"], r.data.params["layout"]) for r in children} == {("bf16", "-"), ("oscar", "rows")}
 
 
 def test_profile_refuses_real_architectures_without_a_gpu(tmp_path, capsys):
@@ -134,3 +136,38 @@ def test_profile_verb_on_a_tiny_architecture(tmp_path):
     assert all(r["forced_argmax_agree"] == r["tokens_total"] for r in check)
     assert {f["cache"] for f in report.read_csv(tmp_path / "fit.csv")} == {"bf16", "oscar", "saw_int4"}
     assert (tmp_path / "throughput.md").is_file() and (tmp_path / "env.json").is_file()
+
+
+def test_tables_name_each_cache_with_its_page_layout(tmp_path):
+    """Every quantized row of the report says which page layout (and so which kernel) it came from; rows
+    written before the layout column existed were row pages; one folder holds one layout per cache."""
+    grid = write_fixture(tmp_path)
+    res = report.analyse(tmp_path)
+    assert res["labels"] == {("m", "bf16"): "bf16", ("m", "oscar"): "oscar (rows)"}  # fixture rows have no layout
+    for r in grid:
+        r["layout"] = "-" if r["cache"] == "bf16" else "mma"
+        r["attn_variant"] = "cudnn/rows" if r["cache"] == "bf16" else "v9 CUDA mma kernel, mma pages"
+    report.write_csv(tmp_path / "grid.csv", grid, profile.GRID_KEYS)
+    report.write_report(tmp_path)
+    md = (tmp_path / "throughput.md").read_text()
+    assert "| m | oscar (mma) | largest batch at 1000" in md and "`oscar (mma)`: v9 CUDA mma kernel, mma pages" in md
+    assert "| oscar (mma) | 4 | 1,000 | ok |" in md
+    grid[2]["layout"] = "rows"
+    report.write_csv(tmp_path / "grid.csv", grid, profile.GRID_KEYS)
+    with pytest.raises(ValueError, match="two page layouts"):
+        report.analyse(tmp_path)
+
+
+def test_a_second_run_into_a_folder_replaces_only_what_it_measures():
+    class S:
+        parts, models, caches = ["grid", "fit", "job"], ["m"], ["oscar"]
+
+    rows = [{"model": "m", "cache": c, "batch": b, "context": t} for c in ("bf16", "oscar") for b in (1, 8)
+            for t in (100, 200)] + [{"model": "n", "cache": "oscar", "batch": 1, "context": 100}]
+    remeasured = {("m", "oscar", 8, 100), ("m", "oscar", 8, 200)}
+    kept = profile.keep_rows(rows, "grid", S, remeasured)
+    assert len(kept) == len(rows) - 2 and not any((r["cache"], r["batch"]) == ("oscar", 8) for r in kept)
+    fit = [{"model": "m", "cache": "bf16"}, {"model": "m", "cache": "oscar"}, {"model": "n", "cache": "oscar"}]
+    assert profile.keep_rows(fit, "fit", S, remeasured) == [fit[0], fit[2]]
+    S.parts = ["grid"]
+    assert profile.keep_rows(fit, "fit", S, remeasured) == fit  # fit not run: all kept

@@ -4,7 +4,9 @@ Random-weight models of real architectures (the `models` of the experiment, size
 `experiment.extra.profile.architectures`) decode end to end on CUDA (embeddings, every layer, LM
 head, sampling), each step captured in a CUDA graph, with three device caches: static BF16 (torch
 SDPA; cuDNN or flash and the GQA layout, whichever is fastest in the same run) and the paged OSCAR
-formats of the experiment's `methods` through the Triton kernels (`oscar.device_cache`).
+formats of the experiment's `methods` through the project's kernels (`oscar.device_cache`). `layout=`
+`auto` (default: INT2 with one group per row in the fragment-order pages read by the v9 CUDA kernel,
+other formats in row pages read by the Triton kernel), `rows` or `mma`; each row records its layout and kernel.
 
 Parts (`parts=`): `check` (tiny model: greedy tokens on CUDA against the CPU host-cache path, KL to
 the uncached forward against the CPU interval), `grid` (step time and its GEMM / attention /
@@ -44,9 +46,10 @@ FLAGS: dict[str, Any] = {
     "budget_gb": "0",
     "report_only": False,
     "tiny": False,
+    "layout": "auto",
 }
 PARTS = ("check", "grid", "fit", "job")
-GRID_KEYS = ["model", "cache", "batch", "context", "status", "step_us", "gemm_us", "attention_us", "quantize_us",
+GRID_KEYS = ["model", "cache", "layout", "batch", "context", "status", "step_us", "gemm_us", "attention_us", "quantize_us",
              "other_us", "kernel_us", "tokens_per_s", "kv_bytes", "kv_bytes_per_element", "attn_variant",
              "attn_variants_us", "timing"]
 
@@ -94,6 +97,9 @@ class Settings:
         self.temperature = float(p.get("temperature", 0.6))
         self.extra_steps = int(p.get("extra_steps", 16))
         self.budget = float(flags["budget_gb"]) * 2**30
+        self.layout = str(flags["layout"])
+        if self.layout not in ("auto", "rows", "mma"):
+            raise ValueError(f"layout={self.layout!r} is not valid; choose auto, rows or mma")
         self.parts = _names(flags["parts"])
         bad = [x for x in self.parts if x not in PARTS]
         if bad:
@@ -208,13 +214,14 @@ def measure_point(model: Any, fmt: Any, batch: int, context: int, s: Settings, m
     from oscar import throughput as tp
 
     layers, heads, hkv, d = tp.geometry(model)
-    row: dict[str, Any] = {"cache": fmt.name, "batch": batch, "context": context}
+    row: dict[str, Any] = {"cache": fmt.name, "layout": "-", "batch": batch, "context": context}
     names: dict[str, float] = {}
     cache = runner = None
     try:
         before = machine.allocated()
         cache = tp.new_device_cache(fmt, model, batch, context, extra_steps=s.extra_steps, device=machine.device,
                                     backend="triton" if machine.cuda else "torch")
+        row["layout"] = getattr(cache, "layout", "-")
         kv_bytes = machine.allocated() - before if machine.cuda else cache.nbytes()
         machine.cpu_bytes += 0 if machine.cuda else kv_bytes
         row["kv_bytes"] = kv_bytes
@@ -231,7 +238,7 @@ def measure_point(model: Any, fmt: Any, batch: int, context: int, s: Settings, m
             if machine.cuda:
                 backend_ctx = _sdpa_backends()[row["attn_variant"].split("/")[0]]
         else:
-            row["attn_variant"] = "triton paged"
+            row["attn_variant"] = tp.kernel_label(cache)
 
         def ctx() -> Any:
             import contextlib
@@ -329,6 +336,7 @@ def run_check(s: Settings, machine: Machine) -> list[dict[str, Any]]:
         cpu_model = tp.build_random_model(tp.architecture_config(family, dims), device="cpu", dtype=torch.float32,
                                           std=float(c["std"]))
         fmt = tp.cache_format(mcfg, cpu_model)
+        fmt.layout = s.layout
         if fmt.transforms is not None:
             fmt.sink, fmt.recent, fmt.page_size = int(c["sink"]), int(c["recent"]), int(c["page_size"])
         gen = torch.Generator().manual_seed(0)
@@ -341,11 +349,14 @@ def run_check(s: Settings, machine: Machine) -> list[dict[str, Any]]:
         cpu_s = time.perf_counter() - t0
         dev_model = copy.deepcopy(cpu_model).to(machine.device)  # the same weights (device RNGs differ)
         graph = machine.cuda and fmt.transforms is not None
+        labels: dict[str, str] = {}  # of the first (default-backend) device run
 
         def device_run(forced: Optional[Any], backend: str = "triton" if machine.cuda else "torch",
                        graph: bool = graph) -> tuple[Any, Any]:
             cache = tp.new_device_cache(fmt, dev_model, prompt.shape[0], prompt.shape[1], extra_steps=steps,
                                         device=machine.device, backend=backend, shuffle_pages=True)
+            labels.setdefault("kernel", tp.kernel_label(cache))
+            labels.setdefault("layout", getattr(cache, "layout", "-"))
             tok, lg = tp.device_decode(dev_model, prompt.to(machine.device), cache, steps, graph=graph, forced=forced)
             del cache
             return tok.cpu(), lg.cpu()
@@ -372,8 +383,9 @@ def run_check(s: Settings, machine: Machine) -> list[dict[str, Any]]:
                   f"{twins['quant_elements_differ']:.2e}, attention rel diff {twins['attention_rel_diff_max']:.2e}",
                   flush=True)
         rows.append({
-            "cache": method, "device": str(machine.device), "path": "triton + cuda graph" if graph else
-            ("eager" + (" triton" if machine.cuda and fmt.transforms is not None else "")),
+            "cache": method, "layout": labels["layout"], "kernel": labels["kernel"], "device": str(machine.device),
+            "path": "kernels + cuda graph" if graph else
+            ("eager" + (" kernels" if machine.cuda and fmt.transforms is not None else "")),
             "sequences": int(prompt.shape[0]), "prompt": int(prompt.shape[1]), "steps": steps,
             "tokens_equal": int(same.sum()), "tokens_total": int(same.numel()), "first_divergence": upto,
             "forced_argmax_agree": int(agree.sum()),
@@ -438,6 +450,17 @@ def copy_bandwidth(machine: Machine) -> float:
 # the run
 
 
+def keep_rows(rows: list[dict[str, Any]], part: str, s: Settings, remeasured: set[tuple]) -> list[dict[str, Any]]:
+    """Rows of an earlier run's file that this run keeps: all of a part it does not run; of the grid (and its
+    kernels) those whose (model, cache, batch, context) it does not measure again; of fit and job those of
+    the (model, cache) pairs it does not measure."""
+    if part not in s.parts:
+        return rows
+    if part == "grid":
+        return [r for r in rows if (r.get("model"), r.get("cache"), r.get("batch"), r.get("context")) not in remeasured]
+    return [r for r in rows if not (r.get("model") in s.models and r.get("cache") in s.caches)]
+
+
 def run(cfg: Any, s: Settings, out: Path) -> None:
     """Measure every part asked for; write the CSVs as each part ends."""
     import torch
@@ -462,14 +485,18 @@ def run(cfg: Any, s: Settings, out: Path) -> None:
     notes: dict[str, str] = {}
     if "check" in s.parts:
         write_csv(out / "check.csv", run_check(s, machine))
-    # rows of models this run does not measure are kept (runs per model may share one output folder)
+    # rows this run does not measure again are kept (runs per model, or per batch x context slice, may share
+    # one output folder): grid points by (model, cache, batch, context), fit and job rows by (model, cache)
+    points = [(b, c) for b in s.batches for c in s.contexts]
+    points += [(1, c) for c in s.speedup_contexts if (1, c) not in points]
+    remeasured = {(m, c, b, t) for m in s.models for c in s.caches for b, t in points}
+
     def kept(name: str, part: str) -> list[dict[str, Any]]:
-        rows = read_csv(out / name)
-        return [r for r in rows if r.get("model") not in s.models] if part in s.parts else rows
+        return keep_rows(read_csv(out / name), part, s, remeasured)
 
     grid = kept("grid.csv", "grid")
     kernels = kept("kernels.csv", "grid")
-    fit_rows = kept("fit.csv", "fit") if "fit" in s.parts or "job" in s.parts else read_csv(out / "fit.csv")
+    fit_rows = kept("fit.csv", "job" if "job" in s.parts else "fit")
     job_rows = kept("job.csv", "job")
     old_env = json.loads((out / "env.json").read_text()) if (out / "env.json").is_file() else {}
     models_env: dict[str, Any] = {k: v for k, v in old_env.get("models", {}).items() if k not in s.models}
@@ -491,14 +518,13 @@ def run(cfg: Any, s: Settings, out: Path) -> None:
         for method in s.caches:
             mcfg = compose([f"method={method}"]).method
             formats[method] = tp.cache_format(mcfg, model)
+            formats[method].layout = s.layout
             f = formats[method]
             notes[method] = f.note
             env.setdefault("formats", {})[method] = {"bits": f.bits, "group_size": f.group_size, "sink": f.sink,
                                                      "recent": f.recent, "page_size": f.page_size,
-                                                     "head_dim": tp.geometry(model)[3]}
+                                                     "head_dim": tp.geometry(model)[3], "layout": _layout_of(f, model, machine)}
         if "grid" in s.parts:
-            points = [(b, c) for b in s.batches for c in s.contexts]
-            points += [(1, c) for c in s.speedup_contexts if (1, c) not in points]
             for method, fmt in formats.items():
                 for b, c in points:
                     row, names = measure_point(model, fmt, b, c, s, machine)
@@ -513,7 +539,8 @@ def run(cfg: Any, s: Settings, out: Path) -> None:
         if "fit" in s.parts or "job" in s.parts:
             for method, fmt in formats.items():
                 bmax, tried = max_batch(model, fmt, s.job_context, s, machine)
-                fit_rows.append({"model": name, "cache": method, "context": s.job_context, "max_batch": bmax,
+                fit_rows.append({"model": name, "cache": method, "layout": _layout_of(fmt, model, machine),
+                                 "context": s.job_context, "max_batch": bmax,
                                  "budget_gib": round((s.budget or _device_memory(machine)) / 2**30, 1),
                                  "tried": " ".join(map(str, tried))})
                 print(f"  {name} {method}: largest batch at {s.job_context} = {bmax}", flush=True)
@@ -522,8 +549,8 @@ def run(cfg: Any, s: Settings, out: Path) -> None:
                 for b in s.job_batches:
                     run_b = min(b, bmax)
                     if run_b == 0:
-                        job_rows.append({"model": name, "cache": method, "context": s.job_context, "job_batch": b,
-                                         "run_batch": 0, "waves": 0, "status": "OOM"})
+                        job_rows.append({"model": name, "cache": method, "layout": _layout_of(fmt, model, machine),
+                                         "context": s.job_context, "job_batch": b, "run_batch": 0, "waves": 0, "status": "OOM"})
                         continue
                     known = [r for r in grid if r.get("model") == name and r.get("cache") == method
                              and r.get("batch") == run_b and r.get("context") == s.job_context and r.get("status") == "ok"]
@@ -535,8 +562,8 @@ def run(cfg: Any, s: Settings, out: Path) -> None:
                         if row["status"] == "ok":
                             grid.append(row)
                             write_csv(out / "grid.csv", grid, GRID_KEYS)
-                    job_rows.append({"model": name, "cache": method, "context": s.job_context, "job_batch": b,
-                                     "run_batch": run_b, "waves": math.ceil(b / run_b), "status": row["status"],
+                    job_rows.append({"model": name, "cache": method, "layout": _layout_of(fmt, model, machine),
+                                     "context": s.job_context, "job_batch": b, "run_batch": run_b, "waves": math.ceil(b / run_b), "status": row["status"],
                                      "step_us": row.get("step_us"), "tokens_per_s": row.get("tokens_per_s")})
             write_csv(out / "fit.csv", fit_rows)
             if job_rows:
@@ -545,8 +572,19 @@ def run(cfg: Any, s: Settings, out: Path) -> None:
         machine.release()
     env["commands"] = old_env.get("commands", []) + [env["command"]]  # runs that wrote into this folder
     env["models"] = models_env
-    env["cache_notes"] = notes
+    env["cache_notes"] = {**old_env.get("cache_notes", {}), **notes}  # caches of earlier runs into this folder too
+    env["formats"] = {**old_env.get("formats", {}), **env.get("formats", {})}
     write_atomic(out / "env.json", json.dumps(env, indent=1, sort_keys=True, default=str) + "\n")
+
+
+def _layout_of(fmt: Any, model: Any, machine: Machine) -> str:
+    """The page layout a paged format gets on this machine (``-`` for BF16)."""
+    from oscar import device_cache as dc
+    from oscar import throughput as tp
+
+    if fmt.transforms is None:
+        return "-"
+    return dc.resolve_layout(fmt.layout, fmt.bits, fmt.group_size, tp.geometry(model)[3], fmt.page_size, machine.device)
 
 
 def _device_memory(machine: Machine) -> float:
