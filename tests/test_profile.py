@@ -133,7 +133,12 @@ def test_profile_verb_on_a_tiny_architecture(tmp_path):
     assert planned <= points and all(t == 800 for _, _, t in points - planned)  # extras: job batches at the job context
     assert all(r["status"] == "ok" and r["step_us"] > 0 for r in grid)
     check = report.read_csv(tmp_path / "check.csv")
-    assert all(r["forced_argmax_agree"] == r["tokens_total"] for r in check)
+    # Teacher forced, the paths see the same history; an argmax may still flip where the CPU top-2
+    # margin is a near-tie: a flip at margin m needs the two logits to move by m together, so some logit
+    # moved by at least m/2. Every disagreement must be explained that way by the measured difference.
+    for r in check:
+        assert (r["forced_argmax_agree"] == r["tokens_total"]
+                or r["forced_disagree_max_margin"] <= 2 * r["forced_max_abs_logit_diff"]), r
     assert {f["cache"] for f in report.read_csv(tmp_path / "fit.csv")} == {"bf16", "oscar", "saw_int4"}
     assert (tmp_path / "throughput.md").is_file() and (tmp_path / "env.json").is_file()
 
