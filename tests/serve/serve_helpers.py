@@ -27,7 +27,10 @@ def run_driver(runs: list[dict[str, Any]], tmp: Path, timeout: float = 900) -> t
 
 
 def save_in_code_artifact(model_dir: Path, method: str, out: Path) -> Path:
-    """The artifact of a method that needs no calibration (int2: identity, quarot: Hadamard) for a local model."""
+    """The artifact of a method that needs no calibration (int2: identity, quarot: Hadamard) for a local model.
+
+    `method.clip=paper` selects the published, unclipped baseline: under the default fair clip policy
+    (`fit`) these methods fit their clip on calibration statistics like every other row."""
     from transformers import AutoConfig
 
     from oscar.artifact import config_hash_of, model_config_fields, save_artifact
@@ -36,7 +39,7 @@ def save_in_code_artifact(model_dir: Path, method: str, out: Path) -> Path:
 
     hf = AutoConfig.from_pretrained(str(model_dir))
     f = model_config_fields(hf)
-    cfg = compose([f"method={method}"])
+    cfg = compose([f"method={method}", "method.clip=paper"])
     art = in_code_artifact(cfg.method, num_layers=f["num_layers"], num_kv_heads=f["num_kv_heads"],
                            head_dim=f["head_dim"], model_id=str(model_dir), config_hash=config_hash_of(hf))
     save_artifact(art, out)
@@ -50,7 +53,7 @@ def embedded_greedy(model: Any, method: str, artifact: Path, sink: int, recent: 
     from oscar.engine import Engine, rotations_from_artifact
     from oscar.generate import SamplingParams, generate_tokens
 
-    cfg = compose([f"method={method}", f"method.sink={sink}", f"method.recent={recent}"])
+    cfg = compose([f"method={method}", "method.clip=paper", f"method.sink={sink}", f"method.recent={recent}"])
     rotations = rotations_from_artifact(artifact, cfg.method, model)
     engine = Engine(model, None, cfg.method, rotations, fold_values=True)
     try:
