@@ -281,6 +281,8 @@ def _method_value(method: Any, key: str, default: Any) -> Any:
     getter = method.get if hasattr(method, "get") else lambda k, d=None: getattr(method, k, d)
     value = getter(key, default)
     value = default if value is None else value
+    if key == "clip" and str(value) == "paper":  # the method's published choice, resolved as it runs
+        value = getter("paper_clip", default) or default
     if isinstance(default, bool):
         return bool(value)
     if isinstance(default, (int, float)) and not isinstance(default, bool):

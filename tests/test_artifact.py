@@ -61,6 +61,17 @@ def test_fixed_clip_ratios_are_part_of_the_method(tmp_path):
         load_artifact(path, method=dict(fixed, rho_k=0.95))
 
 
+def test_clip_paper_is_compared_as_the_published_choice_it_resolves_to(tmp_path):
+    """`clip=paper` runs the method's `paper_clip`: an unclipped quarot artifact serves `quarot` with
+    clip=paper and clip=none alike, and is refused for the fitted default."""
+    quarot = dict(OSCAR, name="quarot", key_rotation="hadamard", value_rotation="hadamard", clip="none")
+    path = save_artifact(_artifact(quarot), tmp_path / "quarot")
+    load_artifact(path, method=dict(quarot, clip="paper", paper_clip="none"))
+    load_artifact(path, method=quarot)
+    with pytest.raises(ArtifactMismatch, match="clip='fit'"):
+        load_artifact(path, method=dict(quarot, clip="paper", paper_clip="fit"))
+
+
 def test_engine_refuses_a_stale_artifact(saved):
     """`rotations_from_artifact` (Engine.from_config) passes the method it will run."""
     from omegaconf import OmegaConf
