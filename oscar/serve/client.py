@@ -88,7 +88,9 @@ class SGLangEngine:
         if kind == "bf16":
             args += ["--attention-backend", "torch_native"]
         else:
-            if bool(cfg.method.needs_calibration):
+            from oscar.methods import needs_statistics
+
+            if needs_statistics(cfg.method):  # the clip policy decides too (clip=fit needs statistics)
                 art = artifact_dir(cfg)
                 if not (art / "rotations.safetensors").exists():
                     raise FileNotFoundError(f"calibration artifact {art} is missing; create it with: "
