@@ -18,7 +18,7 @@ from serve_helpers import SMOLLM2_DENSE
 pytestmark = pytest.mark.skipif(not (SMOLLM2_DENSE / "config.json").exists(),
                                 reason="SmolLM2-135M dense copy missing: python -m oscar install-model model=smollm2-135m")
 
-CELL = ["method=quarot", "method.clip=paper", "benchmark=mmlu", "benchmark.score_mode=serving", "benchmark.limit=2", "progress=false"]
+CELL = ["method=quarot", "method.clip=paper", "benchmark=mmlu", "benchmark.extra.score_mode=serving", "benchmark.limit=2", "progress=false"]
 
 
 def _eval(engine: str, out, tmp_path):
