@@ -39,6 +39,15 @@ SIMULATED_KINDS = ("kivi", "turboquant")
 MODES = ("serving", "decode_equivalent")
 
 
+def _real_tokens(kb: torch.Tensor, vb: torch.Tensor, valid: Optional[torch.Tensor],
+                 b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence `b`'s keys and values of a chunk ([H, T, D] each), without its padded columns."""
+    if valid is None:
+        return kb[b], vb[b]
+    cols = valid[b].nonzero().flatten()
+    return kb[b][:, cols], vb[b][:, cols]
+
+
 @dataclass
 class LayerRotations:
     """Per-layer quantization state for every KV head: rotations, means, clip ratios (float32)."""
@@ -558,11 +567,7 @@ class OscarLayer(CacheLayerMixin):
         the oldest recent tokens into the pages when the window overflows."""
         sp = self.spec
         for b in range(self.batch):
-            if valid is None:
-                k, v = kb[b], vb[b]
-            else:
-                cols = valid[b].nonzero().flatten()
-                k, v = kb[b][:, cols], vb[b][:, cols]
+            k, v = _real_tokens(kb, vb, valid, b)
             m = k.shape[1]
             if m == 0:
                 continue
@@ -768,11 +773,7 @@ class SimulatedLayer(OscarLayer):
 
     def _append(self, kb: torch.Tensor, vb: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
         for b in range(self.batch):
-            if valid is None:
-                k, v = kb[b], vb[b]
-            else:
-                cols = valid[b].nonzero().flatten()
-                k, v = kb[b][:, cols], vb[b][:, cols]
+            k, v = _real_tokens(kb, vb, valid, b)
             m, r = k.shape[1], self.hist_len[b]
             if m == 0:
                 continue
@@ -873,11 +874,7 @@ class WindowLayer(OscarLayer):
 
     def _write_window(self, kb: torch.Tensor, vb: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
         for b in range(self.batch):
-            if valid is None:
-                k, v = kb[b], vb[b]
-            else:
-                cols = valid[b].nonzero().flatten()
-                k, v = kb[b][:, cols], vb[b][:, cols]
+            k, v = _real_tokens(kb, vb, valid, b)
             m = k.shape[1]
             if m == 0:
                 continue
