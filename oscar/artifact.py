@@ -3,7 +3,9 @@
 Tensors (float32), per layer `l`: `layers.{l}.R_K`, `layers.{l}.R_V` `[Hkv, d, d]`,
 `layers.{l}.mu_K`, `layers.{l}.mu_V` `[Hkv, d]` (zeros when the method does not center),
 `layers.{l}.rho_K`, `layers.{l}.rho_V` `[Hkv]`, and `layers.{l}.eig_K`, `layers.{l}.eig_V`
-`[Hkv, d]` when the method has an eigen-target. `meta.json` carries `format_version`,
+`[Hkv, d]` when the method has an eigen-target, and `layers.{l}.ropemu_K` `[Hkv, d]` when a key head of
+the layer is rope-centered (`oscar.rope`: the pre-RoPE mean, zero rows for the other heads; the layer's
+RoPE is `meta["rope"][l]`). `meta.json` carries `format_version`,
 `oscar_version`, `method`, `model` (`id`, `config_hash`, `num_layers`, `num_kv_heads`,
 `head_dim`), `calibration`, `group_size`, `bits`, `choices` (for `auto`), `tensors_sha256`
 (the digest of the safetensors file it was written with, so a mixed-up pair is refused) and
@@ -30,14 +32,15 @@ ARTIFACT_FORMAT_VERSION = 1
 TENSORS_FILE = "rotations.safetensors"
 META_FILE = "meta.json"
 _REQUIRED = ("R_K", "R_V", "mu_K", "mu_V", "rho_K", "rho_V")
-_OPTIONAL = ("eig_K", "eig_V")
+_OPTIONAL = ("eig_K", "eig_V", "ropemu_K")
 
 
 # Method settings an artifact's tensors depend on, with the defaults `oscar.calibration` builds
 # with when a field is absent; rho_k/rho_v matter only with clip=fixed. sink, recent, page_size
 # and the like act at run time and may differ.
 METHOD_FIELDS = {"key_rotation": "identity", "value_rotation": "identity", "key_target": "query",
-                 "value_target": "output", "center": False, "clip": "fit", "seed": 0}
+                 "value_target": "output", "center": False, "clip": "fit", "seed": 0,
+                 "rope_center": True}
 FIXED_CLIP_FIELDS = {"rho_k": 1.0, "rho_v": 1.0}
 
 
@@ -123,15 +126,27 @@ class CalibrationArtifact:
     rho_V: list[torch.Tensor]
     eig_K: list[Optional[torch.Tensor]] = field(default_factory=list)
     eig_V: list[Optional[torch.Tensor]] = field(default_factory=list)
+    ropemu_K: list[Optional[torch.Tensor]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.R_K)
-        if not self.eig_K:
-            self.eig_K = [None] * n
-        if not self.eig_V:
-            self.eig_V = [None] * n
+        for name in _OPTIONAL:
+            if not getattr(self, name):
+                setattr(self, name, [None] * n)
         self.validate()
+
+    def key_rope(self, layer: int) -> Any:
+        """`(RopeSpec, pre-RoPE means [Hkv, d])` of a layer with rope-centered key heads, else None."""
+        from oscar.rope import RopeSpec
+
+        mean = self.ropemu_K[layer]
+        if mean is None or not bool(mean.any()):
+            return None
+        specs = self.meta.get("rope") or []
+        if layer >= len(specs) or not specs[layer]:
+            raise ValueError(f"layer {layer} has rope-centered keys but meta.json records no RoPE for it")
+        return RopeSpec.from_json(specs[layer]), mean
 
     @property
     def num_layers(self) -> int:
@@ -158,7 +173,7 @@ class CalibrationArtifact:
                 raise ValueError(f"{name} has {len(getattr(self, name))} layers, R_K has {n}")
         hkv, d = int(self.R_K[0].shape[0]), int(self.R_K[0].shape[-1])
         shapes = {"R_K": (hkv, d, d), "R_V": (hkv, d, d), "mu_K": (hkv, d), "mu_V": (hkv, d),
-                  "rho_K": (hkv,), "rho_V": (hkv,), "eig_K": (hkv, d), "eig_V": (hkv, d)}
+                  "rho_K": (hkv,), "rho_V": (hkv,), "eig_K": (hkv, d), "eig_V": (hkv, d), "ropemu_K": (hkv, d)}
         for name, shape in shapes.items():
             for layer, t in enumerate(getattr(self, name)):
                 if t is None:

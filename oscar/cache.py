@@ -58,6 +58,12 @@ class LayerRotations:
     mu_v: Optional[torch.Tensor] = None  # [Hkv, d]
     rho_k: Optional[torch.Tensor] = None  # [Hkv]
     rho_v: Optional[torch.Tensor] = None  # [Hkv]
+    rope_k: Optional[torch.Tensor] = None  # [Hkv, d] pre-RoPE key means of rope-centered heads (zero rows elsewhere)
+    rope: Any = None  # oscar.rope.RopeSpec of the layer's keys, with rope_k
+
+    def __post_init__(self) -> None:
+        if (self.rope_k is None) != (self.rope is None):
+            raise ValueError("rope-centered keys need both the pre-RoPE means (rope_k) and the layer's RoPE (rope)")
 
     def to(self, device: torch.device, dtype: torch.dtype = torch.float32) -> "LayerRotations":
         """Copy onto `device` as `dtype` (float32, or float64 for exactness tests)."""
@@ -65,7 +71,15 @@ class LayerRotations:
         def mv(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             return None if t is None else t.to(device=device, dtype=dtype)
 
-        return LayerRotations(mv(self.r_k), mv(self.r_v), mv(self.mu_k), mv(self.mu_v), mv(self.rho_k), mv(self.rho_v))
+        return LayerRotations(mv(self.r_k), mv(self.r_v), mv(self.mu_k), mv(self.mu_v), mv(self.rho_k), mv(self.rho_v),
+                              mv(self.rope_k), self.rope)
+
+    def key_offsets(self, positions: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """`RoPE_p(rope_k[h])` `[B, Hkv, L, d]` for token positions `[B, L]` (-1: empty slot, zero offset),
+        or None when no key head of the layer is rope-centered (`oscar.rope`)."""
+        if self.rope_k is None:
+            return None
+        return self.rope.offsets(self.rope_k, positions, dtype=dtype)
 
     @staticmethod
     def identity(num_kv_heads: int, head_dim: int) -> "LayerRotations":
@@ -299,18 +313,40 @@ class OscarLayer(CacheLayerMixin):
 
     # -- quantization ----------------------------------------------------------------------------
 
-    def _quantize(self, x: torch.Tensor, which: str) -> quant.QuantizedRows:
-        """Rotate-clip-quantize rows `[..., Hkv, m, d]` (BF16 values as stored) per KV head."""
+    def _quantize(self, x: torch.Tensor, which: str, positions: Optional[torch.Tensor] = None) -> quant.QuantizedRows:
+        """Rotate-clip-quantize rows `[..., Hkv, m, d]` (BF16 values as stored) per KV head; keys of a
+        rope-centered layer need their token `positions` (`[m]` or `[B, m]`, matching `x`)."""
         r = self.rot
         assert r is not None
         rot, mu, rho = (r.r_k, r.mu_k, r.rho_k) if which == "k" else (r.r_v, r.mu_v, r.rho_v)
         extra = x.dim() - 3
         if mu is not None:
             mu = mu.reshape(*([1] * extra), self.hkv, 1, self.d)
+        if which == "k" and r.rope_k is not None:
+            if positions is None:
+                raise RuntimeError(f"layer {self.layer_idx}: rope-centered keys are quantized without their positions")
+            off = r.key_offsets(positions.reshape(-1, positions.shape[-1]), torch.float32)
+            off = off.reshape(*x.shape[:-3], self.hkv, x.shape[-2], self.d) if extra else off[0]
+            mu = off if mu is None else mu + off
         rho_b: Any = 1.0
         if rho is not None and bool((rho < 1).any()):
             rho_b = rho.reshape(*([1] * extra), self.hkv, 1).expand(*x.shape[:-1])
         return quant.rotate_clip_quantize(x.float(), rot, mu, rho_b, bits=self.spec.bits, group_size=self.spec.group_size)
+
+    def _key_offsets_rot(self, positions: torch.Tensor) -> Optional[torch.Tensor]:
+        """Rope-centered key offsets at `positions` `[B, L]` in the key-rotated frame (`RoPE_p(m) @ R_K`),
+        what dequantized rotated-frame keys need added back; None for a layer without rope centering."""
+        assert self.rot is not None
+        off = self.rot.key_offsets(positions, self.cdt)
+        return None if off is None else rotate_per_kv_head(off, self.rot.r_k)
+
+    def _check_rope_backend(self) -> None:
+        if self.rot is not None and self.rot.rope_k is not None:
+            raise NotImplementedError(
+                f"layer {self.layer_idx}: rope-centered keys (auto chose a '+rope' key candidate) run on the torch "
+                "path only; the paged/Triton kernels do not add RoPE_p(m) yet. Use backend=torch without "
+                "paged_decode, or calibrate auto without rope candidates (method.rope_center=false)"
+            )
 
     # -- attention and writes --------------------------------------------------------------------
 
@@ -425,13 +461,20 @@ class OscarLayer(CacheLayerMixin):
                 k_rot, svalid = self.k_store.gather_dequantized()
                 v_rot, _ = self.v_store.gather_dequantized()
                 k_rot, v_rot = k_rot.to(self.cdt), v_rot.to(self.cdt)
+                off = self._key_offsets_rot(self._int_positions(svalid))
+                if off is not None:
+                    k_rot = k_rot + off
                 vis = q_ok & svalid[:, None, :]
                 int_parts.append(int_segment(qg, k_rot, v_rot, vis[:, None, None], scale, rot.r_k, rot.mu_k))
             if decode_eq:
                 pos_q = torch.cat([rec_pos, chunk_pos], dim=1)[:, None, :]
                 vis_q = q_ok & (pos_q >= sp.sink) & (pos_q <= t - sp.recent)
                 if bool(vis_q.any()):
-                    kq = quant.dequantize(self._quantize(torch.cat([self.recent_k, kb], dim=2), "k")).to(self.cdt)
+                    pq = pos_q[:, 0]
+                    kq = quant.dequantize(self._quantize(torch.cat([self.recent_k, kb], dim=2), "k", pq)).to(self.cdt)
+                    off = self._key_offsets_rot(pq)
+                    if off is not None:
+                        kq = kq + off
                     vq = quant.dequantize(self._quantize(torch.cat([self.recent_v, vb], dim=2), "v")).to(self.cdt)
                     int_parts.append(int_segment(qg, kq, vq, vis_q[:, None, None], scale, rot.r_k, rot.mu_k))
 
@@ -455,6 +498,7 @@ class OscarLayer(CacheLayerMixin):
         `backend="triton"`); the new token is already written."""
         from oscar import paged
 
+        self._check_rope_backend()
         sp = self.spec
         kt, vt = self._head_transforms()
         ks = self.k_store
@@ -478,15 +522,25 @@ class OscarLayer(CacheLayerMixin):
         )
         return out[:, :, None, :]
 
-    def _unrotate(self, rows_rot: torch.Tensor, which: str) -> torch.Tensor:
-        """Rotated-frame rows back to the original frame: `x_rot @ R.T + mu`."""
+    def _unrotate(self, rows_rot: torch.Tensor, which: str, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rotated-frame rows `[B, Hkv, L, d]` back to the original frame: `x_rot @ R.T + mu` (plus the
+        rope-centered key offsets at `positions` `[B, L]`)."""
         r = self.rot
         assert r is not None
         rot, mu = (r.r_k, r.mu_k) if which == "k" else (r.r_v, r.mu_v)
         out = rotate_per_kv_head(rows_rot.to(self.cdt), rot.transpose(-1, -2))
         if mu is not None:
             out = out + mu[None, :, None, :]
+        if which == "k" and r.rope_k is not None:
+            if positions is None:
+                raise RuntimeError(f"layer {self.layer_idx}: rope-centered keys are read without their positions")
+            out = out + r.key_offsets(positions, self.cdt)  # type: ignore[operator]
         return out
+
+    def _int_positions(self, svalid: torch.Tensor) -> torch.Tensor:
+        """Positions `[B, L]` of the stored INT rows (row `j` of a sequence is token `sink + j`; -1 = empty)."""
+        idx = torch.arange(svalid.shape[1], device=self.device)[None, :] + self.spec.sink
+        return torch.where(svalid, idx, torch.full_like(idx, -1))
 
     def _attend_chunk_dequantized(
         self,
@@ -513,15 +567,16 @@ class OscarLayer(CacheLayerMixin):
             if any(i > 0 for i in self.int_lengths()):
                 k_rot, svalid = self.k_store.gather_dequantized()
                 v_rot, _ = self.v_store.gather_dequantized()
-                keys.append(self._unrotate(k_rot, "k"))
+                int_pos = self._int_positions(svalid)
+                keys.append(self._unrotate(k_rot, "k", int_pos))
                 vals.append(self._unrotate(v_rot, "v"))
-                idx = torch.arange(svalid.shape[1], device=self.device)[None, :] + sp.sink
-                pos.append(torch.where(svalid, idx, torch.full_like(idx, -1)))
+                pos.append(int_pos)
                 is_q.append(True)
             if decode_eq:
-                keys.append(self._unrotate(quant.dequantize(self._quantize(torch.cat([self.recent_k, kb], dim=2), "k")), "k"))
+                pq = torch.cat([rec_pos, chunk_pos], dim=1)
+                keys.append(self._unrotate(quant.dequantize(self._quantize(torch.cat([self.recent_k, kb], dim=2), "k", pq)), "k", pq))
                 vals.append(self._unrotate(quant.dequantize(self._quantize(torch.cat([self.recent_v, vb], dim=2), "v")), "v"))
-                pos.append(torch.cat([rec_pos, chunk_pos], dim=1))
+                pos.append(pq)
                 is_q.append(True)
         k_all = torch.cat(keys, dim=2)
         v_all = torch.cat(vals, dim=2)
@@ -594,7 +649,9 @@ class OscarLayer(CacheLayerMixin):
                 if sp.backend == "triton":
                     self._demote_triton(b, all_k[:, :over], all_v[:, :over])
                 else:
-                    self.k_store.append(b, self._quantize(all_k[:, :over], "k"))
+                    first = sp.sink + self.k_store.lengths[b]  # INT row j of a sequence is token sink + j
+                    kpos = torch.arange(first, first + over, device=self.device)
+                    self.k_store.append(b, self._quantize(all_k[:, :over], "k", kpos))
                     self.v_store.append(b, self._quantize(all_v[:, :over], "v"))
                 all_k, all_v = all_k[:, over:], all_v[:, over:]
             keep = all_k.shape[1]
@@ -607,6 +664,7 @@ class OscarLayer(CacheLayerMixin):
         (K and V in one launch), at slots reserved in both stores."""
         from oscar import paged
 
+        self._check_rope_backend()
         slots = self.k_store.reserve(b, k.shape[1])
         if not torch.equal(self.v_store.reserve(b, v.shape[1]), slots):
             raise RuntimeError("K and V page stores went out of step; the cache is corrupt")

@@ -37,6 +37,7 @@ from oscar.clipfit import (
     rotation_seed,
     select_candidate,
     select_layer,
+    stats_rope,
     target_matrix,
     weighted_distortion,
 )
@@ -89,6 +90,7 @@ def build_artifact(
     if clip not in CLIP_MODES:
         raise ValueError(f"clip={clip!r}; valid modes are {CLIP_MODES}")
     center = bool(_get(method, "center", False))
+    rope_center = bool(_get(method, "rope_center", True))
     seed = int(_get(method, "seed", 0))
     kinds = {"key": str(_get(method, "key_rotation", "identity")), "value": str(_get(method, "value_rotation", "identity"))}
     targets = {"key": str(_get(method, "key_target", "query")), "value": str(_get(method, "value_target", "output"))}
@@ -104,14 +106,17 @@ def build_artifact(
     if kinds["key"] == "auto" and stats is None:
         raise ValueError("method auto needs calibration statistics with held-back rows")
 
-    out: dict[str, list] = {n: [] for n in ("R_K", "R_V", "mu_K", "mu_V", "rho_K", "rho_V", "eig_K", "eig_V")}
+    out: dict[str, list] = {n: [] for n in ("R_K", "R_V", "mu_K", "mu_V", "rho_K", "rho_V", "eig_K", "eig_V", "ropemu_K")}
+    ropes: list[dict[str, Any] | None] = []
     choices: list[dict[str, Any]] = []
     for layer in range(num_layers):
         per_side: dict[str, dict[str, Any]] = {}
+        rope_mean: torch.Tensor | None = None
         for side, tag in (("key", "K"), ("value", "V")):
             if kinds[side] == "auto":
                 grid = grids[side] if clip == "fit" else [fixed[side] if clip == "fixed" else 1.0]
-                sel = select_layer(stats, layer, side, grid, bits=bits, group_size=group_size)  # type: ignore[arg-type]
+                centers = None if rope_center or side == "value" else (False, True)
+                sel = select_layer(stats, layer, side, grid, bits=bits, group_size=group_size, centers=centers)  # type: ignore[arg-type]
                 rot = {
                     "R": torch.stack([s.candidate.R for s in sel]),
                     "mu": torch.stack([s.candidate.mu for s in sel]),
@@ -119,6 +124,11 @@ def build_artifact(
                 }
                 if all(s.candidate.eig is not None for s in sel):
                     rot["eig"] = torch.stack([s.candidate.eig for s in sel])  # type: ignore[misc]
+                if any(s.candidate.rope_mean is not None for s in sel):
+                    rope_mean = torch.stack([
+                        s.candidate.rope_mean if s.candidate.rope_mean is not None else torch.zeros(head_dim, dtype=torch.float64)
+                        for s in sel
+                    ])
                 rho = torch.tensor([s.clip.rho for s in sel])
                 per_side[side] = {"sel": sel}
             else:
@@ -137,6 +147,9 @@ def build_artifact(
             out[f"mu_{tag}"].append(rot["mu"].to(torch.float32))
             out[f"eig_{tag}"].append(None if rot["eig"] is None else rot["eig"].to(torch.float32))
             out[f"rho_{tag}"].append(rho.to(torch.float32))
+        out["ropemu_K"].append(None if rope_mean is None else rope_mean.to(torch.float32))
+        spec = stats_rope(stats, layer) if rope_mean is not None else None  # type: ignore[arg-type]
+        ropes.append(None if spec is None else spec.to_json())
         if "key" in per_side:
             for h, (sk, sv) in enumerate(zip(per_side["key"]["sel"], per_side["value"]["sel"])):
                 choices.append({
@@ -153,6 +166,8 @@ def build_artifact(
         num_kv_heads=num_kv_heads, head_dim=head_dim, group_size=group_size, bits=bits,
         calibration=calibration, choices=choices,
     )
+    if any(r is not None for r in ropes):
+        meta["rope"] = ropes
     for side in ("eig_K", "eig_V"):
         if any(t is None for t in out[side]):
             out[side] = [None] * num_layers

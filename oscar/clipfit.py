@@ -31,7 +31,11 @@ Candidate rotation targets (each `U.H.P` of the target's eigenbasis, plus plain 
   on the basis the statistics were collected in, and it is invariant to rescaling `M` or `D`.
 - `hadamard`: `H.P` without any eigenbasis.
 
-Each target comes with and without centering.
+Each target comes with and without centering (`center`: `False`, `True` = subtract the constant mean).
+Keys have a third mode where the model's RoPE is known (`oscar.rope`, statistics with pre-RoPE sums):
+`center="rope"` subtracts `RoPE_p(m)`, the pre-RoPE key mean `m` turned to each row's position `p`
+(exact for a `k_proj` bias, which a constant post-RoPE mean cannot remove), and its `raw` target is
+`mean_p RoPE_p Cov_pre RoPE_p^T` over the calibration positions; `geomean` uses that as its data moment.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from typing import Sequence
 import torch
 
 from oscar.quant import ClipRatio, dequantize, rotate_clip_quantize
+from oscar.rope import RopeSpec
 from oscar.rotation import bit_reversal, build_rotation, eigenbasis, hadamard
 from oscar.stats import CalibrationStats
 
@@ -49,6 +54,37 @@ KEY_TARGETS = ("query", "raw", "geomean", "hadamard")
 VALUE_TARGETS = ("output", "raw", "geomean", "hadamard")
 _METRIC = {"key": "Q", "value": "S"}
 _DATA = {"key": "K", "value": "V"}
+Center = bool | str  # False | True | "rope"
+
+
+def center_suffix(center: Center) -> str:
+    """Label suffix of a centering mode: `""`, `"+center"` or `"+rope"`."""
+    return {False: "", True: "+center", "rope": "+rope"}[center]
+
+
+def stats_rope(stats: CalibrationStats, layer: int) -> RopeSpec | None:
+    """The layer's key RoPE recorded by `dump` when its pre-RoPE key sums exist, else None."""
+    specs = stats.meta.get("rope") or []
+    if layer >= len(specs) or not isinstance(specs[layer], dict) or "inv_freq" not in specs[layer]:
+        return None
+    return RopeSpec.from_json(specs[layer]) if stats.has_pre_rope(layer) else None
+
+
+def key_centers(stats: CalibrationStats, layer: int) -> tuple[Center, ...]:
+    """Centering modes `auto` tries for the keys of `layer`: `rope` joins where the statistics allow it."""
+    return (False, True, "rope") if stats_rope(stats, layer) is not None else (False, True)
+
+
+def _rope_data_moment(stats: CalibrationStats, layer: int, head: int) -> torch.Tensor:
+    spec = stats_rope(stats, layer)
+    if spec is None:
+        raise ValueError(
+            f"layer {layer}: rope-centered keys need pre-RoPE key sums and the layer's RoPE in the statistics; "
+            "re-run python -m oscar dump (force=true) with this version"
+        )
+    seq_len = int((stats.meta.get("calibration") or {}).get("seq_len", 2048))
+    cov = stats.second_moment(layer, "Kpre", centered=True)[head]
+    return spec.averaged_second_moment(cov, torch.arange(seq_len))
 
 
 def geometric_mean(a: torch.Tensor, b: torch.Tensor, eps: float = 1e-9) -> torch.Tensor:
@@ -160,17 +196,22 @@ def _metric(stats: CalibrationStats, layer: int, side: str) -> torch.Tensor:
     return stats.second_moment(layer, _METRIC[side])
 
 
-def target_matrix(stats: CalibrationStats, layer: int, head: int, side: str, target: str, center: bool) -> torch.Tensor | None:
+def target_matrix(stats: CalibrationStats, layer: int, head: int, side: str, target: str, center: Center) -> torch.Tensor | None:
     """Matrix whose eigenbasis a candidate uses (float64 `[d, d]`), or None for `hadamard` (module doc)."""
     valid = KEY_TARGETS if side == "key" else VALUE_TARGETS
     if target not in valid:
         raise ValueError(f"unknown {side} target {target!r}; valid are {valid}")
+    if center not in (False, True, "rope") or (center == "rope" and side != "key"):
+        raise ValueError(f"{side} center={center!r}; valid are False, True" + (" and 'rope'" if side == "key" else ""))
     if target == "hadamard":
         return None
     metric = _metric(stats, layer, side)[head]
     if target in ("query", "output"):
         return metric
-    data = stats.second_moment(layer, _DATA[side], centered=center)[head]
+    if center == "rope":
+        data = _rope_data_moment(stats, layer, head)
+    else:
+        data = stats.second_moment(layer, _DATA[side], centered=bool(center))[head]
     if target == "raw":
         return data
     return geometric_mean(metric, data)
@@ -178,29 +219,49 @@ def target_matrix(stats: CalibrationStats, layer: int, head: int, side: str, tar
 
 @dataclass
 class Candidate:
-    """One candidate rotation for a (layer, KV head, side): target, centering, `R`, `mu`, eigenvalues."""
+    """One candidate rotation for a (layer, KV head, side): target, centering, `R`, `mu`, eigenvalues.
+
+    A rope-centered key candidate (`center == "rope"`) has `mu` zero, `rope_mean` the pre-RoPE mean
+    and `row_offsets` `RoPE_p(rope_mean)` at the held-back rows' positions (what scoring subtracts).
+    """
 
     target: str
-    center: bool
+    center: Center
     R: torch.Tensor
     mu: torch.Tensor
     eig: torch.Tensor | None
+    rope_mean: torch.Tensor | None = None
+    row_offsets: torch.Tensor | None = None
 
     @property
     def name(self) -> str:
-        """Readable label, e.g. `query+center`."""
-        return self.target + ("+center" if self.center else "")
+        """Readable label, e.g. `query+center`, `raw+rope`."""
+        return self.target + center_suffix(self.center)
+
+    @property
+    def scoring_mean(self) -> torch.Tensor:
+        """What the quantizer subtracts from the held-back rows: `mu`, or the per-row RoPE offsets."""
+        return self.row_offsets if self.row_offsets is not None else self.mu
 
 
-def make_candidate(stats: CalibrationStats, layer: int, head: int, side: str, target: str, center: bool) -> Candidate:
+def make_candidate(stats: CalibrationStats, layer: int, head: int, side: str, target: str, center: Center) -> Candidate:
     """Build the `U.H.P` (or `H.P` for `hadamard`) candidate of a target, with or without centering."""
     d = stats.head_dim
     mat = target_matrix(stats, layer, head, side, target, center)
-    mu = stats.mean(layer, _DATA[side])[head] if center else torch.zeros(d, dtype=torch.float64)
+    mu = stats.mean(layer, _DATA[side])[head] if center is True else torch.zeros(d, dtype=torch.float64)
+    rope_mean = offsets = None
+    if center == "rope":
+        spec = stats_rope(stats, layer)
+        assert spec is not None  # target_matrix refused otherwise
+        rope_mean = stats.mean(layer, "Kpre")[head]
+        pos = stats.sample_pos[layer]
+        if pos.numel() != stats.samples[layer]["K_samples"].shape[1]:
+            raise ValueError(f"layer {layer}: {pos.numel()} sample positions for {stats.samples[layer]['K_samples'].shape[1]} held-back rows")
+        offsets = spec.offsets(rope_mean[None], pos[None], dtype=torch.float64)[0, 0]
     if mat is None:
-        return Candidate(target, center, build_rotation("hp", d), mu, None)
+        return Candidate(target, center, build_rotation("hp", d), mu, None, rope_mean, offsets)
     u, eig = eigenbasis(mat)
-    return Candidate(target, center, _compose(u, "uhp"), mu, eig)
+    return Candidate(target, center, _compose(u, "uhp"), mu, eig, rope_mean, offsets)
 
 
 def _compose(u: torch.Tensor, kind: str) -> torch.Tensor:
@@ -221,9 +282,12 @@ def candidates(
     head: int,
     side: str,
     targets: Sequence[str] | None = None,
-    centers: Sequence[bool] = (False, True),
+    centers: Sequence[Center] | None = None,
 ) -> list[Candidate]:
-    """All candidates of `auto` for one (layer, head, side): every target, with and without centering."""
+    """All candidates of `auto` for one (layer, head, side): every target with every centering mode
+    (default: without and with the mean; keys also rope-centered where `key_centers` allows)."""
+    if centers is None:
+        centers = key_centers(stats, layer) if side == "key" else (False, True)
     targets = list(targets) if targets is not None else list(KEY_TARGETS if side == "key" else VALUE_TARGETS)
     return [make_candidate(stats, layer, head, side, t, c) for t in targets for c in centers]
 
@@ -262,7 +326,7 @@ def select_candidate(
     best: Selection | None = None
     table = []
     for cand in cands:
-        fit = fit_clip_ratio(rows, cand.R, metric, grid, mu=cand.mu, bits=bits, group_size=group_size)
+        fit = fit_clip_ratio(rows, cand.R, metric, grid, mu=cand.scoring_mean, bits=bits, group_size=group_size)
         table.append({"target": cand.target, "center": cand.center, "rho": fit.rho, "distortion": fit.distortion})
         if best is None or fit.distortion < best.clip.distortion:
             best = Selection(cand, fit)
@@ -349,7 +413,7 @@ def select_layer(
     bits: int,
     group_size: int,
     targets: Sequence[str] | None = None,
-    centers: Sequence[bool] = (False, True),
+    centers: Sequence[Center] | None = None,
 ) -> list[Selection]:
     """`auto` for one layer and side: the best candidate of every KV head on held-back rows."""
     rows = _samples(stats, layer, side)
@@ -369,9 +433,11 @@ __all__ = [
     "Selection",
     "VALUE_TARGETS",
     "candidates",
+    "center_suffix",
     "fit_clip_ratio",
     "fit_layer_clip",
     "geometric_mean",
+    "key_centers",
     "layer_rotations",
     "make_candidate",
     "measured_distortion",
@@ -379,6 +445,7 @@ __all__ = [
     "rotation_seed",
     "select_candidate",
     "select_layer",
+    "stats_rope",
     "target_matrix",
     "weighted_distortion",
 ]

@@ -50,6 +50,7 @@ class MethodConfig:
     key_target: str = "query"  # query (C_Q) | raw (K^T K)
     value_target: str = "output"  # output (C_S) | raw (V^T V)
     center: bool = False  # subtract calibrated per-(layer, head) means before rotation
+    rope_center: bool = True  # auto: also try rope-centered key candidates (oscar.rope) where the model's RoPE is known
     bits: int = 2
     group_size: int = 128
     sink: int = 64

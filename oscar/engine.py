@@ -53,6 +53,7 @@ def layer_rotations(artifact: Any) -> list[LayerRotations]:
     for layer in range(artifact.num_layers):
         t = artifact.layer(layer)
         mu_k, mu_v = t["mu_K"], t["mu_V"]
+        rope = artifact.key_rope(layer)  # (RopeSpec, pre-RoPE means) of rope-centered key heads, or None
         out.append(
             LayerRotations(
                 t["R_K"].float(),
@@ -61,6 +62,8 @@ def layer_rotations(artifact: Any) -> list[LayerRotations]:
                 None if mu_v is None or not bool(mu_v.any()) else mu_v.float(),
                 t["rho_K"].float(),
                 t["rho_V"].float(),
+                None if rope is None else rope[1].float(),
+                None if rope is None else rope[0],
             )
         )
     return out

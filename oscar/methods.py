@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
+from oscar.clipfit import center_suffix
 from oscar.rotation import ROTATION_KINDS, NEEDS_COVARIANCE
 
 METHOD_KINDS = ("bf16", "rotated", "kivi", "turboquant")
@@ -242,8 +243,8 @@ def auto_choices_table(artifact: Any) -> list[dict[str, Any]]:
     for c in artifact.meta.get("choices", []):
         rows.append({
             "layer": c["layer"], "head": c["head"],
-            "key_choice": c["key_target"] + ("+center" if c["center_k"] else ""),
-            "value_choice": c["value_target"] + ("+center" if c["center_v"] else ""),
+            "key_choice": c["key_target"] + center_suffix(c["center_k"]),
+            "value_choice": c["value_target"] + center_suffix(c["center_v"]),
             "rho_k": c.get("rho_k"), "rho_v": c.get("rho_v"),
             "key_distortion": c["key_distortion"], "value_distortion": c["value_distortion"],
         })
@@ -267,11 +268,11 @@ def auto_choices_rows(artifact_meta: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append({
             "layer": int(c["layer"]),
             "head": int(c["head"]),
-            "key_choice": c["key_target"] + ("+center" if c["center_k"] else ""),
+            "key_choice": c["key_target"] + center_suffix(c["center_k"]),
             "rho_k": c.get("rho_k"),
             "key_distortion": float(c["key_distortion"]),
             "key_vs_oscar": float(c["key_distortion"]) / ref_k if ref_k else None,
-            "value_choice": c["value_target"] + ("+center" if c["center_v"] else ""),
+            "value_choice": c["value_target"] + center_suffix(c["center_v"]),
             "rho_v": c.get("rho_v"),
             "value_distortion": float(c["value_distortion"]),
             "value_vs_oscar": float(c["value_distortion"]) / ref_v if ref_v else None,

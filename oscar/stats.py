@@ -8,10 +8,12 @@ and processes merge by adding):
 - `C_S[h] = sum o o^T` over the attention outputs `o = softmax(q k^T) v` of those same query
   heads (per head, before `o_proj`), `m_S[h] = sum o`, `n_S[h]` rows.
 - `C_K[h] = sum k k^T`, `m_K[h] = sum k`, `n_K[h]` rows; `C_V`, `m_V`, `n_V` likewise for values.
+- Optional, where the model's RoPE is known (`oscar.rope`): `C_Kpre`, `m_Kpre`, `n_Kpre`, the same sums
+  over the pre-RoPE keys (post-RoPE keys turned back to position 0), for rope-centered key candidates.
 
 Normalized views: second moment `C / n`, mean `m / n`, covariance `C / n - (m / n)(m / n)^T`.
 Optionally a bounded number of raw key/value rows per (layer, head) is kept (`max_samples`) for
-clip fitting and `auto` selection on held-back tokens.
+clip fitting and `auto` selection on held-back tokens, with their token positions (`sample_pos`).
 
 Saved as `stats.safetensors` (tensors `layers.{l}.C_Q` ... as in docs/DESIGN.md) plus
 `stats.json` (shapes and provenance), written atomically.
@@ -33,7 +35,8 @@ SECOND_MOMENTS = ("C_Q", "C_S", "C_K", "C_V")
 FIRST_MOMENTS = ("m_Q", "m_S", "m_K", "m_V")
 COUNTS = ("n_Q", "n_S", "n_K", "n_V")
 SAMPLES = ("K_samples", "V_samples")
-_COUNT_OF = {"Q": "n_Q", "S": "n_S", "K": "n_K", "V": "n_V"}
+PRE_ROPE = ("C_Kpre", "m_Kpre", "n_Kpre")  # optional: absent in statistics of models without a known RoPE
+_COUNT_OF = {"Q": "n_Q", "S": "n_S", "K": "n_K", "V": "n_V", "Kpre": "n_Kpre"}
 
 
 def _valid_rows(x: torch.Tensor, mask: torch.Tensor | None, name: str) -> torch.Tensor:
@@ -145,6 +148,7 @@ class CalibrationStats:
             {name: torch.zeros(num_kv_heads, 0, head_dim, dtype=torch.float32) for name in SAMPLES}
             for _ in range(num_layers)
         ]
+        self.sample_pos: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64) for _ in range(num_layers)]
 
     def _check_layer(self, layer: int) -> LayerStats:
         if not 0 <= layer < self.num_layers:
@@ -165,8 +169,10 @@ class CalibrationStats:
         v: torch.Tensor | None = None,
         attn_out: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
+        k_pre: torch.Tensor | None = None,
     ) -> None:
-        """Add one batch: `q`, `attn_out` `[B, H, T, d]`, `k`, `v` `[B, Hkv, T, d]`, `mask` `[B, T]` valid tokens.
+        """Add one batch: `q`, `attn_out` `[B, H, T, d]`, `k`, `v` (and pre-RoPE keys `k_pre`) `[B, Hkv, T, d]`,
+        `mask` `[B, T]` valid tokens.
 
         Inputs may live on any device; products are formed there in float64 and added to the
         CPU accumulators.
@@ -174,10 +180,16 @@ class CalibrationStats:
         st = self._check_layer(layer)
         t = st.tensors
         hkv = self.num_kv_heads
-        for name, x, heads in (("Q", q, self.num_heads), ("S", attn_out, self.num_heads), ("K", k, hkv), ("V", v, hkv)):
+        if k_pre is not None:
+            for name in PRE_ROPE:
+                if name not in t:
+                    shape = {"C": (hkv, self.head_dim, self.head_dim), "m": (hkv, self.head_dim), "n": (hkv,)}[name[0]]
+                    t[name] = torch.zeros(shape, dtype=torch.int64 if name[0] == "n" else torch.float64)
+        quads = (("Q", q, self.num_heads), ("S", attn_out, self.num_heads), ("K", k, hkv), ("V", v, hkv), ("Kpre", k_pre, hkv))
+        for name, x, heads in quads:
             if x is None:
                 continue
-            label = {"Q": "q", "S": "attn_out", "K": "k", "V": "v"}[name]
+            label = {"Q": "q", "S": "attn_out", "K": "k", "V": "v", "Kpre": "k_pre"}[name]
             self._check_shape(x, heads, label)
             rows = _valid_rows(x, mask, label)
             if heads != hkv:
@@ -187,8 +199,12 @@ class CalibrationStats:
             t[f"m_{name}"] += rows.sum(1).cpu()
             t[f"n_{name}"] += rows.shape[1]
 
-    def add_samples(self, layer: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        """Keep raw key/value rows `[B, Hkv, T, d]` (valid tokens, in order) up to `max_samples` per head."""
+    def add_samples(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> None:
+        """Keep raw key/value rows `[B, Hkv, T, d]` (valid tokens, in order) up to `max_samples` per head,
+        with their token positions `[B, T]` (default: `0..T-1` in every row, a window without padding)."""
         self._check_layer(layer)
         self._check_shape(k, self.num_kv_heads, "k")
         self._check_shape(v, self.num_kv_heads, "v")
@@ -199,6 +215,16 @@ class CalibrationStats:
         for name, x in (("K_samples", k), ("V_samples", v)):
             rows = _valid_rows(x, mask, name)[:, :room].to(torch.float32).cpu()
             store[name] = torch.cat([store[name], rows], dim=1)
+        b, _, t, _ = k.shape
+        pos = torch.arange(t).expand(b, t) if positions is None else positions.cpu().long()
+        pos = pos.reshape(-1) if mask is None else pos[mask.cpu().bool()]
+        self.sample_pos[layer] = torch.cat([self.sample_pos[layer], pos[:room]])
+
+    def has_pre_rope(self, layer: int) -> bool:
+        """True when the pre-RoPE key sums of `layer` were collected (rope-centered candidates possible)."""
+        t = self._check_layer(layer).tensors
+        n = t.get("n_Kpre")
+        return n is not None and bool((n > 0).all()) and torch.equal(n, t["n_K"])
 
     def merge(self, other: "CalibrationStats") -> "CalibrationStats":
         """Add `other` into this object (sums add; samples concatenate up to `max_samples`)."""
@@ -208,12 +234,13 @@ class CalibrationStats:
             raise ValueError(f"cannot merge statistics of shape (L, H, Hkv, d)={oshape} into {shape}")
         for mine, theirs in zip(self.layers, other.layers):
             for name, value in theirs.tensors.items():
-                mine.tensors[name] += value
+                mine.tensors[name] = mine.tensors[name] + value if name in mine.tensors else value.clone()
         for layer, theirs in enumerate(other.samples):
             room = self.max_samples - self.samples[layer]["K_samples"].shape[1]
             if room > 0:
                 for name in SAMPLES:
                     self.samples[layer][name] = torch.cat([self.samples[layer][name], theirs[name][:, :room]], 1)
+                self.sample_pos[layer] = torch.cat([self.sample_pos[layer], other.sample_pos[layer][:room]])
         return self
 
     def __iadd__(self, other: "CalibrationStats") -> "CalibrationStats":
@@ -254,6 +281,7 @@ class CalibrationStats:
             if self.max_samples:
                 for name, value in self.samples[layer].items():
                     out[f"layers.{layer}.{name}"] = value.contiguous()
+                out[f"layers.{layer}.sample_pos"] = self.sample_pos[layer].contiguous()
         return out
 
     def header(self) -> dict[str, Any]:
@@ -312,10 +340,19 @@ class CalibrationStats:
                         f"expected {tuple(expected.shape)} {expected.dtype}"
                     )
                 stats.layers[layer].tensors[name] = tensors[key]
+            for name in PRE_ROPE:
+                key = f"layers.{layer}.{name}"
+                if key in tensors:
+                    stats.layers[layer].tensors[name] = tensors[key]
             for name in SAMPLES:
                 key = f"layers.{layer}.{name}"
                 if key in tensors:
                     stats.samples[layer][name] = tensors[key]
+            key = f"layers.{layer}.sample_pos"
+            if key in tensors:
+                stats.sample_pos[layer] = tensors[key]
+            elif stats.samples[layer]["K_samples"].shape[1]:  # format 1 files before positions were kept
+                stats.sample_pos[layer] = torch.arange(stats.samples[layer]["K_samples"].shape[1])
         return stats
 
 

@@ -65,6 +65,7 @@ def read_json(path: Path) -> Any:
 
 
 STAGE_VERSION = 1
+DUMP_VERSION = 2  # 2: pre-RoPE key sums and held-back row positions (rope-centered candidates)
 
 
 @dataclass
@@ -91,7 +92,7 @@ def dump_hash(cfg: Any) -> str:
     from oscar.config import config_hash
 
     cal = {k: v for k, v in _plain(cfg.calibration).items() if k not in ("clip_grid_k", "clip_grid_v")}
-    return config_hash({"stage": "dump", "version": STAGE_VERSION, "model": _plain(cfg.model), "calibration": cal})
+    return config_hash({"stage": "dump", "version": STAGE_VERSION, "dump_version": DUMP_VERSION, "model": _plain(cfg.model), "calibration": cal})
 
 
 def rotations_hash(cfg: Any) -> str:

@@ -57,6 +57,7 @@ def collect_statistics(
     from oscar.capture import run_captured
     from oscar.data.corpora import calibration_splits
     from oscar.models import model_dims
+    from oscar.models.adapters import key_rope
     from oscar.stats import CalibrationStats
 
     dims = model_dims(model)
@@ -66,8 +67,13 @@ def collect_statistics(
         dims.num_layers, dims.num_heads, dims.num_kv_heads, dims.head_dim, max_samples=int(cal_cfg.holdout_tokens)
     )
 
+    ropes = [key_rope(model, layer, positions=int(cal_cfg.seq_len)) for layer in range(dims.num_layers)]
+
     def accumulate(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor) -> None:
-        stats.update(layer, q=q, k=k, v=v, attn_out=s)
+        spec = ropes[layer][0]
+        # windows start at position 0 and carry no padding (run_captured), so token t sits at position t
+        k_pre = None if spec is None else spec.apply(k.to(torch.float64), torch.arange(k.shape[2], device=k.device), inverse=True)
+        stats.update(layer, q=q, k=k, v=v, attn_out=s, k_pre=k_pre)
         if sampler is not None:
             sampler(layer, q, k, v, s)
 
@@ -89,6 +95,7 @@ def collect_statistics(
             "num_windows": len(splits.calibration),
         },
         "capture_seconds": time.perf_counter() - t0,
+        "rope": [spec.to_json() if spec is not None else {"unavailable": why} for spec, why in ropes],
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
     })
     return stats

@@ -208,3 +208,81 @@ def check_head_dim(head_dim: int) -> None:
             f"unsupported head_dim {head_dim}: OSCAR rotations need head_dim = 2^k, 2^k*12 or 2^k*20 "
             f"(e.g. {', '.join(map(str, near or lower[:8]))})"
         )
+
+
+def _rotary_module(model: nn.Module) -> nn.Module | None:
+    for path in ("model.rotary_emb", "model.language_model.rotary_emb", "rotary_emb"):
+        obj: object = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, nn.Module):
+            return obj
+    return None
+
+
+def key_rope(model: nn.Module, layer: int, positions: int = 2048) -> tuple[object | None, str]:
+    """The rotate-half RoPE (`oscar.rope.RopeSpec`) that layer `layer` applies to its keys, or (None, why).
+
+    Read from the model's rotary embedding (`inv_freq` and `attention_scaling`, per layer type where
+    the model has several) and accepted only if it reproduces, within float32 rounding, the `cos`/`sin`
+    the model computes for positions `0..positions-1` and the model's own `apply_rotary_pos_emb` on a
+    random key: a RoPE variant this cannot express (dynamic scaling, interleaved pairs, ...) is
+    reported, not guessed. Rope-centered keys (`oscar.rope`) need it.
+    """
+    import inspect
+    import sys
+
+    import torch
+
+    from oscar.rope import RopeSpec
+
+    rot = _rotary_module(model)
+    if rot is None:
+        return None, f"{type(model).__name__} has no rotary_emb module"
+    config = getattr(model, "config", None)
+    text_config = getattr(config, "get_text_config", lambda: config)()
+    types = list(getattr(text_config, "layer_types", None) or [])
+    layer_type = types[layer] if layer < len(types) else None
+    prefix = f"{layer_type}_" if layer_type and hasattr(rot, f"{layer_type}_inv_freq") else ""
+    inv_freq = getattr(rot, f"{prefix}inv_freq", None)
+    scaling = float(getattr(rot, f"{prefix}attention_scaling", 1.0))
+    if inv_freq is None:
+        return None, f"{type(rot).__name__} has no {prefix}inv_freq"
+    dims = get_adapter(model).dims(model)
+    spec = RopeSpec(inv_freq.detach().to("cpu", torch.float64), scaling, dims.head_dim)
+    if spec.rotary_dim != dims.rotary_dim:
+        return None, f"rotary_dim {spec.rotary_dim} from inv_freq differs from the config's {dims.rotary_dim}"
+    device = inv_freq.device
+    pos = torch.arange(positions, device=device)[None]
+    probe = torch.zeros(1, 1, positions, dims.head_dim, device=device, dtype=torch.float32)
+    args = (probe, pos) if not prefix else (probe, pos, layer_type)
+    try:
+        with torch.no_grad():
+            cos, sin = rot(*args)
+    except TypeError as exc:
+        return None, f"{type(rot).__name__}.forward{inspect.signature(rot.forward)} could not be called ({exc})"
+    ours_cos, ours_sin = spec.cos_sin(pos[0].cpu())
+    ref_cos, ref_sin = cos[0].double().cpu(), sin[0].double().cpu()
+    h = spec.rotary_dim // 2
+    expect_cos = torch.cat([ours_cos, ours_cos], -1) * scaling
+    expect_sin = torch.cat([ours_sin, ours_sin], -1) * scaling
+    if ref_cos.shape[-1] != spec.rotary_dim or not (
+        torch.allclose(ref_cos, expect_cos, atol=2e-3) and torch.allclose(ref_sin, expect_sin, atol=2e-3)
+    ):
+        return None, "the model's cos/sin are not the rotate-half layout of inv_freq (interleaved or dynamic RoPE)"
+    module = sys.modules.get(type(get_adapter(model).attention(model, layer)).__module__)
+    apply = getattr(module, "apply_rotary_pos_emb", None)
+    if apply is None:
+        return None, f"{getattr(module, '__name__', '?')} has no apply_rotary_pos_emb"
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 1, positions, dims.head_dim, generator=gen, dtype=torch.float64)
+    try:
+        _, k_model = apply(x, x, cos.double().cpu(), sin.double().cpu())
+    except TypeError as exc:
+        return None, f"apply_rotary_pos_emb could not be called ({exc})"
+    if not torch.allclose(k_model[0, 0], spec.apply(x[0, 0], pos[0].cpu()), atol=1e-2 * max(scaling, 1.0)):
+        del h
+        return None, "the model's apply_rotary_pos_emb is not rotate-half RoPE over the first rotary_dim channels"
+    return spec, ""

@@ -158,6 +158,12 @@ def load_rotations(settings: ServeSettings, hf_config: Any) -> tuple[list[Any], 
         art = load_artifact(path, model=cfg, group_size=settings.group_size, bits=settings.bits)
     except (ArtifactMismatch, FileNotFoundError) as err:
         raise OscarServeError(f"{ENV_ARTIFACT}: {err}") from None
+    rope_layers = [layer for layer in range(art.num_layers) if art.key_rope(layer) is not None]
+    if rope_layers:
+        raise OscarServeError(
+            f"{ENV_ARTIFACT}={str(path)!r} has rope-centered keys in layers {rope_layers} (auto chose '+rope' key "
+            "candidates), which the paged kernels do not serve yet; calibrate it with method.rope_center=false"
+        )
     return layer_rotations(art), int(art.meta["bits"]), int(art.meta["group_size"])
 
 

@@ -35,6 +35,7 @@ def key_rows(stats: Any, auto_meta: dict[str, Any], *, kivi_groups: tuple[int, .
     """One row per (layer, KV head): auto's chosen key distortion and KIVI per-channel key distortion for each
     token block size in `kivi_groups` (`kivi<G>`, and `kivi<G>_over_auto`)."""
     from oscar.baselines import kivi_fake_quantize
+    from oscar.clipfit import center_suffix
     from oscar.clipfit import weighted_distortion
 
     choices = {(int(c["layer"]), int(c["head"])): c for c in auto_meta.get("choices", [])}
@@ -46,7 +47,7 @@ def key_rows(stats: Any, auto_meta: dict[str, Any], *, kivi_groups: tuple[int, .
         metric = stats.second_moment(layer, "Q")
         for head in range(stats.num_kv_heads):
             c = choices[(layer, head)]
-            row: dict[str, Any] = {"layer": layer, "head": head, "auto_choice": c["key_target"] + ("+center" if c["center_k"] else ""),
+            row: dict[str, Any] = {"layer": layer, "head": head, "auto_choice": c["key_target"] + center_suffix(c["center_k"]),
                                    "auto": float(c["key_distortion"])}
             for g in kivi_groups:
                 n = (keys.shape[1] // g) * g
