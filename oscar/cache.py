@@ -74,6 +74,16 @@ class LayerRotations:
         return LayerRotations(mv(self.r_k), mv(self.r_v), mv(self.mu_k), mv(self.mu_v), mv(self.rho_k), mv(self.rho_v),
                               mv(self.rope_k), self.rope)
 
+    def check_paged(self, where: str) -> None:
+        """Refuse rope-centered keys on a path that runs the paged/Triton/CUDA kernels, which do not add
+        `RoPE_p(m)` back yet, naming the way out."""
+        if self.rope_k is not None:
+            raise NotImplementedError(
+                f"{where}: rope-centered keys (auto chose a '+rope' key candidate) run on the torch path only; the "
+                "paged/Triton/CUDA kernels do not add RoPE_p(m) yet. Use backend=torch without paged_decode, or "
+                "calibrate auto without rope candidates (method.rope_center=false)"
+            )
+
     def key_offsets(self, positions: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
         """`RoPE_p(rope_k[h])` `[B, Hkv, L, d]` for token positions `[B, L]` (-1: empty slot, zero offset),
         or None when no key head of the layer is rope-centered (`oscar.rope`)."""
@@ -341,12 +351,8 @@ class OscarLayer(CacheLayerMixin):
         return None if off is None else rotate_per_kv_head(off, self.rot.r_k)
 
     def _check_rope_backend(self) -> None:
-        if self.rot is not None and self.rot.rope_k is not None:
-            raise NotImplementedError(
-                f"layer {self.layer_idx}: rope-centered keys (auto chose a '+rope' key candidate) run on the torch "
-                "path only; the paged/Triton kernels do not add RoPE_p(m) yet. Use backend=torch without "
-                "paged_decode, or calibrate auto without rope candidates (method.rope_center=false)"
-            )
+        if self.rot is not None:
+            self.rot.check_paged(f"layer {self.layer_idx}")
 
     # -- attention and writes --------------------------------------------------------------------
 

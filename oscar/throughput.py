@@ -86,7 +86,9 @@ class CacheFormat:
 def head_transforms(rotations: Sequence[Any]) -> list[tuple[paged.HeadTransform, paged.HeadTransform]]:
     """`oscar.cache.LayerRotations` -> per-layer (K, V) `HeadTransform`s (clip ratios only where < 1)."""
     out = []
-    for r in rotations:
+    for layer, r in enumerate(rotations):
+        r.check_paged(f"layer {layer}")
+
         def one(rot: torch.Tensor, mu: Optional[torch.Tensor], rho: Optional[torch.Tensor]) -> paged.HeadTransform:
             clip = rho is not None and bool((rho < 1).any())
             return paged.HeadTransform(rot.float(), None if mu is None else mu.float(), rho.float() if clip else None)

@@ -206,3 +206,18 @@ def test_paged_paths_refuse_rope_centered_keys_with_the_way_out(qwen) -> None:
         cache = new_cache(qwen, sp)
         for t in range(6):
             qwen(ids[:, t : t + 1], cache=cache)
+
+
+def test_kernel_transforms_refuse_rope_centered_keys(qwen) -> None:
+    from oscar.models.adapters import key_rope
+    from oscar.serve.settings import head_transforms as serve_transforms
+    from oscar.throughput import head_transforms
+
+    spec, _ = key_rope(qwen, 0, positions=64)
+    rots = _rope_rotations(qwen, spec)
+    with pytest.raises(NotImplementedError, match="layer 0: rope-centered keys"):
+        head_transforms(rots)
+    with pytest.raises(NotImplementedError, match="OSCAR KV pool"):
+        serve_transforms(rots[0], torch.device("cpu"))
+    plain = [LayerRotations(r.r_k, r.r_v, r.mu_k, r.mu_v, r.rho_k, r.rho_v) for r in rots]
+    assert len(head_transforms(plain)) == 2

@@ -178,6 +178,8 @@ def head_transforms(rot: Any, device: Any) -> tuple[Any, Any]:
     clip ratios only where some are below 1, as in the embedded cache."""
     from oscar import paged
 
+    rot.check_paged("OSCAR KV pool")
+
     def one(r: torch.Tensor, mu: Optional[torch.Tensor], rho: Optional[torch.Tensor]) -> Any:
         clip = rho is not None and bool((rho < 1).any())
         return paged.HeadTransform(
