@@ -193,3 +193,17 @@ def test_diagnostic_samples_are_bounded_raw_rows(tiny_setup, tmp_path):
     assert stats.meta["diagnostic_samples"]["rows"] == 80
     k = samples["layers.1.K"].double()  # the first 64 rows are the first calibration window: its C_K share
     assert float((k[0].T @ k[0]).trace()) < float(stats.layers[1]["C_K"][0].trace())
+
+
+def test_dump_records_pre_rope_key_sums_and_held_back_positions(tiny_setup, tmp_path):
+    result = run_dump(_cfg(tiny_setup, tmp_path, "method=auto"))
+    stats = CalibrationStats.load(result.path)
+    for layer in range(2):
+        assert stats.has_pre_rope(layer)
+        spec = stats.meta["rope"][layer]
+        assert len(spec["inv_freq"]) == 64 and spec["scaling"] == 1.0 and spec["head_dim"] == 128
+        # RoPE is orthogonal: turning every key back to position 0 keeps its energy (float64 sums)
+        t = stats.layers[layer].tensors
+        torch.testing.assert_close(torch.diagonal(t["C_Kpre"], dim1=-2, dim2=-1).sum(-1),
+                                   torch.diagonal(t["C_K"], dim1=-2, dim2=-1).sum(-1), rtol=1e-6, atol=0)
+        assert stats.sample_pos[layer].tolist() == list(range(64))  # one held-back window from position 0
