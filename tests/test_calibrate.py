@@ -117,7 +117,7 @@ def test_auto_records_choices_no_worse_than_oscar(tiny_setup, tmp_path):
         oscar_v = [r["distortion"] for r in c["value_table"] if r["target"] == "output" and not r["center"]][0]
         assert c["key_distortion"] <= oscar_k and c["value_distortion"] <= oscar_v
         assert c["key_distortion"] == min(r["distortion"] for r in c["key_table"])
-        assert len(c["key_table"]) == 8  # 4 targets x with/without centering
+        assert len(c["key_table"]) == 12  # 4 targets x (none, mean, rope-centered: Qwen3 RoPE is known)
     art = load_artifact(art_dir)
     for c in choices:
         mu = art.mu_K[c["layer"]][c["head"]]
