@@ -119,9 +119,11 @@ def test_auto_records_choices_no_worse_than_oscar(tiny_setup, tmp_path):
         assert c["key_distortion"] == min(r["distortion"] for r in c["key_table"])
         assert len(c["key_table"]) == 12  # 4 targets x (none, mean, rope-centered: Qwen3 RoPE is known)
     art = load_artifact(art_dir)
-    for c in choices:
+    for c in choices:  # the constant mean is stored for `+center`, the pre-RoPE mean for `+rope`
         mu = art.mu_K[c["layer"]][c["head"]]
-        assert bool(mu.abs().sum() > 0) == c["center_k"]
+        assert bool(mu.abs().sum() > 0) == (c["center_k"] is True)
+        rope = art.ropemu_K[c["layer"]]
+        assert (rope is not None and bool(rope[c["head"]].abs().sum() > 0)) == (c["center_k"] == "rope")
     csv_lines = (art_dir / "choices.csv").read_text().splitlines()
     assert len(csv_lines) == 1 + len(choices)
     assert "Geometric mean vs OSCAR" in (art_dir / "choices.md").read_text()
