@@ -361,6 +361,9 @@ def atomic_write(path: Path, writer) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.fchmod(fd, 0o666 & ~mask)  # readable by others like any file the user makes, not mkstemp's 0600
     os.close(fd)
     try:
         writer(Path(tmp))

@@ -21,10 +21,8 @@ import argparse
 import json
 import math
 import re
-import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -289,11 +287,9 @@ def run(
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
+    from oscar.stats import atomic_write_text
+
+    atomic_write_text(path, text)
 
 
 def _ci(r: Any, key: str, lo: str, hi: str, signed: bool = False) -> str:
@@ -373,7 +369,7 @@ def write_tables(rows: list[dict[str, Any]], out: Path, command: str, note: str)
     import pandas as pd
 
     df = pd.DataFrame(rows)
-    _atomic_write(out.with_suffix(".csv"), df.to_csv(index=False))
+    _atomic_write(out.parent / (out.name + ".csv"), df.to_csv(index=False))  # not with_suffix: "qwen2.5-..." has dots
     lines = ["# Next-token KL to the BF16 cache and perplexity, decode-equivalent teacher forcing", "", note, "", f"Command: `{command}`", ""]
     for model, part in df.groupby("model", sort=False):
         ref = next((str(x) for x in part.get("diff_ref", pd.Series(dtype=object)).dropna()), "auto")
@@ -399,7 +395,7 @@ def write_tables(rows: list[dict[str, Any]], out: Path, command: str, note: str)
         if goal:
             lines += goal + [""]
     lines += edge_lines(df)
-    _atomic_write(out.with_suffix(".md"), "\n".join(lines) + "\n")
+    _atomic_write(out.parent / (out.name + ".md"), "\n".join(lines) + "\n")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
