@@ -136,3 +136,15 @@ def test_a_damaged_artifact_is_refused_like_a_mismatched_one(saved):
     (saved / "meta.json").write_text("{")
     with pytest.raises(ArtifactMismatch):  # callers that catch mismatches (serving, the engine) catch this too
         load_artifact(saved)
+
+
+def test_atomic_writes_get_the_mode_of_any_file_the_user_makes(tmp_path):
+    import os
+
+    from oscar.stats import atomic_write_text
+
+    atomic_write_text(tmp_path / "qwen2.5-coder.md", "x\n")  # mkstemp alone would leave 0600
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (tmp_path / "qwen2.5-coder.md").stat().st_mode & 0o777 == 0o666 & ~mask
+    assert [p.name for p in tmp_path.iterdir()] == ["qwen2.5-coder.md"]  # no temporary left behind
