@@ -52,18 +52,22 @@ def test_tables_lead_with_quantized_history_and_state_the_goal(tmp_path):
     assert "| kivi2 | none | 0/128 | 2 x 2048 | 3.90 | 0.0350 [0.0250, 0.0450] | 0.0300 [0.0200, 0.0400] | +0.0200 [+0.0100, +0.0300] |" in md
     assert "| bf16 | none | - | - | 16.00 | 0.0000 | 0.0000 | - | 20.000 |" in md
     assert "minus auto" in md
-    # the best other 2-bit method (kivi2) has the higher KL but holds fewer bits per element: missed on bits only
-    assert ("Goal for auto (KL <= the best other 2-bit method, at no more bits per element): missed: 0.70 more bits "
-            "per element. Best other 2-bit method: kivi2 0.0350 at 3.90") in md
-    assert "kivi2 minus auto (paired, positions where both read quantized history): +0.0200 [+0.0100, +0.0300]" in md
+    # kivi2 has the higher KL but holds fewer bits per element, and auto has no row at <= 3.90 bits: missed
+    assert "Goal for auto (KL <= every other 2-bit method at no more bits per element): missed against 0 of 1 methods." in md
+    assert "| kivi2 | 3.90 | 0.0350 | - | - | missed: no auto row at <= 3.90 bits (lowest: auto at 4.60) |" in md
     assert "| m | auto | [0.5, 1.0] | 3 / 10 / 90 | [0.5, 1.0] | 0 / 20 / 90 |" in md
-    rows[1]["bits_per_element"] = 5.0
-    rows[2]["kl_past_window"] = 0.05
-    write_tables(rows, tmp_path / "kl2", "cmd", "note")
-    assert ": missed: KL higher by 0.0150 nats (1.43x). Best other 2-bit method: kivi2" in (tmp_path / "kl2.md").read_text()
-    rows[2]["kl_past_window"] = 0.012
-    write_tables(rows, tmp_path / "kl3", "cmd", "note")
-    assert "at no more bits per element): met. Best other 2-bit method: kivi2 0.0350" in (tmp_path / "kl3.md").read_text()
+    # an auto window variant under kivi2's bits with a lower KL meets it; the paired interval belongs to plain auto only
+    variant = {**rows[2], "method": "auto@64/128", "recent": 128, "bits_per_element": 3.7, "kl_past_window": 0.03}
+    write_tables([*rows, variant], tmp_path / "kl2", "cmd", "note")
+    md2 = (tmp_path / "kl2.md").read_text()
+    assert "met against 1 of 1 methods" in md2
+    assert "| kivi2 | 3.90 | 0.0350 | auto@64/128 at 3.70 bits: 0.0300 | - | met |" in md2
+    variant["kl_past_window"] = 0.05
+    write_tables([*rows, variant], tmp_path / "kl3", "cmd", "note")
+    assert "| kivi2 | 3.90 | 0.0350 | auto@64/128 at 3.70 bits: 0.0500 | - | missed by 0.0150 nats (1.43x) |" in (tmp_path / "kl3.md").read_text()
+    rows[1]["bits_per_element"] = 5.0  # kivi2 now holds more bits than auto: the paired difference is quoted
+    write_tables(rows, tmp_path / "kl4", "cmd", "note")
+    assert "| kivi2 | 5.00 | 0.0350 | auto at 4.60 bits: 0.0120 | +0.0200 [+0.0100, +0.0300] | met |" in (tmp_path / "kl4.md").read_text()
     assert (tmp_path / "kl.csv").read_text().startswith("model,method")
 
 
