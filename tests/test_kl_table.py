@@ -53,14 +53,14 @@ def test_tables_lead_with_quantized_history_and_state_the_goal(tmp_path):
     assert "| bf16 | none | - | - | 16.00 | 0.0000 | 0.0000 | - | 20.000 |" in md
     assert "minus auto" in md
     # kivi2 has the higher KL but holds fewer bits per element, and auto has no row at <= 3.90 bits: missed
-    assert "Goal for auto (KL <= every other 2-bit method at no more bits per element): missed against 0 of 1 methods." in md
+    assert "Goal for auto (KL <= every other 2-bit method at no more bits per element): 0 of 1 methods met; missed against kivi2." in md
     assert "| kivi2 | 3.90 | 0.0350 | - | - | missed: no auto row at <= 3.90 bits (lowest: auto at 4.60) |" in md
     assert "| m | auto | [0.5, 1.0] | 3 / 10 / 90 | [0.5, 1.0] | 0 / 20 / 90 |" in md
     # an auto window variant under kivi2's bits with a lower KL meets it; the paired interval belongs to plain auto only
     variant = {**rows[2], "method": "auto@64/128", "recent": 128, "bits_per_element": 3.7, "kl_past_window": 0.03}
     write_tables([*rows, variant], tmp_path / "kl2", "cmd", "note")
     md2 = (tmp_path / "kl2.md").read_text()
-    assert "met against 1 of 1 methods" in md2
+    assert "met against all 1 of 1 methods." in md2
     assert "| kivi2 | 3.90 | 0.0350 | auto@64/128 at 3.70 bits: 0.0300 | - | met |" in md2
     variant["kl_past_window"] = 0.05
     write_tables([*rows, variant], tmp_path / "kl3", "cmd", "note")

@@ -323,23 +323,27 @@ def goal_lines(part: Any, candidate: str = "auto") -> list[str]:
     cands, others = ok[is_cand], ok[~is_cand & (ok["bits"] == 2)]
     if cands.empty or others.empty:
         return []
-    rows, met = [], 0
+    rows, met, missed = [], 0, []
     for _, o in others.sort_values("kl_past_window").iterrows():
         fit = cands[cands["bits_per_element"] <= o["bits_per_element"] + 1e-9]
         if fit.empty:
             low = cands.loc[cands["bits_per_element"].idxmin()]
+            missed.append(str(o["method"]))
             rows.append(f"| {o['method']} | {o['bits_per_element']:.2f} | {o['kl_past_window']:.4f} | - | - | missed: no "
                         f"{candidate} row at <= {o['bits_per_element']:.2f} bits (lowest: {low['method']} at {low['bits_per_element']:.2f}) |")
             continue
         c = fit.loc[fit["kl_past_window"].idxmin()]
         good = c["kl_past_window"] <= o["kl_past_window"]
         met += int(good)
+        if not good:
+            missed.append(str(o["method"]))
         paired = _ci(o, "diff_past", "diff_past_lo", "diff_past_hi", signed=True) if c["method"] == candidate else "-"
         verdict = "met" if good else f"missed by {c['kl_past_window'] - o['kl_past_window']:.4f} nats ({c['kl_past_window'] / o['kl_past_window']:.2f}x)"
         rows.append(f"| {o['method']} | {o['bits_per_element']:.2f} | {o['kl_past_window']:.4f} | {c['method']} at "
                     f"{c['bits_per_element']:.2f} bits: {c['kl_past_window']:.4f} | {paired} | {verdict} |")
     head = (f"Goal for {candidate} (KL <= every other 2-bit method at no more bits per element): "
-            f"{'met' if met == len(others) else 'missed'} against {met} of {len(others)} methods.")
+            + ("met against all " if not missed else "") + f"{met} of {len(others)} methods"
+            + (f" met; missed against {', '.join(missed)}." if missed else "."))
     return [head, "", f"| other method | its bits/element | its KL | best {candidate} row at no more bits | other minus {candidate}, "
             "paired [95% CI] | verdict |", "|---|---|---|---|---|---|", *rows]
 
