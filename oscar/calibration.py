@@ -106,6 +106,8 @@ def build_artifact(
     if kinds["key"] == "auto" and stats is None:
         raise ValueError("method auto needs calibration statistics with held-back rows")
 
+    # layers the cache never quantizes (sliding-window layers, recorded by `dump`): no selection or clip fit
+    skip = set((stats.meta.get("window_layers") or []) if stats is not None else [])
     out: dict[str, list] = {n: [] for n in ("R_K", "R_V", "mu_K", "mu_V", "rho_K", "rho_V", "eig_K", "eig_V", "ropemu_K")}
     ropes: list[dict[str, Any] | None] = []
     choices: list[dict[str, Any]] = []
@@ -113,7 +115,11 @@ def build_artifact(
         per_side: dict[str, dict[str, Any]] = {}
         rope_mean: torch.Tensor | None = None
         for side, tag in (("key", "K"), ("value", "V")):
-            if kinds[side] == "auto":
+            if layer in skip and (kinds[side] == "auto" or clip == "fit"):
+                rot = {"R": torch.eye(head_dim, dtype=torch.float64).expand(num_kv_heads, -1, -1).clone(),
+                       "mu": torch.zeros(num_kv_heads, head_dim, dtype=torch.float64), "eig": None}
+                rho = torch.ones(num_kv_heads)
+            elif kinds[side] == "auto":
                 grid = grids[side] if clip == "fit" else [fixed[side] if clip == "fixed" else 1.0]
                 centers = None if rope_center or side == "value" else (False, True)
                 sel = select_layer(stats, layer, side, grid, bits=bits, group_size=group_size, centers=centers)  # type: ignore[arg-type]
@@ -168,6 +174,8 @@ def build_artifact(
     )
     if any(r is not None for r in ropes):
         meta["rope"] = ropes
+    if skip:
+        meta["window_layers"] = sorted(skip)
     for side in ("eig_K", "eig_V"):
         if any(t is None for t in out[side]):
             out[side] = [None] * num_layers

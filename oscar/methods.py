@@ -171,12 +171,19 @@ def fit_clip(artifact: Any, method_cfg: Any, *, stats: Any = None, clip_grid_k: 
 
     validate_method(method_cfg)
     clip = clip_mode(method_cfg)
+    # sliding-window layers (recorded by `dump`) are never quantized: no fit, ratio 1, not counted on edges
+    skip = set((stats.meta.get("window_layers") or []) if stats is not None else [])
+    fitted = [layer for layer in range(artifact.num_layers) if layer not in skip]
+
+    def edges() -> dict[str, int]:
+        return grid_edges([artifact.rho_K[l] for l in fitted], [artifact.rho_V[l] for l in fitted], clip_grid_k, clip_grid_v)
+
     if str(_get(method_cfg, "key_rotation", "identity")) == "auto":
         # auto chose each head's candidate together with its clip ratio (same grid, rows and
         # metric as a refit here), so the ratios of the rotations stage are final
         artifact.meta["clip"] = {"mode": clip, "grid_k": list(clip_grid_k), "grid_v": list(clip_grid_v), "fits": "selected with the rotation (auto)"}
-        if clip == "fit":
-            artifact.meta["clip"]["edges"] = grid_edges(artifact.rho_K, artifact.rho_V, clip_grid_k, clip_grid_v)
+        if clip == "fit" and fitted:
+            artifact.meta["clip"]["edges"] = edges()
         return artifact
     bits = int(_get(method_cfg, "bits", 2))
     hkv = artifact.num_kv_heads
@@ -187,7 +194,9 @@ def fit_clip(artifact: Any, method_cfg: Any, *, stats: Any = None, clip_grid_k: 
             ("key", "K", clip_grid_k, float(_get(method_cfg, "rho_k", 1.0))),
             ("value", "V", clip_grid_v, float(_get(method_cfg, "rho_v", 1.0))),
         ):
-            if clip == "fit":
+            if clip == "fit" and layer in skip:
+                rho = torch.ones(hkv, dtype=torch.float32)
+            elif clip == "fit":
                 if stats is None:
                     raise CalibrationMissing("clip=fit needs calibration statistics with held-back rows (python -m oscar dump)")
                 fits = fit_layer_clip(
@@ -203,8 +212,10 @@ def fit_clip(artifact: Any, method_cfg: Any, *, stats: Any = None, clip_grid_k: 
                 rho = torch.full((hkv,), fixed if clip == "fixed" else 1.0, dtype=torch.float32)
             getattr(artifact, f"rho_{tag}")[layer] = rho
     artifact.meta["clip"] = {"mode": clip, "grid_k": list(clip_grid_k), "grid_v": list(clip_grid_v), "fits": fits_meta}
-    if clip == "fit":
-        artifact.meta["clip"]["edges"] = grid_edges(artifact.rho_K, artifact.rho_V, clip_grid_k, clip_grid_v)
+    if skip:
+        artifact.meta["clip"]["skipped_window_layers"] = sorted(skip)
+    if clip == "fit" and fitted:
+        artifact.meta["clip"]["edges"] = edges()
     artifact.validate()
     return artifact
 

@@ -209,3 +209,4 @@ def test_dump_records_pre_rope_key_sums_and_held_back_positions(tiny_setup, tmp_
         torch.testing.assert_close(torch.diagonal(t["C_Kpre"], dim1=-2, dim2=-1).sum(-1),
                                    torch.diagonal(t["C_K"], dim1=-2, dim2=-1).sum(-1), rtol=1e-6, atol=0)
         assert stats.sample_pos[layer].tolist() == list(range(64))  # one held-back window from position 0
+    assert stats.meta["window_layers"] == []  # Qwen3: full attention everywhere

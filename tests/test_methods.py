@@ -203,3 +203,20 @@ def test_auto_choices_tables(stats, tmp_path):
     assert sum(counts) == 4
     with pytest.raises(MethodError, match="no auto choices"):
         write_auto_choices(build_rotations(method("oscar"), stats=stats, **GEOM).meta, tmp_path / "x")
+
+
+def test_sliding_window_layers_get_no_selection_and_no_clip_fit(stats):
+    """`dump` records the layers the cache never quantizes; auto selects and clips only the others."""
+    import copy
+
+    windowed = copy.copy(stats)
+    windowed.meta = {**stats.meta, "window_layers": [0]}
+    art = fit_clip(build_rotations(method("auto"), stats=windowed, clip_grid_k=[0.8, 1.0], clip_grid_v=[0.9, 1.0], **GEOM),
+                   method("auto"), stats=windowed, clip_grid_k=[0.8, 1.0], clip_grid_v=[0.9, 1.0])
+    assert {c["layer"] for c in art.meta["choices"]} == {1} and art.meta["window_layers"] == [0]
+    assert torch.equal(art.R_K[0], torch.eye(64).expand(2, 64, 64)) and torch.equal(art.rho_K[0], torch.ones(2))
+    assert art.meta["clip"]["edges"]["key_heads"] == 2  # layer 1 only
+    osc = fit_clip(build_rotations(method("oscar"), stats=windowed, **GEOM), method("oscar"), stats=windowed,
+                   clip_grid_k=[0.5, 0.8], clip_grid_v=[0.5, 0.8])
+    assert torch.equal(osc.rho_V[0], torch.ones(2)) and bool((osc.rho_V[1] < 1).all())
+    assert {f["layer"] for f in osc.meta["clip"]["fits"]} == {1} and osc.meta["clip"]["skipped_window_layers"] == [0]

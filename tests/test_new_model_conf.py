@@ -4,6 +4,8 @@ through the OSCAR cache; a conf naming an unsupported family is refused before a
 
 from __future__ import annotations
 
+import json
+
 import random
 import shutil
 
@@ -62,8 +64,9 @@ def test_a_conf_file_alone_adds_a_model_of_a_supported_family(snapshot, tmp_path
         bf16 = c.compose([*common, "method=bf16"])
     results = run_calibrate(cfg)
     assert [r.stage for r in results] == ["dump", "rotations", "clip"]
-    meta = (results[-1].path / "meta.json").read_text()
-    assert '"edges"' in meta  # fitted clip ratios with their grid-edge counts
+    meta = json.loads((results[-1].path / "meta.json").read_text())
+    assert meta["clip"]["edges"]["key_heads"] == 1  # fitted clip ratios with their grid-edge counts: the full layer only
+    assert meta["clip"]["skipped_window_layers"] == [0, 1]  # sliding layers are never quantized: no clip fit
     engine = Engine.from_config(cfg, fold_values=False)
     ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(0))
     logits = engine.score(ids, mode="decode_equivalent")

@@ -57,7 +57,7 @@ def collect_statistics(
     from oscar.capture import run_captured
     from oscar.data.corpora import calibration_splits
     from oscar.models import model_dims
-    from oscar.models.adapters import key_rope
+    from oscar.models.adapters import key_rope, layer_windows
     from oscar.stats import CalibrationStats
 
     dims = model_dims(model)
@@ -96,6 +96,8 @@ def collect_statistics(
         },
         "capture_seconds": time.perf_counter() - t0,
         "rope": [spec.to_json() if spec is not None else {"unavailable": why} for spec, why in ropes],
+        # sliding-window layers keep a BF16 window in the cache: nothing of theirs is quantized
+        "window_layers": [i for i, w in enumerate(layer_windows(model)) if w is not None],
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
     })
     return stats

@@ -46,6 +46,8 @@ def key_rows(stats: Any, auto_meta: dict[str, Any], *, kivi_groups: tuple[int, .
         keys = stats.samples[layer]["K_samples"]
         metric = stats.second_moment(layer, "Q")
         for head in range(stats.num_kv_heads):
+            if (layer, head) not in choices:  # a layer auto did not select for (sliding window: never quantized)
+                continue
             c = choices[(layer, head)]
             row: dict[str, Any] = {"layer": layer, "head": head, "auto_choice": c["key_target"] + center_suffix(c["center_k"]),
                                    "auto": float(c["key_distortion"])}
