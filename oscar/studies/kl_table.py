@@ -13,6 +13,10 @@ Every method runs under the same clip policy (`method.clip`, default `fit`); a m
 `name:clip` (e.g. `quarot:paper`, `oscar:none`) runs with that policy instead.
 Calibrated methods read their artifact from `<results-dir>/calibration/<model>/<method>/`
 (`python -m oscar calibrate`); a method whose artifact is missing is reported as such.
+`name@S0/W` (e.g. `auto@64/128`) runs the same artifact with other BF16 windows, hence other bits per
+element. Each model's goal line asks whether `auto` is at least as good as every other 2-bit method at no
+more bits per element: for each other method, the best `auto` row (any window setting) holding no more bits
+than it must have no higher KL (`goal_lines`).
 """
 
 from __future__ import annotations
