@@ -74,15 +74,29 @@ class LayerRotations:
         return LayerRotations(mv(self.r_k), mv(self.r_v), mv(self.mu_k), mv(self.mu_v), mv(self.rho_k), mv(self.rho_v),
                               mv(self.rope_k), self.rope)
 
-    def check_paged(self, where: str) -> None:
-        """Refuse rope-centered keys on a path that runs the paged/Triton/CUDA kernels, which do not add
-        `RoPE_p(m)` back yet, naming the way out."""
+    def paged_transforms(self, where: str, device: Optional[torch.device] = None) -> tuple[Any, Any]:
+        """K and V `oscar.paged.HeadTransform`s (float32, on `device` or where the rotations are) for the
+        paged/Triton/CUDA kernels; clip ratios only where some are below 1 (reads ignore them).
+
+        Refuses rope-centered keys, naming the way out: the kernels do not add `RoPE_p(m)` back yet.
+        """
+        from oscar import paged
+
         if self.rope_k is not None:
             raise NotImplementedError(
                 f"{where}: rope-centered keys (auto chose a '+rope' key candidate) run on the torch path only; the "
                 "paged/Triton/CUDA kernels do not add RoPE_p(m) yet. Use backend=torch without paged_decode, or "
                 "calibrate auto without rope candidates (method.rope_center=false)"
             )
+
+        def one(rot: torch.Tensor, mu: Optional[torch.Tensor], rho: Optional[torch.Tensor]) -> Any:
+            def f32(t: torch.Tensor) -> torch.Tensor:
+                return t.to(device=device if device is not None else t.device, dtype=torch.float32)
+
+            clip = rho is not None and bool((rho < 1).any())
+            return paged.HeadTransform(f32(rot), None if mu is None else f32(mu), f32(rho) if clip else None)
+
+        return one(self.r_k, self.mu_k, self.rho_k), one(self.r_v, self.mu_v, self.rho_v)
 
     def key_offsets(self, positions: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
         """`RoPE_p(rope_k[h])` `[B, Hkv, L, d]` for token positions `[B, L]` (-1: empty slot, zero offset),
@@ -343,16 +357,12 @@ class OscarLayer(CacheLayerMixin):
             rho_b = rho.reshape(*([1] * extra), self.hkv, 1).expand(*x.shape[:-1])
         return quant.rotate_clip_quantize(x.float(), rot, mu, rho_b, bits=self.spec.bits, group_size=self.spec.group_size)
 
-    def _key_offsets_rot(self, positions: torch.Tensor) -> Optional[torch.Tensor]:
-        """Rope-centered key offsets at `positions` `[B, L]` in the key-rotated frame (`RoPE_p(m) @ R_K`),
-        what dequantized rotated-frame keys need added back; None for a layer without rope centering."""
+    def _with_key_offsets_rot(self, k_rot: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Dequantized rotated-frame keys `[B, Hkv, L, d]` plus the rope-centered offsets at `positions`
+        `[B, L]` in that frame (`RoPE_p(m) @ R_K`); unchanged for a layer without rope centering."""
         assert self.rot is not None
         off = self.rot.key_offsets(positions, self.cdt)
-        return None if off is None else rotate_per_kv_head(off, self.rot.r_k)
-
-    def _check_rope_backend(self) -> None:
-        if self.rot is not None:
-            self.rot.check_paged(f"layer {self.layer_idx}")
+        return k_rot if off is None else k_rot + rotate_per_kv_head(off, self.rot.r_k)
 
     # -- attention and writes --------------------------------------------------------------------
 
@@ -466,10 +476,8 @@ class OscarLayer(CacheLayerMixin):
             if any(i > 0 for i in self.int_lengths()):
                 k_rot, svalid = self.k_store.gather_dequantized()
                 v_rot, _ = self.v_store.gather_dequantized()
-                k_rot, v_rot = k_rot.to(self.cdt), v_rot.to(self.cdt)
-                off = self._key_offsets_rot(self._int_positions(svalid))
-                if off is not None:
-                    k_rot = k_rot + off
+                k_rot = self._with_key_offsets_rot(k_rot.to(self.cdt), self._int_positions(svalid))
+                v_rot = v_rot.to(self.cdt)
                 vis = q_ok & svalid[:, None, :]
                 int_parts.append(int_segment(qg, k_rot, v_rot, vis[:, None, None], scale, rot.r_k, rot.mu_k))
             if decode_eq:
@@ -478,9 +486,7 @@ class OscarLayer(CacheLayerMixin):
                 if bool(vis_q.any()):
                     pq = pos_q[:, 0]
                     kq = quant.dequantize(self._quantize(torch.cat([self.recent_k, kb], dim=2), "k", pq)).to(self.cdt)
-                    off = self._key_offsets_rot(pq)
-                    if off is not None:
-                        kq = kq + off
+                    kq = self._with_key_offsets_rot(kq, pq)
                     vq = quant.dequantize(self._quantize(torch.cat([self.recent_v, vb], dim=2), "v")).to(self.cdt)
                     int_parts.append(int_segment(qg, kq, vq, vis_q[:, None, None], scale, rot.r_k, rot.mu_k))
 
@@ -504,7 +510,6 @@ class OscarLayer(CacheLayerMixin):
         `backend="triton"`); the new token is already written."""
         from oscar import paged
 
-        self._check_rope_backend()
         sp = self.spec
         kt, vt = self._head_transforms()
         ks = self.k_store
@@ -670,7 +675,6 @@ class OscarLayer(CacheLayerMixin):
         (K and V in one launch), at slots reserved in both stores."""
         from oscar import paged
 
-        self._check_rope_backend()
         slots = self.k_store.reserve(b, k.shape[1])
         if not torch.equal(self.v_store.reserve(b, v.shape[1]), slots):
             raise RuntimeError("K and V page stores went out of step; the cache is corrupt")
@@ -680,18 +684,9 @@ class OscarLayer(CacheLayerMixin):
                                       backend="triton")
 
     def _head_transforms(self) -> tuple[Any, Any]:
-        """K and V `oscar.paged.HeadTransform`s (float32) of this layer's rotations, for the paged kernels;
-        clip ratios only where some are below 1 (reads ignore them)."""
-        from oscar import paged
-
-        r = self.rot
-        assert r is not None
-
-        def transform(rot: torch.Tensor, mu: Optional[torch.Tensor], rho: Optional[torch.Tensor]) -> Any:
-            clip = rho is not None and bool((rho < 1).any())
-            return paged.HeadTransform(rot.float(), None if mu is None else mu.float(), rho.float() if clip else None)
-
-        return transform(r.r_k, r.mu_k, r.rho_k), transform(r.r_v, r.mu_v, r.rho_v)
+        """K and V `oscar.paged.HeadTransform`s of this layer's rotations, for the paged kernels."""
+        assert self.rot is not None
+        return self.rot.paged_transforms(f"layer {self.layer_idx}")
 
     def _ensure_recent_capacity(self, needed: int) -> None:
         cap = self.recent_k.shape[2]

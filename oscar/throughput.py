@@ -85,16 +85,7 @@ class CacheFormat:
 
 def head_transforms(rotations: Sequence[Any]) -> list[tuple[paged.HeadTransform, paged.HeadTransform]]:
     """`oscar.cache.LayerRotations` -> per-layer (K, V) `HeadTransform`s (clip ratios only where < 1)."""
-    out = []
-    for layer, r in enumerate(rotations):
-        r.check_paged(f"layer {layer}")
-
-        def one(rot: torch.Tensor, mu: Optional[torch.Tensor], rho: Optional[torch.Tensor]) -> paged.HeadTransform:
-            clip = rho is not None and bool((rho < 1).any())
-            return paged.HeadTransform(rot.float(), None if mu is None else mu.float(), rho.float() if clip else None)
-
-        out.append((one(r.r_k, r.mu_k, r.rho_k), one(r.r_v, r.mu_v, r.rho_v)))
-    return out
+    return [r.paged_transforms(f"layer {layer}") for layer, r in enumerate(rotations)]
 
 
 def timing_rotations(method_cfg: Any, model: Any, seed: int = 0) -> tuple[list[Any], str]:

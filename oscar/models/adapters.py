@@ -265,7 +265,6 @@ def key_rope(model: nn.Module, layer: int, positions: int = 2048) -> tuple[objec
         return None, f"{type(rot).__name__}.forward{inspect.signature(rot.forward)} could not be called ({exc})"
     ours_cos, ours_sin = spec.cos_sin(pos[0].cpu())
     ref_cos, ref_sin = cos[0].double().cpu(), sin[0].double().cpu()
-    h = spec.rotary_dim // 2
     expect_cos = torch.cat([ours_cos, ours_cos], -1) * scaling
     expect_sin = torch.cat([ours_sin, ours_sin], -1) * scaling
     if ref_cos.shape[-1] != spec.rotary_dim or not (
@@ -283,6 +282,5 @@ def key_rope(model: nn.Module, layer: int, positions: int = 2048) -> tuple[objec
     except TypeError as exc:
         return None, f"apply_rotary_pos_emb could not be called ({exc})"
     if not torch.allclose(k_model[0, 0], spec.apply(x[0, 0], pos[0].cpu()), atol=1e-2 * max(scaling, 1.0)):
-        del h
         return None, "the model's apply_rotary_pos_emb is not rotate-half RoPE over the first rotary_dim channels"
     return spec, ""

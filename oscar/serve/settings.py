@@ -176,19 +176,7 @@ def validate(settings: ServeSettings, hf_config: Any) -> tuple[list[Any], int, i
 def head_transforms(rot: Any, device: Any) -> tuple[Any, Any]:
     """``oscar.paged.HeadTransform`` for K and V of one layer's ``LayerRotations`` (float32 on ``device``);
     clip ratios only where some are below 1, as in the embedded cache."""
-    from oscar import paged
-
-    rot.check_paged("OSCAR KV pool")
-
-    def one(r: torch.Tensor, mu: Optional[torch.Tensor], rho: Optional[torch.Tensor]) -> Any:
-        clip = rho is not None and bool((rho < 1).any())
-        return paged.HeadTransform(
-            r.to(device, torch.float32),
-            None if mu is None else mu.to(device, torch.float32),
-            rho.to(device, torch.float32) if clip else None,
-        )
-
-    return one(rot.r_k, rot.mu_k, rot.rho_k), one(rot.r_v, rot.mu_v, rot.rho_v)
+    return rot.paged_transforms("OSCAR KV pool", device)
 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bits: int, group_size: int) -> int:

@@ -290,12 +290,6 @@ def run(
     return rows
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    from oscar.stats import atomic_write_text
-
-    atomic_write_text(path, text)
-
-
 def _ci(r: Any, key: str, lo: str, hi: str, signed: bool = False) -> str:
     """``value [lo, hi]`` with four decimals; ``-`` where the row has no value (older CSVs: no interval)."""
     def num(k):
@@ -375,8 +369,10 @@ def write_tables(rows: list[dict[str, Any]], out: Path, command: str, note: str)
     """`<out>.csv` and `<out>.md` (atomic writes)."""
     import pandas as pd
 
+    from oscar.stats import atomic_write_text
+
     df = pd.DataFrame(rows)
-    _atomic_write(out.parent / (out.name + ".csv"), df.to_csv(index=False))  # not with_suffix: "qwen2.5-..." has dots
+    atomic_write_text(out.parent / (out.name + ".csv"), df.to_csv(index=False))  # not with_suffix: "qwen2.5-..." has dots
     lines = ["# Next-token KL to the BF16 cache and perplexity, decode-equivalent teacher forcing", "", note, "", f"Command: `{command}`", ""]
     for model, part in df.groupby("model", sort=False):
         ref = next((str(x) for x in part.get("diff_ref", pd.Series(dtype=object)).dropna()), "auto")
@@ -402,7 +398,7 @@ def write_tables(rows: list[dict[str, Any]], out: Path, command: str, note: str)
         if goal:
             lines += goal + [""]
     lines += edge_lines(df)
-    _atomic_write(out.parent / (out.name + ".md"), "\n".join(lines) + "\n")
+    atomic_write_text(out.parent / (out.name + ".md"), "\n".join(lines) + "\n")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
