@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import triton
@@ -963,12 +963,16 @@ def paged_decode_attention(
     planes: Optional[bool] = None, qk_int8: Optional[bool] = None, qk_levels: int = 2,
     maxnreg: Optional[int] = None,
     layout: str = "rows", mma_warps: int = 8, mma_stages: Optional[int] = None, mma_min_blocks: int = 2,
+    rope_mu: Optional[torch.Tensor] = None, rope_freq: Optional[torch.Tensor] = None, rope_scaling: float = 1.0,
+    rope_pos0: Union[int, torch.Tensor, None] = None, rope_blocks: int = 8,
 ) -> torch.Tensor:
     """Triton decode attention of one query per sequence; same contract as ``oscar.paged.decode_attention_torch``.
 
     ``layout="mma"``: K and V pages are in ``oscar.quant``'s fragment-order layouts (``mma_k``/``mma_v``);
     the call goes to the CUDA kernel of ``oscar.kernels.decode_mma`` (INT2, one group per row, d 64/128;
     ``num_splits``, ``mma_warps``, ``mma_stages`` and ``mma_min_blocks`` tune it; the Triton options do not apply).
+    Rope-centered keys (``rope_mu`` ``[Hkv, d]``, ``rope_freq``, ``rope_scaling``, ``rope_pos0``: position of each
+    sequence's first quantized token, int or int32 ``[B]``; ``rope_blocks`` tunes it) run on that layout only.
 
     ``q`` ``[B, H, d]``; codes ``[P, Hkv, page_size, d*bits//8]`` uint8; scale/zero
     ``[P, Hkv, page_size, d//G]`` bf16; ``page_table`` int32 ``[B, M]``; ``int_len`` int32 ``[B]``;
@@ -997,7 +1001,9 @@ def paged_decode_attention(
             q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, page_table, int_len, R_K=R_K, mu_K=mu_K, R_V=R_V,
             mu_V=mu_V, sink_k=sink_k, sink_v=sink_v, sink_len=sink_len, recent_k=recent_k, recent_v=recent_v,
             recent_len=recent_len, sm_scale=sm_scale, output_frame=output_frame, num_splits=num_splits,
-            num_warps=mma_warps, stages=mma_stages, min_blocks=mma_min_blocks)
+            num_warps=mma_warps, stages=mma_stages, min_blocks=mma_min_blocks, rope_mu=rope_mu, rope_freq=rope_freq,
+            rope_scaling=rope_scaling, rope_pos0=rope_pos0, rope_blocks=rope_blocks)
+    check(rope_mu is None, "rope-centered keys (rope_mu) are read by the mma-layout kernel only (layout='mma')")
     check(bits in (2, 4), f"bits={bits} is not supported; valid values are 2 and 4")
     npages, hkv, page_size, nbytes = (int(s) for s in k_codes.shape)
     check(H % hkv == 0, f"query heads H={H} must be a multiple of KV heads Hkv={hkv}")

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -54,11 +54,67 @@ def _check_backend(backend: Backend) -> None:
 
 @dataclass
 class HeadTransform:
-    """Per-KV-head transform of one tensor before quantization: ``clip((x - mu) @ R, rho)``."""
+    """Per-KV-head transform of one tensor before quantization: ``clip((x - mu - RoPE_p(rope_mu)) @ R, rho)``.
+
+    Rope-centered keys (``oscar.rope``): ``rope_mu`` holds the pre-RoPE means ``m`` (zero rows for heads
+    that are not centered) and ``rope_freq``/``rope_scaling`` the layer's rotate-half RoPE; a row at
+    position ``p`` is stored minus ``RoPE_p(m)``, and decode adds ``q . RoPE_p(m)`` back to its logit.
+    """
 
     R: Optional[torch.Tensor] = None  # [Hkv, d, d] float32, orthogonal; None = identity
     mu: Optional[torch.Tensor] = None  # [Hkv, d] float32; None = no centering
     rho: Optional[torch.Tensor] = None  # [Hkv] clip ratios in (0, 1]; None = no clipping
+    rope_mu: Optional[torch.Tensor] = None  # [Hkv, d] float32 pre-RoPE means of rope-centered heads; None = none
+    rope_freq: Optional[torch.Tensor] = None  # [rotary_dim/2] float64 inverse frequencies (with rope_mu)
+    rope_scaling: float = 1.0  # RoPE attention scaling (transformers' attention_scaling)
+
+    def __post_init__(self) -> None:
+        if (self.rope_mu is None) != (self.rope_freq is None):
+            raise ValueError("rope-centered keys need both rope_mu (pre-RoPE means) and rope_freq (the RoPE)")
+        if self.rope_freq is not None:
+            d = int(self.rope_mu.shape[-1])
+            if self.rope_freq.dim() != 1 or not 0 < 2 * self.rope_freq.numel() <= d:
+                raise ValueError(f"rope_freq of shape {tuple(self.rope_freq.shape)} does not fit head_dim {d}: "
+                                 "expected a vector of at most head_dim/2 frequencies")
+
+    def to(self, device: Union[str, torch.device]) -> "HeadTransform":
+        """Copy onto ``device`` (float32; the RoPE frequencies stay float64)."""
+
+        def mv(x: Optional[torch.Tensor], dtype: torch.dtype = torch.float32) -> Optional[torch.Tensor]:
+            return None if x is None else x.to(device, dtype).contiguous()
+
+        return HeadTransform(mv(self.R), mv(self.mu), mv(self.rho), mv(self.rope_mu), mv(self.rope_freq, torch.float64),
+                             self.rope_scaling)
+
+    @property
+    def rope_centered(self) -> bool:
+        """Whether rows carry the rope-centered offset ``RoPE_p(rope_mu)`` (keys only)."""
+        return self.rope_mu is not None
+
+
+def rope_offsets(t: HeadTransform, positions: torch.Tensor) -> torch.Tensor:
+    """``RoPE_p(t.rope_mu[h])`` float32 ``[*positions.shape, Hkv, d]`` at token ``positions`` (rotate-half RoPE,
+    angles in float64, as ``oscar.rope.RopeSpec.offsets``)."""
+    assert t.rope_mu is not None and t.rope_freq is not None
+    m = t.rope_mu.to(positions.device, torch.float64)
+    h, d = t.rope_freq.numel(), m.shape[-1]
+    ang = positions.to(torch.float64)[..., None] * t.rope_freq.to(positions.device, torch.float64)
+    cos, sin = ang.cos()[..., None, :], ang.sin()[..., None, :]  # [..., 1, h]
+    m1, m2 = m[:, :h], m[:, h:2 * h]
+    y1 = (m1 * cos - m2 * sin) * t.rope_scaling
+    y2 = (m2 * cos + m1 * sin) * t.rope_scaling
+    rest = m[:, 2 * h:].expand(*y1.shape[:-1], d - 2 * h)
+    return torch.cat([y1, y2, rest], dim=-1).to(torch.float32)
+
+
+def _rope_rows(rows: torch.Tensor, t: HeadTransform, positions: Optional[torch.Tensor]) -> torch.Tensor:
+    """Rows ``[N, Hkv, d]`` minus their rope-centered offsets (float32), or the rows unchanged."""
+    if not t.rope_centered:
+        return rows
+    if positions is None or positions.shape != (rows.shape[0],):
+        raise ValueError(f"rope-centered keys need the token positions [N={rows.shape[0]}] of the rows, got "
+                         f"{None if positions is None else tuple(positions.shape)}")
+    return rows.to(torch.float32) - rope_offsets(t, positions.to(rows.device))
 
 
 @dataclass
@@ -111,13 +167,14 @@ class QuantPages:
 
 
 def rotate_quantize_pack_torch(x: torch.Tensor, slots: torch.Tensor, pages: QuantPages, t: HeadTransform,
-                               src_index: Optional[torch.Tensor] = None) -> None:
+                               src_index: Optional[torch.Tensor] = None,
+                               positions: Optional[torch.Tensor] = None) -> None:
     """Torch twin of the fused write: quantize rows of ``x`` into ``pages`` at ``slots`` in place.
 
     ``x`` ``[N, Hkv, d]``, or ``[N, Hkv, T, d]`` with ``src_index`` ``[N]`` taking row
-    ``x[n, :, src_index[n]]``.
+    ``x[n, :, src_index[n]]``; ``positions`` ``[N]``: the rows' token positions (rope-centered keys).
     """
-    rows = _select_rows(x, src_index)
+    rows = _rope_rows(_select_rows(x, src_index), t, positions)
     n, hkv, d = rows.shape
     _check_rows(rows, pages, slots)
     if n == 0:
@@ -163,13 +220,18 @@ def _check_rows(rows: torch.Tensor, pages: QuantPages, slots: torch.Tensor) -> N
 
 
 def rotate_quantize_pack(x: torch.Tensor, slots: torch.Tensor, pages: QuantPages, t: HeadTransform,
-                         src_index: Optional[torch.Tensor] = None, backend: Backend = "torch") -> None:
-    """Rotate, center, clip, quantize and pack rows into ``pages`` at ``slots`` (in place)."""
+                         src_index: Optional[torch.Tensor] = None, backend: Backend = "torch",
+                         positions: Optional[torch.Tensor] = None) -> None:
+    """Rotate, center, clip, quantize and pack rows into ``pages`` at ``slots`` (in place); ``positions`` ``[N]``
+    (token positions of the rows) are needed for rope-centered keys, whose offsets are subtracted first."""
     _check_backend(backend)
     if backend == "torch":
-        rotate_quantize_pack_torch(x, slots, pages, t, src_index)
+        rotate_quantize_pack_torch(x, slots, pages, t, src_index, positions)
         return
     from oscar.kernels.quantize import rotate_quantize_pack as kernel
+
+    if t.rope_centered:
+        x, src_index = _rope_rows(_select_rows(x, src_index), t, positions), None
 
     kernel(x, slots, pages.codes, pages.scale, pages.zero, bits=pages.bits, group_size=pages.group_size,
            R=t.R, mu=t.mu, rho=t.rho, src_index=src_index, mma_map=_mma_map(pages))
@@ -181,13 +243,20 @@ def _mma_map(pages: QuantPages) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
 
 def rotate_quantize_pack_kv(xk: torch.Tensor, xv: torch.Tensor, slots: torch.Tensor, k_pages: QuantPages,
                             v_pages: QuantPages, kt: HeadTransform, vt: HeadTransform,
-                            src_index: Optional[torch.Tensor] = None, backend: Backend = "torch") -> None:
-    """K and V rows into their pages at the same slots; one fused launch on the Triton backend when possible."""
+                            src_index: Optional[torch.Tensor] = None, backend: Backend = "torch",
+                            positions: Optional[torch.Tensor] = None) -> None:
+    """K and V rows into their pages at the same slots; one fused launch on the Triton backend when possible.
+    ``positions`` ``[N]``: the rows' token positions, needed when ``kt`` is rope-centered."""
     _check_backend(backend)
+    if kt.rope_centered and backend != "torch":  # the offsets come off the keys first; V's rows are taken as given
+        xv = _select_rows(xv, src_index)
+        xk, src_index = _rope_rows(_select_rows(xk, src_index), kt, positions), None
+        xv = xv.to(xk.dtype)
+        kt = HeadTransform(kt.R, kt.mu, kt.rho)
     same_kind = all((a is None) == (b is None) for a, b in ((kt.R, vt.R), (kt.mu, vt.mu), (kt.rho, vt.rho)))
     same_kind = same_kind and (k_pages.layout == "rows") == (v_pages.layout == "rows")
     if backend == "torch" or not same_kind or xk.stride() != xv.stride() or xk.dtype != xv.dtype:
-        rotate_quantize_pack(xk, slots, k_pages, kt, src_index=src_index, backend=backend)
+        rotate_quantize_pack(xk, slots, k_pages, kt, src_index=src_index, backend=backend, positions=positions)
         rotate_quantize_pack(xv, slots, v_pages, vt, src_index=src_index, backend=backend)
         return
     from oscar.kernels.quantize import rotate_quantize_pack_pair
@@ -251,11 +320,14 @@ def decode_attention_torch(
     recent_len: Optional[torch.Tensor] = None,
     sm_scale: Optional[float] = None,
     output_frame: str = "original",
+    int_pos0: Union[int, torch.Tensor, None] = None,
 ) -> torch.Tensor:
     """Torch twin of the paged decode attention: float32 dequantize-then-attend over three segments.
 
     ``q`` ``[B, H, d]``; returns ``[B, H, d]`` in ``q.dtype``. See the module docstring for the
-    segments, the logits of the quantized segment and ``output_frame``.
+    segments, the logits of the quantized segment and ``output_frame``. Rope-centered keys (``kt.rope_mu``)
+    add ``q . RoPE_p(rope_mu)`` to the logit of quantized token ``t`` at position ``p = int_pos0[b] + t``
+    (``int_pos0``: an int or int ``[B]``, the position of each sequence's first quantized token).
     """
     B, H, d = q.shape
     hkv = k_pages.codes.shape[1]
@@ -283,6 +355,9 @@ def decode_attention_torch(
             lg = torch.einsum("hrd,htd->hrt", q_rot, kh)
             if kt.mu is not None:
                 lg = lg + torch.einsum("hrd,hd->hr", qb, kt.mu.to(qb.device, torch.float32))[..., None]
+            if kt.rope_centered:
+                pos = _pos0(int_pos0, b, B) + torch.arange(n, device=qb.device)
+                lg = lg + torch.einsum("hrd,thd->hrt", qb, rope_offsets(kt, pos))
             logits.append(lg * scale)
             values.append(vh)
             frames.append("rotated")
@@ -310,6 +385,18 @@ def _to_frame(part: torch.Tensor, mass: torch.Tensor, frame: str, output_frame: 
         return out if mu is None else out + mass * mu
     out = part if mu is None else part - mass * mu  # -> rotated: (o - mass*mu) @ R
     return out if R is None else torch.einsum("hrd,hde->hre", out, R)
+
+
+def _pos0(int_pos0: Union[int, torch.Tensor, None], b: int, batch: int) -> int:
+    """Position of sequence ``b``'s first quantized token (rope-centered keys)."""
+    if int_pos0 is None:
+        raise ValueError("rope-centered keys need int_pos0 (the position of each sequence's first quantized token: "
+                         "an int or int [B]); the cache passes its sink length")
+    if isinstance(int_pos0, int):
+        return int_pos0
+    if int_pos0.numel() < batch:
+        raise ValueError(f"int_pos0 must hold one position per sequence ([>= {batch}]), got {tuple(int_pos0.shape)}")
+    return int(int_pos0[b])
 
 
 def _check_attention_args(q: torch.Tensor, hkv: int, output_frame: str) -> None:
@@ -341,23 +428,32 @@ def decode_attention(
     backend: Backend = "torch",
     num_splits: Optional[int] = None,
     kernel_options: Optional[dict] = None,
+    int_pos0: Union[int, torch.Tensor, None] = None,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over BF16 sink + quantized pages + BF16 recent.
 
     ``num_splits`` and ``kernel_options`` (``block_n``, ``num_warps``, ``num_stages``, ``fast_unpack``)
-    tune the Triton kernel and are ignored by the torch twin.
+    tune the Triton kernel and are ignored by the torch twin. ``int_pos0`` (int or int ``[B]``): position of
+    each sequence's first quantized token, needed for rope-centered keys (``decode_attention_torch``).
     """
     _check_backend(backend)
     kwargs = dict(sink_k=sink_k, sink_v=sink_v, sink_len=sink_len, recent_k=recent_k, recent_v=recent_v,
                   recent_len=recent_len, sm_scale=sm_scale, output_frame=output_frame)
     if backend == "torch":
-        return decode_attention_torch(q, k_pages, v_pages, page_table, int_len, kt, vt, **kwargs)
+        return decode_attention_torch(q, k_pages, v_pages, page_table, int_len, kt, vt, int_pos0=int_pos0, **kwargs)
     from oscar.kernels.decode_attention import paged_decode_attention
 
     layout = _pair_layout(k_pages, v_pages)
     if layout == "mma" and q.device.type != "cuda":
         raise ValueError("pages in the mma layout are read by a CUDA kernel; on a CPU use backend='torch' "
                          f"(q is on {q.device})")
+    if kt.rope_centered:
+        if layout != "mma":
+            raise ValueError("rope-centered keys are read by the mma-layout CUDA kernel (pages in the 'mma' layout, "
+                             "INT2, d 64/128) or backend='torch'; the row-layout Triton kernels do not add "
+                             "q . RoPE_p(m)")
+        _pos0(int_pos0, 0, 0)  # present
+        kwargs.update(rope_mu=kt.rope_mu, rope_freq=kt.rope_freq, rope_scaling=kt.rope_scaling, rope_pos0=int_pos0)
     return paged_decode_attention(
         q, k_pages.codes, k_pages.scale, k_pages.zero, v_pages.codes, v_pages.scale, v_pages.zero,
         page_table, int_len, bits=k_pages.bits, group_size=k_pages.group_size,
@@ -460,15 +556,19 @@ class PagedKVPool:
         self.int_len[b] = 0
 
     def write(self, layer: int, k_rows: torch.Tensor, v_rows: torch.Tensor, slots: torch.Tensor,
-              kt: HeadTransform, vt: HeadTransform, backend: Backend = "torch") -> None:
-        """Quantize K and V rows ``[N, Hkv, d]`` (original frame) of ``layer`` into ``slots``."""
-        rotate_quantize_pack_kv(k_rows, v_rows, slots, self.k[layer], self.v[layer], kt, vt, backend=backend)
+              kt: HeadTransform, vt: HeadTransform, backend: Backend = "torch",
+              positions: Optional[torch.Tensor] = None) -> None:
+        """Quantize K and V rows ``[N, Hkv, d]`` (original frame) of ``layer`` into ``slots`` (``positions`` [N]:
+        the rows' token positions, for rope-centered keys)."""
+        rotate_quantize_pack_kv(k_rows, v_rows, slots, self.k[layer], self.v[layer], kt, vt, backend=backend,
+                                positions=positions)
 
     def demote(self, layer: int, recent_k: torch.Tensor, recent_v: torch.Tensor, src_index: torch.Tensor,
-               slots: torch.Tensor, kt: HeadTransform, vt: HeadTransform, backend: Backend = "torch") -> None:
+               slots: torch.Tensor, kt: HeadTransform, vt: HeadTransform, backend: Backend = "torch",
+               positions: Optional[torch.Tensor] = None) -> None:
         """Quantize ``recent_*[n, :, src_index[n]]`` (``[N, Hkv, W, d]`` windows) into ``slots`` [N]."""
         rotate_quantize_pack_kv(recent_k, recent_v, slots, self.k[layer], self.v[layer], kt, vt,
-                                src_index=src_index, backend=backend)
+                                src_index=src_index, backend=backend, positions=positions)
 
     def read(self, layer: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized float32 K and V ``[Hkv, T, d]`` of sequence ``b`` in the rotated frame."""
@@ -477,7 +577,7 @@ class PagedKVPool:
                 gather_dequantize(self.v[layer], self.page_table, b, n))
 
     def attend(self, layer: int, q: torch.Tensor, kt: HeadTransform, vt: HeadTransform,
-               backend: Backend = "torch", **segments) -> torch.Tensor:
+               backend: Backend = "torch", **segments: Any) -> torch.Tensor:
         """Decode attention for sequences ``0..q.shape[0]-1`` of ``layer`` (see ``decode_attention``)."""
         B = q.shape[0]
         return decode_attention(q, self.k[layer], self.v[layer], self.page_table[:B], self.int_len[:B], kt, vt,
@@ -494,5 +594,6 @@ __all__ = [
     "rotate_quantize_pack",
     "rotate_quantize_pack_kv",
     "rotate_quantize_pack_torch",
+    "rope_offsets",
     "slots_for",
 ]
