@@ -11,6 +11,11 @@
 // slots 5-7 after one shift per word); the factor 4^J * 2^-24 is folded into the query's B fragment
 // (keys) and into the output rows (values). Per-token scale/zero stay outside the products:
 //   logit = s_K (q.c) + z_K sum(q) + q.mu_K,   o = sum_t (p_t s_V) c_t + sum_t p_t z_V.
+// Rope-centered keys (RT > 0: keys stored minus RoPE_p(m), oscar.rope) add q . RoPE_p(m) = sum_i A_i cos(p w_i) +
+// B_i sin(p w_i) (A, B from q and m, once per CTA). RoPE composes: at p = P + x the term is
+// sum_i A'_i cos(x w_i) + B'_i sin(x w_i) with (A', B') = (A, B) turned by -P w_i. A warp turns (A, B) once per RT
+// of its blocks (P = the first token of the first; angles reduced in fp64) into fp16 B fragments, and one more
+// MMA per 16 channels scores them against a constant table of cos/sin(x w_i), x = 16 W k + j (k < RT, j < 16).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -120,6 +125,12 @@ struct Params {
   long long ss_p, ss_h;  // scale strides (elements)
   long long sk_b, sk_h, sk_t, sk_max;  // sink strides (elements) and capacity
   long long rk_b, rk_h, rk_t, rk_max;  // recent
+  const float* rope_m;    // [Hkv, D] pre-RoPE key means (rope-centered keys, RT > 0) or null
+  const double* rope_w;   // [D/2] inverse frequencies, zero past the rotary half
+  const uint4* rope_tab;  // fp16 A fragments [RT][D/16][32 lanes]: cos/sin((16 W k + j) w_i), row j, k < RT
+  const int* rope_pos0;   // [B] position of each sequence's first quantized token, or null (0)
+  float rope_scaling;     // RoPE attention scaling
+  int rope_half, rope_pos_add;  // rotary_dim / 2; added to every position
 };
 
 constexpr int SMAX = 256;  // most partials per (sequence, KV head); the launcher checks
@@ -231,10 +242,24 @@ __device__ __forceinline__ void read_block(Raw<D>& raw, const unsigned char* st,
 
 // qb: the query's B fragments (head g; channels 16j + 2t + {0,1}, + 8) times 4^-J of the slot they meet.
 // qs/qm: sum(q) and q.mu_K of heads 2t, 2t+1, times sc. ksc = sc * 2^24 (the codes' subnormal scale).
-template <int D>
+// ub/tab (ROPE): the block's rope-term B fragments and its table rows (rope_frags).
+template <int D, bool ROPE>
 __device__ __forceinline__ void int_block(State<D>& st, const Raw<D>& raw, const u32 (&qb)[D / 16][2], const float (&qs)[2],
-                                          const float (&qm)[2], float ksc, int tok0, int end, int lane) {
+                                          const float (&qm)[2], float ksc, int tok0, int end, int lane,
+                                          const u32 (&ub)[D / 16][2], const uint4* __restrict__ tab) {
   constexpr int NU = D / 64;
+  float racc[2][4];
+  if (ROPE) {
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) racc[n][i] = 0.f;
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+      const uint4 a = __ldg(tab + kc * 32 + lane);
+      mma_f16(racc[kc & 1], a.x, a.y, a.z, a.w, ub[kc][0], ub[kc][1]);
+    }
+  }
   float acc[2][4];
 #pragma unroll
   for (int n = 0; n < 2; ++n)
@@ -255,8 +280,10 @@ __device__ __forceinline__ void int_block(State<D>& st, const Raw<D>& raw, const
     const bool ok = tok0 + 8 * n + g < end;
     const float sk = bf16f(raw.ks[n]) * ksc, zk = bf16f(raw.kz[n]);
 #pragma unroll
-    for (int k = 0; k < 2; ++k)
-      lg[2 * n + k] = ok ? fmaf(acc[0][2 * n + k] + acc[1][2 * n + k], sk, fmaf(zk, qs[k], qm[k])) : NEG_INF;
+    for (int k = 0; k < 2; ++k) {
+      const float base = ROPE ? fmaf(zk, qs[k], qm[k]) + (racc[0][2 * n + k] + racc[1][2 * n + k]) : fmaf(zk, qs[k], qm[k]);
+      lg[2 * n + k] = ok ? fmaf(acc[0][2 * n + k] + acc[1][2 * n + k], sk, base) : NEG_INF;
+    }
     sv[n] = ok ? bf16f(raw.vs[n]) : 0.f;
     zv[n] = ok ? bf16f(raw.vz[n]) : 0.f;
   }
@@ -317,6 +344,41 @@ __device__ __forceinline__ void bf16_block(State<D>& st, const u16* kp, const u1
   }
 }
 
+// The rope term's B fragments for blocks from position pos: (A', B') = (A, B) turned by -pos w_i, head g, as fp16.
+// s_u: A (channels 0..D/2) and B (D/2..D) per head, row stride D + 4. Lane L reduces the angles of frequencies L,
+// L + 32 (fp64, then fast sincos within [-pi, pi]); the lanes that need them read them by shuffles.
+template <int D, int REP>
+__device__ __forceinline__ void rope_frags(u32 (&ub)[D / 16][2], const float* s_u, const double* __restrict__ w, long long pos,
+                                           int lane) {
+  constexpr int NF = D / 64, SU = D + 4;
+  const int g = lane >> 2, t = lane & 3;
+  float cs[NF], sn[NF];
+#pragma unroll
+  for (int f = 0; f < NF; ++f) {
+    const double a = (double)pos * __ldg(w + lane + 32 * f);
+    const double r = fma(-rint(a * 0.15915494309189535), 6.283185307179586, a);
+    __sincosf((float)r, &sn[f], &cs[f]);
+  }
+#pragma unroll
+  for (int kc = 0; kc < D / 32; ++kc) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float ap[2], bp[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int i = 16 * kc + 8 * hh + 2 * t + e;
+        const int f = (16 * kc + 8 * hh) >> 5;
+        const float c = __shfl_sync(FULL, cs[f], i & 31), s = __shfl_sync(FULL, sn[f], i & 31);
+        const float A = g < REP ? s_u[g * SU + i] : 0.f, B = g < REP ? s_u[g * SU + D / 2 + i] : 0.f;
+        ap[e] = fmaf(c, A, s * B);
+        bp[e] = fmaf(c, B, -s * A);
+      }
+      ub[kc][hh] = pack_f16(ap[0], ap[1]);
+      ub[kc + D / 32][hh] = pack_f16(bp[0], bp[1]);
+    }
+  }
+}
+
 // x[REP][D] (shared, float) <- x @ M on the tensor cores (fp16 operands, fp32 sums). Mf: M's B fragments in
 // fp16, [D/8 n-tiles][D/16 k-chunks][32 lanes] x uint2 (oscar.kernels.decode_mma.mma_b_fragments); warp w
 // computes n-tiles w, w + W, ...; every lane's loads are issued before the first product.
@@ -351,8 +413,9 @@ __device__ __forceinline__ void rotate_rows(float* x, const uint2* __restrict__ 
   __syncthreads();
 }
 
-// ST: stages of each warp's cp.async ring (ST - 1 blocks in flight while one is computed).
-template <int D, int REP, int W, int ST, int MINB>
+// ST: stages of each warp's cp.async ring (ST - 1 blocks in flight while one is computed). RT: blocks of a warp per
+// turn of the rope term's fragments (0: keys not rope-centered).
+template <int D, int REP, int W, int ST, int MINB, int RT>
 __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P) {
   constexpr int NT = W * 32;
   constexpr int RING = W * ST * Stage<D>::BYTES, OB = W * REP * D * 4;
@@ -362,6 +425,7 @@ __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P)
   unsigned char* ring = s_buf + (threadIdx.x >> 5) * ST * Stage<D>::BYTES;
   __shared__ float s_m[W][2 * REP], s_l[W][2 * REP];
   __shared__ float s_f[REP][SMAX];
+  __shared__ float s_u[RT ? REP * (D + 4) : 1];  // rope term: A, B per head (rope_frags)
   __shared__ int s_last;
 
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
@@ -397,11 +461,33 @@ __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P)
   const u16* qg = P.q + ((long long)b * P.hkv * REP + (long long)kvh * REP) * D;
   for (int i = tid; i < REP * D; i += NT) s_q[i] = bf16f(qg[i]);
   __syncthreads();
-  float qmu = 0.f;  // q . mu_K of head g (partial over t)
-  if (is_int && P.muk != nullptr) {
+  float qmu = 0.f;  // q . mu_K of head g (partial over t), plus q . m on the channels RoPE leaves alone
+  if (is_int && (P.muk != nullptr || RT)) {
     const float* mk = P.muk + (long long)kvh * D;
+    const float* rm = P.rope_m + (long long)kvh * D;
     if (g < REP)
-      for (int i = t; i < D; i += 4) qmu += s_q[g * D + i] * mk[i];
+      for (int i = t; i < D; i += 4) {
+        float m = P.muk != nullptr ? mk[i] : 0.f;
+        if (RT && i >= 2 * P.rope_half) m += rm[i];
+        qmu += s_q[g * D + i] * m;
+      }
+  }
+  if (RT && is_int) {  // A_i, B_i of the rope term, times sc (base-2 logits)
+    const float* rm = P.rope_m + (long long)kvh * D;
+    const int hf = P.rope_half;
+    const float f = P.sc * P.rope_scaling;
+    for (int i = tid; i < REP * (D / 2); i += NT) {
+      const int hh = i / (D / 2), c = i % (D / 2);
+      float a = 0.f, bb = 0.f;
+      if (c < hf) {
+        const float q1 = s_q[hh * D + c], q2 = s_q[hh * D + hf + c], m1 = rm[c], m2 = rm[hf + c];
+        a = f * fmaf(q1, m1, q2 * m2);
+        bb = f * fmaf(q2, m1, -q1 * m2);
+      }
+      s_u[hh * (D + 4) + c] = a;
+      s_u[hh * (D + 4) + D / 2 + c] = bb;
+    }
+    __syncthreads();  // before rotate_rows overwrites s_q, and before the loop reads s_u
   }
   if (is_int && P.rk != nullptr) rotate_rows<D, REP, W>(s_q, P.rk + (long long)kvh * D * D / 4, tid);
   u32 qb[D / 16][2];
@@ -444,6 +530,9 @@ __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P)
   if (is_int) {
     const float ksc = P.sc * 16777216.f;  // 2^24
     int rs = 0, ws = ST - 1;  // ring stage read and written this iteration
+    u32 ub[D / 16][2];
+    long long rpos = 0;  // position of this warp's first block
+    if (RT) rpos = (long long)(P.rope_pos0 != nullptr ? __ldg(P.rope_pos0 + b) : 0) + P.rope_pos_add + (long long)(lo + warp) * 16;
     for (int k = 0; k < n_w; ++k) {
       const int kn = k + ST - 1;
       if (kn >= 32 && (kn & 31) == 0) {  // next 32 pages
@@ -457,9 +546,11 @@ __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P)
       cp_commit();
       cp_wait<ST - 1>();  // block k has landed
       __syncwarp();
+      if (RT && k % (RT ? RT : 1) == 0) rope_frags<D, REP>(ub, s_u, P.rope_w, rpos + (long long)k * W * 16, lane);
       Raw<D> raw;
       read_block<D>(raw, ring + rs * Stage<D>::BYTES, lane);
-      int_block<D>(st, raw, qb, qs, qm, ksc, (lo + warp + k * W) * 16, len, lane);
+      int_block<D, (RT > 0)>(st, raw, qb, qs, qm, ksc, (lo + warp + k * W) * 16, len, lane, ub,
+                             P.rope_tab + (RT ? (k % (RT ? RT : 1)) * (D / 16) * 32 : 0));
       rs = rs + 1 == ST ? 0 : rs + 1;
       ws = ws + 1 == ST ? 0 : ws + 1;
     }

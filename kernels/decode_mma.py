@@ -19,7 +19,7 @@ import ctypes
 import math
 import weakref
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -32,13 +32,17 @@ _POINTERS = ("q", "kc", "vc", "ks", "kz", "vs", "vz", "page_table", "int_len", "
              "sink_k", "sink_v", "sink_len", "rec_k", "rec_v", "rec_len", "part_o", "part_ml", "counters", "out")
 _INTS = ("hkv", "pt_stride", "page_shift", "s_int", "s_total", "has_sink", "has_rec", "out_rotated")
 _LONGS = ("cs_p", "cs_h", "ss_p", "ss_h", "sk_b", "sk_h", "sk_t", "sk_max", "rk_b", "rk_h", "rk_t", "rk_max")
+_ROPE_POINTERS = ("rope_m", "rope_w", "rope_tab", "rope_pos0")
+ROPE_BLOCKS = (4, 8, 16, 32)  # blocks of a warp per turn of the rope term's fragments (the kernel's RT)
 
 
 class Params(ctypes.Structure):
     """Mirror of ``struct Params`` in ``decode_mma.cu`` (same order; C alignment rules)."""
 
     _fields_ = ([(n, ctypes.c_void_p) for n in _POINTERS] + [("sc", ctypes.c_float)]
-                + [(n, ctypes.c_int) for n in _INTS] + [(n, ctypes.c_longlong) for n in _LONGS])
+                + [(n, ctypes.c_int) for n in _INTS] + [(n, ctypes.c_longlong) for n in _LONGS]
+                + [(n, ctypes.c_void_p) for n in _ROPE_POINTERS] + [("rope_scaling", ctypes.c_float)]
+                + [("rope_half", ctypes.c_int), ("rope_pos_add", ctypes.c_int)])
 
 
 _KERNELS: dict[tuple, ctypes.c_void_p] = {}
@@ -46,27 +50,48 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _COPIES: dict[tuple, tuple] = {}
 
 
-def kernel_name(d: int, rep: int, num_warps: int, stages: int, min_blocks: int) -> str:
+def kernel_name(d: int, rep: int, num_warps: int, stages: int, min_blocks: int, rope_blocks: int = 0) -> str:
     """The template instance: head_dim, GQA ratio, warps per CTA, stages of each warp's cp.async ring (blocks of
-    16 tokens; stages - 1 in flight) and the CTAs per SM the register allocation must allow (``__launch_bounds__``)."""
-    return f"oscar_decode_mma<{d},{rep},{num_warps},{stages},{min_blocks}>"
+    16 tokens; stages - 1 in flight), the CTAs per SM the register allocation must allow (``__launch_bounds__``)
+    and, for rope-centered keys, a warp's blocks per turn of the rope term (0: none)."""
+    return f"oscar_decode_mma<{d},{rep},{num_warps},{stages},{min_blocks},{rope_blocks}>"
 
 
-def shared_bytes(d: int, rep: int, num_warps: int, stages: int) -> int:
+def shared_bytes(d: int, rep: int, num_warps: int, stages: int, rope: bool = False) -> int:
     """Static shared memory of a kernel instance (mirrors decode_mma.cu; at most 48 KiB)."""
     ring = num_warps * stages * (2 * 16 * d // 4 + 128)
     outs = num_warps * rep * d * 4
-    return 4 * rep * d + max(ring, outs) + 4 * rep * MAX_PARTIALS + 2 * 4 * num_warps * 2 * rep + 4
+    rope_u = 4 * rep * (d + 4) if rope else 4
+    return 4 * rep * d + max(ring, outs) + 4 * rep * MAX_PARTIALS + 2 * 4 * num_warps * 2 * rep + rope_u + 4
 
 
-def _function(d: int, rep: int, num_warps: int, stages: int, min_blocks: int, dev: torch.device) -> ctypes.c_void_p:
-    key = (d, rep, num_warps, stages, min_blocks, dev)
+def rope_table(inv_freq: torch.Tensor, d: int, num_warps: int, rope_blocks: int) -> torch.Tensor:
+    """The rope term's constant A fragments (fp16 in int32 ``[RT, d/16, 32, 4]``): entry ``[k, kc, 4g + t, r]`` packs
+    ``E[k, j, c], E[k, j, c + 1]`` with ``j = g + 8 (r & 1)``, ``c = 16 kc + 2t + 8 (r >> 1)``, where
+    ``E[k, j, c] = cos(x w_c)`` for ``c < d/2`` and ``sin(x w_{c - d/2})`` above, ``x = 16 num_warps k + j`` and
+    ``w`` the inverse frequencies padded with zeros to ``d/2`` (float64, then fp16)."""
+    w = torch.zeros(d // 2, dtype=torch.float64)
+    w[: inv_freq.numel()] = inv_freq.detach().to("cpu", torch.float64)
+    x = (16 * num_warps * torch.arange(rope_blocks, dtype=torch.float64)[:, None]
+         + torch.arange(16, dtype=torch.float64)[None, :])  # [RT, 16]
+    ang = x[..., None] * w  # [RT, 16, d/2]
+    E = torch.cat([ang.cos(), ang.sin()], dim=-1).to(torch.float16)  # [RT, 16, d]
+    ar = lambda n, at: torch.arange(n).view([-1 if i == at else 1 for i in range(5)])  # noqa: E731
+    kc, g, t, r, e = ar(d // 16, 0), ar(8, 1), ar(4, 2), ar(4, 3), ar(2, 4)
+    rows, cols = torch.broadcast_tensors(g + 8 * (r % 2), 16 * kc + 2 * t + 8 * (r // 2) + e)
+    frag = E[:, rows, cols]  # [RT, d/16, 8, 4, 4, 2]
+    return frag.reshape(rope_blocks, d // 16, 32, 4, 2).contiguous().view(torch.int32).reshape(rope_blocks, d // 16, 32, 4)
+
+
+def _function(d: int, rep: int, num_warps: int, stages: int, min_blocks: int, dev: torch.device,
+              rope_blocks: int = 0) -> ctypes.c_void_p:
+    key = (d, rep, num_warps, stages, min_blocks, rope_blocks, dev)
     if key not in _KERNELS:
         try:
             from torch.cuda._utils import _cuda_load_module, _nvrtc_compile
         except ImportError as err:  # pragma: no cover - depends on the torch build
             raise RuntimeError("the mma decode kernel needs torch.cuda._utils (NVRTC), absent in this torch") from err
-        name = kernel_name(d, rep, num_warps, stages, min_blocks)
+        name = kernel_name(d, rep, num_warps, stages, min_blocks, rope_blocks)
         with torch.cuda.device(dev):
             major, minor = torch.cuda.get_device_capability(dev)
             check(major >= 8, f"the mma decode kernel needs compute capability >= 8.0, got {major}.{minor}")
@@ -179,6 +204,11 @@ def paged_decode_attention_mma(
     num_warps: int = 8,
     stages: Optional[int] = None,
     min_blocks: int = 2,
+    rope_mu: Optional[torch.Tensor] = None,
+    rope_freq: Optional[torch.Tensor] = None,
+    rope_scaling: float = 1.0,
+    rope_pos0: Union[int, torch.Tensor, None] = None,
+    rope_blocks: int = 8,
 ) -> torch.Tensor:
     """Decode attention ``[B, H, d]`` (``q.dtype``) over BF16 sink + INT2 pages in the mma layouts + BF16 recent.
 
@@ -186,6 +216,11 @@ def paged_decode_attention_mma(
     group per row); ``num_splits`` (default ``default_num_splits``), ``num_warps`` (2, 4, 8), ``stages`` (of each
     warp's cp.async ring, 2-6; default: 4, or the most that fit in 48 KiB of shared memory) and ``min_blocks``
     (CTAs per SM the registers must allow: 2 caps them at 128 for 8 warps) tune the launch.
+
+    Rope-centered keys (stored as ``(k - mu - RoPE_p(m)) R_K``): ``rope_mu`` ``[Hkv, d]`` (``m``; zero rows for heads
+    that are not centered), ``rope_freq`` (inverse frequencies ``[r/2]`` of the rotate-half RoPE, float64),
+    ``rope_scaling`` and ``rope_pos0`` (position of each sequence's first quantized token: int, or int32 ``[B]``)
+    add ``q . RoPE_p(m)`` to each quantized logit; ``rope_blocks`` (4, 8, 16, 32) tunes how often a warp turns it.
     """
     check(q.is_cuda, f"the mma decode kernel runs on CUDA tensors, q is on {q.device}")
     check(q.dim() == 3, f"q must be [B, H, d], got shape {tuple(q.shape)}")
@@ -202,13 +237,17 @@ def paged_decode_attention_mma(
     check(H % hkv == 0 and H // hkv in (1, 2, 4, 8),
           f"query heads H={H} over KV heads Hkv={hkv}: GQA ratio must be 1, 2, 4 or 8")
     rep = H // hkv
+    rope = rope_mu is not None
+    check(rope == (rope_freq is not None) and (not rope or rope_pos0 is not None),
+          "rope-centered keys need rope_mu, rope_freq and rope_pos0 together")
+    check(not rope or rope_blocks in ROPE_BLOCKS, f"rope_blocks={rope_blocks} is not valid; choose one of {ROPE_BLOCKS}")
     if stages is None:
         stages = 4
-        while stages > 2 and shared_bytes(d, rep, num_warps, stages) > 48 * 1024:
+        while stages > 2 and shared_bytes(d, rep, num_warps, stages, rope) > 48 * 1024:
             stages -= 1
-    check(2 <= stages <= 6 and shared_bytes(d, rep, num_warps, stages) <= 48 * 1024,
+    check(2 <= stages <= 6 and shared_bytes(d, rep, num_warps, stages, rope) <= 48 * 1024,
           f"stages={stages} must be in 2-6 and fit 48 KiB of shared memory "
-          f"({shared_bytes(d, rep, num_warps, stages)} bytes at d={d}, GQA {rep}, {num_warps} warps)")
+          f"({shared_bytes(d, rep, num_warps, stages, rope)} bytes at d={d}, GQA {rep}, {num_warps} warps)")
     for name, t in (("k_codes", k_codes), ("v_codes", v_codes)):
         check(t.is_contiguous() and t.device == dev, f"{name} must be contiguous on {dev}")
     for name, t in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
@@ -287,9 +326,28 @@ def paged_decode_attention_mma(
     p.out_rotated = int(output_frame == "rotated")
     p.cs_p, p.cs_h = int(k_codes.stride(0)), int(k_codes.stride(1))
     p.ss_p, p.ss_h = int(k_scale.stride(0)), int(k_scale.stride(1))
-    _launch(_function(d, rep, num_warps, stages, min_blocks, dev), (s_total, hkv, B), 32 * num_warps, p, dev)
+    rt = 0
+    if rope:
+        rt = rope_blocks
+        h = int(rope_freq.numel())
+        check(rope_freq.dim() == 1 and 0 < 2 * h <= d, f"rope_freq must be [<= {d // 2}] frequencies, got "
+              f"{tuple(rope_freq.shape)}")
+        ptr("rope_m", f32(rope_mu, (hkv, d), "rope_mu"))
+        ptr("rope_w", _derived(rope_freq, f"ropew{d}", lambda x: torch.nn.functional.pad(
+            x.to(dev, torch.float64), (0, d // 2 - x.numel())).contiguous()))
+        ptr("rope_tab", _derived(rope_freq, f"ropetab{d},{num_warps},{rt},{dev}",
+                                 lambda x: rope_table(x, d, num_warps, rt).to(dev)))
+        if isinstance(rope_pos0, torch.Tensor):
+            check(rope_pos0.dtype == torch.int32 and rope_pos0.numel() >= B and rope_pos0.device == dev,
+                  f"rope_pos0 must be an int or int32 [>= {B}] on {dev}, got {rope_pos0.dtype} {tuple(rope_pos0.shape)}")
+            ptr("rope_pos0", rope_pos0)
+        else:
+            check(0 <= int(rope_pos0) < 2**30, f"rope_pos0={rope_pos0} must be a position in [0, 2^30)")
+            p.rope_pos_add = int(rope_pos0)
+        p.rope_scaling, p.rope_half = float(rope_scaling), h
+    _launch(_function(d, rep, num_warps, stages, min_blocks, dev, rt), (s_total, hkv, B), 32 * num_warps, p, dev)
     return out if q.dtype == torch.bfloat16 else out.to(q.dtype)
 
 
-__all__ = ["Params", "default_num_splits", "kernel_name", "mma_b_fragments", "paged_decode_attention_mma",
-           "shared_bytes"]
+__all__ = ["Params", "ROPE_BLOCKS", "default_num_splits", "kernel_name", "mma_b_fragments",
+           "paged_decode_attention_mma", "rope_table", "shared_bytes"]

@@ -78,16 +78,14 @@ class LayerRotations:
         """K and V `oscar.paged.HeadTransform`s (float32, on `device` or where the rotations are) for the
         paged/Triton/CUDA kernels; clip ratios only where some are below 1 (reads ignore them).
 
-        Refuses rope-centered keys, naming the way out: the kernels do not add `RoPE_p(m)` back yet.
+        Rope-centered keys carry the pre-RoPE means and the layer's RoPE (`rope_mu`, `rope_freq`, `rope_scaling`):
+        the writers then need the rows' positions and decode the position of the first quantized token.
         """
         from oscar import paged
 
-        if self.rope_k is not None:
-            raise NotImplementedError(
-                f"{where}: rope-centered keys (auto chose a '+rope' key candidate) run on the torch path only; the "
-                "paged/Triton/CUDA kernels do not add RoPE_p(m) yet. Use backend=torch without paged_decode, or "
-                "calibrate auto without rope candidates (method.rope_center=false)"
-            )
+        if self.rope_k is not None and self.rope.head_dim != self.r_k.shape[-1]:
+            raise ValueError(f"{where}: the RoPE of the rope-centered keys has head_dim {self.rope.head_dim}, the "
+                             f"rotations {self.r_k.shape[-1]}")
 
         def one(rot: torch.Tensor, mu: Optional[torch.Tensor], rho: Optional[torch.Tensor]) -> Any:
             def f32(t: torch.Tensor) -> torch.Tensor:
@@ -96,7 +94,12 @@ class LayerRotations:
             clip = rho is not None and bool((rho < 1).any())
             return paged.HeadTransform(f32(rot), None if mu is None else f32(mu), f32(rho) if clip else None)
 
-        return one(self.r_k, self.mu_k, self.rho_k), one(self.r_v, self.mu_v, self.rho_v)
+        kt = one(self.r_k, self.mu_k, self.rho_k)
+        if self.rope_k is not None:
+            dev = device if device is not None else self.r_k.device
+            kt = paged.HeadTransform(kt.R, kt.mu, kt.rho, self.rope_k.to(dev, torch.float32),
+                                     self.rope.inv_freq.to(dev, torch.float64), float(self.rope.scaling))
+        return kt, one(self.r_v, self.mu_v, self.rho_v)
 
     def key_offsets(self, positions: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
         """`RoPE_p(rope_k[h])` `[B, Hkv, L, d]` for token positions `[B, L]` (-1: empty slot, zero offset),
@@ -530,6 +533,7 @@ class OscarLayer(CacheLayerMixin):
             sm_scale=scale,
             output_frame="rotated" if sp.fold_values else "original",
             backend=sp.backend,
+            int_pos0=sp.sink,  # INT row j of a sequence is token sink + j
         )
         return out[:, :, None, :]
 
@@ -675,13 +679,15 @@ class OscarLayer(CacheLayerMixin):
         (K and V in one launch), at slots reserved in both stores."""
         from oscar import paged
 
+        first = self.spec.sink + self.k_store.lengths[b]  # INT row j of a sequence is token sink + j
         slots = self.k_store.reserve(b, k.shape[1])
         if not torch.equal(self.v_store.reserve(b, v.shape[1]), slots):
             raise RuntimeError("K and V page stores went out of step; the cache is corrupt")
 
         paged.rotate_quantize_pack_kv(k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), slots,
                                       self.k_store.quant_pages(), self.v_store.quant_pages(), *self._head_transforms(),
-                                      backend="triton")
+                                      backend="triton", positions=torch.arange(first, first + k.shape[1],
+                                                                               device=self.device))
 
     def _head_transforms(self) -> tuple[Any, Any]:
         """K and V `oscar.paged.HeadTransform`s of this layer's rotations, for the paged kernels."""

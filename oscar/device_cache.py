@@ -306,10 +306,7 @@ class DeviceOscarCache(DeviceCache):
         self.step: dict[str, torch.Tensor] = {}
 
     def _on_device(self, t: paged.HeadTransform) -> paged.HeadTransform:
-        def mv(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            return None if x is None else x.to(self.device, torch.float32).contiguous()
-
-        return paged.HeadTransform(mv(t.R), mv(t.mu), mv(t.rho))
+        return t.to(self.device)
 
     def step_state(self) -> list[torch.Tensor]:
         """The BF16 buffers: a step demotes the ring row that it then overwrites with the new token, so a
@@ -349,7 +346,7 @@ class DeviceOscarCache(DeviceCache):
             rows_v = v[:, :, S0:S0 + nq].transpose(1, 2).reshape(B * nq, self.hkv, self.d).contiguous()
             kt, vt = self.transforms[layer]
             paged.rotate_quantize_pack_kv(rows_k, rows_v, slots, self.k_pages[layer], self.v_pages[layer], kt, vt,
-                                          backend=self.backend)
+                                          backend=self.backend, positions=S0 + qpos.reshape(-1))
         start = max(S0, L - W)
         if L > start:
             ring = (torch.arange(start, L, device=self.device) - S0) % W
@@ -383,6 +380,7 @@ class DeviceOscarCache(DeviceCache):
             "write_idx": torch.where(p < S0, p, S0 + ring_idx),  # slot of the new token in the BF16 buffer
             "ring_idx": ring_idx,
             "demote_slot": torch.where(demote, slot, torch.full_like(slot, self.trash_slot)),
+            "demote_pos": S0 + qpos,  # token position of the demoted row (rope-centered keys)
             "sink_len": (p + 1).clamp(max=S0).to(torch.int32),
             "recent_len": (r + 1).clamp(min=0, max=W).to(torch.int32),
             "int_len": (r + 1 - W).clamp(min=0).to(torch.int32),
@@ -398,7 +396,7 @@ class DeviceOscarCache(DeviceCache):
         sk, sv = self.sink_k[layer], self.sink_v[layer]
         # 1. demote the ring's oldest row (where the ring is full) before the new token takes its slot
         paged.rotate_quantize_pack_kv(rk, rv, st["demote_slot"], self.k_pages[layer], self.v_pages[layer], kt, vt,
-                                      src_index=st["ring_idx"], backend=self.backend)
+                                      src_index=st["ring_idx"], backend=self.backend, positions=st["demote_pos"])
         # 2. write the new token into its sink or ring slot
         buf = self.bf16[layer]
         buf[0, self._rows, :, st["write_idx"]] = key[:, :, 0].to(buf.dtype)
@@ -407,7 +405,8 @@ class DeviceOscarCache(DeviceCache):
         out = paged.decode_attention(
             query[:, :, 0], self.k_pages[layer], self.v_pages[layer], self.page_table, st["int_len"], kt, vt,
             sink_k=sk, sink_v=sv, sink_len=st["sink_len"], recent_k=rk, recent_v=rv, recent_len=st["recent_len"],
-            sm_scale=scale, output_frame="original", backend=self.backend, kernel_options=self.kernel_options)
+            sm_scale=scale, output_frame="original", backend=self.backend, kernel_options=self.kernel_options,
+            int_pos0=self.sink if kt.rope_centered else None)
         return out[:, :, None, :]
 
 
