@@ -241,12 +241,17 @@ def bench_int2(B: int, T: int, H: int, hkv: int, d: int, opts: dict[str, Any], l
     kp, vp, tables, int_len, kt, vt, segs, qs, nbytes = _int2_inputs(B, T, H, hkv, d, opts, n)
     rows = []
     for var in variants:
-        def call(s: int, var=var):
+        kw = {k: v for k, v in var.items() if k != "rope"}
+        if var.get("rope"):  # rope-centered keys: every head centered, Qwen-style RoPE, int positions from the sink
+            kw.update(rope_mu=0.5 * torch.randn(hkv, d, device="cuda"), rope_scaling=1.0, rope_pos0=opts["sink"],
+                      rope_freq=1.0 / 1e6 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+
+        def call(s: int, kw=kw):
             def f():
                 return paged_decode_attention(
                     qs[s], kp.codes, kp.scale, kp.zero, vp.codes, vp.scale, vp.zero, tables[s], int_len,
                     bits=kp.bits, group_size=kp.group_size, R_K=kt.R, mu_K=kt.mu, R_V=vt.R, mu_V=vt.mu,
-                    **segs[s], **var)
+                    **segs[s], **kw)
             return f
 
         try:
@@ -310,11 +315,13 @@ def _mma(opts: dict[str, Any]) -> bool:
     return opts["layout"] == "mma" and opts["bits"] == 2
 
 
-def check_against_twin(d: int, opts: dict[str, Any]) -> float:
+def check_against_twin(d: int, opts: dict[str, Any], rope: bool = False) -> float:
     """Max relative error per head of the kernel vs the float32 torch twin on a mid-size GPU case (the random
-    codes read in the benchmarked layout by both)."""
+    codes read in the benchmarked layout by both); ``rope``: rope-centered keys (mma layout)."""
+    import torch
+
     from oscar.kernels.decode_attention import paged_decode_attention
-    from oscar.paged import QuantPages, decode_attention_torch
+    from oscar.paged import HeadTransform, QuantPages, decode_attention_torch
 
     B, T, H, hkv = 4, 8192, opts["q_heads"], opts["kv_heads"]
     kp, vp, tables, int_len, kt, vt, segs, qs, _ = _int2_inputs(B, T, H, hkv, d, opts, 1, seed=3)
@@ -322,10 +329,16 @@ def check_against_twin(d: int, opts: dict[str, Any]) -> float:
     if layout == "mma":
         kp = QuantPages(kp.codes, kp.scale, kp.zero, kp.bits, kp.group_size, "mma_k")
         vp = QuantPages(vp.codes, vp.scale, vp.zero, vp.bits, vp.group_size, "mma_v")
-    ref = decode_attention_torch(qs[0], kp, vp, tables[0], int_len, kt, vt, **segs[0]).float()
+    kw: dict[str, Any] = {}
+    if rope:
+        g = torch.Generator(device="cuda").manual_seed(4)
+        kt = HeadTransform(kt.R, kt.mu, kt.rho, 0.5 * torch.randn(hkv, d, device="cuda", generator=g),
+                           1.0 / 1e6 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        kw = dict(rope_mu=kt.rope_mu, rope_freq=kt.rope_freq, rope_pos0=opts["sink"])
+    ref = decode_attention_torch(qs[0], kp, vp, tables[0], int_len, kt, vt, int_pos0=opts["sink"], **segs[0]).float()
     out = paged_decode_attention(qs[0], kp.codes, kp.scale, kp.zero, vp.codes, vp.scale, vp.zero, tables[0],
                                  int_len, bits=kp.bits, group_size=kp.group_size, R_K=kt.R, mu_K=kt.mu,
-                                 R_V=vt.R, mu_V=vt.mu, layout=layout, **segs[0]).float()
+                                 R_V=vt.R, mu_V=vt.mu, layout=layout, **kw, **segs[0]).float()
     return float(((out - ref).norm(dim=-1) / ref.norm(dim=-1)).max())
 
 

@@ -194,30 +194,32 @@ def test_auto_picks_rope_centering_for_a_biased_key_head_and_the_artifact_keeps_
     assert no_rope.meta["choices"][0]["key_distortion"] > 4 * choice["key_distortion"]
 
 
-def test_paged_paths_refuse_rope_centered_keys_with_the_way_out(qwen) -> None:
+def test_paged_decode_with_rope_centered_keys_equals_the_segment_path(qwen) -> None:
+    """Decode steps through oscar.paged (the kernels' twin: pages, q . RoPE_p(m) added to the logits at
+    int_pos0 = sink) give the logits of the host cache's own segment path on the same stored rows."""
     from oscar.models.adapters import key_rope
 
     enable(qwen)
     spec, _ = key_rope(qwen, 0, positions=64)
-    sp = spec_for_model(qwen, kind="rotated", rotations=_rope_rotations(qwen, spec), sink=1, recent=2, group_size=8,
-                        paged_decode=True)
-    ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="rope_center=false"):
-        cache = new_cache(qwen, sp)
-        for t in range(6):
-            qwen(ids[:, t : t + 1], cache=cache)
+    rots = _rope_rotations(qwen, spec)
+    ids = torch.randint(0, 96, (1, 14), generator=torch.Generator().manual_seed(5))
+    kw = dict(kind="rotated", rotations=rots, sink=1, recent=2, group_size=8)
+    with torch.no_grad():
+        paged = new_cache(qwen, spec_for_model(qwen, paged_decode=True, **kw))
+        via_pages = torch.cat([qwen(ids[:, t : t + 1], cache=paged).logits for t in range(14)], dim=1)
+        host = new_cache(qwen, spec_for_model(qwen, **kw))
+        segments = torch.cat([qwen(ids[:, t : t + 1], cache=host).logits for t in range(14)], dim=1)
+    assert paged.layers[0].int_lengths() == [11]
+    torch.testing.assert_close(via_pages, segments, rtol=1e-4, atol=1e-4)  # float32 reassociation only
 
 
-def test_kernel_transforms_refuse_rope_centered_keys(qwen) -> None:
+def test_kernel_transforms_carry_rope_centered_keys(qwen) -> None:
     from oscar.models.adapters import key_rope
-    from oscar.serve.settings import head_transforms as serve_transforms
     from oscar.throughput import head_transforms
 
     spec, _ = key_rope(qwen, 0, positions=64)
     rots = _rope_rotations(qwen, spec)
-    with pytest.raises(NotImplementedError, match="layer 0: rope-centered keys"):
-        head_transforms(rots)
-    with pytest.raises(NotImplementedError, match="OSCAR KV pool"):
-        serve_transforms(rots[0], torch.device("cpu"))
+    (kt, vt), _ = head_transforms(rots)
+    assert kt.rope_centered and not vt.rope_centered and torch.equal(kt.rope_mu, rots[0].rope_k)
     plain = [LayerRotations(r.r_k, r.r_v, r.mu_k, r.mu_v, r.rho_k, r.rho_v) for r in rots]
-    assert len(head_transforms(plain)) == 2
+    assert not head_transforms(plain)[0][0].rope_centered
