@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     planes, num_splits), run 3 calls."""
     args = {"batch": 8, "context": 32768, "head_dim": 128}
     options = ("block_n", "num_warps", "num_stages", "fast_unpack", "planes", "num_splits", "layout", "mma_warps",
-               "mma_stages", "mma_min_blocks")
+               "mma_stages", "mma_min_blocks", "rope", "rope_blocks")
     kernel: dict = {}
     for a in argv:
         k, _, v = a.partition("=")
@@ -37,6 +37,10 @@ def main(argv: list[str]) -> int:
     opts = dict(DEFAULTS)
     kp, vp, tables, int_len, kt, vt, segs, qs, _ = _int2_inputs(args["batch"], args["context"], 32, 8,
                                                                 args["head_dim"], opts, 1)
+    if kernel.pop("rope", 0):  # rope-centered keys (the mma layout's kernel)
+        d = args["head_dim"]
+        kernel.update(rope_mu=0.5 * torch.randn(8, d, device="cuda"), rope_pos0=opts["sink"],
+                      rope_freq=1.0 / 1e6 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     for _ in range(3):
         paged_decode_attention(qs[0], kp.codes, kp.scale, kp.zero, vp.codes, vp.scale, vp.zero, tables[0], int_len,
                                bits=kp.bits, group_size=kp.group_size, R_K=kt.R, mu_K=kt.mu, R_V=vt.R, mu_V=vt.mu,

@@ -201,22 +201,22 @@ def test_kernel_rope_fragments_give_the_rope_term(d, rotary, rt, start):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the mma decode kernel needs a CUDA device")
 @pytest.mark.parametrize("d,rotary,rope_blocks,pos0", [(128, 128, 8, (64, 64)), (128, 64, 16, (100, 70001)),
                                                        (64, 64, 4, (0, 5)), (128, 128, 32, (64, 131000))])
-def test_cuda_mma_kernel_adds_the_rope_term(d, rotary, rope_blocks, pos0):
+def test_cuda_mma_kernel_adds_the_rope_term(d, rotary, rope_blocks, pos0, dev="cuda"):
     gen = torch.Generator().manual_seed(d + rope_blocks)
     hkv, H = 4, 16
-    kt, vt = _transforms(hkv, d, _spec(d, rotary, 1.05), gen, "cuda")
+    kt, vt = _transforms(hkv, d, _spec(d, rotary, 1.05), gen, dev)
     pool, mma = _filled_pools(d, hkv, 64, ["rows", "mma"], kt, vt, [(700, 300), (1, 2200), (333, 17)], pos0, gen,
-                              device="cuda")
+                              device=dev)
     kp, vp = mma.k[0], mma.v[0]
     B = 2
-    seg = dict(sink_k=torch.randn(B, hkv, 64, d, generator=gen).to("cuda", torch.bfloat16),
-               sink_v=torch.randn(B, hkv, 64, d, generator=gen).to("cuda", torch.bfloat16),
-               sink_len=torch.tensor([64, 10], dtype=torch.int32, device="cuda"),
-               recent_k=torch.randn(B, hkv, 256, d, generator=gen).to("cuda", torch.bfloat16),
-               recent_v=torch.randn(B, hkv, 256, d, generator=gen).to("cuda", torch.bfloat16),
-               recent_len=torch.tensor([256, 3], dtype=torch.int32, device="cuda"))
-    q = (2.0 * torch.randn(B, H, d, generator=gen)).to("cuda", torch.bfloat16)
-    pos_t = torch.tensor(pos0, dtype=torch.int32, device="cuda")
+    seg = dict(sink_k=torch.randn(B, hkv, 64, d, generator=gen).to(dev, torch.bfloat16),
+               sink_v=torch.randn(B, hkv, 64, d, generator=gen).to(dev, torch.bfloat16),
+               sink_len=torch.tensor([64, 10], dtype=torch.int32, device=dev),
+               recent_k=torch.randn(B, hkv, 256, d, generator=gen).to(dev, torch.bfloat16),
+               recent_v=torch.randn(B, hkv, 256, d, generator=gen).to(dev, torch.bfloat16),
+               recent_len=torch.tensor([256, 3], dtype=torch.int32, device=dev))
+    q = (2.0 * torch.randn(B, H, d, generator=gen)).to(dev, torch.bfloat16)
+    pos_t = torch.tensor(pos0, dtype=torch.int32, device=dev)
     pt, il = pool.page_table[:B], pool.int_len[:B]
     for b in range(B):
         assert torch.equal(gather_dequantize(pool.k[0], pt, b, pool.length(b)), gather_dequantize(kp, pt, b, pool.length(b)))
