@@ -28,7 +28,10 @@ SHAPES = {
     "small": [(128, 1, 4096), (128, 8, 4096), (64, 1, 4096), (64, 8, 4096), (64, 1, 32768), (128, 1, 32768)],
 }
 VARIANTS = [{"layout": "mma"}, {"layout": "mma", "rope": True, "rope_blocks": 8},
-            {"layout": "mma", "rope": True, "rope_blocks": 16}]
+            {"layout": "mma", "rope": True, "rope_blocks": 16}, {"layout": "mma", "mma_carveout": 44},
+            {"layout": "mma", "rope": True, "rope_blocks": 8, "mma_carveout": 44},
+            {"layout": "mma", "rope": True, "rope_blocks": 16, "mma_carveout": 44}]
+INT4_VARIANTS = [{"layout": "mma"}, {}]  # INT4 in the fragment-order layout; INT4 rows (v8 Triton)
 
 
 def _write(path: Path, text: str) -> None:
@@ -66,6 +69,8 @@ def main(argv: list[str]) -> int:
     for d in (128, 64):
         for rope in (False, True):
             env[f"rel_err_vs_twin_d{d}{'_rope' if rope else ''}"] = check_against_twin(d, opts, rope=rope)
+        env[f"rel_err_vs_twin_d{d}_int4"] = check_against_twin(d, {**opts, "bits": 4})
+    opts4 = {**opts, "bits": 4}
     _write(out / "decode_v10_env.json", json.dumps(env, indent=2) + "\n")
     print(json.dumps(env), flush=True)
     H, hkv = opts["q_heads"], opts["kv_heads"]
@@ -78,8 +83,9 @@ def main(argv: list[str]) -> int:
         ok = [sd[k]["us"] for k in sd if sd[k].get("status") == "ok"]
         bf = min(ok) if ok else float("nan")
         res = bench_int2(B, T, H, hkv, d, opts, l2, variants)
+        res4 = bench_int2(B, T, H, hkv, d, opts4, l2, INT4_VARIANTS) if kv.get("int4", "true") == "true" else []
         line = []
-        for v, r in zip(variants, res):
+        for v, r in zip(variants + [{**x, "bits": 4} for x in INT4_VARIANTS[:len(res4)]], res + res4):
             rows.append({"head_dim": d, "batch": B, "context": T, "variant": json.dumps(v, sort_keys=True),
                          "us": r["us"], "status": r["status"], "bytes": r["bytes"], "cudnn_us": sd["cudnn"]["us"],
                          "flash_us": sd["flash"]["us"], "bf16_best_us": bf, "copy_tb_s": bw / 1e12,
@@ -92,7 +98,8 @@ def main(argv: list[str]) -> int:
         print(f"d={d} B={B} T={T} cudnn={sd['cudnn']['us']:.1f} flash={sd['flash']['us']:.1f} "
               f"variants={' / '.join(line)} ({time.time() - t0:.0f} s)", flush=True)
         _write_csv(out / f"decode_v10_{which}.csv", rows)
-    names = [json.dumps(v, sort_keys=True) for v in variants]
+    names = [json.dumps(v, sort_keys=True) for v in variants + [{**x, "bits": 4} for x in INT4_VARIANTS]]
+    names = [n for n in names if any(r["variant"] == n for r in rows)]
     print("| d | batch | context | cuDNN | flash | " + " | ".join(f"v{i}" for i in range(len(variants)))
           + " | v0 x best BF16 | rope (v1) / v0 |")
     for i, v in enumerate(names):

@@ -964,7 +964,7 @@ def paged_decode_attention(
     maxnreg: Optional[int] = None,
     layout: str = "rows", mma_warps: int = 8, mma_stages: Optional[int] = None, mma_min_blocks: int = 2,
     rope_mu: Optional[torch.Tensor] = None, rope_freq: Optional[torch.Tensor] = None, rope_scaling: float = 1.0,
-    rope_pos0: Union[int, torch.Tensor, None] = None, rope_blocks: int = 8,
+    rope_pos0: Union[int, torch.Tensor, None] = None, rope_blocks: int = 8, mma_carveout: Optional[int] = None,
 ) -> torch.Tensor:
     """Triton decode attention of one query per sequence; same contract as ``oscar.paged.decode_attention_torch``.
 
@@ -993,7 +993,7 @@ def paged_decode_attention(
     B, H, d = (int(s) for s in q.shape)
     check(layout in ("rows", "mma"), f"layout={layout!r} is not valid; choose 'rows' or 'mma'")
     if layout == "mma":
-        check(bits == 2 and group_size == d, f"layout='mma' needs INT2 with one group per row, got bits={bits}, "
+        check(bits in (2, 4) and group_size == d, f"layout='mma' needs INT2/INT4 with one group per row, got bits={bits}, "
               f"group_size={group_size}, d={d}")
         from .decode_mma import paged_decode_attention_mma
 
@@ -1002,7 +1002,7 @@ def paged_decode_attention(
             mu_V=mu_V, sink_k=sink_k, sink_v=sink_v, sink_len=sink_len, recent_k=recent_k, recent_v=recent_v,
             recent_len=recent_len, sm_scale=sm_scale, output_frame=output_frame, num_splits=num_splits,
             num_warps=mma_warps, stages=mma_stages, min_blocks=mma_min_blocks, rope_mu=rope_mu, rope_freq=rope_freq,
-            rope_scaling=rope_scaling, rope_pos0=rope_pos0, rope_blocks=rope_blocks)
+            rope_scaling=rope_scaling, rope_pos0=rope_pos0, rope_blocks=rope_blocks, bits=bits, carveout=mma_carveout)
     check(rope_mu is None, "rope-centered keys (rope_mu) are read by the mma-layout kernel only (layout='mma')")
     check(bits in (2, 4), f"bits={bits} is not supported; valid values are 2 and 4")
     npages, hkv, page_size, nbytes = (int(s) for s in k_codes.shape)

@@ -1,4 +1,4 @@
-// Paged INT2 decode attention over pages in tensor-core fragment order (oscar.quant "mma_k"/"mma_v"),
+// Paged INT2/INT4 decode attention over pages in tensor-core fragment order (oscar.quant "mma_k"/"mma_v"),
 // one launch per layer step: split-K CTAs over the quantized tokens, CTAs for the BF16 sink and recent
 // windows, and the log-sum-exp merge (with the change of frame) done by the last CTA of each
 // (sequence, KV head). Compiled at first use by NVRTC (oscar.kernels.decode_mma); no headers needed.
@@ -31,6 +31,17 @@ __device__ __forceinline__ u32 slot(u32 w) {
   return (I < 5 ? w : (w >> 10)) & ((3u << (2 * J)) * 0x10001u);
 }
 __device__ __forceinline__ float pow4neg(int j) { return __int_as_float((127 - 2 * j) << 23); }  // 4^-j
+// INT4: 4-bit slot I of a word (nibble I%2 of the low (I < 2) or high (I >= 2) byte of each half) as two fp16
+// subnormals c * 16^(I%2) * 2^-24.
+template <int I>
+__device__ __forceinline__ u32 slot4(u32 w) {
+  return (I < 2 ? w : (w >> 8)) & ((0xfu << (4 * (I & 1))) * 0x10001u);
+}
+// Factor 2^-24-free of the slot that feeds k-chunk j, half h (keys) or output rows 16j + 8h (values): 4^-J, 16^-h.
+template <int BITS>
+__device__ __forceinline__ float slot_factor(int j, int h) {
+  return BITS == 2 ? pow4neg(slot_j(2 * (j % 4) + h)) : (h ? 0.0625f : 1.f);
+}
 
 __device__ __forceinline__ void mma_f16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -190,39 +201,45 @@ __device__ __forceinline__ void softmax_update(State<D>& st, const float (&lg)[4
 
 // Raw bytes of one quantized block for one lane: codes of tokens g, g+8 (K) and token pairs 2t, 2t+1 / +8 (V),
 // scale/zero of tokens g and g+8.
-template <int D>
+template <int D, int BITS>
 struct Raw {
-  u32 k[D / 32], v[D / 32];
+  u32 k[D * BITS / 64], v[D * BITS / 64];
   u32 ks[2], kz[2], vs[2], vz[2];
 };
 
 // A warp's ring stage for one block: K codes, V codes (16 * D/4 bytes each, lane L's at L * D/8), then the
 // block's 16 bf16 K scales, K zeros, V scales, V zeros.
-template <int D>
+template <int D, int BITS>
 struct Stage {
-  static constexpr int CB = 16 * D / 4;
+  static constexpr int CB = 16 * D * BITS / 8;
   static constexpr int BYTES = 2 * CB + 128;
 };
 
-template <int D>
+template <int D, int BITS>
 __device__ __forceinline__ void issue_block(unsigned char* st, const Params& P, int page, int kvh, int off, int lane) {
-  constexpr int CB = Stage<D>::CB, LB = D / 8;
-  const long long cbase = (long long)page * P.cs_p + (long long)kvh * P.cs_h + (long long)off * (D / 4) + lane * LB;
-  cp_async<LB>(st + lane * LB, P.kc + cbase);
-  cp_async<LB>(st + CB + lane * LB, P.vc + cbase);
+  constexpr int CB = Stage<D, BITS>::CB, LB = D * BITS / 16, LC = LB > 16 ? 16 : LB;
+  const long long cbase = (long long)page * P.cs_p + (long long)kvh * P.cs_h + (long long)off * (D * BITS / 8) + lane * LB;
+#pragma unroll
+  for (int c = 0; c < LB / LC; ++c) {
+    cp_async<LC>(st + lane * LB + c * LC, P.kc + cbase + c * LC);
+    cp_async<LC>(st + CB + lane * LB + c * LC, P.vc + cbase + c * LC);
+  }
   const int a = lane >> 3;  // 4 bytes (2 tokens) of one of the four scale/zero arrays per lane
   const u16* src = a == 0 ? P.ks : a == 1 ? P.kz : a == 2 ? P.vs : P.vz;
   cp_async<4>(st + 2 * CB + 4 * lane, src + (long long)page * P.ss_p + (long long)kvh * P.ss_h + off + 2 * (lane & 7));
 }
 
-template <int D>
-__device__ __forceinline__ void read_block(Raw<D>& raw, const unsigned char* st, int lane) {
-  constexpr int CB = Stage<D>::CB, LB = D / 8;
-  if (D == 128) {
-    const uint4 kk = *reinterpret_cast<const uint4*>(st + lane * LB);
-    const uint4 vv = *reinterpret_cast<const uint4*>(st + CB + lane * LB);
-    raw.k[0] = kk.x; raw.k[1] = kk.y; raw.k[2] = kk.z; raw.k[3] = kk.w;
-    raw.v[0] = vv.x; raw.v[1] = vv.y; raw.v[2] = vv.z; raw.v[3] = vv.w;
+template <int D, int BITS>
+__device__ __forceinline__ void read_block(Raw<D, BITS>& raw, const unsigned char* st, int lane) {
+  constexpr int CB = Stage<D, BITS>::CB, LB = D * BITS / 16;
+  if (LB >= 16) {
+#pragma unroll
+    for (int c = 0; c < LB / 16; ++c) {
+      const uint4 kk = *reinterpret_cast<const uint4*>(st + lane * LB + 16 * c);
+      const uint4 vv = *reinterpret_cast<const uint4*>(st + CB + lane * LB + 16 * c);
+      raw.k[4 * c] = kk.x; raw.k[4 * c + 1] = kk.y; raw.k[4 * c + 2] = kk.z; raw.k[4 * c + 3] = kk.w;
+      raw.v[4 * c] = vv.x; raw.v[4 * c + 1] = vv.y; raw.v[4 * c + 2] = vv.z; raw.v[4 * c + 3] = vv.w;
+    }
   } else {
     const uint2 kk = *reinterpret_cast<const uint2*>(st + lane * LB);
     const uint2 vv = *reinterpret_cast<const uint2*>(st + CB + lane * LB);
@@ -243,11 +260,11 @@ __device__ __forceinline__ void read_block(Raw<D>& raw, const unsigned char* st,
 // qb: the query's B fragments (head g; channels 16j + 2t + {0,1}, + 8) times 4^-J of the slot they meet.
 // qs/qm: sum(q) and q.mu_K of heads 2t, 2t+1, times sc. ksc = sc * 2^24 (the codes' subnormal scale).
 // ub/tab (ROPE): the block's rope-term B fragments and its table rows (rope_frags).
-template <int D, bool ROPE>
-__device__ __forceinline__ void int_block(State<D>& st, const Raw<D>& raw, const u32 (&qb)[D / 16][2], const float (&qs)[2],
+template <int D, int BITS, bool ROPE>
+__device__ __forceinline__ void int_block(State<D>& st, const Raw<D, BITS>& raw, const u32 (&qb)[D / 16][2], const float (&qs)[2],
                                           const float (&qm)[2], float ksc, int tok0, int end, int lane,
                                           const u32 (&ub)[D / 16][2], const uint4* __restrict__ tab) {
-  constexpr int NU = D / 64;
+  constexpr int NU = D * BITS / 128;  // words per token (K) or token pair (V) and lane
   float racc[2][4];
   if (ROPE) {
 #pragma unroll
@@ -268,10 +285,15 @@ __device__ __forceinline__ void int_block(State<D>& st, const Raw<D>& raw, const
 #pragma unroll
   for (int u = 0; u < NU; ++u) {
     const u32 w0 = raw.k[u], w1 = raw.k[NU + u];  // tokens g and g + 8
-    mma_f16(acc[0], slot<0>(w0), slot<0>(w1), slot<1>(w0), slot<1>(w1), qb[4 * u + 0][0], qb[4 * u + 0][1]);
-    mma_f16(acc[1], slot<2>(w0), slot<2>(w1), slot<3>(w0), slot<3>(w1), qb[4 * u + 1][0], qb[4 * u + 1][1]);
-    mma_f16(acc[0], slot<4>(w0), slot<4>(w1), slot<5>(w0), slot<5>(w1), qb[4 * u + 2][0], qb[4 * u + 2][1]);
-    mma_f16(acc[1], slot<6>(w0), slot<6>(w1), slot<7>(w0), slot<7>(w1), qb[4 * u + 3][0], qb[4 * u + 3][1]);
+    if (BITS == 2) {
+      mma_f16(acc[0], slot<0>(w0), slot<0>(w1), slot<1>(w0), slot<1>(w1), qb[4 * u + 0][0], qb[4 * u + 0][1]);
+      mma_f16(acc[1], slot<2>(w0), slot<2>(w1), slot<3>(w0), slot<3>(w1), qb[4 * u + 1][0], qb[4 * u + 1][1]);
+      mma_f16(acc[0], slot<4>(w0), slot<4>(w1), slot<5>(w0), slot<5>(w1), qb[4 * u + 2][0], qb[4 * u + 2][1]);
+      mma_f16(acc[1], slot<6>(w0), slot<6>(w1), slot<7>(w0), slot<7>(w1), qb[4 * u + 3][0], qb[4 * u + 3][1]);
+    } else {
+      mma_f16(acc[0], slot4<0>(w0), slot4<0>(w1), slot4<1>(w0), slot4<1>(w1), qb[2 * u + 0][0], qb[2 * u + 0][1]);
+      mma_f16(acc[1], slot4<2>(w0), slot4<2>(w1), slot4<3>(w0), slot4<3>(w1), qb[2 * u + 1][0], qb[2 * u + 1][1]);
+    }
   }
   const int g = lane >> 2;
   float lg[4], sv[2], zv[2];
@@ -292,10 +314,15 @@ __device__ __forceinline__ void int_block(State<D>& st, const Raw<D>& raw, const
 #pragma unroll
   for (int u = 0; u < NU; ++u) {
     const u32 w0 = raw.v[u], w1 = raw.v[NU + u];  // token pairs (2t, 2t+1) and (2t+8, 2t+9)
-    mma_f16(st.o[4 * u + 0], slot<0>(w0), slot<1>(w0), slot<0>(w1), slot<1>(w1), pb0, pb1);
-    mma_f16(st.o[4 * u + 1], slot<2>(w0), slot<3>(w0), slot<2>(w1), slot<3>(w1), pb0, pb1);
-    mma_f16(st.o[4 * u + 2], slot<4>(w0), slot<5>(w0), slot<4>(w1), slot<5>(w1), pb0, pb1);
-    mma_f16(st.o[4 * u + 3], slot<6>(w0), slot<7>(w0), slot<6>(w1), slot<7>(w1), pb0, pb1);
+    if (BITS == 2) {
+      mma_f16(st.o[4 * u + 0], slot<0>(w0), slot<1>(w0), slot<0>(w1), slot<1>(w1), pb0, pb1);
+      mma_f16(st.o[4 * u + 1], slot<2>(w0), slot<3>(w0), slot<2>(w1), slot<3>(w1), pb0, pb1);
+      mma_f16(st.o[4 * u + 2], slot<4>(w0), slot<5>(w0), slot<4>(w1), slot<5>(w1), pb0, pb1);
+      mma_f16(st.o[4 * u + 3], slot<6>(w0), slot<7>(w0), slot<6>(w1), slot<7>(w1), pb0, pb1);
+    } else {
+      mma_f16(st.o[2 * u + 0], slot4<0>(w0), slot4<1>(w0), slot4<0>(w1), slot4<1>(w1), pb0, pb1);
+      mma_f16(st.o[2 * u + 1], slot4<2>(w0), slot4<3>(w0), slot4<2>(w1), slot4<3>(w1), pb0, pb1);
+    }
   }
 }
 
@@ -415,14 +442,16 @@ __device__ __forceinline__ void rotate_rows(float* x, const uint2* __restrict__ 
 
 // ST: stages of each warp's cp.async ring (ST - 1 blocks in flight while one is computed). RT: blocks of a warp per
 // turn of the rope term's fragments (0: keys not rope-centered).
-template <int D, int REP, int W, int ST, int MINB, int RT>
+// BITS: 2 or 4 (codes per byte 4 or 2). Dynamic shared memory: the rings, then the warps' outputs,
+// max(W * ST * Stage::BYTES, W * REP * D * 4) bytes (the launcher passes it).
+template <int D, int BITS, int REP, int W, int ST, int MINB, int RT>
 __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P) {
   constexpr int NT = W * 32;
-  constexpr int RING = W * ST * Stage<D>::BYTES, OB = W * REP * D * 4;
+  using Stg = Stage<D, BITS>;
   __shared__ float s_q[REP * D];
-  __shared__ __align__(16) unsigned char s_buf[RING > OB ? RING : OB];  // the rings, then the warps' outputs
+  extern __shared__ __align__(16) unsigned char s_buf[];  // the rings, then the warps' outputs
   float* s_o = reinterpret_cast<float*>(s_buf);
-  unsigned char* ring = s_buf + (threadIdx.x >> 5) * ST * Stage<D>::BYTES;
+  unsigned char* ring = s_buf + (threadIdx.x >> 5) * ST * Stg::BYTES;
   __shared__ float s_m[W][2 * REP], s_l[W][2 * REP];
   __shared__ float s_f[REP][SMAX];
   __shared__ float s_u[RT ? REP * (D + 4) : 1];  // rope term: A, B per head (rope_frags)
@@ -452,7 +481,7 @@ __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P)
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {
       if (s < n_w)
-        issue_block<D>(ring + s * Stage<D>::BYTES, P, __shfl_sync(FULL, pv_cur, s), kvh, ((lo + warp + s * W) * 16) & pmask, lane);
+        issue_block<D, BITS>(ring + s * Stg::BYTES, P, __shfl_sync(FULL, pv_cur, s), kvh, ((lo + warp + s * W) * 16) & pmask, lane);
       cp_commit();
     }
   }
@@ -499,8 +528,7 @@ __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P)
       const int ch = 16 * j + 2 * t + 8 * h;
       const float x0 = g < REP ? s_q[g * D + ch] : 0.f, x1 = g < REP ? s_q[g * D + ch + 1] : 0.f;
       if (is_int) {
-        const int J = slot_j(2 * (j % 4) + h);
-        const float f = pow4neg(J);
+        const float f = slot_factor<BITS>(j, h);
         qb[j][h] = pack_f16(x0 * f, x1 * f);
         qsum += (h2f(qb[j][h]) + h2f(qb[j][h] >> 16)) * (1.f / f);
       } else {
@@ -541,15 +569,15 @@ __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P)
       }
       __syncwarp();  // every lane is done with the stage about to be refilled
       if (kn < n_w)
-        issue_block<D>(ring + ws * Stage<D>::BYTES, P, __shfl_sync(FULL, pv_cur, kn & 31), kvh,
+        issue_block<D, BITS>(ring + ws * Stg::BYTES, P, __shfl_sync(FULL, pv_cur, kn & 31), kvh,
                        ((lo + warp + kn * W) * 16) & pmask, lane);
       cp_commit();
       cp_wait<ST - 1>();  // block k has landed
       __syncwarp();
       if (RT && k % (RT ? RT : 1) == 0) rope_frags<D, REP>(ub, s_u, P.rope_w, rpos + (long long)k * W * 16, lane);
-      Raw<D> raw;
-      read_block<D>(raw, ring + rs * Stage<D>::BYTES, lane);
-      int_block<D, (RT > 0)>(st, raw, qb, qs, qm, ksc, (lo + warp + k * W) * 16, len, lane, ub,
+      Raw<D, BITS> raw;
+      read_block<D, BITS>(raw, ring + rs * Stg::BYTES, lane);
+      int_block<D, BITS, (RT > 0)>(st, raw, qb, qs, qm, ksc, (lo + warp + k * W) * 16, len, lane, ub,
                              P.rope_tab + (RT ? (k % (RT ? RT : 1)) * (D / 16) * 32 : 0));
       rs = rs + 1 == ST ? 0 : rs + 1;
       ws = ws + 1 == ST ? 0 : ws + 1;
@@ -588,8 +616,8 @@ __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P)
 #pragma unroll
   for (int m = 0; m < D / 16; ++m) {
     // values: rows 16m + g use slot 2(m%4), rows + 8 slot 2(m%4)+1: factor 2^24 4^-J
-    const float f0 = is_int ? 16777216.f * pow4neg(slot_j(2 * (m % 4))) : 1.f;
-    const float f1 = is_int ? 16777216.f * pow4neg(slot_j(2 * (m % 4) + 1)) : 1.f;
+    const float f0 = is_int ? 16777216.f * slot_factor<BITS>(m, 0) : 1.f;
+    const float f1 = is_int ? 16777216.f * slot_factor<BITS>(m, 1) : 1.f;
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       const int h = 2 * t + k;

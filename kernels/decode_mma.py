@@ -1,4 +1,4 @@
-"""Paged INT2 decode attention on pages in tensor-core fragment order (CUDA, one launch per call).
+"""Paged INT2/INT4 decode attention on pages in tensor-core fragment order (CUDA, one launch per call).
 
 The pages are in the ``mma_k`` / ``mma_v`` layouts that ``oscar.quant`` defines (``mma_token_map``):
 each lane of a warp loads the codes of its ``mma.sync`` operands with one 8- or 16-byte load per 16
@@ -50,19 +50,30 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _COPIES: dict[tuple, tuple] = {}
 
 
-def kernel_name(d: int, rep: int, num_warps: int, stages: int, min_blocks: int, rope_blocks: int = 0) -> str:
-    """The template instance: head_dim, GQA ratio, warps per CTA, stages of each warp's cp.async ring (blocks of
-    16 tokens; stages - 1 in flight), the CTAs per SM the register allocation must allow (``__launch_bounds__``)
-    and, for rope-centered keys, a warp's blocks per turn of the rope term (0: none)."""
-    return f"oscar_decode_mma<{d},{rep},{num_warps},{stages},{min_blocks},{rope_blocks}>"
+def kernel_name(d: int, rep: int, num_warps: int, stages: int, min_blocks: int, rope_blocks: int = 0,
+                bits: int = 2) -> str:
+    """The template instance: head_dim, code bits, GQA ratio, warps per CTA, stages of each warp's cp.async ring
+    (blocks of 16 tokens; stages - 1 in flight), the CTAs per SM the register allocation must allow
+    (``__launch_bounds__``) and, for rope-centered keys, a warp's blocks per turn of the rope term (0: none)."""
+    return f"oscar_decode_mma<{d},{bits},{rep},{num_warps},{stages},{min_blocks},{rope_blocks}>"
 
 
-def shared_bytes(d: int, rep: int, num_warps: int, stages: int, rope: bool = False) -> int:
-    """Static shared memory of a kernel instance (mirrors decode_mma.cu; at most 48 KiB)."""
-    ring = num_warps * stages * (2 * 16 * d // 4 + 128)
-    outs = num_warps * rep * d * 4
+def dynamic_bytes(d: int, rep: int, num_warps: int, stages: int, bits: int = 2) -> int:
+    """Dynamic shared memory of a launch: the warps' cp.async rings, then (aliased) their outputs."""
+    return max(num_warps * stages * (2 * 16 * d * bits // 8 + 128), num_warps * rep * d * 4)
+
+
+def shared_bytes(d: int, rep: int, num_warps: int, stages: int, rope: bool = False, bits: int = 2) -> int:
+    """Shared memory of a CTA, static plus dynamic (mirrors decode_mma.cu)."""
     rope_u = 4 * rep * (d + 4) if rope else 4
-    return 4 * rep * d + max(ring, outs) + 4 * rep * MAX_PARTIALS + 2 * 4 * num_warps * 2 * rep + rope_u + 4
+    static = 4 * rep * d + 4 * rep * MAX_PARTIALS + 2 * 4 * num_warps * 2 * rep + rope_u + 16  # + alignment
+    return static + dynamic_bytes(d, rep, num_warps, stages, bits)
+
+
+def shared_limit(bits: int, min_blocks: int) -> int:
+    """Shared memory a CTA may use: 48 KiB for INT2 (the measured v9 configurations), else what ``min_blocks`` CTAs
+    of an SM may share (228 KiB, 1 KiB reserved per CTA; at most 227 KiB)."""
+    return 48 * 1024 if bits == 2 else min(227 * 1024, 228 * 1024 // max(1, min_blocks) - 1024)
 
 
 def rope_table(inv_freq: torch.Tensor, d: int, num_warps: int, rope_blocks: int) -> torch.Tensor:
@@ -84,14 +95,14 @@ def rope_table(inv_freq: torch.Tensor, d: int, num_warps: int, rope_blocks: int)
 
 
 def _function(d: int, rep: int, num_warps: int, stages: int, min_blocks: int, dev: torch.device,
-              rope_blocks: int = 0) -> ctypes.c_void_p:
-    key = (d, rep, num_warps, stages, min_blocks, rope_blocks, dev)
+              rope_blocks: int = 0, bits: int = 2) -> ctypes.c_void_p:
+    key = (d, rep, num_warps, stages, min_blocks, rope_blocks, bits, dev)
     if key not in _KERNELS:
         try:
             from torch.cuda._utils import _cuda_load_module, _nvrtc_compile
         except ImportError as err:  # pragma: no cover - depends on the torch build
             raise RuntimeError("the mma decode kernel needs torch.cuda._utils (NVRTC), absent in this torch") from err
-        name = kernel_name(d, rep, num_warps, stages, min_blocks, rope_blocks)
+        name = kernel_name(d, rep, num_warps, stages, min_blocks, rope_blocks, bits)
         with torch.cuda.device(dev):
             major, minor = torch.cuda.get_device_capability(dev)
             check(major >= 8, f"the mma decode kernel needs compute capability >= 8.0, got {major}.{minor}")
@@ -100,13 +111,31 @@ def _function(d: int, rep: int, num_warps: int, stages: int, min_blocks: int, de
     return _KERNELS[key]
 
 
-def _launch(func: ctypes.c_void_p, grid: tuple, threads: int, params: Params, dev: torch.device) -> None:
+_ATTRS: dict[tuple, int] = {}
+_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_CARVEOUT = 9  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT (percent of the most shared memory)
+
+
+def _set_attribute(lib, func: ctypes.c_void_p, attr: int, value: int) -> None:
+    key = (ctypes.cast(func, ctypes.c_void_p).value, attr)
+    if _ATTRS.get(key) != value:
+        err = lib.cuFuncSetAttribute(func, attr, value)
+        if err != 0:
+            raise RuntimeError(f"cuFuncSetAttribute({attr}, {value}) of the mma decode kernel failed with CUDA error {err}")
+        _ATTRS[key] = value
+
+
+def _launch(func: ctypes.c_void_p, grid: tuple, threads: int, params: Params, dev: torch.device, dynamic: int = 0,
+            carveout: Optional[int] = None) -> None:
     from torch.cuda._utils import _get_gpu_runtime_library
 
     lib = _get_gpu_runtime_library()
+    _set_attribute(lib, func, _MAX_DYNAMIC_SHARED, dynamic)
+    if carveout is not None:
+        _set_attribute(lib, func, _CARVEOUT, carveout)
     args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
     stream = torch.cuda.current_stream(dev)
-    err = lib.cuLaunchKernel(func, grid[0], grid[1], grid[2], threads, 1, 1, 0,
+    err = lib.cuLaunchKernel(func, grid[0], grid[1], grid[2], threads, 1, 1, dynamic,
                              ctypes.c_void_p(stream.cuda_stream), args, None)
     if err != 0:
         raise RuntimeError(f"cuLaunchKernel of the mma decode kernel failed with CUDA error {err}")
@@ -209,13 +238,16 @@ def paged_decode_attention_mma(
     rope_scaling: float = 1.0,
     rope_pos0: Union[int, torch.Tensor, None] = None,
     rope_blocks: int = 8,
+    bits: int = 2,
+    carveout: Optional[int] = None,
 ) -> torch.Tensor:
-    """Decode attention ``[B, H, d]`` (``q.dtype``) over BF16 sink + INT2 pages in the mma layouts + BF16 recent.
+    """Decode attention ``[B, H, d]`` (``q.dtype``) over BF16 sink + INT2/INT4 pages in the mma layouts + BF16 recent.
 
-    Same arguments and result as ``oscar.kernels.decode_attention.paged_decode_attention`` (INT2, one
+    Same arguments and result as ``oscar.kernels.decode_attention.paged_decode_attention`` (INT2 or INT4, one
     group per row); ``num_splits`` (default ``default_num_splits``), ``num_warps`` (2, 4, 8), ``stages`` (of each
-    warp's cp.async ring, 2-6; default: 4, or the most that fit in 48 KiB of shared memory) and ``min_blocks``
-    (CTAs per SM the registers must allow: 2 caps them at 128 for 8 warps) tune the launch.
+    warp's cp.async ring, 2-6; default: 4, or the most that fit in ``shared_limit``) and ``min_blocks``
+    (CTAs per SM the registers must allow: 2 caps them at 128 for 8 warps) tune the launch; ``carveout`` (percent)
+    asks the driver for that share of the SM's memory as shared memory (the rest is L1; None: the driver's choice).
 
     Rope-centered keys (stored as ``(k - mu - RoPE_p(m)) R_K``): ``rope_mu`` ``[Hkv, d]`` (``m``; zero rows for heads
     that are not centered), ``rope_freq`` (inverse frequencies ``[r/2]`` of the rotate-half RoPE, float64),
@@ -231,7 +263,8 @@ def paged_decode_attention_mma(
           f"codes must be uint8 [P, Hkv, page_size, {d // 4}] for K and V, got {tuple(k_codes.shape)}, "
           f"{tuple(v_codes.shape)}")
     npages, hkv, page_size, nbytes = (int(s) for s in k_codes.shape)
-    check(nbytes == d // 4, f"codes rows must be d/4={d // 4} bytes (INT2), got {nbytes}")
+    check(bits in (2, 4), f"bits={bits} is not supported by the mma layout; valid: 2, 4")
+    check(nbytes == d * bits // 8, f"codes rows must be d*bits/8={d * bits // 8} bytes (INT{bits}), got {nbytes}")
     check(page_size % 16 == 0 and page_size & (page_size - 1) == 0,
           f"page_size={page_size} must be a power of two >= 16 for the mma layout")
     check(H % hkv == 0 and H // hkv in (1, 2, 4, 8),
@@ -241,13 +274,16 @@ def paged_decode_attention_mma(
     check(rope == (rope_freq is not None) and (not rope or rope_pos0 is not None),
           "rope-centered keys need rope_mu, rope_freq and rope_pos0 together")
     check(not rope or rope_blocks in ROPE_BLOCKS, f"rope_blocks={rope_blocks} is not valid; choose one of {ROPE_BLOCKS}")
+    limit = shared_limit(bits, min_blocks)
     if stages is None:
         stages = 4
-        while stages > 2 and shared_bytes(d, rep, num_warps, stages, rope) > 48 * 1024:
+        while stages > 2 and shared_bytes(d, rep, num_warps, stages, rope, bits) > limit:
             stages -= 1
-    check(2 <= stages <= 6 and shared_bytes(d, rep, num_warps, stages, rope) <= 48 * 1024,
-          f"stages={stages} must be in 2-6 and fit 48 KiB of shared memory "
-          f"({shared_bytes(d, rep, num_warps, stages, rope)} bytes at d={d}, GQA {rep}, {num_warps} warps)")
+    check(2 <= stages <= 6 and shared_bytes(d, rep, num_warps, stages, rope, bits) <= limit,
+          f"stages={stages} must be in 2-6 and fit {limit} bytes of shared memory "
+          f"({shared_bytes(d, rep, num_warps, stages, rope, bits)} bytes at d={d}, INT{bits}, GQA {rep}, "
+          f"{num_warps} warps)")
+    check(carveout is None or 0 <= carveout <= 100, f"carveout={carveout} must be a percentage in [0, 100]")
     for name, t in (("k_codes", k_codes), ("v_codes", v_codes)):
         check(t.is_contiguous() and t.device == dev, f"{name} must be contiguous on {dev}")
     for name, t in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
@@ -345,9 +381,10 @@ def paged_decode_attention_mma(
             check(0 <= int(rope_pos0) < 2**30, f"rope_pos0={rope_pos0} must be a position in [0, 2^30)")
             p.rope_pos_add = int(rope_pos0)
         p.rope_scaling, p.rope_half = float(rope_scaling), h
-    _launch(_function(d, rep, num_warps, stages, min_blocks, dev, rt), (s_total, hkv, B), 32 * num_warps, p, dev)
+    _launch(_function(d, rep, num_warps, stages, min_blocks, dev, rt, bits), (s_total, hkv, B), 32 * num_warps, p, dev,
+            dynamic_bytes(d, rep, num_warps, stages, bits), carveout)
     return out if q.dtype == torch.bfloat16 else out.to(q.dtype)
 
 
-__all__ = ["Params", "ROPE_BLOCKS", "default_num_splits", "kernel_name", "mma_b_fragments",
-           "paged_decode_attention_mma", "rope_table", "shared_bytes"]
+__all__ = ["Params", "ROPE_BLOCKS", "default_num_splits", "dynamic_bytes", "kernel_name", "mma_b_fragments",
+           "paged_decode_attention_mma", "rope_table", "shared_bytes", "shared_limit"]

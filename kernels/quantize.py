@@ -233,19 +233,20 @@ def _rotate_quantize_kernel(
 _MMA_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _mma_tables(mma_map: tuple[torch.Tensor, torch.Tensor], d: int,
-                dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(byte_index int32 [16, d/4], channel permutation [d]) of a fragment-order layout given by its token map
-    (``oscar.quant.mma_token_map``: channel order [16, d], byte index [16, d/4]): the permutation puts the
-    channels of token byte k, slot s at planar position k + (d/4) s, so the planar packing of the permuted row
-    is the token's bytes in order."""
+def _mma_tables(mma_map: tuple[torch.Tensor, torch.Tensor], d: int, dev: torch.device,
+                bits: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """(byte_index int32 [16, d*bits/8], channel permutation [d]) of a fragment-order layout given by its token map
+    (``oscar.quant.mma_token_map``: channel order [16, d], byte index [16, d*bits/8]): the permutation puts the
+    channels of token byte k, slot s at planar position k + (d*bits/8) s, so the planar packing of the permuted
+    row is the token's bytes in order."""
     order, byte_index = mma_map
-    key = (id(order), id(byte_index), dev)
+    nb, per = d * bits // 8, 8 // bits
+    key = (id(order), id(byte_index), dev, bits)
     if key not in _MMA_TABLES:
-        check(tuple(order.shape) == (16, d) and tuple(byte_index.shape) == (16, d // 4),
-              f"mma_map must be (channel order [16, {d}], byte index [16, {d // 4}])")
+        check(tuple(order.shape) == (16, d) and tuple(byte_index.shape) == (16, nb),
+              f"mma_map must be (channel order [16, {d}], byte index [16, {nb}])")
         check(bool((order == order[0]).all()), "mma layouts keep one channel order for every token of a block")
-        perm = order[0].reshape(d // 4, 4).t().reshape(d)  # perm[k + (d/4) s] = order[4k + s]
+        perm = order[0].reshape(nb, per).t().reshape(d)  # perm[k + nb s] = order[per k + s]
         _MMA_TABLES[key] = (byte_index.to(device=dev, dtype=torch.int32).contiguous(), perm.to(dev))
     return _MMA_TABLES[key]
 
@@ -300,10 +301,10 @@ def _kernel_args(x, slots, codes, scale, zero, bits, group_size, R, mu, rho, src
         check(tuple(R.shape) == (hkv, d, d), f"R must be [{hkv}, {d}, {d}], got {tuple(R.shape)}")
     bidx = None
     if mma_map is not None:
-        check(bits == 2 and group_size == d and d in (64, 128) and page_size % 16 == 0,
-              f"the mma layouts need INT2, one group per row, d 64/128 and pages of 16k slots; got bits={bits}, "
+        check(bits in (2, 4) and group_size == d and d in (64, 128) and page_size % 16 == 0,
+              f"the mma layouts need INT2/INT4, one group per row, d 64/128 and pages of 16k slots; got bits={bits}, "
               f"group_size={group_size}, d={d}, page_size={page_size}")
-        bidx, perm = _mma_tables(mma_map, d, dev)
+        bidx, perm = _mma_tables(mma_map, d, dev, bits)
         R = _permuted_rotation(R, perm, hkv, d, dev)  # channels come out in the token's byte order
     elif R is not None:
         R = R.to(device=dev, dtype=torch.float32).contiguous()

@@ -312,7 +312,7 @@ def bench_quantize(B: int, d: int, hkv: int, opts: dict[str, Any], l2: int) -> l
 def _mma(opts: dict[str, Any]) -> bool:
     if opts["layout"] not in ("mma", "rows"):
         raise ValueError(f"bench-kernels: layout={opts['layout']!r}; valid: mma, rows")
-    return opts["layout"] == "mma" and opts["bits"] == 2
+    return opts["layout"] == "mma" and opts["bits"] in (2, 4)
 
 
 def check_against_twin(d: int, opts: dict[str, Any], rope: bool = False) -> float:

@@ -156,7 +156,7 @@ class QuantPages:
 
     def block_bytes(self, page: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
         """Flat byte offsets ``[N, d*bits/8]`` within ``codes[page, head]`` of the tokens at ``off`` (mma layouts)."""
-        _, byte_index = quant.mma_token_map(self.head_dim, self.layout)
+        _, byte_index = quant.mma_token_map(self.head_dim, self.layout, self.bits)
         w = self.codes.shape[3]
         tb = off % quant.MMA_BLOCK_TOKENS
         return (off - tb)[:, None] * w + byte_index.to(off.device)[tb]
@@ -193,7 +193,8 @@ def rotate_quantize_pack_torch(x: torch.Tensor, slots: torch.Tensor, pages: Quan
         pages.codes[page[:, None], heads[None, :], off[:, None]] = q.codes
     else:
         codes = quant.unpack_codes(q.codes, pages.bits, pages.group_size)  # [n, hkv, d]
-        packed = quant.pack_codes_mma(codes, (off % quant.MMA_BLOCK_TOKENS)[:, None].expand(n, hkv), pages.layout)
+        packed = quant.pack_codes_mma(codes, (off % quant.MMA_BLOCK_TOKENS)[:, None].expand(n, hkv), pages.layout,
+                                      pages.bits)
         flat = pages.codes.view(pages.codes.shape[0], hkv, -1)
         flat[page[:, None, None], heads[None, :, None], pages.block_bytes(page, off)[:, None, :]] = packed
     pages.scale[page[:, None], heads[None, :], off[:, None]] = q.scale
@@ -238,7 +239,7 @@ def rotate_quantize_pack(x: torch.Tensor, slots: torch.Tensor, pages: QuantPages
 
 
 def _mma_map(pages: QuantPages) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    return None if pages.layout == "rows" else quant.mma_token_map(pages.head_dim, pages.layout)
+    return None if pages.layout == "rows" else quant.mma_token_map(pages.head_dim, pages.layout, pages.bits)
 
 
 def rotate_quantize_pack_kv(xk: torch.Tensor, xv: torch.Tensor, slots: torch.Tensor, k_pages: QuantPages,
@@ -292,7 +293,8 @@ def gather_dequantize(pages: QuantPages, page_table: torch.Tensor, b: int, lengt
         heads = torch.arange(hkv, device=dev)
         packed = flat[page[None, :, None], heads[:, None, None], pages.block_bytes(page, off)[None]]  # [Hkv, n, W]
         tb = (off % quant.MMA_BLOCK_TOKENS)[None].expand(hkv, length)
-        codes = quant.pack_codes(quant.unpack_codes_mma(packed, tb, pages.layout), pages.bits, pages.group_size)
+        codes = quant.pack_codes(quant.unpack_codes_mma(packed, tb, pages.layout, pages.bits), pages.bits,
+                                 pages.group_size)
     q = quant.QuantizedRows(codes=codes, scale=pages.scale[page, :, off].transpose(0, 1),
                             zero=pages.zero[page, :, off].transpose(0, 1), bits=pages.bits,
                             group_size=pages.group_size, d=pages.head_dim)

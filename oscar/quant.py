@@ -303,7 +303,7 @@ def relative_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
-# Page layout in tensor-core fragment order ("mma"), INT2, one group per row, d in (64, 128).
+# Page layout in tensor-core fragment order ("mma"), INT2 or INT4, one group per row, d in (64, 128).
 #
 # A page of a pool in this layout is a sequence of blocks of 16 tokens; a block holds the same
 # bytes as 16 packed rows (16 * d/4) but arranged so that lane L = 4r + c of a warp finds every code
@@ -318,15 +318,24 @@ def relative_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
 #   V (output, values^T are the A operand m=channel, k=token): token ``8p + 2c + h``,
 #       channel ``16*(4u + i//2) + 8*(i%2) + r``.
 # Scale and zero stay per token in their own tensors (unchanged).
+#
+# INT4 (same operands, twice the bytes): lane L's d/4 bytes at ``L*d/4``; word u (0 .. d/32-1), half h, slot
+# i (0..3, 4 bits each: i < 2 in the low byte, i >= 2 in the high byte, so slots 2-3 need one shift per word and
+# every slot stays a subnormal c * 16^(i%2) * 2^-24), byte ``L*d/4 + p*d/8 + 4u + 2h + i//2``, bits ``4*(i%2)``:
+#   K: token ``8p + r``, channel ``16*(2u + i//2) + 8*(i%2) + 2c + h``;
+#   V: token ``8p + 2c + h``, channel ``16*(2u + i//2) + 8*(i%2) + r``.
 
 MMA_BLOCK_TOKENS = 16
 LAYOUTS = ("rows", "mma_k", "mma_v")
 
 
+MMA_BITS = (2, 4)
+
+
 def check_mma_layout(bits: int, group_size: int, d: int, page_size: int | None = None) -> None:
-    """Refuse a format the fragment-order layout does not cover (INT2, G = d, d 64/128, pages of 16k)."""
-    if bits != 2:
-        raise ValueError(f"the mma page layout is defined for bits=2, got bits={bits}")
+    """Refuse a format the fragment-order layout does not cover (INT2/INT4, G = d, d 64/128, pages of 16k)."""
+    if bits not in MMA_BITS:
+        raise ValueError(f"the mma page layout is defined for bits in {MMA_BITS}, got bits={bits}")
     if d not in (64, 128):
         raise ValueError(f"the mma page layout needs head_dim d in (64, 128), got d={d}")
     if group_size != d:
@@ -335,68 +344,77 @@ def check_mma_layout(bits: int, group_size: int, d: int, page_size: int | None =
         raise ValueError(f"the mma page layout needs page_size a multiple of {MMA_BLOCK_TOKENS}, got {page_size}")
 
 
-_MMA_MAPS: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+_MMA_MAPS: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def mma_token_map(d: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(channel_order [16, d], byte_index [16, d/4])`` (int64, CPU) of the fragment-order layout.
+def mma_token_map(d: int, layout: str, bits: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(channel_order [16, d], byte_index [16, d*bits/8])`` (int64, CPU) of the fragment-order layout.
 
-    Token ``tb`` of a block owns bytes ``byte_index[tb]`` (offsets in the block's ``16*d/4`` bytes,
-    ascending); byte ``k`` of them holds channels ``channel_order[tb, 4k:4k+4]`` in bits 0-1, 2-3, 4-5, 6-7.
+    Token ``tb`` of a block owns bytes ``byte_index[tb]`` (offsets in the block's ``16*d*bits/8`` bytes,
+    ascending); byte ``k`` of them holds channels ``channel_order[tb, per*k : per*(k+1)]`` (``per = 8/bits``) in
+    bits 0-1, 2-3, 4-5, 6-7 (INT2) or 0-3, 4-7 (INT4).
     """
     if layout not in ("mma_k", "mma_v"):
         raise ValueError(f"layout={layout!r} has no token map; valid: 'mma_k', 'mma_v'")
-    check_mma_layout(2, d, d)
-    key = (d, layout)
+    check_mma_layout(bits, d, d)
+    key = (d, layout, bits)
     if key not in _MMA_MAPS:
-        lane_bytes, part_bytes = d // 8, d // 16
-        pos = torch.empty(MMA_BLOCK_TOKENS, d, dtype=torch.int64)  # 2-bit position in the block
+        per = 8 // bits  # codes per byte
+        slots = 2 * per  # slots of a half word
+        lane_bytes, part_bytes = d * bits // 16, d * bits // 32
+        pos = torch.empty(MMA_BLOCK_TOKENS, d, dtype=torch.int64)  # code position in the block
         for lane in range(32):
             r, c = divmod(lane, 4)
             for p in range(2):
-                for u in range(d // 64):
+                for u in range(d * bits // 128):
                     for h in range(2):
-                        for i in range(8):
-                            byte = lane * lane_bytes + p * part_bytes + 4 * u + 2 * h + i // 4
-                            ch16 = 16 * (4 * u + i // 2) + 8 * (i % 2)
+                        for i in range(slots):
+                            byte = lane * lane_bytes + p * part_bytes + 4 * u + 2 * h + i // per
+                            ch16 = 16 * (per * u + i // 2) + 8 * (i % 2)
                             if layout == "mma_k":
                                 tok, ch = 8 * p + r, ch16 + 2 * c + h
                             else:
                                 tok, ch = 8 * p + 2 * c + h, ch16 + r
-                            pos[tok, ch] = 4 * byte + i % 4
+                            pos[tok, ch] = per * byte + i % per
         order = torch.argsort(pos, dim=1)
-        byte_index = torch.gather(pos, 1, order)[:, ::4] // 4
+        byte_index = torch.gather(pos, 1, order)[:, ::per] // per
         _MMA_MAPS[key] = (order, byte_index.contiguous())
     return _MMA_MAPS[key]
 
 
-def pack_codes_mma(codes: torch.Tensor, token_in_block: torch.Tensor, layout: str) -> torch.Tensor:
+def pack_codes_mma(codes: torch.Tensor, token_in_block: torch.Tensor, layout: str, bits: int = 2) -> torch.Tensor:
     """Codes uint8 ``[..., d]`` of tokens at block positions ``token_in_block`` ``[...]`` -> their
-    ``[..., d/4]`` bytes, byte ``k`` going to ``mma_token_map(d, layout)[1][tb, k]`` of the block."""
+    ``[..., d*bits/8]`` bytes, byte ``k`` going to ``mma_token_map(d, layout, bits)[1][tb, k]`` of the block."""
     if codes.dtype != torch.uint8:
         raise ValueError(f"codes must be uint8, got {codes.dtype}")
-    if codes.numel() and int(codes.max()) >= 4:
-        raise ValueError(f"code value {int(codes.max())} does not fit in 2 bits (valid 0..3)")
-    d = int(codes.shape[-1])
-    order, _ = mma_token_map(d, layout)
+    if codes.numel() and int(codes.max()) >= 2**bits:
+        raise ValueError(f"code value {int(codes.max())} does not fit in {bits} bits (valid 0..{2**bits - 1})")
+    d, per = int(codes.shape[-1]), 8 // bits
+    order, _ = mma_token_map(d, layout, bits)
     idx = order.to(codes.device)[token_in_block.long()]  # [..., d]
-    q = torch.gather(codes, -1, idx.expand(codes.shape)).reshape(*codes.shape[:-1], d // 4, 4)
-    return q[..., 0] | (q[..., 1] << 2) | (q[..., 2] << 4) | (q[..., 3] << 6)
+    q = torch.gather(codes, -1, idx.expand(codes.shape)).reshape(*codes.shape[:-1], d // per, per)
+    out = q[..., 0].clone()
+    for s in range(1, per):
+        out |= q[..., s] << (bits * s)
+    return out
 
 
-def unpack_codes_mma(packed: torch.Tensor, token_in_block: torch.Tensor, layout: str) -> torch.Tensor:
-    """Inverse of ``pack_codes_mma``: a token's ``[..., d/4]`` bytes -> codes uint8 ``[..., d]``."""
+def unpack_codes_mma(packed: torch.Tensor, token_in_block: torch.Tensor, layout: str, bits: int = 2) -> torch.Tensor:
+    """Inverse of ``pack_codes_mma``: a token's ``[..., d*bits/8]`` bytes -> codes uint8 ``[..., d]``."""
     if packed.dtype != torch.uint8:
         raise ValueError(f"packed codes must be uint8, got {packed.dtype}")
-    d = int(packed.shape[-1]) * 4
-    order, _ = mma_token_map(d, layout)
-    slots = torch.stack([(packed >> (2 * s)) & 3 for s in range(4)], dim=-1).reshape(*packed.shape[:-1], d)
+    per = 8 // bits
+    d = int(packed.shape[-1]) * per
+    order, _ = mma_token_map(d, layout, bits)
+    mask = (1 << bits) - 1
+    slots = torch.stack([(packed >> (bits * s)) & mask for s in range(per)], dim=-1).reshape(*packed.shape[:-1], d)
     idx = order.to(packed.device)[token_in_block.long()].expand(slots.shape)
     return torch.empty_like(slots).scatter_(-1, idx, slots)
 
 
 __all__ = [
     "LAYOUTS",
+    "MMA_BITS",
     "MMA_BLOCK_TOKENS",
     "QuantizedRows",
     "SUPPORTED_BITS",

@@ -20,16 +20,19 @@ REL_TOL = 1.5e-2
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="the mma decode kernel needs a CUDA device")
 
 
+@pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("layout", ["mma_k", "mma_v"])
-def test_token_map_is_a_byte_partition_and_round_trips(d, layout):
-    order, byte_index = quant.mma_token_map(d, layout)
-    assert torch.equal(torch.sort(byte_index.flatten()).values, torch.arange(16 * d // 4))  # each byte: one token
+def test_token_map_is_a_byte_partition_and_round_trips(d, layout, bits):
+    order, byte_index = quant.mma_token_map(d, layout, bits)
+    assert torch.equal(torch.sort(byte_index.flatten()).values, torch.arange(16 * d * bits // 8))  # each byte: one token
     assert torch.equal(torch.sort(order, dim=1).values, torch.arange(d).expand(16, d))
     gen = torch.Generator().manual_seed(d)
-    codes = torch.randint(0, 4, (3, 16, d), generator=gen, dtype=torch.uint8)
+    codes = torch.randint(0, 2**bits, (3, 16, d), generator=gen, dtype=torch.uint8)
     tb = torch.arange(16).expand(3, 16)
-    assert torch.equal(quant.unpack_codes_mma(quant.pack_codes_mma(codes, tb, layout), tb, layout), codes)
+    packed = quant.pack_codes_mma(codes, tb, layout, bits)
+    assert packed.shape == (3, 16, d * bits // 8)
+    assert torch.equal(quant.unpack_codes_mma(packed, tb, layout, bits), codes)
 
 
 def test_fragment_positions_match_the_mma_operands():
@@ -49,7 +52,23 @@ def test_fragment_positions_match_the_mma_operands():
         assert int(vorder[tok, 4 * k + i % 4]) == ch
 
 
-@pytest.mark.parametrize("bad", [dict(bits=4, group_size=128, d=128), dict(bits=2, group_size=64, d=128),
+def test_int4_fragment_positions_match_the_mma_operands():
+    """INT4: lane (r, c), part p, word u, half h, slot i (nibble i%2 of byte i//2 of the half)."""
+    d = 128
+    korder, kb = quant.mma_token_map(d, "mma_k", 4)
+    vorder, vb = quant.mma_token_map(d, "mma_v", 4)
+    for lane, p, u, h, i in ((0, 0, 0, 0, 0), (5, 1, 3, 1, 3), (31, 1, 0, 0, 2), (18, 0, 2, 1, 1)):
+        r, c = divmod(lane, 4)
+        byte = lane * d // 4 + p * d // 8 + 4 * u + 2 * h + i // 2
+        tok, ch = 8 * p + r, 16 * (2 * u + i // 2) + 8 * (i % 2) + 2 * c + h  # key: A operand rows = tokens
+        k = int((kb[tok] == byte).nonzero())
+        assert int(korder[tok, 2 * k + i % 2]) == ch
+        tok, ch = 8 * p + 2 * c + h, 16 * (2 * u + i // 2) + 8 * (i % 2) + r  # value^T: A operand rows = channels
+        k = int((vb[tok] == byte).nonzero())
+        assert int(vorder[tok, 2 * k + i % 2]) == ch
+
+
+@pytest.mark.parametrize("bad", [dict(bits=3, group_size=128, d=128), dict(bits=2, group_size=64, d=128),
                                  dict(bits=2, group_size=32, d=32), dict(bits=2, group_size=128, d=128, page_size=8)])
 def test_mma_layout_refuses_formats_it_does_not_cover(bad):
     with pytest.raises(ValueError):
@@ -72,16 +91,16 @@ def test_rotation_b_fragments_hold_the_documented_entries(d):
                        torch.sort(M.half().reshape(2, -1), dim=1).values)
 
 
-def _pools(d, hkv, ps, layout, device="cpu"):
+def _pools(d, hkv, ps, layout, device="cpu", bits=2):
     return PagedKVPool(num_layers=1, num_kv_heads=hkv, head_dim=d, num_pages=12, max_batch=3, max_pages_per_seq=6,
-                       bits=2, group_size=d, page_size=ps, device=device, layout=layout)
+                       bits=bits, group_size=d, page_size=ps, device=device, layout=layout)
 
 
-@pytest.mark.parametrize("d,ps", [(64, 16), (128, 64), (128, 32)])
-def test_mma_pool_stores_the_same_codes_as_the_row_pool(d, ps):
+@pytest.mark.parametrize("d,ps,bits", [(64, 16, 2), (128, 64, 2), (128, 32, 2), (128, 32, 4), (64, 16, 4)])
+def test_mma_pool_stores_the_same_codes_as_the_row_pool(d, ps, bits):
     gen = torch.Generator().manual_seed(7)
     hkv = 2
-    rows, mma = _pools(d, hkv, ps, "rows"), _pools(d, hkv, ps, "mma")
+    rows, mma = _pools(d, hkv, ps, "rows", bits=bits), _pools(d, hkv, ps, "mma", bits=bits)
     R = torch.linalg.qr(torch.randn(hkv, d, d, generator=gen))[0]
     kt = HeadTransform(R=R, mu=0.1 * torch.randn(hkv, d, generator=gen), rho=torch.full((hkv,), 0.95))
     vt = HeadTransform(R=R.flip(1), rho=torch.full((hkv,), 0.9))
@@ -104,14 +123,15 @@ DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("d,rotate,n_rows", [(128, True, 3), (64, False, 40), (128, True, 200)])
-def test_triton_writer_stores_the_mma_layout(device, d, rotate, n_rows):
+@pytest.mark.parametrize("d,rotate,n_rows,bits", [(128, True, 3, 2), (64, False, 40, 2), (128, True, 200, 2),
+                                                 (64, True, 20, 4)])
+def test_triton_writer_stores_the_mma_layout(device, d, rotate, n_rows, bits):
     """The Triton writer in the fragment-order layout stores what it stores in the row layout (same codes):
     bit for bit on the CPU (the interpreter computes each output channel alone), on the GPU up to the float
     sums of the rotation (3xTF32 tiles): at most one code step in < 0.5% of the values."""
     gen = torch.Generator().manual_seed(d + n_rows)
     hkv, ps = 2, 32
-    pools = {lay: _pools(d, hkv, ps, lay, device) for lay in ("rows", "mma")}
+    pools = {lay: _pools(d, hkv, ps, lay, device, bits) for lay in ("rows", "mma")}
     R = torch.linalg.qr(torch.randn(hkv, d, d, generator=gen))[0] if rotate else None
     kt = HeadTransform(R=R, mu=0.1 * torch.randn(hkv, d, generator=gen), rho=torch.full((hkv,), 0.93))
     vt = HeadTransform(R=None if R is None else R.flip(2), rho=torch.full((hkv,), 0.9))
@@ -141,7 +161,7 @@ def test_mma_pages_on_cpu_need_the_torch_backend():
 # ---------------------------------------------------------------------------------------------- CUDA
 
 
-def _case(*, B, H, hkv, d, ps, int_lens, sink_lens, recent_lens, S0, W, seed, rotate=True, mu=True, dev="cuda"):
+def _case(*, B, H, hkv, d, ps, int_lens, sink_lens, recent_lens, S0, W, seed, rotate=True, mu=True, dev="cuda", bits=2):
     """Random codes in pages of both layouts holding the same values, shuffled page tables, windows, transforms."""
     gen = torch.Generator(device=dev).manual_seed(seed)
     max_pages = max(1, max(-(-n // ps) for n in int_lens))
@@ -150,17 +170,18 @@ def _case(*, B, H, hkv, d, ps, int_lens, sink_lens, recent_lens, S0, W, seed, ro
     page_table = perm[: B * max_pages].to(torch.int32).reshape(B, max_pages)
     pages = {}
     for name in ("k", "v"):
-        codes = torch.randint(0, 4, (npages, hkv, ps, d), device=dev, generator=gen, dtype=torch.uint8)
+        codes = torch.randint(0, 2**bits, (npages, hkv, ps, d), device=dev, generator=gen, dtype=torch.uint8)
         scale = (0.02 + 0.1 * torch.rand(npages, hkv, ps, 1, device=dev, generator=gen)).to(torch.bfloat16)
         zero = (-0.15 * torch.rand(npages, hkv, ps, 1, device=dev, generator=gen)).to(torch.bfloat16)
-        rows = QuantPages(quant.pack_codes(codes, 2, d), scale, zero, 2, d)
+        nb = d * bits // 8
+        rows = QuantPages(quant.pack_codes(codes, bits, d), scale, zero, bits, d)
         tb = (torch.arange(ps, device=dev) % 16).expand(npages, hkv, ps)
-        packed = quant.pack_codes_mma(codes, tb, f"mma_{name}")  # [P, Hkv, ps, d/4] bytes of each token
-        blocks = torch.zeros(npages, hkv, ps // 16, 16 * d // 4, dtype=torch.uint8, device=dev)
-        _, byte_index = quant.mma_token_map(d, f"mma_{name}")
-        idx = byte_index.to(dev).expand(npages, hkv, ps // 16, 16, d // 4).reshape(npages, hkv, ps // 16, -1)
+        packed = quant.pack_codes_mma(codes, tb, f"mma_{name}", bits)  # [P, Hkv, ps, nb] bytes of each token
+        blocks = torch.zeros(npages, hkv, ps // 16, 16 * nb, dtype=torch.uint8, device=dev)
+        _, byte_index = quant.mma_token_map(d, f"mma_{name}", bits)
+        idx = byte_index.to(dev).expand(npages, hkv, ps // 16, 16, nb).reshape(npages, hkv, ps // 16, -1)
         blocks.scatter_(-1, idx, packed.reshape(npages, hkv, ps // 16, -1))
-        mma = QuantPages(blocks.reshape(npages, hkv, ps, d // 4), scale, zero, 2, d, f"mma_{name}")
+        mma = QuantPages(blocks.reshape(npages, hkv, ps, nb), scale, zero, bits, d, f"mma_{name}")
         pages[name] = (rows, mma)
 
     def orth():
@@ -196,10 +217,16 @@ CASES = [
     dict(B=2, H=8, hkv=8, d=128, ps=32, int_lens=[300, 16], sink_lens=[1, 2], recent_lens=[5, 0], S0=8, W=40),
     dict(B=2, H=16, hkv=2, d=128, ps=128, int_lens=[0, 777], sink_lens=[3, 0], recent_lens=[0, 9], S0=16, W=16),
     dict(B=1, H=8, hkv=4, d=64, ps=64, int_lens=[3000], sink_lens=[0], recent_lens=[0], S0=0, W=0),
+    dict(B=3, H=32, hkv=8, d=128, ps=64, int_lens=[1000, 37, 4101], sink_lens=[64, 10, 0], recent_lens=[256, 100, 3],
+         S0=64, W=256, bits=4),
+    dict(B=2, H=16, hkv=2, d=64, ps=16, int_lens=[517, 2048], sink_lens=[4, 64], recent_lens=[31, 256], S0=64, W=256,
+         bits=4),
+    dict(B=2, H=16, hkv=2, d=128, ps=128, int_lens=[0, 777], sink_lens=[3, 0], recent_lens=[0, 9], S0=16, W=16,
+         bits=4),
 ]
 
 
-@pytest.mark.parametrize("case", [1, 3])
+@pytest.mark.parametrize("case", [1, 3, 6])
 def test_case_builder_puts_equal_values_in_both_layouts(case):
     spec = dict(CASES[case])
     _, pages, pt, _, _, _, _ = _case(seed=case, dev="cpu", **spec)
@@ -223,7 +250,7 @@ def test_cuda_mma_kernel_matches_twin_and_row_kernel(case, frame):
     out = decode_attention(q, k_mma, v_mma, pt, int_len, kt, vt, output_frame=frame, backend="triton", **seg)
     assert out.dtype == q.dtype and torch.isfinite(out.float()).all()
     assert _rel(out, ref) < REL_TOL
-    if spec["d"] * 2 // 8 >= 16:  # the Triton row-layout kernel on the same codes
+    if spec["d"] * spec.get("bits", 2) // 8 >= 16:  # the Triton row-layout kernel on the same codes
         tri = decode_attention(q, k_rows, v_rows, pt, int_len, kt, vt, output_frame=frame, backend="triton", **seg)
         assert _rel(tri, ref) < REL_TOL
     again = decode_attention(q, k_mma, v_mma, pt, int_len, kt, vt, output_frame=frame, backend="triton", **seg)

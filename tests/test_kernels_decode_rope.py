@@ -67,12 +67,12 @@ def _dense_reference(q, pool, b, kt, vt, pos0, seg, scale):
     return torch.einsum("hrt,htd->hrd", p, V).reshape(q.shape[1], -1)
 
 
-def _filled_pools(d, hkv, ps, layouts, kt, vt, steps, pos0, gen, device="cpu"):
+def _filled_pools(d, hkv, ps, layouts, kt, vt, steps, pos0, gen, device="cpu", bits=2):
     """Pools (one per layout) holding the same rope-centered keys and values, written by the torch writer."""
     most = max(sum(n[0] for n in steps), sum(n[1] for n in steps))
     per_seq = -(-most // ps) + 1
     pools = [PagedKVPool(num_layers=1, num_kv_heads=hkv, head_dim=d, num_pages=2 * per_seq + 3, max_batch=2,
-                         max_pages_per_seq=per_seq, bits=2, group_size=d, page_size=ps, device=device, layout=lay)
+                         max_pages_per_seq=per_seq, bits=bits, group_size=d, page_size=ps, device=device, layout=lay)
              for lay in layouts]
     for n0, n1 in steps:  # tokens land across block and page boundaries
         first = [pools[0].length(0), pools[0].length(1)]
@@ -199,14 +199,15 @@ def test_kernel_rope_fragments_give_the_rope_term(d, rotary, rt, start):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the mma decode kernel needs a CUDA device")
-@pytest.mark.parametrize("d,rotary,rope_blocks,pos0", [(128, 128, 8, (64, 64)), (128, 64, 16, (100, 70001)),
-                                                       (64, 64, 4, (0, 5)), (128, 128, 32, (64, 131000))])
-def test_cuda_mma_kernel_adds_the_rope_term(d, rotary, rope_blocks, pos0, dev="cuda"):
+@pytest.mark.parametrize("d,rotary,rope_blocks,pos0,bits", [(128, 128, 8, (64, 64), 2), (128, 64, 16, (100, 70001), 2),
+                                                            (64, 64, 4, (0, 5), 2), (128, 128, 32, (64, 131000), 2),
+                                                            (128, 128, 8, (64, 64), 4), (64, 32, 16, (3, 9000), 4)])
+def test_cuda_mma_kernel_adds_the_rope_term(d, rotary, rope_blocks, pos0, bits, dev="cuda"):
     gen = torch.Generator().manual_seed(d + rope_blocks)
     hkv, H = 4, 16
     kt, vt = _transforms(hkv, d, _spec(d, rotary, 1.05), gen, dev)
     pool, mma = _filled_pools(d, hkv, 64, ["rows", "mma"], kt, vt, [(700, 300), (1, 2200), (333, 17)], pos0, gen,
-                              device=dev)
+                              device=dev, bits=bits)
     kp, vp = mma.k[0], mma.v[0]
     B = 2
     seg = dict(sink_k=torch.randn(B, hkv, 64, d, generator=gen).to(dev, torch.bfloat16),
