@@ -28,7 +28,8 @@ def model():
     return tp.build_random_model(cfg, device="cpu", dtype=torch.bfloat16, std=0.08)
 
 
-def rotations(center: bool) -> list[LayerRotations]:
+def rotations(center: bool, rope=None) -> list[LayerRotations]:
+    """Per-layer rotations; ``rope`` (an `oscar.rope.RopeSpec`): head 0 of each layer rope-centered as well."""
     g = torch.Generator().manual_seed(0)
     out = []
     for layer in range(LAYERS):
@@ -36,7 +37,12 @@ def rotations(center: bool) -> list[LayerRotations]:
         rv = torch.stack([random_orthogonal(D, seed=100 * layer + h + 50, dtype=torch.float32) for h in range(HKV)])
         mu_k = 0.1 * torch.randn(HKV, D, generator=g) if center else None
         mu_v = 0.1 * torch.randn(HKV, D, generator=g) if center else None
-        out.append(LayerRotations(rk, rv, mu_k, mu_v, torch.full((HKV,), 0.9), torch.full((HKV,), 0.9)))
+        rope_k = None
+        if rope is not None:
+            rope_k = torch.zeros(HKV, D)
+            rope_k[0] = 0.5 * torch.randn(D, generator=g)
+        out.append(LayerRotations(rk, rv, mu_k, mu_v, torch.full((HKV,), 0.9), torch.full((HKV,), 0.9), rope_k,
+                                  rope if rope_k is not None else None))
     return out
 
 
@@ -50,13 +56,21 @@ def prompt(n: int = 30, batch: int = 2) -> torch.Tensor:
     return torch.randint(0, 320, (batch, n), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("bits,center,layout", [(2, True, "rows"), (2, True, "mma"),
-                                                 pytest.param(4, False, "rows", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("bits,center,layout", [(2, True, "rows"), (2, True, "mma"), (2, "rope", "mma"),
+                                                 pytest.param(4, False, "rows", marks=pytest.mark.slow),
+                                                 pytest.param(4, "rope", "mma", marks=pytest.mark.slow)])
 def test_oscar_device_cache_matches_host_cache(model, bits, center, layout):
     """Prompt past sink + recent (quantized prefill rows), then decode steps that demote every step, through
     a shuffled page table: greedy tokens equal, logits within one bf16 step; in the row layout and in the
-    fragment-order (mma) layout of the v9 kernel (torch twins of its writer and attention)."""
-    rots = rotations(center)
+    fragment-order (mma) layout of the v9/v10 kernel (torch twins of its writer and attention); with
+    rope-centered keys (positions of prefill rows and demoted rows, the rope term at int_pos0 = sink)."""
+    rope = None
+    if center == "rope":
+        from oscar.models.adapters import key_rope
+
+        rope, why = key_rope(model, 0, positions=64)
+        assert rope is not None, why
+    rots = rotations(bool(center), rope)
     fmt = oscar_format(rots, bits, layout)
     ids, steps = prompt(40 if layout == "mma" else 24), 8
     ref_tok, ref_lg = tp.reference_decode(model, ids, fmt, steps, rots)
