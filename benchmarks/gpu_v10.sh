@@ -6,7 +6,7 @@
 set -o pipefail
 source "$(dirname "$0")/_gpu_copy.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
-[ -n "${SKIP_TESTS:-}" ] || timeout "${TEST_TIMEOUT:-100}" python3 -m pytest tests/test_kernels_decode_mma.py \
+[ -n "${SKIP_TESTS:-}" ] || timeout "${TEST_TIMEOUT:-180}" python3 -m pytest tests/test_kernels_decode_mma.py \
   tests/test_kernels_decode_rope.py -q -p no:cacheprovider -k "cuda" ${PYTEST_EXTRA:-} 2>&1 \
   | tee "$OUTDIR/pytest_v10.log" | tail -25
 timeout "${BENCH_TIMEOUT:-220}" python3 benchmarks/bench_decode_v10.py "$OUTDIR" "$@" 2>&1 | tee "$OUTDIR/bench_v10.log" | tail -45
