@@ -124,17 +124,17 @@ def test_triton_writers_take_the_offsets_off(device, layout, d):
     kt, vt = _transforms(hkv, d, _spec(d, d), gen, device)
     pools = [PagedKVPool(num_layers=1, num_kv_heads=hkv, head_dim=d, num_pages=8, max_batch=2, max_pages_per_seq=4,
                          bits=2, group_size=d, page_size=ps, device=device, layout=layout) for _ in range(2)]
-    win = (2.0 * torch.randn(20, hkv, 8, d, generator=gen)).to(torch.bfloat16).to(device)
-    src = torch.randint(0, 8, (20,), generator=gen).to(device)
-    pos = (300 + torch.arange(20)).to(device)
+    win = (2.0 * torch.randn(5, hkv, 8, d, generator=gen)).to(torch.bfloat16).to(device)
+    src = torch.randint(0, 8, (5,), generator=gen).to(device)
+    pos = (300 + torch.arange(5)).to(device)
     for pool, backend in zip(pools, ("torch", "triton")):
-        slots = pool.reserve([0, 1], [9, 11])
+        slots = pool.reserve([0, 1], [2, 3])
         pool.demote(0, win, win * 0.5, src, slots, kt, vt, backend=backend, positions=pos)
     for b in (0, 1):
         for a, m in zip(pools[0].read(0, b), pools[1].read(0, b)):
-            assert ((a - m).abs() > 1e-6).float().mean() < 5e-3
+            assert ((a - m).abs() > 1e-6).float().mean() < 5e-3 and bool(a.abs().sum() > 0)
     with pytest.raises(ValueError, match="positions"):
-        pools[1].demote(0, win, win, src, pools[1].reserve([0], [20]), kt, vt, backend="triton")
+        pools[1].demote(0, win, win, src, pools[1].reserve([0], [5]), kt, vt, backend="triton")
 
 
 def _mma(a_frags: torch.Tensor, b_frags: torch.Tensor) -> torch.Tensor:
