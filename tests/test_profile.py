@@ -11,6 +11,7 @@ import torch
 
 from oscar import throughput as tp
 from oscar import throughput_report as report
+from oscar import throughput_run as profile_run
 from oscar.commands import profile
 
 GB = 1e9
@@ -28,7 +29,7 @@ def write_fixture(out):
                            other_us=step - 3000.0 - batch * attn, tokens_per_s=batch / (step * 1e-6))
             row.update(kv_bytes=kv_per_seq * batch, kv_bytes_per_element=0.3 if cache == "oscar" else 2.0)
             grid.append(row)
-    report.write_csv(out / "grid.csv", grid, profile.GRID_KEYS)
+    report.write_csv(out / "grid.csv", grid, profile_run.GRID_KEYS)
     report.write_csv(out / "fit.csv", [{"model": "m", "cache": "bf16", "context": 1000, "max_batch": 2, "budget_gib": 1, "tried": "1 2 4 3"},
                                        {"model": "m", "cache": "oscar", "context": 1000, "max_batch": 16, "budget_gib": 1, "tried": "1"}])
     report.write_csv(out / "job.csv", [
@@ -98,7 +99,7 @@ def tiny_settings():
     from oscar.config import compose
 
     cfg = compose(["experiment=throughput"])
-    return cfg, profile.Settings(cfg, {**profile.FLAGS, "tiny": True})
+    return cfg, profile_run.Settings(cfg, {**profile_run.FLAGS, "tiny": True})
 
 
 def test_points_over_the_budget_are_marked_oom_and_the_fit_search_finds_the_edge(tiny_settings):
@@ -110,16 +111,16 @@ def test_points_over_the_budget_are_marked_oom_and_the_fit_search_finds_the_edge
     from oscar.config import compose
 
     dc.enable(model)
-    fmt = tp.cache_format(compose(["method=oscar"]).method, model)
+    fmt = tp.timed_cache(compose(["method=oscar"]).method, model)
     per_seq = tp.new_device_cache(fmt, model, 1, s.job_context, extra_steps=s.extra_steps, device="cpu").nbytes()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    machine = profile.Machine("cpu", budget=weights + 3.5 * per_seq)
+    machine = profile_run.Machine("cpu", budget=weights + 3.5 * per_seq)
     machine.cpu_bytes = weights
-    row, _ = profile.measure_point(model, fmt, 4, s.job_context, s, machine)
+    row, _ = profile_run.measure_point(model, fmt, 4, s.job_context, s, machine)
     assert row["status"] == "OOM" and machine.cpu_bytes == weights
-    bmax, tried = profile.max_batch(model, fmt, s.job_context, s, machine)
+    bmax, tried = profile_run.max_batch(model, fmt, s.job_context, s, machine)
     assert bmax == 3 and tried[:3] == [1, 2, 4]
-    row, _ = profile.measure_point(model, fmt, 2, s.job_context, s, machine)
+    row, _ = profile_run.measure_point(model, fmt, 2, s.job_context, s, machine)
     assert row["status"] == "ok" and row["step_us"] > 0 and math.isclose(row["kv_bytes"], 2 * per_seq, rel_tol=0.02)  # one spare page per cache, not per sequence
 
 
@@ -152,13 +153,13 @@ def test_tables_name_each_cache_with_its_page_layout(tmp_path):
     for r in grid:
         r["layout"] = "-" if r["cache"] == "bf16" else "mma"
         r["attn_variant"] = "cudnn/rows" if r["cache"] == "bf16" else "v9 CUDA mma kernel, mma pages"
-    report.write_csv(tmp_path / "grid.csv", grid, profile.GRID_KEYS)
+    report.write_csv(tmp_path / "grid.csv", grid, profile_run.GRID_KEYS)
     report.write_report(tmp_path)
     md = (tmp_path / "throughput.md").read_text()
     assert "| m | oscar (mma) | largest batch at 1000" in md and "`oscar (mma)`: v9 CUDA mma kernel, mma pages" in md
     assert "| oscar (mma) | 4 | 1,000 | ok |" in md
     grid[2]["layout"] = "rows"
-    report.write_csv(tmp_path / "grid.csv", grid, profile.GRID_KEYS)
+    report.write_csv(tmp_path / "grid.csv", grid, profile_run.GRID_KEYS)
     with pytest.raises(ValueError, match="two page layouts"):
         report.analyse(tmp_path)
 
@@ -170,9 +171,9 @@ def test_a_second_run_into_a_folder_replaces_only_what_it_measures():
     rows = [{"model": "m", "cache": c, "batch": b, "context": t} for c in ("bf16", "oscar") for b in (1, 8)
             for t in (100, 200)] + [{"model": "n", "cache": "oscar", "batch": 1, "context": 100}]
     remeasured = {("m", "oscar", 8, 100), ("m", "oscar", 8, 200)}
-    kept = profile.keep_rows(rows, "grid", S, remeasured)
+    kept = profile_run.keep_rows(rows, "grid", S, remeasured)
     assert len(kept) == len(rows) - 2 and not any((r["cache"], r["batch"]) == ("oscar", 8) for r in kept)
     fit = [{"model": "m", "cache": "bf16"}, {"model": "m", "cache": "oscar"}, {"model": "n", "cache": "oscar"}]
-    assert profile.keep_rows(fit, "fit", S, remeasured) == [fit[0], fit[2]]
+    assert profile_run.keep_rows(fit, "fit", S, remeasured) == [fit[0], fit[2]]
     S.parts = ["grid"]
-    assert profile.keep_rows(fit, "fit", S, remeasured) == fit  # fit not run: all kept
+    assert profile_run.keep_rows(fit, "fit", S, remeasured) == fit  # fit not run: all kept
