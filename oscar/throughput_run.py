@@ -41,12 +41,13 @@ FLAGS: dict[str, Any] = {
     "layout": "auto",
     "hf_caches": "bf16",
     "points": "",
+    "compile": True,
 }
 PARTS = ("check", "grid", "fit", "job")
 GRID_KEYS = ["model", "cache", "step_path", "layout", "batch", "context", "status", "step_us", "gemm_us", "attention_us",
              "quantize_us", "other_us", "kernel_us", "tokens_per_s", "weight_bytes_read", "kv_bytes", "floor_us",
              "floor_share", "kv_bytes_per_element", "attn_variant", "attn_variants_us", "timing"]
-STEP_PATHS = ("compiled", "hf")
+STEP_PATHS = ("compiled", "fused", "hf")  # fused: the fused step uncompiled (compile=false, the CPU)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -105,6 +106,7 @@ class Settings:
         if self.layout not in ("auto", "rows", "mma"):
             raise ValueError(f"layout={self.layout!r} is not valid; choose auto, rows or mma")
         self.hf_caches = _names(flags["hf_caches"])
+        self.compile = bool(flags["compile"])  # False: the fused step runs uncompiled (eager) on the GPU too
         self.points = [_point(x) for x in _names(flags["points"])]
         self.parts = _names(flags["parts"])
         bad = [x for x in self.parts if x not in PARTS]
@@ -242,7 +244,8 @@ def measure_point(model: Any, fmt: Any, batch: int, context: int, s: Settings, m
     from oscar import throughput as tp
 
     layers, heads, hkv, d = tp.geometry(model)
-    row: dict[str, Any] = {"cache": fmt.name, "step_path": "hf" if forward is None else "compiled", "layout": "-",
+    path = "hf" if forward is None else ("compiled" if forward.compiled else "fused")
+    row: dict[str, Any] = {"cache": fmt.name, "step_path": path, "layout": "-",
                            "batch": batch, "context": context}
     names: dict[str, float] = {}
     cache = runner = None
@@ -379,7 +382,7 @@ def run_check(s: Settings, machine: Machine) -> list[dict[str, Any]]:
         ref_kl = tp.teacher_forced_kl(cpu_model, prompt, ref_tok, ref_lg)
         cpu_s = time.perf_counter() - t0
         dev_model = copy.deepcopy(cpu_model).to(machine.device)  # the same weights (device RNGs differ)
-        fused = FusedDecoder(dev_model, compile=machine.cuda)  # the step every timed point runs
+        fused = FusedDecoder(dev_model, compile=machine.cuda and s.compile)  # the step every timed point runs
         graph = machine.cuda and fmt.transforms is not None
         labels: dict[str, str] = {}  # of the first (default-backend) device run
 
@@ -487,7 +490,7 @@ def timed_runs(s: Settings) -> list[tuple[str, str, str]]:
     """(method, step path, cache name in the grid) of every timed series: each cache through the compiled
     step (named as the method), the caches of ``hf_caches`` also through the transformers forward (named
     ``<method>+hf``, the labelled "HF eager + graph" baseline)."""
-    out = [(m, "compiled", m) for m in s.caches]
+    out = [(m, "compiled" if s.compile else "fused", m) for m in s.caches]
     return out + [(m, "hf", f"{m}+hf") for m in s.caches if m in s.hf_caches]
 
 
@@ -549,7 +552,7 @@ def run(cfg: Any, s: Settings, out: Path) -> None:
         model = tp.build_random_model(tp.architecture_config(family, dims), device=machine.device,
                                       dtype=torch.bfloat16)
         dc.enable(model)
-        fused = FusedDecoder(model, compile=machine.cuda)  # fused QKV / gate-up weights are views: no extra bytes
+        fused = FusedDecoder(model, compile=machine.cuda and s.compile)  # fused weights are views: no extra bytes
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         read_bytes = weight_bytes_read(model)
         machine.cpu_bytes = weight_bytes if not machine.cuda else 0
@@ -570,7 +573,7 @@ def run(cfg: Any, s: Settings, out: Path) -> None:
             for method, path, cname in runs:
                 for b, c in points:
                     row, names = measure_point(model, formats[method], b, c, s, machine,
-                                               forward=fused if path == "compiled" else None)
+                                               forward=None if path == "hf" else fused)
                     row["model"], row["cache"] = name, cname
                     grid.append(row)
                     kernels += [{"model": name, "cache": cname, "batch": b, "context": c, "kernel": k[:200], "us": v,
