@@ -58,7 +58,7 @@ def test_report_numbers_follow_from_the_files(tmp_path):
     assert targets["largest batch at 1000"] is False and targets["quantize + demote < 5% of a step"] is True
     paths = report.write_report(tmp_path)
     md = (tmp_path / "throughput.md").read_text()
-    assert "| bf16 | 4 | 1,000 | OOM |" in md and (tmp_path / "throughput.png").stat().st_size > 0
+    assert "| bf16 | hf | 4 | 1,000 | OOM |" in md and (tmp_path / "throughput.png").stat().st_size > 0
     assert all(p.is_file() for p in paths)
 
 
@@ -157,7 +157,7 @@ def test_tables_name_each_cache_with_its_page_layout(tmp_path):
     report.write_report(tmp_path)
     md = (tmp_path / "throughput.md").read_text()
     assert "| m | oscar (mma) | largest batch at 1000" in md and "`oscar (mma)`: v9 CUDA mma kernel, mma pages" in md
-    assert "| oscar (mma) | 4 | 1,000 | ok |" in md
+    assert "| oscar (mma) | hf | 4 | 1,000 | ok |" in md
     grid[2]["layout"] = "rows"
     report.write_csv(tmp_path / "grid.csv", grid, profile_run.GRID_KEYS)
     with pytest.raises(ValueError, match="two page layouts"):
@@ -177,3 +177,37 @@ def test_a_second_run_into_a_folder_replaces_only_what_it_measures():
     assert profile_run.keep_rows(fit, "fit", S, remeasured) == [fit[0], fit[2]]
     S.parts = ["grid"]
     assert profile_run.keep_rows(fit, "fit", S, remeasured) == fit  # fit not run: all kept
+
+
+def test_byte_floor_counts_the_weights_a_step_reads_and_the_cache_allocation():
+    """Floor = (weights read per step + the cache's allocated bytes) / copy bandwidth: the input embedding table
+    is not read by a step (it gathers B rows) unless the LM head shares it; the share is floor / step."""
+    cfg = dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16, hidden_size=32,
+               intermediate_size=64, vocab_size=100, max_position_embeddings=256)
+    untied = tp.build_random_model(tp.architecture_config("qwen3", {**cfg, "tie_word_embeddings": False}),
+                                   device="cpu", dtype=torch.bfloat16)
+    tied = tp.build_random_model(tp.architecture_config("qwen3", {**cfg, "tie_word_embeddings": True}),
+                                 device="cpu", dtype=torch.bfloat16)
+    total = sum(p.numel() * p.element_size() for p in untied.parameters())
+    assert profile_run.weight_bytes_read(untied) == total - 100 * 32 * 2
+    assert profile_run.weight_bytes_read(tied) == sum(p.numel() * p.element_size() for p in tied.parameters())
+    row = {"kv_bytes": 3 * GB, "step_us": 8000.0}
+    profile_run.byte_floor(row, int(12 * GB), 4e12)
+    assert row["floor_us"] == pytest.approx(15 * GB / 4e12 * 1e6) and row["floor_share"] == pytest.approx(3750 / 8000)
+    oom = {"status": "OOM"}
+    profile_run.byte_floor(oom, int(12 * GB), 4e12)
+    assert "floor_us" not in oom  # nothing allocated, no floor
+
+
+def test_baseline_rows_are_labelled_and_not_compared_as_quantized_caches(tmp_path):
+    """The HF eager + graph rows (cache `<method>+hf`) get their own label and are no quantized cache of the
+    speedup table; the compiled BF16 step is the one the targets measure."""
+    grid = write_fixture(tmp_path)
+    hf = [dict(r, cache="bf16+hf", step_path="hf", step_us=r.get("step_us", 0) * 2 if r["status"] == "ok" else None)
+          for r in grid if r["cache"] == "bf16"]
+    report.write_csv(tmp_path / "grid.csv", grid + hf, profile_run.GRID_KEYS)
+    res = report.analyse(tmp_path)
+    assert {x["cache"] for x in res["speedup"]} == {"oscar"}
+    assert res["labels"][("m", "bf16+hf")] == "bf16 (HF eager + graph)"
+    report.write_report(tmp_path)
+    assert "| bf16 (HF eager + graph) | hf | 1 | 1,000 | ok |" in (tmp_path / "throughput.md").read_text()
