@@ -130,9 +130,10 @@ def test_profile_verb_on_a_tiny_architecture(tmp_path):
     assert profile.main(["tiny=true", f"output_dir={tmp_path}", "tracking.enabled=false"]) == 0
     grid = report.read_csv(tmp_path / "grid.csv")
     points = {(r["cache"], r["batch"], r["context"]) for r in grid}
-    planned = {(c, b, t) for c in ("bf16", "oscar", "saw_int4") for b in (1, 2) for t in (400, 800)}
+    planned = {(c, b, t) for c in ("bf16", "oscar", "saw_int4", "bf16+hf") for b in (1, 2) for t in (400, 800)}
     assert planned <= points and all(t == 800 for _, _, t in points - planned)  # extras: job batches at the job context
     assert all(r["status"] == "ok" and r["step_us"] > 0 for r in grid)
+    assert {r["step_path"] for r in grid} == {"fused", "hf"}  # the CPU runs the fused step uncompiled
     check = report.read_csv(tmp_path / "check.csv")
     # Teacher forced, the paths see the same history; an argmax may still flip where the CPU top-2
     # margin is a near-tie: a flip at margin m needs the two logits to move by m together, so some logit
