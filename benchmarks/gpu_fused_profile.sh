@@ -2,7 +2,7 @@
 # One device call (issue 19): the GPU correctness check and the profile points of the fused, compiled decode
 # step, Qwen3-8B random weights, BF16 (compiled, and HF eager + graph as the second baseline) and OSCAR INT2.
 #   bash benchmarks/gpu_fused_profile.sh            (repo root, on the GPU machine; writes $OUT/throughput)
-# Points: batch 1 at 4k and 100k, batch 8 at 32k and 100k, batch 32 at 100k (BF16 runs out of memory there: the job
+# Points: batch 1 at 4k and 100k, batch 8 at 32k, batch 32 at 100k (BF16 runs out of memory there: the job
 # compares under one memory budget, BF16 at its largest batch), fit searched up to batch 32. If the compiled
 # step fails (a torch.compile problem on this machine), the same points rerun with the fused step uncompiled
 # (compile=false) so the call still returns numbers, labelled `fused` in the column step_path.
@@ -18,7 +18,7 @@ cd "$W" || exit 1
 export PYTHONPATH="$W:$W/_site" PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv
 ARGS=(output_dir="$OUTDIR" tracking.enabled=false models=qwen3-8b caches=bf16,oscar hf_caches=bf16
-      points=1x4096,1x100000,8x32000,8x100000,32x100000 reps=6 experiment.extra.profile.speedup_contexts=[]
+      points=1x4096,1x100000,8x32000,32x100000 reps=8 experiment.extra.profile.speedup_contexts=[]
       experiment.extra.profile.job_batches=[32] experiment.extra.profile.fit_max_batch=32 "$@")
 run() { python3 -m oscar profile "${ARGS[@]}" "$@" 2>&1 | grep -v -E "FutureWarning|return forward_call|warnings.warn"; }
 t0=$(date +%s)

@@ -159,31 +159,9 @@ class DeviceCache(Cache):
         """Tensors a step reads after writing them in the same step's slots (restored after warm-up steps)."""
         return []
 
-    # A step of one layer is: before_write (what must precede the new token's store), write_kv (a
-    # traceable store of the new token, so a compiled step can do it next to the code producing K/V), attend.
-
-    def before_write(self, layer: int) -> None:
-        """Work that must precede the store of the new token of ``layer`` (none by default)."""
-
-    def write_inputs(self, layer: int) -> tuple[torch.Tensor, ...]:
-        """The tensors `write_kv` stores into and indexes with for ``layer`` (after `prepare`)."""
-        raise NotImplementedError
-
-    @staticmethod
-    def write_kv(*args: torch.Tensor) -> None:
-        """Store the new token: ``write_kv(*write_inputs(layer), key, value)``, keys/values ``[B, Hkv, 1, d]``."""
-        raise NotImplementedError
-
-    def attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention output ``[B, H, 1, d]`` of the decode token, its key/value already stored."""
-        raise NotImplementedError
-
     def attend_and_write(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          scale: float) -> torch.Tensor:
-        """The layer's step: `before_write`, `write_kv`, `attend`."""
-        self.before_write(layer)
-        self.write_kv(*self.write_inputs(layer), key, value)
-        return self.attend(layer, query, scale)
+        raise NotImplementedError
 
     def storage(self) -> list[torch.Tensor]:
         """Every tensor that holds cached tokens (for byte accounting)."""
@@ -226,17 +204,12 @@ class StaticBF16Cache(DeviceCache):
         self.k[layer][:, :, :n] = k.to(self.k[layer].dtype)
         self.v[layer][:, :, :n] = v.to(self.v[layer].dtype)
 
-    def write_inputs(self, layer: int) -> tuple[torch.Tensor, ...]:
-        return self.k[layer], self.v[layer], self.pos[:1]  # equal lengths: one write position for the batch
-
-    @staticmethod
-    def write_kv(kc: torch.Tensor, vc: torch.Tensor, idx: torch.Tensor, key: torch.Tensor,  # type: ignore[override]
-                 value: torch.Tensor) -> None:
-        kc[:, :, idx] = key.to(kc.dtype)
-        vc[:, :, idx] = value.to(vc.dtype)
-
-    def attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend_and_write(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         scale: float) -> torch.Tensor:
         kc, vc = self.k[layer], self.v[layer]
+        idx = self.pos[:1]  # equal lengths: one write position for the batch
+        kc.index_copy_(2, idx, key.to(kc.dtype))
+        vc.index_copy_(2, idx, value.to(vc.dtype))
         span = self.seq_len + 1 if self.span is None else self.span
         b, h, _, d = query.shape
         q = query.to(kc.dtype)
@@ -330,9 +303,6 @@ class DeviceOscarCache(DeviceCache):
         self.recent_k = [buf[0, :, :, sink:] for buf in self.bf16]
         self.recent_v = [buf[1, :, :, sink:] for buf in self.bf16]
         self._rows = torch.arange(batch, device=self.device)
-        # index grids of `write_kv`: K/V [2, 1, 1] and KV heads [1, 1, Hkv]
-        self._kv_heads = (torch.arange(2, device=self.device)[:, None, None],
-                          torch.arange(num_kv_heads, device=self.device)[None, None, :])
         self.step: dict[str, torch.Tensor] = {}
 
     def _on_device(self, t: paged.HeadTransform) -> paged.HeadTransform:
@@ -418,32 +388,22 @@ class DeviceOscarCache(DeviceCache):
             "int_len": (r + 1 - W).clamp(min=0).to(torch.int32),
         }
 
-    def before_write(self, layer: int) -> None:
-        """Demote the ring's oldest row (where the ring is full) before the new token takes its slot."""
+    def attend_and_write(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         scale: float) -> torch.Tensor:
         if not self.step:
             raise RuntimeError("DeviceOscarCache.prepare() must run before the forward of each step")
         st = self.step
         kt, vt = self.transforms[layer]
-        paged.rotate_quantize_pack_kv(self.recent_k[layer], self.recent_v[layer], st["demote_slot"], self.k_pages[layer],
-                                      self.v_pages[layer], kt, vt, src_index=st["ring_idx"], backend=self.backend)
-
-    def write_inputs(self, layer: int) -> tuple[torch.Tensor, ...]:
-        kv, heads = self._kv_heads
-        return self.bf16[layer], kv, self._rows[None, :, None], heads, self.step["write_idx"][None, :, None]
-
-    @staticmethod
-    def write_kv(buf: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor,  # type: ignore[override]
-                 idx: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """The new token's K and V into their sink or ring slot of the layer's BF16 buffer: one indexed store
-        on the whole buffer (``buf[kv, b, h, idx[b]]``)."""
-        buf[kv, rows, heads, idx] = torch.stack([key[:, :, 0], value[:, :, 0]]).to(buf.dtype)
-
-    def attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention over the three segments."""
-        st = self.step
-        kt, vt = self.transforms[layer]
         rk, rv = self.recent_k[layer], self.recent_v[layer]
         sk, sv = self.sink_k[layer], self.sink_v[layer]
+        # 1. demote the ring's oldest row (where the ring is full) before the new token takes its slot
+        paged.rotate_quantize_pack_kv(rk, rv, st["demote_slot"], self.k_pages[layer], self.v_pages[layer], kt, vt,
+                                      src_index=st["ring_idx"], backend=self.backend)
+        # 2. write the new token into its sink or ring slot
+        buf = self.bf16[layer]
+        buf[0, self._rows, :, st["write_idx"]] = key[:, :, 0].to(buf.dtype)
+        buf[1, self._rows, :, st["write_idx"]] = value[:, :, 0].to(buf.dtype)
+        # 3. attend over the three segments
         out = paged.decode_attention(
             query[:, :, 0], self.k_pages[layer], self.v_pages[layer], self.page_table, st["int_len"], kt, vt,
             sink_k=sk, sink_v=sv, sink_len=st["sink_len"], recent_k=rk, recent_v=rv, recent_len=st["recent_len"],

@@ -113,14 +113,11 @@ class FusedDecoder:
 
     ``compile``: ``True`` compiles the layer bodies with `torch.compile` (``backend``, default inductor;
     static shapes, one compilation per batch size); ``False`` runs them eagerly (same arithmetic).
-    ``store_in_graph``: store each layer's new K/V inside the compiled piece that computes them (caches
-    with a split layer step; see `__call__`), else through the cache call.
     Calling the decoder runs one step: ``decoder(cache, tokens) -> logits [B, V]`` (the cache's
     ``prepare()`` must have run, as in `oscar.device_cache.decode_step`).
     """
 
-    def __init__(self, model: torch.nn.Module, *, compile: bool = True, backend: str = "inductor",
-                 store_in_graph: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, *, compile: bool = True, backend: str = "inductor") -> None:
         adapter = get_adapter(model)
         if not adapter.fused_step:
             raise UnsupportedModel(f"family {adapter.family!r} has no fused decode step ({adapter.notes}); "
@@ -171,7 +168,6 @@ class FusedDecoder:
         self.embed = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings().weight
         self.compiled = bool(compile)
-        self.store_in_graph = bool(store_in_graph)
         wrap = (lambda f: torch.compile(f, backend=backend, dynamic=False, fullgraph=True)) if compile else (lambda f: f)
         self._first, self._mid, self._last = wrap(self._first_impl), wrap(self._mid_impl), wrap(self._last_impl)
 
@@ -200,23 +196,13 @@ class FusedDecoder:
         gate, up = F.linear(rms_norm(x, ln2, self.eps), wgu, bgu).chunk(2, dim=-1)
         return x + F.linear(self.act(gate) * up, wd, bd)
 
-    def _qkv_store(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: Optional[Callable],
-                   wargs: tuple, w: tuple) -> tuple[torch.Tensor, ...]:
-        """`_qkv`, then with ``write`` the new K/V stored into the cache inside the compiled code (returns q)."""
-        q, k, v = self._qkv(x, *w, cos, sin)
-        if write is None:
-            return q, k, v
-        write(*wargs, k, v)
-        return (q,)
-
-    def _first_impl(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: Optional[Callable],
-                    wargs: tuple, *w: Any) -> tuple[torch.Tensor, ...]:
-        return self._qkv_store(x, cos, sin, write, wargs, w)
+    def _first_impl(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *w: Any) -> tuple[torch.Tensor, ...]:
+        return self._qkv(x, *w, cos, sin)
 
     def _mid_impl(self, x: torch.Tensor, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  write: Optional[Callable], wargs: tuple, *w: Any) -> tuple[torch.Tensor, ...]:
+                  *w: Any) -> tuple[torch.Tensor, ...]:
         x = self._block_out(x, o, *w[:7])
-        return (x, *self._qkv_store(x, cos, sin, write, wargs, w[7:]))
+        return (x, *self._qkv(x, *w[7:], cos, sin))
 
     def _last_impl(self, x: torch.Tensor, o: torch.Tensor, final: torch.Tensor, head: torch.Tensor,
                    *w: Any) -> torch.Tensor:
@@ -226,30 +212,15 @@ class FusedDecoder:
     # -- a step --------------------------------------------------------------------------------
 
     def __call__(self, cache: Any, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, V]`` of one decode step for ``tokens`` ``[B]`` at positions ``cache.pos``.
-
-        With ``store_in_graph`` and a cache that splits its layer step (`DeviceCache.before_write`,
-        ``write_kv``, ``attend``), the new K/V are stored inside the compiled piece that computes them
-        (the cache's ``before_write`` of layer i, the OSCAR demotion, runs just before that piece);
-        otherwise the cache call ``attend_and_write`` stores and attends."""
+        """Logits ``[B, V]`` of one decode step for ``tokens`` ``[B]`` at positions ``cache.pos``."""
         x = self.embed(tokens)  # [B, D]
         cos, sin = self.rotary(x[:, None], cache.pos[:, None])
         layers = self.layers
-        split = self.store_in_graph and hasattr(cache, "write_kv") and hasattr(cache, "attend")
-        write = type(cache).write_kv if split else None
-
-        def store_args(i: int) -> tuple:
-            if not split:
-                return ()
-            cache.before_write(i)
-            return tuple(cache.write_inputs(i))
-
-        out = self._first(x, cos, sin, write, store_args(0), *layers[0].attn_in())
+        q, k, v = self._first(x, cos, sin, *layers[0].attn_in())
         for i, lw in enumerate(layers):
-            o = cache.attend(i, out[0], self.scale) if split else cache.attend_and_write(i, *out, self.scale)
+            o = cache.attend_and_write(i, q, k, v, self.scale)
             if i + 1 < len(layers):
-                x, *out = self._mid(x, o, cos, sin, write, store_args(i + 1), *lw.block_out(),
-                                    *layers[i + 1].attn_in())
+                x, q, k, v = self._mid(x, o, cos, sin, *lw.block_out(), *layers[i + 1].attn_in())
             else:
                 logits = self._last(x, o, self.final_norm, self.lm_head, *lw.block_out())
         return logits
