@@ -168,6 +168,8 @@ class FusedDecoder:
         self.embed = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings().weight
         self.compiled = bool(compile)
+        if compile:
+            _allow_recompiles()
         wrap = (lambda f: torch.compile(f, backend=backend, dynamic=False, fullgraph=True)) if compile else (lambda f: f)
         self._first, self._mid, self._last = wrap(self._first_impl), wrap(self._mid_impl), wrap(self._last_impl)
 
@@ -224,6 +226,22 @@ class FusedDecoder:
             else:
                 logits = self._last(x, o, self.final_norm, self.lm_head, *lw.block_out())
         return logits
+
+
+RECOMPILE_LIMIT = 64
+
+
+def _allow_recompiles() -> None:
+    """Raise dynamo's per-function recompile limit (default 8) to `RECOMPILE_LIMIT`: each compiled piece is
+    one code object shared by every `FusedDecoder`, compiled once per (model, batch size), and a profile
+    run of two models over five batch sizes plus the check passes 8; with ``fullgraph=True`` the limit is a
+    hard failure (seen on the H200 at the ninth graph)."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(int(getattr(dynamo_config, name)), RECOMPILE_LIMIT * 4
+                                             if name.startswith("accumulated") else RECOMPILE_LIMIT))
 
 
 def fused_decoder(model: torch.nn.Module, *, compile: bool = True, backend: str = "inductor") -> Optional[FusedDecoder]:

@@ -134,3 +134,12 @@ def test_a_norm_that_is_not_plain_rmsnorm_is_refused():
             FusedDecoder(model, compile=False)
     finally:
         type(norm).forward = plain
+
+
+def test_compiling_raises_the_recompile_limit_past_one_graph_per_model_and_batch():
+    """Each compiled piece is one code object for every decoder: a profile of two models over five batch sizes
+    and the check compiles it more often than dynamo's default limit of 8, a hard failure under fullgraph."""
+    import torch._dynamo.config as dynamo_config
+
+    FusedDecoder(tiny("qwen3"), compile=True, backend="aot_eager")  # builds the wrappers, compiles nothing yet
+    assert dynamo_config.recompile_limit >= 64
