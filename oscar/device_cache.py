@@ -456,33 +456,38 @@ def sample(logits: torch.Tensor, temperature: float, generator: Optional[torch.G
 
 
 def warm_up(model: torch.nn.Module, cache: DeviceCache, tokens: torch.Tensor, *, temperature: float = 0.0,
-            steps: int = 2) -> None:
+            steps: int = 2, forward: Optional[Any] = None) -> None:
     """Run ``steps`` decode steps without advancing (kernel compilation, allocator), then put back what
     they changed that the next real step reads, so that step computes exactly what it would have
     computed without the warm-up."""
     saved = [t.clone() for t in cache.step_state()]
     with torch.no_grad():
         for _ in range(steps):
-            decode_step(model, cache, tokens, temperature=temperature, advance=False)
+            decode_step(model, cache, tokens, temperature=temperature, advance=False, forward=forward)
     for t, s in zip(cache.step_state(), saved):
         t.copy_(s)
 
 
 def decode_step(model: torch.nn.Module, cache: DeviceCache, tokens: torch.Tensor, *, temperature: float = 0.0,
-                advance: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                advance: bool = True, forward: Optional[Any] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step for every sequence: embeddings, every layer, LM head, sampling.
 
     ``tokens`` ``[B]`` int64 (each sequence's last token, at position ``cache.pos``). Returns
     ``(next_tokens [B], logits [B, V])``. With ``advance=False`` the cache positions stay (the step
-    then rewrites the same slots when repeated: the timing mode).
+    then rewrites the same slots when repeated: the timing mode). ``forward``: a fused step
+    (`oscar.fused_step.FusedDecoder`, ``forward(cache, tokens) -> logits``) in place of the model's
+    transformers forward.
     """
     cache.prepare()
-    params = forward_kwargs(model)
-    kwargs: dict[str, Any] = dict(input_ids=tokens[:, None], position_ids=cache.pos[:, None], use_cache=True)
-    kwargs["cache" if "cache" in params else "past_key_values"] = cache  # transformers >= 5.2x renamed it
-    if "cache_position" in params:
-        kwargs["cache_position"] = cache.pos[:1]
-    logits = model(**kwargs).logits[:, -1]
+    if forward is not None:
+        logits = forward(cache, tokens)
+    else:
+        params = forward_kwargs(model)
+        kwargs: dict[str, Any] = dict(input_ids=tokens[:, None], position_ids=cache.pos[:, None], use_cache=True)
+        kwargs["cache" if "cache" in params else "past_key_values"] = cache  # transformers >= 5.2x renamed it
+        if "cache_position" in params:
+            kwargs["cache_position"] = cache.pos[:1]
+        logits = model(**kwargs).logits[:, -1]
     nxt = sample(logits, temperature)
     if advance:
         cache.advance()
@@ -494,11 +499,12 @@ class GraphedDecoder:
 
     ``replay()`` runs one step reading ``tokens`` and leaves the next tokens in ``tokens`` (and the
     logits in ``logits``). With ``advance=True`` the graph also moves ``cache.pos`` on the device;
-    the host mirror ``cache.seq_len`` is moved by ``replay``.
+    the host mirror ``cache.seq_len`` is moved by ``replay``. ``forward``: the fused step of
+    `decode_step` (compiled code is compiled in the warm-up, before the capture).
     """
 
     def __init__(self, model: torch.nn.Module, cache: DeviceCache, tokens: torch.Tensor, *, temperature: float = 0.0,
-                 advance: bool = True, warmup: int = 2) -> None:
+                 advance: bool = True, warmup: int = 2, forward: Optional[Any] = None) -> None:
         if advance and isinstance(cache, StaticBF16Cache):
             raise ValueError("the static BF16 cache attends a span fixed at capture (timing mode): capture it with "
                              "advance=False, or decode eagerly")
@@ -511,7 +517,8 @@ class GraphedDecoder:
         def capture() -> None:
             torch.cuda.synchronize()
             with torch.cuda.graph(self.graph), torch.no_grad():
-                nxt, logits = decode_step(model, cache, self.tokens, temperature=temperature, advance=advance)
+                nxt, logits = decode_step(model, cache, self.tokens, temperature=temperature, advance=advance,
+                                          forward=forward)
                 self.tokens.copy_(nxt)
                 self.logits = logits
             torch.cuda.synchronize()
@@ -519,7 +526,7 @@ class GraphedDecoder:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # compile kernels, settle the allocator; the state is put back after
-            warm_up(model, cache, self.tokens, temperature=temperature, steps=warmup)
+            warm_up(model, cache, self.tokens, temperature=temperature, steps=warmup, forward=forward)
         torch.cuda.current_stream().wait_stream(stream)
         capture()  # records only: nothing runs, the cache is as the warm-up left it
         if advance:  # capture ran the host part of advance() once: undo it; replays move pos on the device

@@ -102,33 +102,20 @@ def cache_spec(
     fold_values: bool = False,
     backend: str = "torch",
 ) -> CacheSpec:
-    """The cache configuration of a method on a model."""
+    """The cache configuration of a method on a model: its `oscar.cache_format.CacheFormat` (the one
+    translation of a method into a storage format) with this engine's rotations and run-time choices."""
+    from oscar.cache_format import CacheFormat
+
     kind = str(method_cfg.kind)
-    if kind == "bf16":
-        return CacheSpec(kind="bf16", mode=mode)
     if kind not in SUPPORTED_METHOD_KINDS:
         raise MethodNotSupported(
             f"method {method_cfg.name!r} has kind {kind!r}; the embedded engine's cache supports kinds {SUPPORTED_METHOD_KINDS}"
         )
     _, _, _, d = _geometry(model)
-    if kind == "kivi":
-        return CacheSpec(kind="kivi", bits=int(method_cfg.bits), group_size=int(method_cfg.group_size), sink=0, recent=int(method_cfg.recent), mode=mode)
-    if kind == "turboquant":
-        return CacheSpec(kind="turboquant", bits=int(method_cfg.bits), group_size=d, sink=int(method_cfg.sink), recent=int(method_cfg.recent), mode=mode, seed=int(method_cfg.seed))
-    if rotations is None:
+    fmt = CacheFormat.from_method(method_cfg, d)
+    if kind == "rotated" and rotations is None:
         rotations = rotations_in_code(method_cfg, model)
-    return CacheSpec(
-        kind="rotated",
-        bits=int(method_cfg.bits),
-        group_size=effective_group_size(method_cfg, d),
-        sink=int(method_cfg.sink),
-        recent=int(method_cfg.recent),
-        page_size=int(method_cfg.page_size),
-        layers=rotations,
-        fold_values=fold_values,
-        mode=mode,
-        backend=backend,
-    )
+    return fmt.cache_spec(rotations, fold_values=fold_values, mode=mode, backend=backend)
 
 
 class Engine:

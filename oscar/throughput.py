@@ -2,12 +2,13 @@
 timing, a per-step breakdown (GEMM / attention / quantize+demote / other) and the correctness check
 of the device path against the host-driven cache.
 
-Used by `python -m oscar profile` (oscar/commands/profile.py); the functions take plain arguments so
+Used by `python -m oscar profile` (measuring in `oscar.throughput_run`); the functions take plain arguments so
 tests can drive them on the CPU with tiny models.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import torch
 
 from oscar import device_cache as dc
 from oscar import paged
+from oscar.cache_format import CacheFormat
 
 CACHES = ("bf16", "oscar", "saw_int4")
 
@@ -69,18 +71,27 @@ def geometry(model: Any) -> tuple[int, int, int, int]:
 
 
 @dataclass
-class CacheFormat:
-    """What a timed cache is: ``bf16``, or a paged format (bits, group, windows, per-layer transforms)."""
+class TimedCache:
+    """A cache the profile times: its storage format (`oscar.cache_format.CacheFormat`, the value the
+    engine and the SGLang settings use too), the per-layer kernel transforms of a quantized format, the
+    page layout and a note on where the rotations came from."""
 
-    name: str
-    bits: int = 16
-    group_size: int = 128
-    sink: int = 64
-    recent: int = 256
-    page_size: int = 64
+    format: CacheFormat
     transforms: Optional[list[tuple[paged.HeadTransform, paged.HeadTransform]]] = None
     note: str = ""
     layout: str = "auto"  # page layout of a paged format: auto | rows | mma (oscar.device_cache.resolve_layout)
+
+    name = property(lambda self: self.format.name)
+    bits = property(lambda self: self.format.bits)
+    group_size = property(lambda self: self.format.group_size)
+    sink = property(lambda self: self.format.sink)
+    recent = property(lambda self: self.format.recent)
+    page_size = property(lambda self: self.format.page_size)
+
+    def with_windows(self, sink: int, recent: int, page_size: int) -> "TimedCache":
+        """The same cache with other BF16 windows and page size (the tiny correctness check)."""
+        fmt = dataclasses.replace(self.format, sink=sink, recent=recent, page_size=page_size)
+        return TimedCache(fmt, self.transforms, self.note, self.layout)
 
 
 def head_transforms(rotations: Sequence[Any]) -> list[tuple[paged.HeadTransform, paged.HeadTransform]]:
@@ -114,28 +125,24 @@ def timing_rotations(method_cfg: Any, model: Any, seed: int = 0) -> tuple[list[A
     return rots, note
 
 
-def cache_format(method_cfg: Any, model: Any, seed: int = 0) -> CacheFormat:
-    """The `CacheFormat` of a method (``kind`` bf16 or rotated) on ``model``."""
-    from oscar.methods import effective_group_size
-
-    if str(method_cfg.kind) == "bf16":
-        return CacheFormat(name=str(method_cfg.name), note="static BF16 cache, torch SDPA")
-    if str(method_cfg.kind) != "rotated":
+def timed_cache(method_cfg: Any, model: Any, seed: int = 0) -> TimedCache:
+    """The `TimedCache` of a method (``kind`` bf16 or rotated) on ``model``."""
+    fmt = CacheFormat.from_method(method_cfg, geometry(model)[3])
+    if fmt.kind == "bf16":
+        return TimedCache(fmt, note="static BF16 cache, torch SDPA")
+    if fmt.kind != "rotated":
         raise ValueError(f"method {method_cfg.name!r} of kind {method_cfg.kind!r} has no device cache; "
                          "valid kinds: bf16, rotated")
-    _, _, _, d = geometry(model)
     rots, note = timing_rotations(method_cfg, model, seed)
-    return CacheFormat(name=str(method_cfg.name), bits=int(method_cfg.bits), group_size=effective_group_size(method_cfg, d),
-                       sink=int(method_cfg.sink), recent=int(method_cfg.recent), page_size=int(method_cfg.page_size),
-                       transforms=head_transforms(rots), note=note)
+    return TimedCache(fmt, transforms=head_transforms(rots), note=note)
 
 
-def new_device_cache(fmt: CacheFormat, model: Any, batch: int, context: int, *, extra_steps: int, device: Any,
+def new_device_cache(fmt: TimedCache, model: Any, batch: int, context: int, *, extra_steps: int, device: Any,
                      backend: str = "triton", dtype: torch.dtype = torch.bfloat16,
                      shuffle_pages: bool = False) -> dc.DeviceCache:
     """A device cache of ``fmt`` with room for ``context + extra_steps`` tokens per sequence."""
     layers, _, hkv, d = geometry(model)
-    if fmt.name == "bf16" or fmt.transforms is None:
+    if not fmt.format.quantized or fmt.transforms is None:
         return dc.StaticBF16Cache(num_layers=layers, batch=batch, num_kv_heads=hkv, head_dim=d,
                                   capacity=context + extra_steps + 1, dtype=dtype, device=device)
     quant_cap = dc.oscar_quant_capacity(context, fmt.sink, fmt.recent, fmt.page_size, extra_steps)
@@ -158,19 +165,14 @@ def kernel_label(cache: dc.DeviceCache) -> str:
 # correctness: device path against the host-driven cache
 
 
-def reference_decode(model: Any, prompt: torch.Tensor, fmt: CacheFormat, steps: int, rotations: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_decode(model: Any, prompt: torch.Tensor, fmt: TimedCache, steps: int, rotations: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy decode through the host-driven `oscar.cache.OscarCache` (torch backend): tokens ``[B, steps]``
     and the logits of each step ``[B, steps, V]`` (step 0 = the prompt's last position)."""
     from oscar import attention
-    from oscar.cache import CacheSpec, new_cache
+    from oscar.cache import new_cache
 
     attention.enable(model)
-    if fmt.transforms is None:
-        spec = CacheSpec(kind="bf16")
-    else:
-        spec = CacheSpec(kind="rotated", bits=fmt.bits, group_size=fmt.group_size, sink=fmt.sink, recent=fmt.recent,
-                         page_size=fmt.page_size, layers=list(rotations))
-    cache = new_cache(model, spec)
+    cache = new_cache(model, fmt.format.cache_spec(list(rotations) if fmt.transforms is not None else None))
     key = "cache" if "cache" in dc.forward_kwargs(model) else "past_key_values"
     toks, logits = [], []
     with torch.no_grad():
@@ -184,11 +186,12 @@ def reference_decode(model: Any, prompt: torch.Tensor, fmt: CacheFormat, steps: 
 
 
 def device_decode(model: Any, prompt: torch.Tensor, cache: dc.DeviceCache, steps: int, *, graph: bool = False,
-                  forced: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  forced: Optional[torch.Tensor] = None, forward: Optional[Any] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy decode through a device cache (prefill by a plain forward, then `decode_step`, in a CUDA
     graph when ``graph``): tokens ``[B, steps]`` and logits ``[B, steps, V]`` as `reference_decode`.
     ``forced`` ``[B, >= steps - 1]``: feed these tokens instead of the path's own (teacher forcing, so
-    two paths can be compared step by step on the same history)."""
+    two paths can be compared step by step on the same history). ``forward``: the fused step
+    (`oscar.fused_step.FusedDecoder`) in place of the transformers forward."""
     dc.enable(model)
     toks, logits = [], []
     with torch.no_grad():
@@ -199,20 +202,21 @@ def device_decode(model: Any, prompt: torch.Tensor, cache: dc.DeviceCache, steps
         logits.append(lg.float())
         cache.check_room(steps)
         feed = (lambda s, own: own) if forced is None else (lambda s, own: forced[:, s].to(own.device))
-        runner = dc.GraphedDecoder(model, cache, feed(0, tok), advance=True) if graph and steps > 1 else None
+        runner = (dc.GraphedDecoder(model, cache, feed(0, tok), advance=True, forward=forward)
+                  if graph and steps > 1 else None)
         for s in range(steps - 1):
             if runner is not None:
                 runner.tokens.copy_(feed(s, tok))
                 runner.replay()
                 tok, lg = runner.tokens.clone(), runner.logits
             else:
-                tok, lg = dc.decode_step(model, cache, feed(s, tok))
+                tok, lg = dc.decode_step(model, cache, feed(s, tok), forward=forward)
             toks.append(tok)
             logits.append(lg.float().clone())
     return torch.stack(toks, 1), torch.stack(logits, 1)
 
 
-def kernels_against_twins(model: Any, prompt: torch.Tensor, fmt: CacheFormat, device: Any) -> dict[str, float]:
+def kernels_against_twins(model: Any, prompt: torch.Tensor, fmt: TimedCache, device: Any) -> dict[str, float]:
     """Localise a device-path difference: the prompt imported into two caches on ``device``, one through
     the Triton quantize kernel and one through its torch twin, then each layer's decode attention on the
     Triton-written cache by the Triton kernel and by the torch twin (random query of the model's scale).
@@ -346,10 +350,10 @@ def median(xs: Sequence[float]) -> float:
 
 __all__ = [
     "CACHES",
-    "CacheFormat",
+    "TimedCache",
     "architecture_config",
     "build_random_model",
-    "cache_format",
+    "timed_cache",
     "classify_kernel",
     "device_decode",
     "geometry",

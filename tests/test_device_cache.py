@@ -12,6 +12,7 @@ from oscar import device_cache as dc
 from oscar import paged
 from oscar import throughput as tp
 from oscar.cache import LayerRotations
+from oscar.cache_format import CacheFormat
 from oscar.rotation import random_orthogonal
 
 LAYERS, HEADS, HKV, D = 2, 4, 2, 64
@@ -46,10 +47,11 @@ def rotations(center: bool, rope=None) -> list[LayerRotations]:
     return out
 
 
-def oscar_format(rots: list[LayerRotations], bits: int = 2, layout: str = "auto") -> tp.CacheFormat:
+def oscar_format(rots: list[LayerRotations], bits: int = 2, layout: str = "auto") -> tp.TimedCache:
     # the mma layout stores blocks of 16 tokens: its pages hold 16 (two pages still cover the prompt's middle)
-    return tp.CacheFormat(name="oscar", bits=bits, group_size=D, sink=4, recent=8, page_size=16 if layout == "mma" else 4,
-                          transforms=tp.head_transforms(rots), layout=layout)
+    fmt = CacheFormat(name="oscar", kind="rotated", bits=bits, group_size=D, sink=4, recent=8,
+                      page_size=16 if layout == "mma" else 4)
+    return tp.TimedCache(fmt, transforms=tp.head_transforms(rots), layout=layout)
 
 
 def prompt(n: int = 30, batch: int = 2) -> torch.Tensor:
@@ -88,9 +90,9 @@ def test_oscar_device_cache_matches_host_cache(model, bits, center, layout):
 
 def test_static_bf16_cache_matches_host_cache(model):
     ids, steps = prompt(), 8
-    ref_tok, ref_lg = tp.reference_decode(model, ids, tp.CacheFormat(name="bf16"), steps, [])
+    ref_tok, ref_lg = tp.reference_decode(model, ids, tp.TimedCache(CacheFormat(name="bf16")), steps, [])
     for gqa in ("rows", "enable_gqa"):
-        cache = tp.new_device_cache(tp.CacheFormat(name="bf16"), model, 2, ids.shape[1], extra_steps=steps, device="cpu")
+        cache = tp.new_device_cache(tp.TimedCache(CacheFormat(name="bf16")), model, 2, ids.shape[1], extra_steps=steps, device="cpu")
         cache.gqa = gqa
         tok, lg = tp.device_decode(model, ids, cache, steps)
         assert torch.equal(tok, ref_tok)
@@ -223,7 +225,7 @@ def test_mma_and_row_layouts_hold_the_same_cache(model):
     caches = {}
     for layout in ("rows", "mma"):
         fmt = oscar_format(rots, 2, layout)
-        fmt.page_size = 16  # equal page tables in both layouts
+        fmt = fmt.with_windows(fmt.sink, fmt.recent, 16)  # equal page tables in both layouts
         caches[layout] = tp.new_device_cache(fmt, model, 2, ids.shape[1], extra_steps=steps, device="cpu",
                                              backend="torch", shuffle_pages=True)
         tp.device_decode(model, ids, caches[layout], steps)

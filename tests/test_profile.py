@@ -11,6 +11,7 @@ import torch
 
 from oscar import throughput as tp
 from oscar import throughput_report as report
+from oscar import throughput_run as profile_run
 from oscar.commands import profile
 
 GB = 1e9
@@ -28,7 +29,7 @@ def write_fixture(out):
                            other_us=step - 3000.0 - batch * attn, tokens_per_s=batch / (step * 1e-6))
             row.update(kv_bytes=kv_per_seq * batch, kv_bytes_per_element=0.3 if cache == "oscar" else 2.0)
             grid.append(row)
-    report.write_csv(out / "grid.csv", grid, profile.GRID_KEYS)
+    report.write_csv(out / "grid.csv", grid, profile_run.GRID_KEYS)
     report.write_csv(out / "fit.csv", [{"model": "m", "cache": "bf16", "context": 1000, "max_batch": 2, "budget_gib": 1, "tried": "1 2 4 3"},
                                        {"model": "m", "cache": "oscar", "context": 1000, "max_batch": 16, "budget_gib": 1, "tried": "1"}])
     report.write_csv(out / "job.csv", [
@@ -57,7 +58,7 @@ def test_report_numbers_follow_from_the_files(tmp_path):
     assert targets["largest batch at 1000"] is False and targets["quantize + demote < 5% of a step"] is True
     paths = report.write_report(tmp_path)
     md = (tmp_path / "throughput.md").read_text()
-    assert "| bf16 | 4 | 1,000 | OOM |" in md and (tmp_path / "throughput.png").stat().st_size > 0
+    assert "| bf16 | hf | 4 | 1,000 | OOM |" in md and (tmp_path / "throughput.png").stat().st_size > 0
     assert all(p.is_file() for p in paths)
 
 
@@ -98,7 +99,7 @@ def tiny_settings():
     from oscar.config import compose
 
     cfg = compose(["experiment=throughput"])
-    return cfg, profile.Settings(cfg, {**profile.FLAGS, "tiny": True})
+    return cfg, profile_run.Settings(cfg, {**profile_run.FLAGS, "tiny": True})
 
 
 def test_points_over_the_budget_are_marked_oom_and_the_fit_search_finds_the_edge(tiny_settings):
@@ -110,16 +111,16 @@ def test_points_over_the_budget_are_marked_oom_and_the_fit_search_finds_the_edge
     from oscar.config import compose
 
     dc.enable(model)
-    fmt = tp.cache_format(compose(["method=oscar"]).method, model)
+    fmt = tp.timed_cache(compose(["method=oscar"]).method, model)
     per_seq = tp.new_device_cache(fmt, model, 1, s.job_context, extra_steps=s.extra_steps, device="cpu").nbytes()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    machine = profile.Machine("cpu", budget=weights + 3.5 * per_seq)
+    machine = profile_run.Machine("cpu", budget=weights + 3.5 * per_seq)
     machine.cpu_bytes = weights
-    row, _ = profile.measure_point(model, fmt, 4, s.job_context, s, machine)
+    row, _ = profile_run.measure_point(model, fmt, 4, s.job_context, s, machine)
     assert row["status"] == "OOM" and machine.cpu_bytes == weights
-    bmax, tried = profile.max_batch(model, fmt, s.job_context, s, machine)
+    bmax, tried = profile_run.max_batch(model, fmt, s.job_context, s, machine)
     assert bmax == 3 and tried[:3] == [1, 2, 4]
-    row, _ = profile.measure_point(model, fmt, 2, s.job_context, s, machine)
+    row, _ = profile_run.measure_point(model, fmt, 2, s.job_context, s, machine)
     assert row["status"] == "ok" and row["step_us"] > 0 and math.isclose(row["kv_bytes"], 2 * per_seq, rel_tol=0.02)  # one spare page per cache, not per sequence
 
 
@@ -129,9 +130,10 @@ def test_profile_verb_on_a_tiny_architecture(tmp_path):
     assert profile.main(["tiny=true", f"output_dir={tmp_path}", "tracking.enabled=false"]) == 0
     grid = report.read_csv(tmp_path / "grid.csv")
     points = {(r["cache"], r["batch"], r["context"]) for r in grid}
-    planned = {(c, b, t) for c in ("bf16", "oscar", "saw_int4") for b in (1, 2) for t in (400, 800)}
+    planned = {(c, b, t) for c in ("bf16", "oscar", "saw_int4", "bf16+hf") for b in (1, 2) for t in (400, 800)}
     assert planned <= points and all(t == 800 for _, _, t in points - planned)  # extras: job batches at the job context
     assert all(r["status"] == "ok" and r["step_us"] > 0 for r in grid)
+    assert {r["step_path"] for r in grid} == {"fused", "hf"}  # the CPU runs the fused step uncompiled
     check = report.read_csv(tmp_path / "check.csv")
     # Teacher forced, the paths see the same history; an argmax may still flip where the CPU top-2
     # margin is a near-tie: a flip at margin m needs the two logits to move by m together, so some logit
@@ -152,13 +154,13 @@ def test_tables_name_each_cache_with_its_page_layout(tmp_path):
     for r in grid:
         r["layout"] = "-" if r["cache"] == "bf16" else "mma"
         r["attn_variant"] = "cudnn/rows" if r["cache"] == "bf16" else "v9 CUDA mma kernel, mma pages"
-    report.write_csv(tmp_path / "grid.csv", grid, profile.GRID_KEYS)
+    report.write_csv(tmp_path / "grid.csv", grid, profile_run.GRID_KEYS)
     report.write_report(tmp_path)
     md = (tmp_path / "throughput.md").read_text()
     assert "| m | oscar (mma) | largest batch at 1000" in md and "`oscar (mma)`: v9 CUDA mma kernel, mma pages" in md
-    assert "| oscar (mma) | 4 | 1,000 | ok |" in md
+    assert "| oscar (mma) | hf | 4 | 1,000 | ok |" in md
     grid[2]["layout"] = "rows"
-    report.write_csv(tmp_path / "grid.csv", grid, profile.GRID_KEYS)
+    report.write_csv(tmp_path / "grid.csv", grid, profile_run.GRID_KEYS)
     with pytest.raises(ValueError, match="two page layouts"):
         report.analyse(tmp_path)
 
@@ -170,9 +172,43 @@ def test_a_second_run_into_a_folder_replaces_only_what_it_measures():
     rows = [{"model": "m", "cache": c, "batch": b, "context": t} for c in ("bf16", "oscar") for b in (1, 8)
             for t in (100, 200)] + [{"model": "n", "cache": "oscar", "batch": 1, "context": 100}]
     remeasured = {("m", "oscar", 8, 100), ("m", "oscar", 8, 200)}
-    kept = profile.keep_rows(rows, "grid", S, remeasured)
+    kept = profile_run.keep_rows(rows, "grid", S, remeasured)
     assert len(kept) == len(rows) - 2 and not any((r["cache"], r["batch"]) == ("oscar", 8) for r in kept)
     fit = [{"model": "m", "cache": "bf16"}, {"model": "m", "cache": "oscar"}, {"model": "n", "cache": "oscar"}]
-    assert profile.keep_rows(fit, "fit", S, remeasured) == [fit[0], fit[2]]
+    assert profile_run.keep_rows(fit, "fit", S, remeasured) == [fit[0], fit[2]]
     S.parts = ["grid"]
-    assert profile.keep_rows(fit, "fit", S, remeasured) == fit  # fit not run: all kept
+    assert profile_run.keep_rows(fit, "fit", S, remeasured) == fit  # fit not run: all kept
+
+
+def test_byte_floor_counts_the_weights_a_step_reads_and_the_cache_allocation():
+    """Floor = (weights read per step + the cache's allocated bytes) / copy bandwidth: the input embedding table
+    is not read by a step (it gathers B rows) unless the LM head shares it; the share is floor / step."""
+    cfg = dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16, hidden_size=32,
+               intermediate_size=64, vocab_size=100, max_position_embeddings=256)
+    untied = tp.build_random_model(tp.architecture_config("qwen3", {**cfg, "tie_word_embeddings": False}),
+                                   device="cpu", dtype=torch.bfloat16)
+    tied = tp.build_random_model(tp.architecture_config("qwen3", {**cfg, "tie_word_embeddings": True}),
+                                 device="cpu", dtype=torch.bfloat16)
+    total = sum(p.numel() * p.element_size() for p in untied.parameters())
+    assert profile_run.weight_bytes_read(untied) == total - 100 * 32 * 2
+    assert profile_run.weight_bytes_read(tied) == sum(p.numel() * p.element_size() for p in tied.parameters())
+    row = {"kv_bytes": 3 * GB, "step_us": 8000.0}
+    profile_run.byte_floor(row, int(12 * GB), 4e12)
+    assert row["floor_us"] == pytest.approx(15 * GB / 4e12 * 1e6) and row["floor_share"] == pytest.approx(3750 / 8000)
+    oom = {"status": "OOM"}
+    profile_run.byte_floor(oom, int(12 * GB), 4e12)
+    assert "floor_us" not in oom  # nothing allocated, no floor
+
+
+def test_baseline_rows_are_labelled_and_not_compared_as_quantized_caches(tmp_path):
+    """The HF eager + graph rows (cache `<method>+hf`) get their own label and are no quantized cache of the
+    speedup table; the compiled BF16 step is the one the targets measure."""
+    grid = write_fixture(tmp_path)
+    hf = [dict(r, cache="bf16+hf", step_path="hf", step_us=r.get("step_us", 0) * 2 if r["status"] == "ok" else None)
+          for r in grid if r["cache"] == "bf16"]
+    report.write_csv(tmp_path / "grid.csv", grid + hf, profile_run.GRID_KEYS)
+    res = report.analyse(tmp_path)
+    assert {x["cache"] for x in res["speedup"]} == {"oscar"}
+    assert res["labels"][("m", "bf16+hf")] == "bf16 (HF eager + graph)"
+    report.write_report(tmp_path)
+    assert "| bf16 (HF eager + graph) | hf | 1 | 1,000 | ok |" in (tmp_path / "throughput.md").read_text()

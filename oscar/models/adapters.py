@@ -50,6 +50,14 @@ class ModelAdapter:
     qk_norm: bool = False  # per-head RMSNorm on q and k, applied before RoPE
     rope: str = "full"  # full | partial (config.partial_rotary_factor of each head rotated)
     notes: str = ""
+    # the fused decode step (oscar.fused_step): dense MLP with gate/up/down projections, plain RMSNorm
+    fused_step: bool = False
+    mlp_attr: str = "mlp"
+    gate_proj: str = "gate_proj"
+    up_proj: str = "up_proj"
+    down_proj: str = "down_proj"
+    input_norm: str = "input_layernorm"
+    post_norm: str = "post_attention_layernorm"
 
     def layers(self, model: nn.Module) -> nn.ModuleList:
         """The decoder layer list of `model`."""
@@ -75,6 +83,13 @@ class ModelAdapter:
         attn = self.attention(model, layer)
         names = {"q": self.q_proj, "k": self.k_proj, "v": self.v_proj, "o": self.o_proj}
         return {key: getattr(attn, name) for key, name in names.items()}
+
+    def rotary(self, model: nn.Module) -> nn.Module:
+        """The model's rotary embedding module (``cos, sin = rotary(x, position_ids)``)."""
+        rot = _rotary_module(model)
+        if rot is None:
+            raise UnsupportedModel(f"{type(model).__name__} has no rotary_emb module")
+        return rot
 
     def dims(self, model_or_config: object) -> ModelDims:
         """Attention geometry read from the transformers config."""
@@ -150,21 +165,24 @@ def check_supported(model_or_config: object) -> None:
 ADAPTERS: dict[str, ModelAdapter] = {
     adapter.family: adapter
     for adapter in (
-        ModelAdapter(family="llama", model_types=("llama",), notes="SmolLM2, Llama 2/3: no biases, full RoPE"),
-        ModelAdapter(family="qwen2", model_types=("qwen2",), notes="Qwen2/2.5: q/k/v biases, full RoPE"),
-        ModelAdapter(family="qwen3", model_types=("qwen3",), qk_norm=True, notes="Qwen3: per-head q/k RMSNorm before RoPE"),
+        ModelAdapter(family="llama", model_types=("llama",), fused_step=True,
+                     notes="SmolLM2, Llama 2/3: no biases, full RoPE"),
+        ModelAdapter(family="qwen2", model_types=("qwen2",), fused_step=True, notes="Qwen2/2.5: q/k/v biases, full RoPE"),
+        ModelAdapter(family="qwen3", model_types=("qwen3",), qk_norm=True, fused_step=True,
+                     notes="Qwen3: per-head q/k RMSNorm before RoPE"),
         ModelAdapter(
             family="gemma3",
             model_types=("gemma3_text",),
             qk_norm=True,
-            notes="Gemma 3 text: q/k RMSNorm before RoPE, sliding-window layers interleaved with full ones",
+            notes="Gemma 3 text: q/k RMSNorm before RoPE, sliding-window layers interleaved with full ones, "
+                  "(1 + w) RMSNorm and scaled embeddings (no fused decode step)",
         ),
         ModelAdapter(
             family="glm4_moe",
             model_types=("glm4_moe",),
             qk_norm=True,
             rope="partial",
-            notes="GLM-4.5/4.6/4.7: MoE MLP, optional q/k norm, partial rotary",
+            notes="GLM-4.5/4.6/4.7: MoE MLP, optional q/k norm, partial rotary (no fused decode step)",
         ),
     )
 }

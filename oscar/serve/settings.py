@@ -99,6 +99,13 @@ class ServeSettings:
             raise OscarServeError(f"{ENV_BITS}={s.bits} is not supported; valid values are 2 and 4")
         return s
 
+    def cache_format(self, bits: int, group_size: int) -> Any:
+        """The `oscar.cache_format.CacheFormat` this server stores (``bits`` and ``group_size`` resolved from
+        the artifact by `load_rotations`): the same value the embedded engine and the profile use."""
+        from oscar.cache_format import CacheFormat
+
+        return CacheFormat.serving(sink=self.sink, recent=self.recent, bits=bits, group_size=group_size)
+
     def kernel_backend(self, device: Any) -> str:
         """``torch`` or ``triton`` for ``device`` (the setting, else triton on CUDA and torch elsewhere)."""
         if self.kernels is not None:
@@ -180,15 +187,21 @@ def head_transforms(rot: Any, device: Any) -> tuple[Any, Any]:
 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bits: int, group_size: int) -> int:
-    """Pool bytes per token (all layers, K and V): packed codes plus BF16 scale and zero per group."""
-    per_row = head_dim * bits // 8 + 2 * 2 * (head_dim // group_size)
-    return 2 * num_layers * num_kv_heads * per_row
+    """Pool bytes per token (all layers, K and V): packed codes plus BF16 scale and zero per group
+    (`oscar.cache_format.CacheFormat.bytes_per_token`)."""
+    from oscar.cache_format import CacheFormat
+
+    return CacheFormat.serving(sink=0, recent=1, bits=bits, group_size=group_size).bytes_per_token(
+        num_layers, num_kv_heads, head_dim)
 
 
 def window_bytes_per_request(num_layers: int, num_kv_heads: int, head_dim: int, sink: int, recent: int,
                              itemsize: int = 2) -> int:
-    """BF16 sink + recent window bytes of one request slot (all layers, K and V)."""
-    return 2 * num_layers * num_kv_heads * (sink + recent) * head_dim * itemsize
+    """BF16 sink + recent window bytes of one request slot (all layers, K and V)
+    (`oscar.cache_format.CacheFormat.window_bytes`)."""
+    from oscar.cache_format import CacheFormat
+
+    return CacheFormat(name="window", sink=sink, recent=recent).window_bytes(num_layers, num_kv_heads, head_dim, itemsize)
 
 
 __all__ = [
