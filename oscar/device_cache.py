@@ -260,8 +260,8 @@ class DeviceOscarCache(DeviceCache):
     permutation of the pool instead of consecutive pages, for tests of the indirection).
 
     ``layout``: ``"mma"`` stores K/V pages in the fragment-order layouts ``mma_k``/``mma_v`` of `oscar.quant`
-    (demotion through the Triton writer that stores that layout, attention through the v9 CUDA kernel
-    `oscar.kernels.decode_mma`; INT2 with one group per row, head_dim 64/128, pages of 16k tokens);
+    (demotion through the Triton writer that stores that layout, attention through the v9/v10 CUDA kernel
+    `oscar.kernels.decode_mma`; INT2 or INT4 with one group per row, head_dim 64/128, pages of 16k tokens);
     ``"rows"`` the token-row layout (v8 Triton kernel; any format); ``"auto"`` (default) resolves to
     ``"mma"`` on a CUDA device where the format allows it, else ``"rows"`` (`resolve_layout`). The torch
     backend reads and writes both layouts (the twin of either path).

@@ -244,18 +244,19 @@ def test_mma_and_row_layouts_hold_the_same_cache(model):
 
 
 def test_layout_setting_resolves_and_refuses():
-    """auto: mma only on CUDA and where the format allows it; an explicit mma outside INT2 with one group per
-    row (or with pages not of 16k tokens) is refused with the reason; unknown names are refused."""
+    """auto: mma only on CUDA and where the format allows it (INT2 and INT4, one group per row, pages of 16k
+    tokens); an explicit mma outside that is refused with the reason; unknown names are refused."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert dc.resolve_layout("auto", 2, 128, 128, 64, cuda) == "mma"
     assert dc.resolve_layout("auto", 2, 128, 128, 64, cpu) == "rows"
-    assert dc.resolve_layout("auto", 4, 128, 128, 64, cuda) == "rows"  # Saw-INT4 stays on row pages
+    assert dc.resolve_layout("auto", 4, 128, 128, 64, cuda) == "mma"  # Saw-INT4 reads the v10 INT4 mma pages
+    assert dc.resolve_layout("auto", 3, 128, 128, 64, cuda) == "rows"
     assert dc.resolve_layout("auto", 2, 32, 128, 64, cuda) == "rows"
     assert dc.resolve_layout("auto", 2, 128, 128, 8, cuda) == "rows"
     assert dc.resolve_layout("rows", 2, 128, 128, 64, cuda) == "rows"
     assert dc.resolve_layout("mma", 2, 64, 64, 16, cpu) == "mma"
-    with pytest.raises(ValueError, match="bits=2"):
-        dc.resolve_layout("mma", 4, 128, 128, 64, cuda)
+    with pytest.raises(ValueError, match="bits=3"):
+        dc.resolve_layout("mma", 3, 128, 128, 64, cuda)
     with pytest.raises(ValueError, match="one group per row"):
         dc.resolve_layout("mma", 2, 32, 128, 64, cuda)
     with pytest.raises(ValueError, match="layout='planar'"):
