@@ -58,7 +58,8 @@ GRID_KEYS = ["model", "cache", "layout", "batch", "context", "status", "step_us"
 # files
 
 
-from oscar.throughput_report import read_csv, write_atomic, write_csv  # noqa: E402
+from oscar.files import atomic_write_csv as write_csv, atomic_write_text  # noqa: E402
+from oscar.throughput_report import read_csv  # noqa: E402
 
 
 def _ints(text: str) -> list[int]:
@@ -574,7 +575,7 @@ def run(cfg: Any, s: Settings, out: Path) -> None:
     env["models"] = models_env
     env["cache_notes"] = {**old_env.get("cache_notes", {}), **notes}  # caches of earlier runs into this folder too
     env["formats"] = {**old_env.get("formats", {}), **env.get("formats", {})}
-    write_atomic(out / "env.json", json.dumps(env, indent=1, sort_keys=True, default=str) + "\n")
+    atomic_write_text(out / "env.json", json.dumps(env, indent=1, sort_keys=True, default=str) + "\n")
 
 
 def _layout_of(fmt: Any, model: Any, machine: Machine) -> str:
