@@ -295,6 +295,11 @@ def run_cell(cfg: Any, engine: Any, out_dir: Path | None = None, progress: bool 
     if unisolated:  # the user opted in (oscar.eval.sandbox.OPT_IN_ENV); the result must say so
         notes.append(f"UNISOLATED: {unisolated} of {len(records)} items ran generated code without isolation "
                      "(audit hooks only, OSCAR_UNISOLATED_CODE=1)")
+    per_process = sum(r.get("memory_scope") == "process" for r in records)
+    if per_process:  # no writable cgroup: memory was capped per process, not for the whole program
+        notes.append(f"PER-PROCESS MEMORY CAP: {per_process} of {len(records)} items ran generated code without a "
+                     "whole-program memory cap (no writable cgroup with memory and pids controllers; each item's "
+                     "memory_scope says so)")
     if callable(getattr(engine, "perf_metrics", None)):  # wall time of this run's generation (a resumed cell: the rest)
         metrics.update(engine.perf_metrics())
     result = {

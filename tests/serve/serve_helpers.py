@@ -67,3 +67,66 @@ def embedded_greedy(model: Any, method: str, artifact: Path, sink: int, recent: 
         engine.close()
 
 
+
+
+def embedded_forced_logprobs(model: Any, method: str, artifact: Path, sink: int, recent: int,
+                             prompts: list[list[int]], forced: list[list[int]]) -> list[Any]:
+    """Teacher-forced next-token log-probabilities of the embedded engine (value rotation folded): for
+    each prompt a [len(forced), vocab] float32 tensor, row i given the prompt and `forced[:i]`, computed
+    the way greedy decoding runs (prefill, then one token per step through the quantized cache)."""
+    import torch
+
+    from oscar.config import compose
+    from oscar.engine import Engine, rotations_from_artifact
+    from oscar.generate import cache_kwarg
+
+    cfg = compose([f"method={method}", "method.clip=paper", f"method.sink={sink}", f"method.recent={recent}"])
+    engine = Engine(model, None, cfg.method, rotations_from_artifact(artifact, cfg.method, model), fold_values=True)
+    kw = cache_kwarg(model)
+    out = []
+    try:
+        with torch.no_grad():
+            for ids, toks in zip(prompts, forced):
+                cache = engine.new_cache()
+                logits = model(input_ids=torch.tensor([ids]), position_ids=torch.arange(len(ids))[None],
+                               use_cache=True, **{kw: cache}).logits[0, -1]
+                rows = [torch.log_softmax(logits.float(), -1)]
+                for step, tok in enumerate(toks[:-1]):
+                    pos = torch.tensor([[len(ids) + step]])
+                    logits = model(input_ids=torch.tensor([[tok]]), position_ids=pos, use_cache=True,
+                                   **{kw: cache}).logits[0, -1]
+                    rows.append(torch.log_softmax(logits.float(), -1))
+                out.append(torch.stack(rows))
+    finally:
+        engine.close()
+    return out
+
+
+# Largest |log p| difference allowed between two float32 forwards of the same INT2 model that differ only
+# in reduction order (SGLang's model code vs transformers', another CPU ISA): measured by
+# benchmarks/int2_reduction_order.py (reports/serve/int2_reduction_order.md), see docs/DESIGN.md.
+INT2_LOGPROB_TOL = 0.05
+
+
+def check_teacher_forced(served: dict, forced: list[Any], tol: float = INT2_LOGPROB_TOL) -> tuple[float, int]:
+    """Compare an SGLang greedy run (with `return_logprob`, `top_logprobs_num=2`) with the embedded engine
+    forced along SGLang's own tokens: at every step, the log-probabilities SGLang reports (its token and
+    its top 2) agree within `tol`, and SGLang's token is the embedded engine's argmax wherever the
+    embedded top-2 margin exceeds 2 * tol (elsewhere the two forwards may rank them either way).
+    Returns (largest difference, number of steps whose token was checked)."""
+    worst, decided = 0.0, 0
+    for p, (toks, lp, lf) in enumerate(zip(served["output_ids"], served["logprobs"], forced)):
+        for i, tok in enumerate(toks):
+            chosen = lp["output_token_logprobs"][i]
+            assert int(chosen[1]) == tok, (p, i, chosen, tok)
+            reported = {int(e[1]): float(e[0]) for e in lp["output_top_logprobs"][i]}
+            reported[tok] = float(chosen[0])
+            for j, value in reported.items():
+                diff = abs(value - float(lf[i, j]))
+                worst = max(worst, diff)
+                assert diff <= tol, f"prompt {p} step {i} token {j}: SGLang {value:.5f}, embedded {float(lf[i, j]):.5f}"
+            top = lf[i].topk(2)
+            if float(top.values[0] - top.values[1]) > 2 * tol:
+                assert int(top.indices[0]) == tok, (p, i, int(top.indices[0]), tok)
+                decided += 1
+    return worst, decided
