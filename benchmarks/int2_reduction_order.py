@@ -37,8 +37,9 @@ def _ulp_perturb(model, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            step = torch.randint(-1, 2, p.shape, generator=gen, dtype=torch.int32)
-            p.copy_((p.view(torch.int32) + step).view(torch.float32))
+            step = torch.randint(-1, 2, p.shape, generator=gen)
+            up, down = torch.nextafter(p, torch.full_like(p, float("inf"))), torch.nextafter(p, torch.full_like(p, -float("inf")))
+            p.copy_(torch.where(step > 0, up, torch.where(step < 0, down, p)))
 
 
 def _compare(ref: list[torch.Tensor], other: list[torch.Tensor], tokens: list[list[int]]) -> list[dict]:
