@@ -71,35 +71,18 @@ def embedded_greedy(model: Any, method: str, artifact: Path, sink: int, recent: 
 
 def embedded_forced_logprobs(model: Any, method: str, artifact: Path, sink: int, recent: int,
                              prompts: list[list[int]], forced: list[list[int]]) -> list[Any]:
-    """Teacher-forced next-token log-probabilities of the embedded engine (value rotation folded): for
-    each prompt a [len(forced), vocab] float32 tensor, row i given the prompt and `forced[:i]`, computed
-    the way greedy decoding runs (prefill, then one token per step through the quantized cache)."""
-    import torch
-
+    """Teacher-forced next-token log-probabilities of the embedded engine (value rotation folded) along
+    `forced` (`oscar.generate.forced_logprobs`: the decode path, through the quantized cache)."""
     from oscar.config import compose
     from oscar.engine import Engine, rotations_from_artifact
-    from oscar.generate import cache_kwarg
+    from oscar.generate import forced_logprobs
 
     cfg = compose([f"method={method}", "method.clip=paper", f"method.sink={sink}", f"method.recent={recent}"])
     engine = Engine(model, None, cfg.method, rotations_from_artifact(artifact, cfg.method, model), fold_values=True)
-    kw = cache_kwarg(model)
-    out = []
     try:
-        with torch.no_grad():
-            for ids, toks in zip(prompts, forced):
-                cache = engine.new_cache()
-                logits = model(input_ids=torch.tensor([ids]), position_ids=torch.arange(len(ids))[None],
-                               use_cache=True, **{kw: cache}).logits[0, -1]
-                rows = [torch.log_softmax(logits.float(), -1)]
-                for step, tok in enumerate(toks[:-1]):
-                    pos = torch.tensor([[len(ids) + step]])
-                    logits = model(input_ids=torch.tensor([[tok]]), position_ids=pos, use_cache=True,
-                                   **{kw: cache}).logits[0, -1]
-                    rows.append(torch.log_softmax(logits.float(), -1))
-                out.append(torch.stack(rows))
+        return [forced_logprobs(model, ids, toks, engine.new_cache) for ids, toks in zip(prompts, forced)]
     finally:
         engine.close()
-    return out
 
 
 # Largest |log p| difference allowed between two float32 forwards of the same INT2 model that differ only
