@@ -85,6 +85,7 @@ def main() -> int:
         rows += [{"pair": f"embedded vs embedded+1ulp(seed {seed})", **r}
                  for r in _compare(ref, embedded_forced_logprobs(other, "quarot", quarot, SINK, RECENT, prompts, greedy),
                                    greedy)]
+    _write(rows, args.out)
     if args.sglang:
         sampling = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
         run = {"name": "oscar_int2", "engine_args": {"model_path": str(SMOLLM2_DENSE), "attention_backend": "oscar",
@@ -105,9 +106,27 @@ def main() -> int:
                              "d_max": float("nan"), "margin_ref": float(lf[i].topk(2).values.diff().abs()),
                              "margin_other": abs(top[0][0] - top[1][0]) if len(top) > 1 else float("nan"),
                              "argmax_equal": int(int(lf[i].argmax()) == t)})
-    atomic_write_csv(args.out.with_suffix(".csv"), rows)
+    _write(rows, args.out)
+    return 0
+
+
+def _cpu() -> str:
+    """CPU model and the vector ISA torch's kernels pick from (AVX2 / AVX-512 / AMX)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine()
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    isa = [name for name, flag in (("AVX2", "avx2"), ("AVX-512", "avx512f"), ("AMX", "amx_tile")) if flag in flags]
+    return f"{model or platform.machine()}, {'/'.join(isa) or 'no AVX2'}"
+
+
+def _write(rows: list[dict], out: Path) -> None:
+    """The CSV of every step and the Markdown summary (one line per compared pair)."""
+    atomic_write_csv(out.with_suffix(".csv"), rows)
     pairs = sorted({r["pair"] for r in rows}, key=lambda k: (k.startswith("sglang"), k))
-    lines = [f"# INT2 teacher-forced log-probability differences ({platform.processor() or platform.machine()}, "
+    lines = [f"# INT2 teacher-forced log-probability differences ({_cpu()}, "
              f"torch {torch.__version__}, 1 thread)", "",
              "| pair | steps | max d(forced) | max d(top-2) | max d(any) | argmax differs | min top-2 margin where it differs |",
              "|---|---|---|---|---|---|---|"]
@@ -115,11 +134,10 @@ def main() -> int:
         sel = [r for r in rows if r["pair"] == pair]
         diff = [r for r in sel if not r["argmax_equal"]]
         lines.append(f"| {pair} | {len(sel)} | {max(r['d_forced'] for r in sel):.2e} | {max(r['d_top2'] for r in sel):.2e} | "
-                     f"{max(r['d_max'] for r in sel):.2e} | {len(diff)} | "
+                     f"{max((r['d_max'] for r in sel if r['d_max'] == r['d_max']), default=float('nan')):.2e} | {len(diff)} | "
                      f"{min((r['margin_ref'] for r in diff), default=float('nan')):.2e} |")
-    atomic_write_text(args.out.with_suffix(".md"), "\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    atomic_write_text(out.with_suffix(".md"), "\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":
