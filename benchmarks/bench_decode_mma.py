@@ -10,15 +10,13 @@ writes one row per variant to OUTDIR/decode_mma_<shapes>.csv and prints a table 
 
 from __future__ import annotations
 
-import csv
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
+from oscar.files import atomic_write_csv
 from oscar.kernel_bench import DEFAULTS, bench_int2, bench_sdpa, copy_bandwidth
 from oscar.kernels.decode_mma import default_num_splits  # noqa: F401  (variants name their waves)
 
@@ -30,16 +28,6 @@ SHAPES = {
 MMA_VARIANTS = [dict(mma_warps=w, mma_stages=st, mma_min_blocks=mb, waves=wv) for (w, st, mb, wv) in
                 ((8, 2, 2, 1.0), (8, 3, 2, 1.0), (8, 4, 2, 0.5), (8, 4, 2, 1.0), (8, 4, 2, 2.0), (4, 4, 4, 1.0),
                  (4, 6, 4, 1.0), (4, 4, 4, 0.5))]
-
-
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    keys = sorted({k for r in rows for k in r})
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, path)
 
 
 def main(argv: list[str]) -> int:
@@ -84,7 +72,7 @@ def main(argv: list[str]) -> int:
         for x in rows[-len(vs):]:
             if x["status"] != "ok":
                 print("  failed", x["variant"], x["status"], flush=True)
-        _write_csv(out / f"decode_mma_{which}.csv", rows)
+        atomic_write_csv(out / f"decode_mma_{which}.csv", rows, sorted({k for r in rows for k in r}))
     print("| d | batch | context | cuDNN | flash | v8 | mma | x best BF16 | of copy bw | variant |")
     for d, B, T, cu, fl, v8, best in table:
         if best:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from oscar.kernel_bench import _write_csv, time_calls
+from oscar.files import atomic_write_csv
+from oscar.kernel_bench import time_calls
 
 HKV, W, PS = 8, 256, 64
 
@@ -59,7 +60,7 @@ def main(argv: list[str]) -> int:
                     us, mode, status = float("nan"), "-", f"error: {type(exc).__name__}: {str(exc)[:160]}"
                 rows.append({"head_dim": d, "rows": B, "variant": name, "us": us, "timing": mode, "status": status})
                 print(f"  d={d} rows={B} {name}: {us:.1f} us {status}", flush=True)
-    _write_csv(out / "bench_demote.csv", rows)
+    atomic_write_csv(out / "bench_demote.csv", rows)
     names = list(dict.fromkeys(r["variant"] for r in rows))
     print("| d | rows | " + " | ".join(names) + " |")
     print("|---|---|" + "---|" * len(names))

@@ -21,8 +21,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from oscar.kernel_bench import (_write_atomic, _write_csv, bench_int2, bench_sdpa, copy_bandwidth,
-                                          time_calls)
+from oscar.files import atomic_write_csv, atomic_write_text
+from oscar.kernel_bench import bench_int2, bench_sdpa, copy_bandwidth, time_calls
 
 HQ, HKV = 32, 8
 # (head_dim, batch, context) in priority order
@@ -253,16 +253,16 @@ def main(argv: list[str]) -> int:
     skipped: list = []
 
     def write() -> None:
-        _write_csv(out / "sweep_decode.csv", rows)
-        _write_csv(out / "sweep_quantize.csv", q_rows)
-        _write_atomic(out / "sweep_decode.md", summarize(rows, q_rows, env, skipped))
+        atomic_write_csv(out / "sweep_decode.csv", rows)
+        atomic_write_csv(out / "sweep_quantize.csv", q_rows)
+        atomic_write_text(out / "sweep_decode.md", summarize(rows, q_rows, env, skipped))
 
     try:
         q_rows = sweep_quantize(l2)
     except Exception:
         traceback.print_exc()
     try:
-        _write_csv(out / "profile_b1.csv", profile_breakdown(l2))
+        atomic_write_csv(out / "profile_b1.csv", profile_breakdown(l2))
     except Exception:
         traceback.print_exc()
     write()

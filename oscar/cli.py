@@ -168,10 +168,14 @@ def main(argv: list[str] | None = None) -> int:
         print(verb_help(verb, module))
         return 0
     exit_with_parent()
-    from oscar.config import ConfigError
-
     try:
         return int(module.main(rest) or 0)
-    except ConfigError as exc:  # a verb that did not catch it itself: same one line, same code
+    except ValueError as exc:
+        # A ConfigError that the verb did not catch itself: same one line, same code. Looked up, not
+        # imported: a verb that never composes a configuration (bench-kernels on a bare GPU machine)
+        # must not need omegaconf, and one that raised ConfigError has imported oscar.config.
+        config = sys.modules.get("oscar.config")
+        if config is None or not isinstance(exc, config.ConfigError):
+            raise
         print(f"oscar {verb}: {exc}", file=sys.stderr)
         return 2

@@ -9,12 +9,13 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
+
+from oscar.files import atomic_write_text
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -462,10 +463,7 @@ def write_text_if_changed(path: str | Path, text: str) -> bool:
     path = Path(path)
     if path.is_file() and path.read_text() == text:
         return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write_text(path, text)
     return True
 
 

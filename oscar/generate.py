@@ -174,6 +174,28 @@ def generate_tokens(
     return out
 
 
+def forced_logprobs(model: Any, prompt: Sequence[int], tokens: Sequence[int], make_cache: Callable[[], Any]) -> torch.Tensor:
+    """Teacher-forced next-token log-probabilities, [len(tokens), vocab] float32: row i given `prompt` and
+    `tokens[:i]`, computed the way `generate_tokens` decodes one prompt (prefill, then one token per step
+    through the cache), so two engines or batch shapes can be compared on the same history."""
+    device = next(model.parameters()).device
+    kw = cache_kwarg(model)
+    cache = make_cache()
+    rows = []
+    with torch.no_grad():
+        ids = torch.tensor([list(prompt)], device=device)
+        pos = torch.arange(ids.shape[1], device=device)[None]
+        logits = model(input_ids=ids, position_ids=pos, use_cache=True, **{kw: cache}).logits[0, -1]
+        for step, tok in enumerate(tokens):
+            rows.append(torch.log_softmax(logits.float(), -1))
+            if step == len(tokens) - 1:
+                break
+            pos = torch.tensor([[len(prompt) + step]], device=device)
+            logits = model(input_ids=torch.tensor([[int(tok)]], device=device), position_ids=pos, use_cache=True,
+                           **{kw: cache}).logits[0, -1]
+    return torch.stack(rows) if rows else torch.empty(0)
+
+
 def _sync(device: torch.device) -> None:
     """Wait for the device (so wall times cover the work, not its launch)."""
     if device.type == "cuda":

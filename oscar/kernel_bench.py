@@ -21,9 +21,10 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
+
+from oscar.files import atomic_write, atomic_write_csv, atomic_write_text
 
 DEFAULTS: dict[str, Any] = {
     "output": "reports/kernels/decode_attention.csv",
@@ -50,29 +51,6 @@ DEFAULTS: dict[str, Any] = {
 
 def _ints(s: str) -> list[int]:
     return [int(x) for x in str(s).split(",") if x.strip()]
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    if not rows:
-        return
-    keys: list[str] = []
-    for r in rows:
-        keys += [k for k in r if k not in keys]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -400,7 +378,7 @@ def run(opts: dict[str, Any]) -> int:
                     tune_rows.append({"batch": B, "context": T, "head_dim": 128, "split_mult": mult, **v,
                                       "us": r["us"], "status": r["status"], "timing": r["timing"]})
                     print(f"tune B={B} T={T} {v} -> {r['us']:.1f} us {r['status']}", flush=True)
-        _write_csv(Path(f"{stem}_tune.csv"), tune_rows)
+        atomic_write_csv(Path(f"{stem}_tune.csv"), tune_rows)
         ok = [r for r in tune_rows if r["status"] == "ok"]
         score: dict[str, list[float]] = {}
         for r in ok:  # geometric-mean speed relative to the best per (B, T), split multiplier included
@@ -455,7 +433,7 @@ def run(opts: dict[str, Any]) -> int:
                 print(f"d={d} B={B:4d} T={T:6d} cudnn={row['cudnn_us']:.1f} flash={row['flash_us']:.1f} "
                       f"int2={row.get('int2_us', float('nan')):.1f} us x{row.get('speedup_vs_best_bf16', float('nan')):.2f} "
                       f"bw={row.get('int2_bw_frac', float('nan')):.2f}", flush=True)
-                _write_csv(out_csv, rows)
+                atomic_write_csv(out_csv, rows)
 
     q_rows = []
     for d in (_ints(opts["head_dims"]) if "quantize" in parts else []):
@@ -480,11 +458,11 @@ def run(opts: dict[str, Any]) -> int:
                 r["frac_of_step_worst"] = r["us"] / (r["us"] + r["attn_us_min"])
                 r["frac_of_layer_step"] = r["us"] / (r["us"] + r["attn_us_min"] + weights_us)
     if q_rows:
-        _write_csv(Path(f"{stem}_quantize.csv"), q_rows)
-    _write_atomic(Path(f"{stem}_env.json"), json.dumps(env, indent=2))
+        atomic_write_csv(Path(f"{stem}_quantize.csv"), q_rows)
+    atomic_write_text(Path(f"{stem}_env.json"), json.dumps(env, indent=2))
     md = Path(f"{stem}.md") if "attention" in parts else Path(f"{stem}_quantize.md")
     shown = rows if "attention" in parts else []
-    _write_atomic(md, summary_markdown(shown, q_rows, env, " ".join(sys.argv)))
+    atomic_write_text(md, summary_markdown(shown, q_rows, env, " ".join(sys.argv)))
     if "attention" in parts:
         try:
             plot(rows, Path(f"{stem}.png"))
@@ -555,8 +533,4 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
                        title=f"achieved bandwidth, head_dim {d}")
         axes[i][0].legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110))

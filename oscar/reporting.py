@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 import pandas as pd
+
+from oscar.files import atomic_write, atomic_write_text
 
 # Aliases tried, in order, when a table asks for a metric a result does not name exactly.
 METRIC_ALIASES: dict[str, tuple[str, ...]] = {
@@ -56,28 +56,6 @@ class TablePlan:
 
 
 # ----- atomic files ------------------------------------------------------------------------------
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write text through a temp file in the same folder and `os.replace`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.fchmod(fd, _file_mode())
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _file_mode() -> int:
-    """Mode of a new file under the process umask (0644 under the usual 022), not mkstemp's 0600."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
 
 
 def read_result(result_dir: str | Path) -> dict[str, Any]:
@@ -225,7 +203,7 @@ def check_config_hash(cell: dict[str, Any], result: dict[str, Any], root: str | 
 
 def write_csv(frame: pd.DataFrame, path: str | Path) -> None:
     """Write a frame as CSV atomically."""
-    write_text_atomic(path, frame.to_csv(index=False))
+    atomic_write_text(path, frame.to_csv(index=False))
 
 
 # ----- summary -----------------------------------------------------------------------------------
@@ -622,14 +600,4 @@ def _per_layer_figure(plan: TablePlan, plt: Any, root: str | Path, by_position: 
 
 
 def _save(fig: Any, path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=150, metadata={"Software": None})
-        os.chmod(tmp, _file_mode())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=150, metadata={"Software": None}))

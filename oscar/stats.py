@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from oscar.files import atomic_write, atomic_write_text  # noqa: F401 - re-exported (oscar.stats.atomic_write_text)
+
 STATS_FORMAT_VERSION = 1
 SECOND_MOMENTS = ("C_Q", "C_S", "C_K", "C_V")
 FIRST_MOMENTS = ("m_Q", "m_S", "m_K", "m_V")
@@ -354,28 +356,6 @@ class CalibrationStats:
             elif stats.samples[layer]["K_samples"].shape[1]:  # format 1 files before positions were kept
                 stats.sample_pos[layer] = torch.arange(stats.samples[layer]["K_samples"].shape[1])
         return stats
-
-
-def atomic_write(path: Path, writer) -> None:
-    """Call `writer(tmp_path)` on a temporary file beside `path`, then `os.replace` it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    mask = os.umask(0)
-    os.umask(mask)
-    os.fchmod(fd, 0o666 & ~mask)  # readable by others like any file the user makes, not mkstemp's 0600
-    os.close(fd)
-    try:
-        writer(Path(tmp))
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a text file atomically."""
-    atomic_write(Path(path), lambda p: p.write_text(text))
 
 
 def token_hash(token_ids: torch.Tensor) -> str:

@@ -4,34 +4,13 @@ CSV files and `env.json` the run wrote (so a report can be rebuilt anywhere from
 from __future__ import annotations
 
 import csv
-import io
 import json
 import math
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def write_csv(path: Path, rows: list[dict[str, Any]], keys: Optional[list[str]] = None) -> None:
-    """Rows as CSV (atomic); columns in ``keys`` order, then any others."""
-    cols = list(keys or [])
-    for r in rows:
-        cols += [k for k in r if k not in cols]
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=cols)
-    w.writeheader()
-    w.writerows(rows)
-    write_atomic(path, buf.getvalue())
+from oscar.files import atomic_write, atomic_write_csv as write_csv, atomic_write_text
 
 
 def read_csv(path: Path) -> list[dict[str, Any]]:
@@ -488,11 +467,8 @@ def figure(res: dict[str, Any], path: Path) -> Optional[Path]:
     ax.set(ylabel="ms per step", title=f"step split at context {job_ctx} ({(res['models'] or ['-'])[0]})")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110))
     plt.close(fig)
-    tmp.replace(path)
     return path
 
 
@@ -501,12 +477,12 @@ def write_report(out: Path) -> list[Path]:
     res = analyse(out)
     res["env"]["_out"] = str(out)
     md = out / "throughput.md"
-    write_atomic(md, markdown(res))
+    atomic_write_text(md, markdown(res))
     paths = [md]
     png = figure(res, out / "throughput.png")
     if png:
         paths.append(png)
-    write_atomic(out / "summary.json", json.dumps({k: res[k] for k in ("speedup", "jobs", "fits", "bytes", "targets")},
+    atomic_write_text(out / "summary.json", json.dumps({k: res[k] for k in ("speedup", "jobs", "fits", "bytes", "targets")},
                                                    indent=1, default=str) + "\n")
     return paths + [out / "summary.json"]
 

@@ -54,7 +54,8 @@ STEP_PATHS = ("compiled", "fused", "hf")  # fused: the fused step uncompiled (co
 # files
 
 
-from oscar.throughput_report import read_csv, write_atomic, write_csv  # noqa: E402
+from oscar.files import atomic_write_csv as write_csv, atomic_write_text as write_atomic  # noqa: E402
+from oscar.throughput_report import read_csv  # noqa: E402
 
 
 def _ints(text: str) -> list[int]:

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from oscar.reporting import TablePlan, aggregate, numeric_metrics, pick_metric, summarize, write_text_atomic
+from oscar.files import atomic_write_text
+from oscar.reporting import TablePlan, aggregate, numeric_metrics, pick_metric, summarize
 
 ROLE_TAG = "oscar.role"
 CELL_TAG = "oscar.cell"
@@ -262,4 +263,4 @@ def _mirror_cell(client: Any, experiment_id: str, parent: str, cell: dict[str, A
 
 def write_receipt(data: dict[str, Any], path: str | Path) -> None:
     """Record the run ids of a mirrored table (the workflow's output for the tracking job)."""
-    write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+    atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True) + "\n")

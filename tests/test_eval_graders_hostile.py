@@ -223,3 +223,207 @@ def test_oversized_and_pipelined_responses():
     wrong_ahead = ahead.replace('{"ok": 6}', '{"ok": 5}')
     assert wrong_ahead != ahead
     assert graders.grade_livecodebench(LCB_FUNCTIONAL, "sumList", wrong_ahead, limits=LIMITS)["correct"] is False
+
+
+# ------------------------------------------------------- LiveCodeBench verdicts (exact and total)
+
+@pytest.mark.parametrize("value", [
+    "{1}", "frozenset()", "float('nan')", "float('inf')", "b''", "1j", "1 << 2000", "[(1,)]", "{1: 2}", "[None, {0}]",
+    "print", "object()",
+])
+def test_livecodebench_values_json_cannot_carry_equal_nothing(value):
+    """A set, NaN, inf, bytes, a complex, a huge int, a nested tuple, a dict with int keys: none of them
+    is JSON, so none equals an expected `null` (nor the JSON it would turn into)."""
+    code = f"def f(x):\n    return {value}\n"
+    for expected in ("null", "[]", "{}", '{"1": 2}', "[[1]]", "[null, []]", "0"):
+        tests = [{"testtype": "functional", "input": "0", "output": expected}]
+        res = graders.grade_livecodebench(tests, "f", code, limits=LIMITS)
+        assert res["correct"] is False, (value, expected, res)
+
+
+def test_livecodebench_functional_rules_are_livecodebench_s():
+    """A top-level tuple counts as a list (LiveCodeBench does the same); ints, floats and bools compare
+    by Python's ==, as in `lcb_runner`'s `prediction == gt_out`."""
+    def grade(ret: str, expected: str) -> bool:
+        tests = [{"testtype": "functional", "input": '[1, 2]\n"k"', "output": expected}]
+        return graders.grade_livecodebench(tests, "f", f"def f(a, k):\n    return {ret}\n", limits=LIMITS)["correct"]
+
+    assert grade("(1, 2)", "[1, 2]") and grade("a", "[1, 2]") and grade("{k: 1.0}", '{"k": 1}') and grade("None", "null")
+    assert not grade("[(1, 2)]", "[[1, 2]]") and not grade("[a]", "[1, 2]") and not grade("1.5", "1")
+
+
+@pytest.mark.parametrize("expected", ["six", "NaN", "[1, 2", "1e999", ""])
+def test_livecodebench_expected_text_that_is_not_json_is_an_error(expected):
+    tests = [{"testtype": "functional", "input": "0", "output": expected}]
+    with pytest.raises(ValueError, match="not strict JSON"):
+        graders.grade_livecodebench(tests, "f", "def f(x):\n    return None\n", limits=LIMITS)
+
+
+def test_livecodebench_stdout_is_compared_whole():
+    """Wrong lines and padding before an answer that fills the old 20,000-character tail do not pass; a
+    correct output longer than that tail passes."""
+    answer = "\n".join(str(i) for i in range(3500))[:19_990].rsplit("\n", 1)[0]
+    tests = [{"testtype": "stdin", "input": "", "output": answer + "\n"}]
+    forged = f"print('wrong\\n' * 100 + '\\n' * 40)\nprint({answer!r})\n"
+    assert graders.grade_livecodebench(tests, None, forged, limits=LIMITS)["correct"] is False
+    assert graders.grade_livecodebench(tests, None, f"print({answer!r})\n", limits=LIMITS)["correct"] is True
+    long = [{"testtype": "stdin", "input": "", "output": "\n".join(map(str, range(100_000))) + "\n"}]
+    res = graders.grade_livecodebench(long, None, "print('\\n'.join(map(str, range(100_000))))\n", limits=LIMITS)
+    assert res["correct"] is True, res
+
+
+def test_livecodebench_stdout_past_the_cap_fails():
+    tests = [{"testtype": "stdin", "input": "", "output": "x" * 10}]
+    limits = SandboxLimits(timeout_s=30, cpu_s=5, memory_mb=512, output_mb=1)
+    res = graders.grade_livecodebench(tests, None, "import sys\nsys.stdout.write('x' * (2 << 20))\n", limits=limits)
+    assert res["correct"] is False and res["status"] == "output_limit", res
+
+
+@pytest.mark.parametrize("got, expected, match", [
+    ("6\n", "6", True), ("  6  \r\n", "6\n\n", True), ("1 2\n3\n", "1 2\n3", True), ("6.0", "6", True),
+    ("1e1", "10", True), ("1 2.50", "1.0 2.5", True), ("nan", "nan", True), ("x  y", "x  y", True),
+    ("1\n\n2", "1\n2", False), ("0.1", "0.10000001", False), ("6", "6 6", False), ("x y", "x  y", False),
+    ("nan", "NaN", False), ("sNaN", "1", False), ("1", "sNaN", False), ("1\u20282", "1\u20282", True),
+    ("1 2", "1\n2", False), ("", "", True), ("\n\n", "", True),
+])
+def test_livecodebench_stdout_normalization(got, expected, match):
+    """LiveCodeBench's `grade_stdio` rules: strip, split at "\\n", strip lines, equal counts, each line
+    equal as text or as exact Decimal tokens (no float tolerance; a signalling NaN is unequal, not a crash)."""
+    assert graders.livecodebench_stdout_match(got, expected)[0] is match
+
+
+# ------------------------------------------------------------- the trusted side is bounded
+
+def _ahead(payload: str) -> str:
+    """A candidate that writes `payload` as its answer to the response pipe before serving (fd unknown: all)."""
+    return textwrap.dedent(f"""
+        import os
+        payload = ({payload}).encode()
+        for fd in range(3, 64):
+            try:
+                os.write(fd, payload)
+            except OSError:
+                pass
+        def f(x):
+            return 0
+        """)
+
+
+def test_a_huge_nested_answer_is_decoded_outside_the_grader():
+    """30 MiB of empty lists (10M objects: about 1.3 GiB decoded twice) is decoded in the checker, under
+    its memory cap; the grader's own memory does not grow by it, and the item fails."""
+    import resource
+
+    tests = [{"testtype": "functional", "input": "0", "output": "0"}]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10
+    res = graders.grade_livecodebench(tests, "f", _ahead("'{\"ok\": [' + '[],' * (10 << 20) + '[]]}\\n'"),
+                                      limits=LIMITS)
+    grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10) - before
+    assert res["correct"] is False and "checker" in res["error"], res
+    assert grew < 200, f"the grader grew by {grew} MiB"
+
+
+def test_hash_colliding_integers_are_bounded_in_time():
+    """A set of 100,000 integers with one hash (k * (2**61 - 1)) takes a decoder minutes; the checker's
+    CPU limit (deadline + 2 s) ends it and the item fails within the grader's bound (deadline + 20 s)."""
+    import time
+
+    tests = [{"testtype": "functional", "input": "0", "output": "0"}]
+    payload = "'{\"ok\": {\"set\": [' + ','.join(str(k * (2**61 - 1)) for k in range(100_000)) + ']}}\\n'"
+    limits = SandboxLimits(timeout_s=3, cpu_s=3, memory_mb=512)
+    t0 = time.monotonic()
+    res = graders.grade_livecodebench(tests, "f", _ahead(payload), limits=limits)
+    assert res["correct"] is False and "checker" in res["error"], res
+    assert time.monotonic() - t0 < limits.timeout_s + 20 + 10, res  # + sandbox start-up on a loaded machine
+
+
+def test_a_candidate_that_stops_reading_fails_within_the_deadline():
+    """A 4 MiB request to a program that never reads (and shrank its pipe) is a failed call at the
+    deadline, never a blocked grader."""
+    import time
+
+    code = textwrap.dedent("""
+        import fcntl, os, time
+        for fd in range(3, 64):
+            try:
+                fcntl.fcntl(fd, 1031, 4096)  # F_SETPIPE_SZ
+            except OSError:
+                pass
+        time.sleep(600)
+        def f(x):
+            return 0
+        """)
+    tests = [{"testtype": "functional", "input": json.dumps(list(range(500_000))), "output": "0"}]
+    t0 = time.monotonic()
+    res = graders.grade_livecodebench(tests, "f", code, limits=SandboxLimits(timeout_s=3, cpu_s=3, memory_mb=512))
+    assert res["correct"] is False and "time limit" in res["error"], res
+    assert time.monotonic() - t0 < 15
+
+
+def test_grading_works_with_more_than_1024_open_files(problems):
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        assert max(held) > 1024
+        good = "class Solution:\n    def sumList(self, nums):\n        return sum(nums)\n"
+        assert graders.grade_livecodebench(LCB_FUNCTIONAL, "sumList", good, limits=LIMITS)["correct"] is True
+        p = problems["HumanEval/0"]
+        assert graders.grade_humaneval(p, p["canonical_solution"], limits=LIMITS)["correct"] is True
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_lone_surrogate_is_a_failed_item_not_a_crash(problems):
+    res = graders.grade_humaneval(problems["HumanEval/0"], "    return '\ud800'\n", limits=LIMITS)
+    assert res["correct"] is False and "UTF-8" in res["error"], res
+    res = graders.grade_livecodebench(LCB_FUNCTIONAL, "sumList", "x = '\udfff'\n", limits=LIMITS)
+    assert res["correct"] is False and "UTF-8" in res["error"], res
+    # a candidate's exception text with a surrogate escape stays encodable in the result
+    res = graders.grade_livecodebench(LCB_FUNCTIONAL, "sumList",
+                                      "def sumList(nums):\n    raise ValueError(b'\\xed\\xa0\\x80'.decode('utf-8', "
+                                      "'surrogateescape'))\n", limits=LIMITS)
+    assert res["correct"] is False
+    json.dumps(res, ensure_ascii=False).encode("utf-8")
+
+
+def test_every_graded_item_records_its_isolation_scope(problems):
+    p = problems["HumanEval/0"]
+    graded = [graders.grade_humaneval(p, p["canonical_solution"], limits=LIMITS),
+              graders.grade_livecodebench(LCB_FUNCTIONAL, "sumList", "def sumList(nums):\n    return sum(nums)\n",
+                                          limits=LIMITS),
+              graders.grade_livecodebench([{"testtype": "stdin", "input": "", "output": "1"}], None, "print(1)",
+                                          limits=LIMITS)]
+    for res in graded:
+        assert res["correct"] is True and res["isolation"] == "namespaces"
+        assert res["memory_scope"] in ("program", "process"), res
+
+
+def test_the_checker_runs_the_evaluators_own_tree(tmp_path):
+    """A second checkout (here under /tmp, used through PYTHONPATH, while another `oscar` is installed):
+    the checker runs that checkout's `oscar.eval.calls`, not the installed one."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import oscar
+
+    copy = tmp_path / "checkout"
+    shutil.copytree(Path(oscar.__file__).parent, copy / "oscar", symlinks=True,
+                    ignore=shutil.ignore_patterns("__pycache__", "kernels"))
+    calls = copy / "oscar" / "eval" / "calls.py"
+    calls.write_text(calls.read_text().replace('"error": f"wrong answer: got', '"error": f"wrong answer (copy): got'))
+    code = ("import json\nfrom oscar.eval import graders\nfrom oscar.eval.sandbox import SandboxLimits\n"
+            "print(json.dumps(graders.grade_livecodebench([{'testtype': 'functional', 'input': '0', 'output': '1'}], "
+            "'f', 'def f(x):\\n    return 2\\n', limits=SandboxLimits(timeout_s=30, cpu_s=5, memory_mb=512))))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=copy, capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "PYTHONPATH": str(copy)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["correct"] is False and "wrong answer (copy)" in res["error"], res

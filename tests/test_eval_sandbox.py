@@ -227,10 +227,37 @@ def test_environment_is_minimal(monkeypatch):
 
 
 def test_huge_output_is_bounded():
+    """stdout is a pipe read up to `output_mb`: a byte more ends the run (status output_limit), fast."""
     res = run_python("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n",
-                     limits=SandboxLimits(timeout_s=6.0, cpu_s=3, fsize_mb=1))
-    assert not res.passed
-    assert len(res.stdout) <= SandboxLimits().output_chars
+                     limits=SandboxLimits(timeout_s=6.0, cpu_s=3, output_mb=1))
+    assert res.status == "output_limit" and len(res.stdout) == 1 << 20 and res.wall_s < 5, res.status
+    res = run_python("import sys\nwhile True:\n    sys.stderr.write('y' * 65536)\n",
+                     limits=SandboxLimits(timeout_s=2.0, cpu_s=3))
+    assert res.status == "timeout" and len(res.stderr) <= SandboxLimits().output_chars
+
+
+def test_captured_output_cannot_reserve_host_disk():
+    """fallocate(FALLOC_FL_KEEP_SIZE) on stdout/stderr: files on host disk would take gigabytes past the
+    size cap; pipes refuse it."""
+    code = textwrap.dedent("""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+        for fd in (1, 2):
+            rc = libc.fallocate(fd, 1, 0, 4 << 30)  # FALLOC_FL_KEEP_SIZE, 4 GiB
+            print(fd, rc, ctypes.get_errno(), flush=True)
+        """)
+    res = run_python(code, limits=FAST)
+    rows = [line.split() for line in res.stdout.splitlines()]
+    assert res.passed and [r[:2] for r in rows] == [["1", "-1"], ["2", "-1"]], (res.stdout, res.stderr)
+
+
+def test_stdin_larger_than_a_pipe_that_is_never_read():
+    """8 MiB of stdin to a program that exits without reading: the run ends, nothing blocks."""
+    res = run_python("print('done')", stdin="x" * (8 << 20), limits=FAST)
+    assert res.passed and res.stdout == "done\n"
+    res = run_python("import time\ntime.sleep(60)", stdin="x" * (8 << 20), limits=SandboxLimits(timeout_s=2, cpu_s=2))
+    assert res.status == "timeout" and res.wall_s < 6
 
 
 def test_temp_directories_are_removed():
@@ -636,6 +663,34 @@ def test_a_sandbox_does_not_outlive_a_killed_evaluator():
     while _sandbox_uid_processes(uid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _sandbox_uid_processes(uid) == []
+    # what it left (its host folder, its cgroup) is swept by the next evaluator at start-up, and said
+    from oscar.eval.sandbox import _cgroup_parents, stale_sandboxes, sweep_stale
+
+    folders, cgroups = stale_sandboxes()
+    mine = [p for p in folders if f"-{evaluator.pid}-" in p.name]
+    mine_cg = [c for c in cgroups if c.name.endswith(f"-{evaluator.pid}") and c.name.startswith(f"oscar-sbx-{uid}-")]
+    assert len(mine) == 1, folders
+    assert mine_cg or _cgroup_parents() is None, cgroups
+    assert "left by dead evaluators" in sweep_stale(force=True)
+    assert not any(p.exists() for p in mine + mine_cg)
+
+
+def test_the_sweep_leaves_live_evaluators_alone(tmp_path):
+    """Only folders of this PID namespace whose evaluator pid is gone are swept."""
+    import subprocess
+
+    from oscar.eval.sandbox import _pid_namespace, stale_sandboxes, sweep_stale
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    ns = _pid_namespace()
+    names = {"dead": f"oscar-sbx-{ns}-{dead.pid}-abc", "live": f"oscar-sbx-{ns}-{os.getpid()}-abc",
+             "other_ns": f"oscar-sbx-1-{dead.pid}-abc", "old_format": "oscar-sbx-k2j4_x9a"}
+    for name in names.values():
+        (tmp_path / name / "control").mkdir(parents=True)
+    assert [p.name for p in stale_sandboxes(tmp_path)[0]] == [names["dead"]]
+    assert "removed 1 folder(s)" in sweep_stale(tmp_path, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for k, n in names.items() if k != "dead")
 
 
 @needs_namespaces

@@ -242,9 +242,9 @@ def test_report_files_are_readable_by_others(eval_plan, tmp_path):
     old = os.umask(0o022)
     try:
         render_figure(plan, summary, tmp_path / "fig.png", root=tmp_path)
-        from oscar.reporting import write_text_atomic
+        from oscar.files import atomic_write_text
 
-        write_text_atomic(tmp_path / "t.md", render_markdown(plan, summary))
+        atomic_write_text(tmp_path / "t.md", render_markdown(plan, summary))
     finally:
         os.umask(old)
     assert (tmp_path / "fig.png").stat().st_mode & 0o777 == 0o644

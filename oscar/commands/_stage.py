@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,20 +41,6 @@ def pop_flags(argv: list[str], defaults: dict[str, Any]) -> tuple[dict[str, Any]
         else:
             rest.append(arg)
     return flags, rest
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON through a temp file in the same folder and `os.replace`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2, sort_keys=True)
-            fh.write("\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def read_json(path: Path) -> Any:

@@ -41,7 +41,8 @@ def main(argv: list[str]) -> int:
     """Run the fidelity diagnostics of one (model, method, corpus); 0 on success, 2 on bad input."""
     from omegaconf import OmegaConf
 
-    from oscar.eval.runner import git_commit, hardware, write_text_atomic
+    from oscar.eval.runner import git_commit, hardware
+    from oscar.files import atomic_write_text
 
     try:
         flags, overrides = pop_flags(argv, FLAGS)
@@ -135,9 +136,9 @@ def main(argv: list[str]) -> int:
               "windows": {"sink": int(method.sink), "recent": int(method.recent)},
               "metrics": metrics, "config_hash": chash, "git_commit": git_commit(), "hardware": hardware(str(reference.device)),
               "wall_s": round(time.monotonic() - start, 3)}
-    write_text_atomic(out / "per_layer.csv", _csv(per_layer))
-    write_text_atomic(out / "per_position.csv", _csv(per_position))
-    write_text_atomic(out / "result.json", json.dumps(result, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(out / "per_layer.csv", _csv(per_layer))
+    atomic_write_text(out / "per_position.csv", _csv(per_position))
+    atomic_write_text(out / "result.json", json.dumps(result, indent=2, sort_keys=True) + "\n")
     print(f"oscar fidelity: {cfg.model.name} / {cfg.method.name} / {corpus} in {result['wall_s']:.1f}s -> {out}",
           file=sys.stderr)
     print(json.dumps(metrics, sort_keys=True))

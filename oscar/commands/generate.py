@@ -10,12 +10,12 @@ written as JSON lines (atomically).
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from oscar.files import atomic_write_text
 
 FLAGS: dict[str, Any] = {
     "prompt": "",
@@ -91,12 +91,7 @@ def main(argv: list[str]) -> int:
     print(f"generate: {cfg.model.name} / {cfg.method.name}, {len(prompts)} prompt(s) in {time.perf_counter() - t0:.1f} s"
           + (f" ({measured})" if measured else ""), file=sys.stderr)
     if cfg.output:
-        path = Path(str(cfg.output))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        with os.fdopen(fd, "w") as fh:
-            for prompt, out in zip(prompts, outs):
-                fh.write(json.dumps({"model": str(cfg.model.name), "method": str(cfg.method.name), "prompt": prompt,
-                                     "completion": out, **perf}) + "\n")
-        os.replace(tmp, path)
+        atomic_write_text(Path(str(cfg.output)), "".join(
+            json.dumps({"model": str(cfg.model.name), "method": str(cfg.method.name), "prompt": prompt,
+                        "completion": out, **perf}) + "\n" for prompt, out in zip(prompts, outs)))
     return 0

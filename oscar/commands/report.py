@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from oscar.files import atomic_write_text
 from oscar.reporting import (
     ReportError,
     TablePlan,
@@ -21,7 +22,6 @@ from oscar.reporting import (
     render_latex,
     render_markdown,
     summarize,
-    write_text_atomic,
 )
 
 FORMATS = ("csv", "md", "tex", "png")
@@ -67,7 +67,7 @@ def _render(plan: TablePlan, args: argparse.Namespace) -> None:
         if fmt == "png":
             render_figure(plan, summary, path, root=args.root)
         else:
-            write_text_atomic(path, renderers[fmt](plan, summary))
+            atomic_write_text(path, renderers[fmt](plan, summary))
         print(f"oscar report: {path}")
 
 

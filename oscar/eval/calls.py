@@ -179,22 +179,31 @@ def serve_source() -> str:
 
 
 class Channel:
-    """The caller's end of a serving candidate: `call(*args)` returns its decoded return value."""
+    """The caller's end of a serving candidate: `call(*args)` returns its decoded return value.
+
+    Both pipe ends are non-blocking and every wait is a `poll` bounded by `deadline` (no fd-number
+    limit, unlike `select`): a candidate that stops reading, shrinks its pipe or never answers makes
+    the call fail with `CandidateGone` at the deadline at the latest, never blocks the caller.
+    """
 
     def __init__(self, fd_out: int, fd_in: int, deadline: float) -> None:
         self.fd_out, self.fd_in, self.deadline = fd_out, fd_in, deadline
         self._buf = b""
+        os.set_blocking(fd_out, False)
+        os.set_blocking(fd_in, False)
 
     def call(self, *args: Any) -> Any:
         """Send one call; the return value as plain data, `CandidateRaised`, or `CandidateGone`."""
         data = (json.dumps({"args": [encode_value(a) for a in args]}, allow_nan=False) + "\n").encode()
         view = memoryview(data)
-        try:
-            while view:
-                self._wait(self.fd_out, write=True)
+        while view:
+            self._wait(self.fd_out, write=True)
+            try:
                 view = view[os.write(self.fd_out, view):]
-        except (BrokenPipeError, OSError) as exc:
-            raise CandidateGone(f"the candidate stopped reading calls ({exc})") from exc
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                raise CandidateGone(f"the candidate stopped reading calls ({exc})") from exc
         message = decode_line(self._read_line())
         if type(message) is not dict or len(message) != 1:
             raise CandidateGone(f"malformed response {str(message)[:80]!r}")
@@ -206,11 +215,13 @@ class Channel:
         raise CandidateGone(f"malformed response {str(message)[:80]!r}")
 
     def _wait(self, fd: int, write: bool = False) -> None:
+        """Until `fd` is writable/readable (or hung up: the next write/read says so) or the deadline."""
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise CandidateGone("time limit reached")
-        ready = select.select([], [fd], [], left)[1] if write else select.select([fd], [], [], left)[0]
-        if not ready:
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT if write else select.POLLIN)
+        if not poller.poll(max(1, int(left * 1000 + 0.999))):
             raise CandidateGone("time limit reached")
 
     def _read_line(self) -> bytes:
@@ -219,7 +230,10 @@ class Channel:
             if len(buf) > MAX_MESSAGE_BYTES:
                 raise CandidateGone(f"response longer than {MAX_MESSAGE_BYTES} bytes")
             self._wait(self.fd_in)
-            chunk = os.read(self.fd_in, 1 << 20)
+            try:
+                chunk = os.read(self.fd_in, 1 << 20)
+            except BlockingIOError:
+                continue
             if not chunk:
                 raise CandidateGone("the candidate exited before answering")
             buf += chunk
@@ -248,13 +262,87 @@ def check_humaneval(problem: dict, channel: Channel) -> dict:
     return {"passed": True, "error": ""}
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text!r} is not a finite number")
+    return value
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON (RFC 8259)")
+
+
+def strict_json(text: str) -> Any:
+    """`text` as strict JSON (no NaN/Infinity, no float that overflows); ValueError otherwise."""
+    return json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
+
+
+def livecodebench_args(text: str) -> list:
+    """Arguments of a functional LiveCodeBench case: one strict JSON value per non-empty line."""
+    return [strict_json(line) for line in text.strip().split("\n") if line.strip()]
+
+
+def livecodebench_equal(got: Any, expected: Any) -> bool:
+    """LiveCodeBench's functional comparison (`lcb_runner/evaluation/testing_util.py`, `grade_call_based`):
+    a top-level tuple counts as a list, then `==`. `got` is a decoded builtin value (`decode_value`, exact
+    types, nesting at most 200), `expected` strict JSON: a set, bytes, complex, NaN, inf or a tuple
+    inside has no JSON form and equals nothing JSON can hold, so it fails; a dict with non-string keys
+    never equals a JSON object."""
+    if type(got) is tuple:
+        got = list(got)
+    return got == expected
+
+
+def _short(value: Any) -> str:
+    import reprlib
+
+    shorten = reprlib.Repr()
+    shorten.maxstring = shorten.maxother = shorten.maxlong = 80
+    return shorten.repr(value)
+
+
+def check_livecodebench(problem: dict, channel: Channel) -> dict:
+    """Call the candidate on each functional case and compare (`livecodebench_equal`):
+    {passed, failed_case, error}, the first failing case ending the check."""
+    for index, case in enumerate(problem["cases"]):
+        args, expected = livecodebench_args(case["input"]), strict_json(case["output"])
+        try:
+            got = channel.call(*args)
+        except (CandidateRaised, CandidateGone, WireError) as exc:
+            return {"passed": False, "failed_case": index, "error": f"{type(exc).__name__}: {exc}"}
+        if not livecodebench_equal(got, expected):
+            return {"passed": False, "failed_case": index,
+                    "error": f"wrong answer: got {_short(got)}, expected {_short(expected)}"}
+    return {"passed": True, "failed_case": None, "error": ""}
+
+
+CHECKS = {"humaneval": check_humaneval, "livecodebench": check_livecodebench}
+
+
+def checker_source() -> str:
+    """This module's source: the checker runs it with `python -c`, so it is the evaluator's own code
+    wherever the evaluator's tree lives (not whatever `oscar` the interpreter would import)."""
+    from pathlib import Path
+
+    return Path(__file__).read_text(encoding="utf-8")
+
+
 def checker_main() -> None:
-    """Entry of the checker process: problem JSON on stdin, fds in argv, verdict JSON on stdout."""
+    """Entry of the checker process: problem JSON on stdin, fds and limits in argv, verdict JSON on stdout.
+
+    The checker bounds itself first (address space and CPU time), because it decodes what the
+    candidate sent: past either bound it dies or fails, and the grader counts the item as failed.
+    """
+    import resource
     import sys
 
-    fd_out, fd_in, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    fd_out, fd_in, seconds, memory_mb = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+    resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
+    cpu = int(seconds) + 2
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     problem = json.loads(sys.stdin.read())
-    verdict = check_humaneval(problem, Channel(fd_out, fd_in, time.monotonic() + seconds))
+    verdict = CHECKS[problem["kind"]](problem, Channel(fd_out, fd_in, time.monotonic() + seconds))
     sys.stdout.write("\n" + json.dumps(verdict) + "\n")
     sys.stdout.flush()
 

@@ -9,12 +9,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from contextlib import contextmanager
+from decimal import Decimal, DecimalException
 from typing import Iterator
 
-from oscar.eval.calls import CandidateGone, CandidateRaised, Channel, WireError, serve_source
-from oscar.eval.sandbox import SandboxLimits, run_python, start_python
+from oscar.eval.calls import checker_source, livecodebench_args, serve_source, strict_json
+from oscar.eval.sandbox import ExecResult, SandboxLimits, run_python, start_python
 
 # ----------------------------------------------------------------------------------------- math
 
@@ -163,20 +163,40 @@ def _benchmark_data_dirs() -> tuple[str, ...]:
     return tuple(dirs)
 
 
-def grade_humaneval(problem: dict, response: str, limits: SandboxLimits | None = None) -> dict:
-    """Grade a HumanEval response: {correct, status, error, isolation}.
-
-    The candidate's program (prompt + completion, no tests) runs in the sandbox and serves calls of
-    the entry point; a separate checker process runs the dataset's `check(candidate)` with calls
-    crossing as plain data (`oscar.eval.calls`) and reports the verdict on its own stdout. Nothing the
-    candidate does in its process (exit status, hooks, exceptions, objects) reaches that verdict.
-    """
-    limits = limits or SandboxLimits(timeout_s=10, cpu_s=10)
-    program = humaneval_program(problem, humaneval_completion(problem, response))
-    (req_r, req_w), (resp_r, resp_w) = os.pipe(), os.pipe()
-    serve = {"source": serve_source(), "target": problem["entry_point"], "fd_in": req_r, "fd_out": resp_w}
+def _unencodable(text: str) -> str:
+    """Why `text` cannot become a program file (a lone surrogate: not UTF-8 text), or ""."""
     try:
-        run = start_python(program, None, limits, serve=serve, pass_fds=(req_r, resp_w), hide=_benchmark_data_dirs())
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"the program is not UTF-8 text ({exc.reason} at character {exc.start}); not run"
+    return ""
+
+
+def _text(value: str) -> str:
+    """A result field that always encodes (what the candidate made may hold lone surrogates)."""
+    return value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _scope(*results: ExecResult) -> dict:
+    """Isolation fields of a graded item: the layer, and the weakest memory scope of its runs
+    ("program": a cgroup capped the whole program; "process": RLIMIT_AS per process only; "none":
+    nothing ran)."""
+    if not results:
+        return {"isolation": "none", "memory_scope": "none"}
+    scopes = {r.memory_scope for r in results}
+    return {"isolation": results[-1].isolation, "memory_scope": "process" if "process" in scopes else "program"}
+
+
+def _checked_run(program: str, target: str, problem: dict, limits: SandboxLimits, seconds: float,
+                 hide: tuple[str, ...] = ()) -> tuple[dict, str, ExecResult]:
+    """Run `program` in the sandbox serving calls of `target`, and the checker (`oscar.eval.calls`,
+    this tree's source, bounded to `seconds` and `limits.memory_mb`) on `problem` against it:
+    (verdict, why there is none, the sandbox result). All decoding of the candidate's answers happens
+    in the checker; this process reads only the checker's verdict."""
+    (req_r, req_w), (resp_r, resp_w) = os.pipe(), os.pipe()
+    serve = {"source": serve_source(), "target": target, "fd_in": req_r, "fd_out": resp_w}
+    try:
+        run = start_python(program, None, limits, serve=serve, pass_fds=(req_r, resp_w), hide=hide)
     except BaseException:
         for fd in (req_r, req_w, resp_r, resp_w):
             os.close(fd)
@@ -186,28 +206,45 @@ def grade_humaneval(problem: dict, response: str, limits: SandboxLimits | None =
         os.close(resp_w)
         try:
             checker = subprocess.Popen(
-                [sys.executable, "-I", "-B", "-m", "oscar.eval.calls", str(req_w), str(resp_r), str(limits.timeout_s)],
+                [sys.executable, "-I", "-B", "-c", checker_source(), str(req_w), str(resp_r), str(seconds),
+                 str(int(limits.memory_mb))],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(req_w, resp_r),
                 env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}, start_new_session=True)
         finally:
             os.close(req_w)
             os.close(resp_r)
-        verdict, checker_error = _checker_verdict(checker, problem, limits.timeout_s + 20)
+        verdict, checker_error = _checker_verdict(checker, problem, seconds + 20)
         res = run.stop()
+    return verdict, checker_error, res
+
+
+def grade_humaneval(problem: dict, response: str, limits: SandboxLimits | None = None) -> dict:
+    """Grade a HumanEval response: {correct, status, error, isolation, memory_scope}.
+
+    The candidate's program (prompt + completion, no tests) runs in the sandbox and serves calls of
+    the entry point; a separate checker process runs the dataset's `check(candidate)` with calls
+    crossing as plain data (`oscar.eval.calls`) and reports the verdict on its own stdout. Nothing the
+    candidate does in its process (exit status, hooks, exceptions, objects) reaches that verdict.
+    """
+    limits = limits or SandboxLimits(timeout_s=10, cpu_s=10)
+    program = humaneval_program(problem, humaneval_completion(problem, response))
+    unencodable = _unencodable(program)
+    if unencodable:
+        return {"correct": False, "status": "error", "error": unencodable, **_scope()}
+    payload = {"kind": "humaneval", **{k: problem[k] for k in ("prompt", "test", "entry_point")}}
+    verdict, checker_error, res = _checked_run(program, problem["entry_point"], payload, limits, limits.timeout_s,
+                                               _benchmark_data_dirs())
     passed = verdict.get("passed") is True
-    error = verdict.get("error") if isinstance(verdict.get("error"), str) else ""
-    if checker_error:
-        error = checker_error
+    error = checker_error or (verdict.get("error") if isinstance(verdict.get("error"), str) else "")
     if not passed and res.stderr.strip():
         error = (error + " | candidate stderr: " + res.stderr[-300:]).strip(" |")
     status = "ok" if passed else ("timeout" if "time limit" in error else "error")
-    return {"correct": passed, "status": status, "error": error[-500:] if not passed else "",
-            "isolation": res.isolation}
+    return {"correct": passed, "status": status, "error": _text(error[-500:]) if not passed else "", **_scope(res)}
 
 
 def _checker_verdict(checker: subprocess.Popen, problem: dict, timeout: float) -> tuple[dict, str]:
     """The checker's verdict (last stdout line, JSON) and, when there is none, why."""
-    payload = json.dumps({k: problem[k] for k in ("prompt", "test", "entry_point")}).encode()
+    payload = json.dumps(problem).encode()
     try:
         out, err = checker.communicate(payload, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -220,99 +257,98 @@ def _checker_verdict(checker: subprocess.Popen, problem: dict, timeout: float) -
     except ValueError:
         verdict = None
     if not isinstance(verdict, dict):
-        return {}, "checker gave no verdict: " + err.decode("utf-8", errors="replace")[-300:]
+        how = {-signal.SIGXCPU: "its CPU time limit reached", -signal.SIGKILL: "killed"}.get(checker.returncode,
+                                                                                            f"exit {checker.returncode}")
+        return {}, f"checker gave no verdict ({how}): " + err.decode("utf-8", errors="replace")[-300:]
     return verdict, ""
 
 
-def _outputs_match(got: str, expected: str) -> bool:
-    """LiveCodeBench stdin/stdout comparison: line by line, trailing whitespace ignored."""
-    g = [line.rstrip() for line in got.strip().splitlines()]
-    e = [line.rstrip() for line in expected.strip().splitlines()]
-    return g == e
+def _stripped_lines(text: str) -> list[str]:
+    return [line.strip() for line in text.strip().split("\n")]
 
 
-def _json_or_none(text: str):
-    """`text` parsed as JSON, or None when it is not JSON."""
+def _decimals(line: str) -> list[Decimal] | None:
     try:
-        return json.loads(text)
-    except ValueError:
+        return [Decimal(token) for token in line.split()]
+    except (DecimalException, ValueError):
         return None
 
 
-def _as_json_data(value):
-    """A decoded return value as JSON would carry it (tuples as lists, dict keys as strings), or None."""
-    try:
-        return json.loads(json.dumps(value, allow_nan=False))
-    except (TypeError, ValueError):
-        return None
-
-
-def _call_functional(code: str, func_name: str, cases: list[dict], limits: SandboxLimits) -> tuple[int | None, dict]:
-    """Call the candidate's function on each functional case; (first failing case or None, result fields)."""
-    (req_r, req_w), (resp_r, resp_w) = os.pipe(), os.pipe()
-    target = f"Solution.{func_name}" if re.search(r"^class\s+Solution\b", code, flags=re.MULTILINE) else func_name
-    serve = {"source": serve_source(), "target": target, "fd_in": req_r, "fd_out": resp_w}
-    try:
-        run = start_python(code, None, limits, serve=serve, pass_fds=(req_r, resp_w))
-    except BaseException:
-        for fd in (req_w, resp_r):
-            os.close(fd)
-        raise
-    finally:
-        os.close(req_r)
-        os.close(resp_w)
-    failed, error = None, ""
-    with run:
+def livecodebench_stdout_match(got: str, expected: str) -> tuple[bool, str]:
+    """LiveCodeBench's stdin/stdout comparison (`lcb_runner/evaluation/testing_util.py`, `grade_stdio`):
+    both texts stripped, split at "\\n", every line stripped; the line counts must be equal and each
+    line equal as text or, token by token (whitespace-split), as exact `Decimal` values ("6" == "6.0"
+    == "6e0"; no float tolerance). Returns (match, why not)."""
+    g, e = _stripped_lines(got), _stripped_lines(expected)
+    if len(g) != len(e):
+        return False, f"wrong answer: {len(g)} output lines, expected {len(e)}"
+    for index, (a, b) in enumerate(zip(g, e)):
+        if a == b:
+            continue
+        da, db = _decimals(a), _decimals(b)
         try:
-            channel = Channel(req_w, resp_r, time.monotonic() + limits.timeout_s * max(1, len(cases)))
-            for index, case in enumerate(cases):
-                args = [json.loads(line) for line in case["input"].strip().splitlines() if line.strip()]
-                try:
-                    got = channel.call(*args)
-                except (CandidateRaised, CandidateGone, WireError) as exc:
-                    failed, error = index, f"{type(exc).__name__}: {exc}"
-                    break
-                if _as_json_data(got) != _json_or_none(case["output"]):
-                    failed, error = index, "wrong answer"
-                    break
-        finally:
-            os.close(req_w)
-            os.close(resp_r)
-        res = run.stop()
-    if failed is not None and res.stderr.strip():
-        error += " | candidate stderr: " + res.stderr[-300:]
-    return failed, {"isolation": res.isolation, "error": error[-500:]}
+            same = da is not None and db is not None and da == db
+        except DecimalException:  # a signalling NaN cannot be compared: not equal
+            same = False
+        if not same:
+            return False, f"wrong answer at line {index}: {a[:80]!r} != {b[:80]!r}"
+    return True, ""
+
+
+def _functional_cases(item_tests: list[dict]) -> list[tuple[int, dict]]:
+    """(index, case) of the functional cases, each checked to hold strict JSON (the dataset's error otherwise)."""
+    cases = [(i, c) for i, c in enumerate(item_tests) if c.get("testtype") == "functional"]
+    for index, case in cases:
+        for key, parse in (("input", livecodebench_args), ("output", strict_json)):
+            try:
+                parse(case[key])
+            except (KeyError, TypeError, ValueError, RecursionError) as exc:
+                raise ValueError(f"LiveCodeBench functional case {index}: {key} {str(case.get(key))[:80]!r} is not "
+                                 f"strict JSON ({exc}); expected one JSON value per line") from None
+    return cases
 
 
 def grade_livecodebench(item_tests: list[dict], func_name: str | None, response: str,
                         limits: SandboxLimits | None = None) -> dict:
     """Run a LiveCodeBench response on all its test cases (stdin or functional); pass iff all pass.
 
-    stdin cases: the program's stdout is compared with the expected output here, in the grader.
-    Functional cases: the function is called through a pipe and its return value, decoded as plain
-    data, is compared here with the expected JSON (`oscar.eval.calls`).
+    stdin cases: the program's whole stdout (at most `limits.output_mb`; more fails the case) is
+    compared here by LiveCodeBench's rules (`livecodebench_stdout_match`). Functional cases: the
+    function is called through a pipe and the checker process compares its return values, decoded
+    as plain data, with the expected JSON (`oscar.eval.calls.livecodebench_equal`).
     """
     code = extract_code(response)
     limits = limits or SandboxLimits(timeout_s=10, cpu_s=6)
-    functional = [(i, c) for i, c in enumerate(item_tests) if c.get("testtype") == "functional"]
+    functional = _functional_cases(item_tests)
     if functional and not func_name:
         raise ValueError("functional LiveCodeBench test without metadata.func_name")
-    isolation = "none"
+    unencodable = _unencodable(code)
+    if unencodable:
+        return {"correct": False, "status": "error", "failed_case": 0, "error": unencodable, **_scope()}
+    runs: list[ExecResult] = []
     if functional:
-        failed, info = _call_functional(code, func_name, [c for _, c in functional], limits)
-        isolation = info["isolation"]
-        if failed is not None:
-            return {"correct": False, "status": "error", "failed_case": functional[failed][0], "error": info["error"],
-                    "isolation": isolation}
+        target = f"Solution.{func_name}" if re.search(r"^class\s+Solution\b", code, flags=re.MULTILINE) else func_name
+        problem = {"kind": "livecodebench", "cases": [{"input": c["input"], "output": c["output"]} for _, c in functional]}
+        verdict, checker_error, res = _checked_run(code, target, problem, limits, limits.timeout_s * len(functional))
+        runs.append(res)
+        if verdict.get("passed") is not True:
+            failed = verdict.get("failed_case")
+            error = checker_error or str(verdict.get("error", ""))
+            if res.stderr.strip():
+                error += " | candidate stderr: " + res.stderr[-300:]
+            return {"correct": False, "status": "timeout" if "time limit" in error else "error",
+                    "failed_case": functional[failed][0] if isinstance(failed, int) and 0 <= failed < len(functional)
+                    else None, "error": _text(error[-500:]), **_scope(*runs)}
     for case_index, case in enumerate(item_tests):
         if case.get("testtype") == "functional":
             continue
         res = run_python(code, stdin=case["input"], limits=limits)
-        isolation = res.isolation
-        if not (res.passed and _outputs_match(res.stdout, case["output"])):
-            return {"correct": False, "status": res.status, "failed_case": case_index, "error": res.stderr[-500:],
-                    "isolation": isolation}
-    return {"correct": True, "status": "ok", "failed_case": None, "error": "", "isolation": isolation}
+        runs.append(res)
+        match, why = livecodebench_stdout_match(res.stdout, case["output"]) if res.passed else (False, res.stderr)
+        if not match:
+            return {"correct": False, "status": res.status if not res.passed else "wrong_answer",
+                    "failed_case": case_index, "error": _text(why[-500:]), **_scope(*runs)}
+    return {"correct": True, "status": "ok", "failed_case": None, "error": "", **_scope(*runs)}
 
 
 # ----------------------------------------------------------------------------------------- NIAH

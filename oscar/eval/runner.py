@@ -8,11 +8,9 @@ configuration hash match). The final files are written atomically and the partia
 from __future__ import annotations
 
 import json
-import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -20,6 +18,7 @@ from typing import Any, Callable, Iterable
 from oscar.eval.items import EvalItem, prompt_hash, select
 from oscar.eval.prompts import render
 from oscar.eval.registry import load_items
+from oscar.files import atomic_write_text
 
 RESULT_FILE = "result.json"
 ITEMS_FILE = "items.jsonl"
@@ -95,22 +94,6 @@ def hardware(device: str) -> dict:
     if str(device).startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return info
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write a text file through a temp file in the same folder and `os.replace`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        mask = os.umask(0)
-        os.umask(mask)
-        os.fchmod(fd, 0o666 & ~mask)  # readable by others like any file the user makes, not mkstemp's 0600
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _read_partial(path: Path, chash: str) -> dict[str, dict]:
@@ -306,12 +289,17 @@ def run_cell(cfg: Any, engine: Any, out_dir: Path | None = None, progress: bool 
         rec = dict(done[it.id])
         rec.pop("_config_hash", None)
         records.append(rec)
-    write_text_atomic(out_dir / ITEMS_FILE, "".join(json.dumps(r, default=str) + "\n" for r in records))
+    atomic_write_text(out_dir / ITEMS_FILE, "".join(json.dumps(r, default=str) + "\n" for r in records))
     metrics = summarize(cfg.benchmark.family, records)
     unisolated = sum(r.get("isolation") == "hooks" for r in records)
     if unisolated:  # the user opted in (oscar.eval.sandbox.OPT_IN_ENV); the result must say so
         notes.append(f"UNISOLATED: {unisolated} of {len(records)} items ran generated code without isolation "
                      "(audit hooks only, OSCAR_UNISOLATED_CODE=1)")
+    per_process = sum(r.get("memory_scope") == "process" for r in records)
+    if per_process:  # no writable cgroup: memory was capped per process, not for the whole program
+        notes.append(f"PER-PROCESS MEMORY CAP: {per_process} of {len(records)} items ran generated code without a "
+                     "whole-program memory cap (no writable cgroup with memory and pids controllers; each item's "
+                     "memory_scope says so)")
     if callable(getattr(engine, "perf_metrics", None)):  # wall time of this run's generation (a resumed cell: the rest)
         metrics.update(engine.perf_metrics())
     result = {
@@ -322,7 +310,7 @@ def run_cell(cfg: Any, engine: Any, out_dir: Path | None = None, progress: bool 
         "wall_s": round(time.monotonic() - start, 3),
         "sampling": _sampling(cfg), "source": cfg.benchmark.source, "notes": notes, "engine": engine_name(cfg),
     }
-    write_text_atomic(out_dir / RESULT_FILE, json.dumps(result, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(out_dir / RESULT_FILE, json.dumps(result, indent=2, sort_keys=True) + "\n")
     partial.unlink(missing_ok=True)
     return result
 

@@ -34,12 +34,14 @@ import functools
 import json
 import os
 import platform
+import select
 import shutil
 import signal
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -48,6 +50,9 @@ from pathlib import Path
 OPT_IN_ENV = "OSCAR_UNISOLATED_CODE"
 UID_BASE, UID_COUNT = 0x5A000000, 1 << 16  # private uids of sandboxes; no account uses them
 _SETUP_FAILED = "oscar-sandbox: setup failed"
+# Host folders oscar-sbx-<ns>-<pid>-*, cgroups oscar-sbx-<uid>-<ns>-<pid>: the evaluator's PID namespace and pid,
+# so a start-up sweep removes only what an evaluator of its own namespace left when it died.
+SANDBOX_PREFIX = "oscar-sbx-"
 
 # Stage 1 runs as root inside the new namespaces: cgroup, new root, privilege drop, seccomp, exec.
 _STAGE1 = r"""
@@ -207,15 +212,16 @@ class SandboxLimits:
     cpu_s: int = 10  # RLIMIT_CPU
     memory_mb: int = 2048  # RLIMIT_AS per process; with a cgroup also the whole program (+ tmpfs_mb)
     nproc: int = 16  # RLIMIT_NPROC of the sandbox's own uid; with a cgroup pids.max
-    fsize_mb: int = 16  # RLIMIT_FSIZE: largest file (and captured output)
+    fsize_mb: int = 16  # RLIMIT_FSIZE: largest file the program writes (in its private /tmp)
     nofile: int = 64  # RLIMIT_NOFILE
     tmpfs_mb: int = 64  # private /tmp inside the namespace (the only writable place)
     files: int = 4096  # inodes of that /tmp
-    output_chars: int = 20000  # stdout/stderr characters kept in the result
+    output_mb: int = 16  # captured stdout (a pipe, never a file): one byte more ends the run, "output_limit"
+    output_chars: int = 20000  # stderr characters kept in the result (its tail)
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "cpu_s", "memory_mb", "nproc", "fsize_mb", "nofile", "tmpfs_mb", "files",
-                     "output_chars"):
+                     "output_mb", "output_chars"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"SandboxLimits.{name}={value!r} must be a positive number")
@@ -223,7 +229,8 @@ class SandboxLimits:
 
 @dataclass
 class ExecResult:
-    """Outcome of one sandboxed run: status is ok | error | timeout | killed | memory | sandbox_error."""
+    """Outcome of one sandboxed run: status is ok | error | timeout | killed | memory | output_limit |
+    sandbox_error. `stdout` is the whole output (at most `SandboxLimits.output_mb`), `stderr` its tail."""
 
     status: str
     returncode: int | None
@@ -430,6 +437,15 @@ class _Cgroup:
             self.remove(deadline=time.monotonic() + 1)
             raise
 
+    @classmethod
+    def sweep(cls, dirs: list[Path], deadline: float) -> str:
+        """Kill what runs in the cgroup folders `dirs` (of dead evaluators) and remove them; "" or what remains."""
+        if not dirs:
+            return ""
+        stale = cls.__new__(cls)
+        stale.dirs = list(dirs)
+        return stale.remove(deadline)
+
     @property
     def procs_files(self) -> list[str]:
         """The `cgroup.procs` files stage 1 writes itself into."""
@@ -607,17 +623,154 @@ def remove_tree(path: Path, deadline: float) -> str:
     return "" if not os.path.lexists(path) else f"{path} left behind"
 
 
-def _read_tail(path: Path, limit: int) -> str:
-    """Last `limit` characters of a captured output file."""
+class _Pump(threading.Thread):
+    """The program's stdio through pipes, so every cap is real and nothing lands on host disk: feeds
+    stdin, keeps stdout up to `out_cap` bytes (a byte more sets `overflow` and calls `on_overflow`,
+    which ends the run) and the last `err_cap` bytes of stderr. One poll loop on non-blocking fds (no
+    fd-number limit), ended by EOF on both outputs or by `stop()`; it closes the fds it was given."""
+
+    def __init__(self, stdin: int | None, data: bytes, stdout: int, stderr: int, out_cap: int, err_cap: int,
+                 on_overflow) -> None:
+        super().__init__(name="oscar-sandbox-pump", daemon=True)
+        self.stdin, self.data, self.stdout, self.stderr = stdin, memoryview(data), stdout, stderr
+        self.out_cap, self.err_cap, self.on_overflow = out_cap, err_cap, on_overflow
+        self.out, self.err, self.overflow = bytearray(), bytearray(), False
+        self._wake_r, self._wake_w = os.pipe()
+
+    def run(self) -> None:
+        poller = select.poll()
+        open_fds = {fd for fd in (self.stdin, self.stdout, self.stderr) if fd is not None}
+        for fd in open_fds:
+            os.set_blocking(fd, False)
+            poller.register(fd, select.POLLOUT if fd == self.stdin else select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+
+        def close(fd: int) -> None:
+            poller.unregister(fd)
+            open_fds.discard(fd)
+            os.close(fd)
+
+        if self.stdin is not None and not self.data:
+            close(self.stdin)
+        try:
+            while open_fds - {self.stdin}:
+                for fd, _ in poller.poll():
+                    if fd == self._wake_r:
+                        return
+                    if fd not in open_fds:
+                        continue
+                    if fd == self.stdin:
+                        try:
+                            self.data = self.data[os.write(fd, self.data[:1 << 16]):]
+                        except BlockingIOError:
+                            continue
+                        except OSError:  # the program closed its stdin: the rest is not read
+                            self.data = self.data[len(self.data):]
+                        if not self.data:
+                            close(fd)
+                        continue
+                    try:
+                        chunk = os.read(fd, 1 << 16)
+                    except BlockingIOError:
+                        continue
+                    if not chunk:
+                        close(fd)
+                    elif fd == self.stdout:
+                        room = self.out_cap - len(self.out)
+                        self.out += chunk[:max(room, 0)]
+                        if len(chunk) > room:
+                            self.overflow = True
+                            close(fd)
+                            self.on_overflow()
+                    else:
+                        self.err += chunk
+                        if len(self.err) > 2 * self.err_cap:
+                            del self.err[:-self.err_cap]
+        finally:
+            for fd in list(open_fds):
+                close(fd)
+            os.close(self._wake_r)
+
+    def stop(self, grace: float) -> bool:
+        """Let the outputs reach EOF for `grace` seconds, then end the loop; True when both reached EOF."""
+        self.join(grace)
+        drained = not self.is_alive()
+        if not drained:
+            os.write(self._wake_w, b"x")
+            self.join()
+        os.close(self._wake_w)
+        return drained
+
+
+# ------------------------------------------------------------------------------------ stale runs
+
+def _pid_namespace() -> str:
     try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - limit * 4))
-            data = fh.read()
+        return str(os.stat("/proc/self/ns/pid").st_ino)
     except OSError:
+        return "0"
+
+
+def _owner_tag() -> str:
+    """`<pid namespace>-<pid>` of this evaluator, in the names of the sandboxes it makes."""
+    return f"{_pid_namespace()}-{os.getpid()}"
+
+
+def _dead_owner(tag: str) -> bool:
+    """Whether `<ns>-<pid>` names an evaluator of this PID namespace that is gone."""
+    ns, _, pid = tag.partition("-")
+    return ns == _pid_namespace() and pid.isdigit() and not _pid_alive(int(pid))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stale_sandboxes(tmp: Path | None = None) -> tuple[list[Path], list[Path]]:
+    """(host folders, cgroup folders) of sandboxes whose evaluator process is gone: the pid in their
+    name (`SANDBOX_PREFIX`) is not alive in this PID namespace. A live evaluator's are never listed."""
+    folders = []
+    for path in Path(tmp or tempfile.gettempdir()).glob(f"{SANDBOX_PREFIX}*-*-*"):
+        owner = "-".join(path.name[len(SANDBOX_PREFIX):].split("-")[:2])
+        if path.is_dir() and not path.is_symlink() and _dead_owner(owner):
+            folders.append(path)
+    cgroups = []
+    layout = _cgroup_parents()
+    for parent in (layout[1].values() if layout else ()):
+        for path in parent.glob(f"{SANDBOX_PREFIX}*-*-*"):
+            if path.is_dir() and _dead_owner("-".join(path.name.split("-")[-2:])):
+                cgroups.append(path)
+    return folders, cgroups
+
+
+def sweep_stale(tmp: Path | None = None, force: bool = False) -> str:
+    """Remove the sandboxes that killed evaluators left behind (`stale_sandboxes`): their cgroups (what
+    still runs in them is killed) and host folders. Runs once per process (at its first sandbox) unless
+    `force`; says what it removed on stderr and returns that line ("" when there was nothing)."""
+    global _SWEPT
+    if _SWEPT and not force:
         return ""
-    return data.decode("utf-8", errors="replace")[-limit:]
+    _SWEPT = True
+    folders, cgroups = stale_sandboxes(tmp)
+    deadline = time.monotonic() + 10
+    left = [note for note in (_Cgroup.sweep(cgroups, deadline),) if note]
+    left += [note for note in (remove_tree(path, deadline) for path in folders) if note]
+    if not folders and not cgroups:
+        return ""
+    line = (f"oscar sandbox: removed {len(folders)} folder(s) and {len(cgroups)} cgroup(s) left by dead evaluators "
+            f"({', '.join(sorted({p.name for p in folders + cgroups})[:6])}{', ...' if len(folders + cgroups) > 6 else ''})"
+            + (f"; left: {'; '.join(left)}" if left else ""))
+    sys.stderr.write(line + "\n")
+    return line
+
+
+_SWEPT = False
 
 
 # ------------------------------------------------------------------------------------------- runs
@@ -627,16 +780,18 @@ class SandboxRun:
 
     def __init__(self, code: str, stdin: str | None, limits: SandboxLimits, mode: str,
                  serve: dict | None = None, pass_fds: tuple[int, ...] = (), hide: tuple[str, ...] = ()) -> None:
-        self.limits, self.mode, self.stdin = limits, mode, stdin
+        self.limits, self.mode = limits, mode
         self.start = time.monotonic()
         self.result: ExecResult | None = None
         self.proc: subprocess.Popen | None = None
+        self.pump: _Pump | None = None
         self.cgroup: _Cgroup | None = None
         self.lease: _UidLease | None = None
         self.lifeline: int | None = None  # write end held while the run lasts; EOF ends the namespace
         self._lifeline_r: int | None = None
-        self.base = Path(tempfile.mkdtemp(prefix="oscar-sbx-"))
         self.notes: list[str] = []
+        sweep_stale()
+        self.base = Path(tempfile.mkdtemp(prefix=f"{SANDBOX_PREFIX}{_owner_tag()}-"))
         try:
             self._launch(code, stdin, serve, pass_fds, hide)
         except BaseException:
@@ -666,7 +821,7 @@ class SandboxRun:
             self.lease = _UidLease()
             uid = self.lease.uid
             try:
-                self.cgroup = _Cgroup(f"oscar-sbx-{uid}-{os.getpid()}", limits)
+                self.cgroup = _Cgroup(f"{SANDBOX_PREFIX}{uid}-{_owner_tag()}", limits)
             except OSError:  # memory and process count bounded per process only: memory_scope says so
                 self.cgroup = None
             root = control / "root"
@@ -694,16 +849,26 @@ class SandboxRun:
             env["HOME"] = str(workdir)
             argv = [sys.executable] + stage2_argv
             cwd = str(workdir)
-        self.out_path, self.err_path = control / "stdout", control / "stderr"
+        data = stdin.encode("utf-8") if stdin is not None else b""
+        (in_r, in_w), (out_r, out_w), (err_r, err_w) = (os.pipe() if stdin is not None else (None, None)), os.pipe(), os.pipe()
         try:
-            with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-                self.proc = subprocess.Popen(
-                    argv, cwd=cwd, env=env, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                    stdout=out, stderr=err, start_new_session=True, close_fds=True, pass_fds=tuple(pass_fds))
+            self.proc = subprocess.Popen(
+                argv, cwd=cwd, env=env, stdin=in_r if stdin is not None else subprocess.DEVNULL, stdout=out_w,
+                stderr=err_w, start_new_session=True, close_fds=True, pass_fds=tuple(pass_fds))
+        except BaseException:
+            for fd in (in_w, out_r, err_r):
+                if fd is not None:
+                    os.close(fd)
+            raise
         finally:
-            if self._lifeline_r is not None:
-                os.close(self._lifeline_r)
-                self._lifeline_r = None
+            for fd in (in_r, out_w, err_w, self._lifeline_r):
+                if fd is not None:
+                    os.close(fd)
+            self._lifeline_r = None
+        proc = self.proc  # the pump owns (and closes) the evaluator's pipe ends
+        self.pump = _Pump(in_w, data, out_r, err_r, int(limits.output_mb) << 20, 4 * int(limits.output_chars),
+                          lambda: _signal_group(proc))
+        self.pump.start()
 
     def wait(self, timeout: float | None = None) -> ExecResult:
         """Wait for the program (at most `timeout`, default the wall-clock limit), stop it, clean up."""
@@ -713,7 +878,7 @@ class SandboxRun:
         status, rc = "sandbox_error", None
         left = self.limits.timeout_s - (time.monotonic() - self.start) if timeout is None else timeout
         try:
-            proc.communicate(input=self.stdin.encode() if self.stdin is not None else None, timeout=max(left, 0.01))
+            proc.wait(timeout=max(left, 0.01))
             rc = proc.returncode
             signum = -rc if rc < 0 else (rc - 128 if self.mode == "namespaces" and rc > 128 else 0)
             status = "ok" if rc == 0 else ("killed" if signum else "error")
@@ -737,8 +902,15 @@ class SandboxRun:
         uid = self.lease.uid if self.lease is not None else None
         if self.cgroup is not None and self.cgroup.memory_killed() and status != "ok":
             status = "memory"
-        stdout = _read_tail(self.out_path, self.limits.output_chars)
-        stderr = _read_tail(self.err_path, self.limits.output_chars)
+        pump = self.pump
+        if not self._stop_pump():
+            self.notes.append("a process outside the sandbox's namespace kept its output open")
+        if pump.overflow:
+            status = "output_limit"
+        stdout = pump.out.decode("utf-8", errors="replace")
+        stderr = pump.err.decode("utf-8", errors="replace")[-self.limits.output_chars:]
+        if pump.overflow:
+            stderr += f"\noscar-sandbox: stdout longer than output_mb={self.limits.output_mb} MiB; run ended"
         if _SETUP_FAILED in stderr:
             status = "sandbox_error"
         self.close()
@@ -748,10 +920,16 @@ class SandboxRun:
                                  cleanup="; ".join(self.notes) or "ok", uid=uid)
         return self.result
 
+    def _stop_pump(self) -> bool:
+        """End the stdio pump (after the program is dead: EOF within a second); False if it had to be cut."""
+        pump, self.pump = self.pump, None
+        return pump.stop(grace=1.0) if pump is not None else True
+
     def close(self) -> None:
         """Kill everything left and remove what the run made on the host; never raises."""
         if self.proc is not None and self.proc.poll() is None:
             _kill_group(self.proc)
+        self._stop_pump()
         deadline = time.monotonic() + 5
         if self.cgroup is not None:
             note = self.cgroup.remove(deadline)
@@ -799,6 +977,14 @@ def _run(code: str, stdin: str | None, limits: SandboxLimits, mode: str) -> Exec
     """One sandboxed run with an explicit isolation layer (tests and the isolation probe)."""
     with SandboxRun(code, stdin, limits, mode) as run:
         return run.wait()
+
+
+def _signal_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group of `proc` without reaping it (safe from the pump's thread)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -138,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     text = render_markdown(eval_rows(Path(args.results), args.model), fidelity_rows(Path(args.results), args.model))
     if args.out:
-        from oscar.eval.runner import write_text_atomic
+        from oscar.files import atomic_write_text
 
-        write_text_atomic(Path(args.out), text)
+        atomic_write_text(Path(args.out), text)
     print(text)
     return 0
 

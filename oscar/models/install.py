@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig
 
+from oscar.files import atomic_write
 from oscar.models.loading import (
     dense_dir,
     gguf_path,
@@ -88,18 +87,15 @@ def assemble(model_cfg: DictConfig) -> Path:
     if not model_cfg.gguf_file:
         raise InstallError(f"model {model_cfg.name!r} has split parts but no gguf_file name in its conf")
     target = model_cache_dir(model_cfg) / str(model_cfg.gguf_file)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".assemble-", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
+
+    def concatenate(tmp: Path) -> None:
+        with open(tmp, "wb") as out:
             for part in part_paths(model_cfg):
                 with open(part, "rb") as fh:
                     for block in iter(lambda: fh.read(CHUNK), b""):
                         out.write(block)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+
+    atomic_write(target, concatenate)
     return target
 
 

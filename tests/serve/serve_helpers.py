@@ -67,3 +67,62 @@ def embedded_greedy(model: Any, method: str, artifact: Path, sink: int, recent: 
         engine.close()
 
 
+
+
+def embedded_forced_logprobs(model: Any, method: str, artifact: Path, sink: int, recent: int,
+                             prompts: list[list[int]], forced: list[list[int]]) -> list[Any]:
+    """Teacher-forced next-token log-probabilities of the embedded engine (value rotation folded) along
+    `forced` (`oscar.generate.forced_logprobs`: the decode path, through the quantized cache)."""
+    from oscar.config import compose
+    from oscar.engine import Engine, rotations_from_artifact
+    from oscar.generate import forced_logprobs
+
+    cfg = compose([f"method={method}", "method.clip=paper", f"method.sink={sink}", f"method.recent={recent}"])
+    engine = Engine(model, None, cfg.method, rotations_from_artifact(artifact, cfg.method, model), fold_values=True)
+    try:
+        return [forced_logprobs(model, ids, toks, engine.new_cache) for ids, toks in zip(prompts, forced)]
+    finally:
+        engine.close()
+
+
+# Two float32 forwards of the same INT2 model that differ only at the rounding level (SGLang's model code vs
+# transformers', another CPU ISA) are far apart under INT2: a rounding difference moves key/value elements
+# across BF16 or INT2 code boundaries. benchmarks/int2_reduction_order.py measured it (the embedded engine
+# against itself with every weight moved by <= 1 float32 ulp, SmolLM2-135M, quarot S0=8 W=16, 2 x 48
+# teacher-forced steps, AMD EPYC; reports/serve/int2_reduction_order.md): largest difference of a top-2
+# log-probability 0.57 nats, median 0.066 / 0.048, the argmax changed at 7 and 3 of 48 steps (top-2 margins
+# up to 0.66); SGLang against the embedded engine on that CPU: 0.014 largest, 0.0012 median, 9 decided steps
+# agreeing. The bounds below are the one-ulp maxima with margin (x1.75 and x3).
+INT2_LOGPROB_TOL = 1.0  # every reported log-probability
+INT2_MEDIAN_TOL = 0.2  # the median over a run's steps of the largest difference per step
+
+
+def check_teacher_forced(served: dict, forced: list[Any], tol: float = INT2_LOGPROB_TOL,
+                         median_tol: float = INT2_MEDIAN_TOL) -> tuple[float, float, int]:
+    """Compare an SGLang greedy run (with `return_logprob`, `top_logprobs_num=2`) with the embedded engine
+    forced along SGLang's own tokens: at every step the log-probabilities SGLang reports (its token and its
+    top 2) agree within `tol`, the median over steps of the per-step largest difference is within
+    `median_tol`, and SGLang's token is the embedded argmax wherever the embedded top-2 margin exceeds
+    2 * tol (elsewhere the two forwards may rank them either way).
+    Returns (largest difference, median, number of steps whose token was checked)."""
+    import statistics
+
+    per_step, decided = [], 0
+    for p, (toks, lp, lf) in enumerate(zip(served["output_ids"], served["logprobs"], forced)):
+        for i, tok in enumerate(toks):
+            chosen = lp["output_token_logprobs"][i]
+            assert int(chosen[1]) == tok, (p, i, chosen, tok)
+            reported = {int(e[1]): float(e[0]) for e in lp["output_top_logprobs"][i]}
+            reported[tok] = float(chosen[0])
+            diffs = {j: abs(value - float(lf[i, j])) for j, value in reported.items()}
+            worst_j = max(diffs, key=diffs.get)
+            assert diffs[worst_j] <= tol, (f"prompt {p} step {i} token {worst_j}: SGLang {reported[worst_j]:.5f}, "
+                                           f"embedded {float(lf[i, worst_j]):.5f}")
+            per_step.append(diffs[worst_j])
+            top = lf[i].topk(2)
+            if float(top.values[0] - top.values[1]) > 2 * tol:
+                assert int(top.indices[0]) == tok, (p, i, int(top.indices[0]), tok)
+                decided += 1
+    median = statistics.median(per_step)
+    assert median <= median_tol, (median, per_step)
+    return max(per_step), median, decided

@@ -2,7 +2,7 @@
 
 Each configuration runs in this one process (SGLang's scheduler subprocesses inherit the ``OSCAR_*``
 variables set for it) so the heavy import happens once. Usage: ``python sgl_driver.py SPEC.json OUT.json``
-with ``SPEC = {"runs": [{"name", "engine_args", "env", "prompts" | "input_ids", "sampling"}]}``.
+with ``SPEC = {"runs": [{"name", "engine_args", "env", "prompts" | "input_ids", "sampling", "generate_args"?}]}``.
 """
 
 from __future__ import annotations
@@ -35,9 +35,14 @@ def main(spec_path: str, out_path: str) -> int:
                 kwargs["input_ids"] = run["input_ids"]
             else:
                 kwargs["prompt"] = run["prompts"]
+            kwargs.update(run.get("generate_args", {}))  # e.g. return_logprob, top_logprobs_num
             outs = engine.generate(**kwargs)
             results[run["name"]] = {"output_ids": [o["output_ids"] for o in outs],
                                     "text": [o["text"] for o in outs], "start_s": started}
+            if kwargs.get("return_logprob"):  # [(logprob, token id, text)] per step; top-k lists per step
+                results[run["name"]]["logprobs"] = [
+                    {key: o["meta_info"].get(key) for key in ("output_token_logprobs", "output_top_logprobs")}
+                    for o in outs]
         finally:
             engine.shutdown()
             for k, v in saved.items():

@@ -3,17 +3,22 @@
 - BF16-equivalent settings (identity artifact, sink 64 + recent 256 cover the whole sequence), BF16 model:
   greedy tokens equal SGLang's own ``torch_native`` backend token for token (exact: same SDPA on the same
   BF16 rows; the identity fold changes no weight bit).
-- INT2 (quarot artifact, S0=8, W=16, float32 model): greedy tokens equal the embedded engine's
-  (``oscar.engine``, value rotation folded) token for token; the quantized segment is reached both at
-  prefill (prompts of 37-66 tokens) and by demotion during decode. Both engines quantize the same
-  BF16-rounded rows with the same torch twins; their float32 forwards differ only in reduction order.
+- INT2 (quarot artifact, S0=8, W=16, float32 model): teacher-forced against the embedded engine
+  (``oscar.engine``, value rotation folded) along SGLang's own greedy tokens, the log-probabilities agree
+  within ``INT2_LOGPROB_TOL`` at every step (median within ``INT2_MEDIAN_TOL``) and SGLang's token is the
+  embedded argmax wherever the top-2 margin exceeds twice that; the quantized segment is reached both at
+  prefill (prompts of 37-66 tokens) and by demotion during decode. Both engines quantize the same BF16-rounded rows with the same torch
+  twins; their float32 forwards differ only in reduction order, which differs between CPUs (AVX2 vs
+  AVX-512/AMX kernels), so token-for-token equality is not a property of the code: a rounding-level
+  difference can move a row across a BF16 or INT2 code boundary (benchmarks/int2_reduction_order.py).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from serve_helpers import SMOLLM2_DENSE, embedded_greedy, run_driver, save_in_code_artifact
+from serve_helpers import (SMOLLM2_DENSE, check_teacher_forced, embedded_forced_logprobs, run_driver,
+                           save_in_code_artifact)
 
 pytestmark = pytest.mark.skipif(not (SMOLLM2_DENSE / "config.json").exists(),
                                 reason="SmolLM2-135M dense copy missing: python -m oscar install-model model=smollm2-135m")
@@ -54,7 +59,7 @@ def served(prompts, tmp_path_factory):
          "input_ids": prompts, "sampling": sampling},
         {"name": "oscar_int2", "engine_args": {**common, "attention_backend": "oscar", "dtype": "float32"},
          "env": {"OSCAR_ARTIFACT": str(quarot), "OSCAR_SINK": SINK, "OSCAR_RECENT": RECENT},
-         "input_ids": prompts, "sampling": sampling},
+         "input_ids": prompts, "sampling": sampling, "generate_args": {"return_logprob": True, "top_logprobs_num": 2}},
     ]
     results, _ = run_driver(runs, tmp)
     return results, quarot
@@ -69,11 +74,14 @@ def test_bf16_equivalent_equals_sglang_native(served):
     assert results["oscar_bf16eq"]["output_ids"] == results["native"]["output_ids"]
 
 
-def test_int2_equals_embedded_engine(served, prompts):
+def test_int2_teacher_forced_agrees_with_embedded_engine(served, prompts):
     from oscar.config import compose
     from oscar.models import load_model
 
     results, quarot = served
+    run = results["oscar_int2"]
+    assert [len(t) for t in run["output_ids"]] == [NEW_TOKENS] * len(prompts)
     model, _ = load_model(compose(["model=smollm2-135m"]).model, device="cpu")
-    ref = embedded_greedy(model.eval(), "quarot", quarot, SINK, RECENT, prompts, NEW_TOKENS)
-    assert results["oscar_int2"]["output_ids"] == ref
+    forced = embedded_forced_logprobs(model.eval(), "quarot", quarot, SINK, RECENT, prompts, run["output_ids"])
+    worst, median, decided = check_teacher_forced(run, forced)
+    assert decided >= 2, (worst, median, decided)  # 9 of 48 embedded greedy steps lead by > 2 nats (measured)

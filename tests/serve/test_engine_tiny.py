@@ -3,10 +3,12 @@
 - BF16-equivalent settings (sink + recent cover every position, identity artifact): the oscar backend's
   greedy tokens equal SGLang's own ``torch_native`` backend token for token. Exact: both run SDPA on the
   same BF16 rows (identity fold and identity rotations change no bit).
-- INT2 settings (quarot artifact, S0=4, W=8, float32 model): the greedy tokens equal the embedded engine's
-  (``oscar.engine`` with the same artifact, value rotation folded) token for token. Both quantize the same
-  BF16-rounded rows with the same twins and attend over the same segments; the remaining differences are
-  float32 reduction orders (SGLang's fused qkv/MLP), far below a greedy margin on these prompts.
+- INT2 settings (quarot artifact, S0=4, W=8, float32 model): teacher-forced along SGLang's greedy tokens,
+  the embedded engine (``oscar.engine`` with the same artifact, value rotation folded) gives the same
+  log-probabilities within ``INT2_LOGPROB_TOL`` and the same token wherever its top-2 margin exceeds twice
+  that (``check_teacher_forced``). Both quantize the same BF16-rounded rows with the same twins and attend
+  over the same segments; the remaining differences are float32 reduction orders (SGLang's fused qkv/MLP),
+  which differ between CPUs, so token-for-token equality is not asserted.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import random
 
 import pytest
 
-from serve_helpers import embedded_greedy, run_driver, save_in_code_artifact
+from serve_helpers import check_teacher_forced, embedded_forced_logprobs, run_driver, save_in_code_artifact
 
 NEW_TOKENS = 24
 SINK, RECENT = 4, 8
@@ -43,7 +45,7 @@ def served(tiny_llama, prompts, tmp_path_factory):
          "input_ids": prompts, "sampling": sampling},
         {"name": "oscar_int2", "engine_args": {**common, "attention_backend": "oscar", "dtype": "float32"},
          "env": {"OSCAR_ARTIFACT": str(quarot), "OSCAR_SINK": SINK, "OSCAR_RECENT": RECENT},
-         "input_ids": prompts, "sampling": sampling},
+         "input_ids": prompts, "sampling": sampling, "generate_args": {"return_logprob": True, "top_logprobs_num": 2}},
     ]
     results, log = run_driver(runs, tmp)
     return results, log, quarot
@@ -54,14 +56,15 @@ def test_bf16_equivalent_equals_sglang_native(served):
     assert results["oscar_bf16eq"]["output_ids"] == results["native"]["output_ids"]
 
 
-def test_int2_equals_embedded_engine(served, tiny_llama, prompts):
+def test_int2_teacher_forced_agrees_with_embedded_engine(served, tiny_llama, prompts):
     from transformers import AutoModelForCausalLM
 
     results, _, quarot = served
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype="float32").eval()
-    ref = embedded_greedy(model, "quarot", quarot, SINK, RECENT, prompts, NEW_TOKENS)
-    got = results["oscar_int2"]["output_ids"]
-    assert got == ref
+    run = results["oscar_int2"]
+    got = run["output_ids"]
+    forced = embedded_forced_logprobs(model, "quarot", quarot, SINK, RECENT, prompts, got)
+    check_teacher_forced(run, forced)  # a random 2-layer model is rarely decided by 2 nats: log-probabilities only
     # and the quantized cache matters here: the INT2 tokens differ from BF16 attention somewhere
     assert got != results["native"]["output_ids"]
 
