@@ -66,17 +66,18 @@ def decode_metadata(pool: Any, req_to_token: torch.Tensor, req_pool_indices: tor
     S0, W = pool.sink, pool.recent
     L = seq_lens.to(torch.int64)
     pad = out_cache_loc.to(torch.int64) == 0
-    req = torch.where(pad, torch.full_like(L, pool.pad_slot), req_pool_indices.to(torch.int64))
+    real = torch.where(pad, torch.zeros_like(L), req_pool_indices.to(torch.int64))  # a row of req_to_token
+    req = torch.where(pad, torch.full_like(L, pool.pad_slot), real)
     L = torch.where(pad, torch.ones_like(L), L)
     vals = dict(req=req, col=pool.window_index(L - 1), sink_len=L.clamp(max=S0).to(torch.int32),
                 recent_len=(L - S0).clamp(min=0, max=W).to(torch.int32),
                 int_len=torch.where(pad, torch.zeros_like(L), (L - S0 - W).clamp(min=0)).to(torch.int32))
     if out is None:
-        return DecodeMeta(**vals, page_table=pool.page_table(req_to_token, req))
+        return DecodeMeta(**vals, page_table=pool.page_table(req_to_token, real))
     B = L.shape[0]
     for name, v in vals.items():
         getattr(out, name)[:B].copy_(v)
-    pool.page_table(req_to_token, out.req[:B], out=out.page_table)
+    pool.page_table(req_to_token, real, out=out.page_table)
     return DecodeMeta(**{name: getattr(out, name)[:B] for name in vals}, page_table=out.page_table[:B])
 
 
@@ -231,8 +232,11 @@ class OscarAttnBackend(AttentionBackend):
                 ks = torch.cat([pk.to(q.dtype), ks], dim=1)
                 vs = torch.cat([pv.to(q.dtype), vs], dim=1)
                 mask = torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(p)
+            gqa = H != Hkv
+            if gqa and q.is_cuda:  # the flash / memory-efficient kernels, not the math fallback of enable_gqa
+                ks, vs, gqa = ks.repeat_interleave(H // Hkv, dim=0), vs.repeat_interleave(H // Hkv, dim=0), False
             o = scaled_dot_product_attention(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=mask,
-                                             enable_gqa=H != Hkv, scale=layer.scaling, is_causal=mask is None)
+                                             enable_gqa=gqa, scale=layer.scaling, is_causal=mask is None)
             out[start : start + n] = o.squeeze(0).movedim(1, 0)
         if save_kv_cache:
             self.pool.write(layer.layer_id, kb, vb, forward_batch.out_cache_loc.long(), m.req, m.pos, m.seq_len)

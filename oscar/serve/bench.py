@@ -60,6 +60,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--oscar-out", required=True, help="JSON-lines file the rows are appended to")
     parser.add_argument("--oscar-tag", default="", help="free text stored with each row")
     parser.add_argument("--oscar-seed", type=int, default=0, help="seed of the synthetic prompts")
+    parser.add_argument("--oscar-shapes", default="", help="BATCHxINPUT,... to run instead of every --batch-size x "
+                        "--input-len (the first one is also the warm-up)")
     args = parser.parse_args(argv)
     server_args = ServerArgs.from_cli_args(args)
     bench_args = ob.BenchArgs.from_cli_args(args)
@@ -97,15 +99,17 @@ def main(argv: list[str]) -> int:
         return dict(row, status="ok", decode_ms=1e3 * float(ret["median_decode_latency"]),
                     prefill_s=float(ret["prefill_latency"]), tokens=first)
 
+    ol = bench_args.output_len[0]
+    shapes = [(bs, il) for bs in bench_args.batch_size for il in bench_args.input_len]
+    if args.oscar_shapes:
+        shapes = [(int(b), int(n)) for b, n in (x.split("x") for x in args.oscar_shapes.split(","))]
     print("Warmup ...", flush=True)
-    run(bench_args.batch_size[0], bench_args.input_len[0], min(8, bench_args.output_len[0]))
-    for bs in bench_args.batch_size:
-        for il in bench_args.input_len:
-            for ol in bench_args.output_len:
-                row = run(bs, il, ol)
-                print("OSCAR_ROW " + json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
-                with open(args.oscar_out, "a") as fh:
-                    fh.write(json.dumps(row) + "\n")
+    run(shapes[0][0], shapes[0][1], min(8, ol))
+    for bs, il in shapes:
+        row = run(bs, il, ol)
+        print("OSCAR_ROW " + json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
+        with open(args.oscar_out, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
     return 0
 
 

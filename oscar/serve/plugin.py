@@ -131,17 +131,20 @@ def compute_cell_size_around(original: Any, conf: Any, kvc: Any, num_layers: int
     """``DefaultPoolConfigurator._compute_cell_size``: OSCAR bytes per token; remembers the window bytes."""
     if not active():
         return original(conf, kvc, num_layers, *args, **kwargs)
-    from sglang.srt.runtime_context import get_parallel, get_schedule
+    from sglang.srt.runtime_context import get_parallel
 
     from oscar.serve.settings import bytes_per_token, window_bytes_per_request
 
     st = ensure_state(kvc.model_config.hf_config)
     mc = kvc.model_config
     par = get_parallel()
-    hkv = mc.get_num_kv_heads(par.attn_tp_size, par.attn_dcp_size)
+    try:  # 0.5.23: (attn_tp_size, attn_dcp_size); 0.5.17: (tensor_parallel_size); DCP > 1 is refused
+        hkv = mc.get_num_kv_heads(par.attn_tp_size, par.attn_dcp_size)
+    except TypeError:
+        hkv = mc.get_num_kv_heads(par.attn_tp_size)
     cell = bytes_per_token(int(num_layers), int(hkv), int(mc.head_dim), st["bits"], st["group_size"])
     bf16 = int(hkv) * (int(mc.head_dim) + int(mc.v_head_dim)) * int(num_layers) * 2
-    reqs = int(get_schedule().max_running_requests) + 1
+    reqs = int(kvc.server_args.max_running_requests) + 1
     conf._oscar_window_bytes = reqs * window_bytes_per_request(
         int(num_layers), int(hkv), int(mc.head_dim), st["settings"].sink, st["settings"].recent)
     logger.info("OSCAR pool sizing: %d bytes/token (BF16 would be %d: %.2fx the tokens per byte); BF16 windows "
