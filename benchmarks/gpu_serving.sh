@@ -26,7 +26,8 @@ W=/tmp/oscar_w
 rm -rf "$W" && mkdir -p "$W"
 cp -r oscar benchmarks pyproject.toml "$W"/ && cp -r kernels "$W"/oscar/kernels
 cd "$W" || exit 1
-export PYTHONPATH="$SITE:$W"
+[ -d "$ROOT/_site" ] && cp -r "$ROOT/_site" "$W"/_site   # pure-Python packages the machine lacks (omegaconf)
+export PYTHONPATH="$SITE:$W:$W/_site"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv,noheader
 python3 -c "
 import sglang, torch
@@ -37,11 +38,12 @@ MODEL="$BUNDLE/qwen3-8b"
 python3 benchmarks/serve_artifact.py "$MODEL" /tmp/art_random --rotation random --mu 2>&1 | tail -1
 python3 benchmarks/serve_artifact.py "$MODEL" /tmp/art_identity --rotation identity 2>&1 | tail -1
 COMMON=(--model-path "$MODEL" --load-format dummy --output-len 16 --sampling-backend pytorch --grammar-backend none
-        --mem-fraction-static 0.85 --context-length 131072 --disable-radix-cache --max-running-requests 64)
+        --mem-fraction-static 0.85 --context-length 131072 --disable-radix-cache --max-running-requests 64
+        --disable-prefill-cuda-graph)
 run() { # NAME TIMEOUT BACKEND SHAPES [OSCAR_X=V | --flag=v ...]
   local name=$1 limit=$2 backend=$3 shapes=$4; shift 4
   local extra=() envs=(OSCAR_ARTIFACT=/tmp/art_random)
-  [ "$backend" = oscar ] && extra=(--page-size 16 --disable-prefill-cuda-graph)
+  [ "$backend" = oscar ] && extra=(--page-size 16)
   for kv in "$@"; do
     case "$kv" in --*) extra+=("$kv") ;; *) envs+=("$kv") ;; esac
   done
@@ -58,8 +60,11 @@ run() { # NAME TIMEOUT BACKEND SHAPES [OSCAR_X=V | --flag=v ...]
   [ $rc -ne 0 ] && { echo "   rc=$rc"; tail -30 "$OUTDIR/logs/$name.log" | cut -c1-400; }
   return 0
 }
-PLAN_TEXT=${PLAN_TEXT:-"oscar_smoke 150 oscar 1x4096,1x30000
-bf16_triton_smoke 120 triton 1x4096,1x30000"}
+# the plan of reports/serving (2026-12-01); add e.g. "bf16_flashinfer 300 flashinfer 1x4096,1x100000" (its nvcc JIT
+# takes ~2 minutes at first use) or batch rows such as "oscar_b8 200 oscar 8x30000,8x100000" where the budget allows
+PLAN_TEXT=${PLAN_TEXT:-"oscar 150 oscar 1x4096,1x30000,1x100000 OSCAR_SINK=64 OSCAR_RECENT=256
+oscar_identity 70 oscar 1x4096 OSCAR_ARTIFACT=/tmp/art_identity OSCAR_RECENT=4096 --max-running-requests=4
+bf16_triton 100 triton 1x4096,1x30000,1x100000"}
 [ -n "${PLAN:-}" ] && PLAN_TEXT=$(cat "$ROOT/$PLAN")
 while read -r name limit backend shapes rest; do
   [ -z "$name" ] && continue

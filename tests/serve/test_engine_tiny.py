@@ -3,6 +3,8 @@
 - BF16-equivalent settings (sink + recent cover every position, identity artifact): the oscar backend's
   greedy tokens equal SGLang's own ``torch_native`` backend token for token. Exact: both run SDPA on the
   same BF16 rows (identity fold and identity rotations change no bit).
+- The same with chunked prefill (chunks of 16 tokens): the later chunks attend over the earlier chunks'
+  cached rows; still token for token.
 - INT2 settings (quarot artifact, S0=4, W=8, float32 model): the greedy tokens equal the embedded engine's
   (``oscar.engine`` with the same artifact, value rotation folded) token for token. Both quantize the same
   BF16-rounded rows with the same twins and attend over the same segments; the remaining differences are
@@ -41,6 +43,10 @@ def served(tiny_llama, prompts, tmp_path_factory):
         {"name": "oscar_bf16eq", "engine_args": {**common, "attention_backend": "oscar", "dtype": "bfloat16"},
          "env": {"OSCAR_ARTIFACT": str(int2), "OSCAR_SINK": 64, "OSCAR_RECENT": 256},
          "input_ids": prompts, "sampling": sampling},
+        {"name": "oscar_bf16eq_chunked", "engine_args": {**common, "attention_backend": "oscar", "dtype": "bfloat16",
+                                                         "chunked_prefill_size": 16},
+         "env": {"OSCAR_ARTIFACT": str(int2), "OSCAR_SINK": 64, "OSCAR_RECENT": 256},
+         "input_ids": prompts, "sampling": sampling},
         {"name": "oscar_int2", "engine_args": {**common, "attention_backend": "oscar", "dtype": "float32"},
          "env": {"OSCAR_ARTIFACT": str(quarot), "OSCAR_SINK": SINK, "OSCAR_RECENT": RECENT},
          "input_ids": prompts, "sampling": sampling},
@@ -52,6 +58,13 @@ def served(tiny_llama, prompts, tmp_path_factory):
 def test_bf16_equivalent_equals_sglang_native(served):
     results, _, _ = served
     assert results["oscar_bf16eq"]["output_ids"] == results["native"]["output_ids"]
+
+
+def test_chunked_prefill_bf16_equivalent_equals_sglang_native(served):
+    """The 37-token prompt is prefilled in chunks of 16: chunks 2 and 3 attend over the cached rows of the
+    earlier chunks (BF16 windows here); SGLang's torch_native prefills it at once."""
+    results, _, _ = served
+    assert results["oscar_bf16eq_chunked"]["output_ids"] == results["native"]["output_ids"]
 
 
 def test_int2_equals_embedded_engine(served, tiny_llama, prompts):
@@ -76,7 +89,8 @@ def test_pool_reports_int2_bytes(served, tiny_llama):
     _, log, _ = served
     cfg = AutoConfig.from_pretrained(str(tiny_llama))
     expect = bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 2, 64)
-    lines = re.findall(r"OSCAR KV pool: INT(\d), group (\d+), sink (\d+), recent (\d+): (\d+) bytes/token "
+    lines = re.findall(r"OSCAR KV pool: INT(\d), group (\d+), sink (\d+), recent (\d+), pages of \d+ tokens "
+                       r"\(\w+ layout\): (\d+) bytes/token "
                        r"\(BF16 KV: (\d+), ([\d.]+)x", log)
     assert lines, "the pool did not log its size"
     bits, group, sink, recent, bpt, bf16, ratio = lines[-1]
