@@ -118,6 +118,42 @@ def write_png(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def track(out: Path, table: list[dict[str, Any]], uri: str, root: Path = Path(".")) -> str:
+    """Mirror the table into MLflow (experiment ``oscar/serving/decode``): a parent run with the report files, one
+    child run per row (both replaced on every call). Returns the parent run id."""
+    import time
+
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+
+    from oscar import tracking
+
+    commit = tracking.git_commit(root)
+    name = tracking.experiment_name("serving", "decode")
+    with tracking.store_lock(uri, root / "results" / "tracking"):
+        client = MlflowClient(tracking_uri=uri)
+        found = client.get_experiment_by_name(name)
+        exp_id = found.experiment_id if found else client.create_experiment(name)
+        for run in client.search_runs([exp_id], max_results=5000):
+            client.delete_run(run.info.run_id)
+        now = int(time.time() * 1000)
+        base = {"oscar.rule": "serving", "mlflow.source.git.commit": commit, "git_commit": commit}
+        parent = client.create_run(exp_id, run_name="serving", tags={tracking.ROLE_TAG: "table", **base}).info.run_id
+        for f in ("decode.md", "decode.csv", "decode.png"):
+            client.log_artifact(parent, str(out / f), artifact_path="reports")
+        for r in table:
+            tags = {tracking.ROLE_TAG: "cell", tracking.PARENT_TAG: parent, "oscar.status": str(r["status"]), **base}
+            run = client.create_run(exp_id, run_name=f"{r['tag']}/b{r['batch']}/T{r['context']}", tags=tags).info.run_id
+            m = {"perf.decode_ms": r["decode_ms"], "perf.prefill_s": r["prefill_s"], "perf.tokens_per_s": r["tokens_per_s"],
+                 "mem.max_total_num_tokens": r["max_total_num_tokens"]}
+            client.log_batch(run, metrics=[Metric(k, float(v), now, 0) for k, v in m.items() if v is not None],
+                             params=[Param(k, str(r[k])) for k in ("cache", "backend", "batch", "context", "cuda_graph",
+                                                                   "page_size", "device")])
+            client.set_terminated(run)
+        client.set_terminated(parent)
+    return parent
+
+
 def main(argv: list[str]) -> int:
     from oscar.stats import atomic_write_text
 
@@ -125,6 +161,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("rows", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, default=Path("reports/serving"))
     ap.add_argument("--notes", type=Path, default=None, help="markdown appended to decode.md (the profile, caveats)")
+    ap.add_argument("--mlflow-uri", default=None, help="also mirror the rows into this MLflow tracking URI")
     a = ap.parse_args(argv)
     rows = load_rows(a.rows)
     if not rows:
@@ -160,6 +197,8 @@ def main(argv: list[str]) -> int:
     atomic_write_text(a.out / "decode.md", "\n".join(md) + "\n")
     write_png(rows, a.out / "decode.png")
     print("\n".join(md))
+    if a.mlflow_uri:
+        print(f"MLflow: parent run {track(a.out, table, a.mlflow_uri)}")
     return 0
 
 
