@@ -5,6 +5,7 @@
   same BF16 rows (identity fold and identity rotations change no bit).
 - The same with chunked prefill (chunks of 16 tokens): the later chunks attend over the earlier chunks'
   cached rows; still token for token.
+- INT2 on SGLang pages of 16 tokens (``--page-size 16``, sink 16): equal to the embedded engine too.
 - INT2 settings (quarot artifact, S0=4, W=8, float32 model): the greedy tokens equal the embedded engine's
   (``oscar.engine`` with the same artifact, value rotation folded) token for token. Both quantize the same
   BF16-rounded rows with the same twins and attend over the same segments; the remaining differences are
@@ -21,6 +22,7 @@ from serve_helpers import embedded_greedy, run_driver, save_in_code_artifact
 
 NEW_TOKENS = 24
 SINK, RECENT = 4, 8
+SINK_P16 = 16  # with --page-size 16 the sink fills whole pages
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +51,10 @@ def served(tiny_llama, prompts, tmp_path_factory):
          "input_ids": prompts, "sampling": sampling},
         {"name": "oscar_int2", "engine_args": {**common, "attention_backend": "oscar", "dtype": "float32"},
          "env": {"OSCAR_ARTIFACT": str(quarot), "OSCAR_SINK": SINK, "OSCAR_RECENT": RECENT},
+         "input_ids": prompts, "sampling": sampling},
+        {"name": "oscar_int2_p16", "engine_args": {**common, "attention_backend": "oscar", "dtype": "float32",
+                                                   "page_size": 16},
+         "env": {"OSCAR_ARTIFACT": str(quarot), "OSCAR_SINK": SINK_P16, "OSCAR_RECENT": RECENT},
          "input_ids": prompts, "sampling": sampling},
     ]
     results, log = run_driver(runs, tmp)
@@ -79,6 +85,17 @@ def test_int2_equals_embedded_engine(served, tiny_llama, prompts):
     assert got != results["native"]["output_ids"]
 
 
+def test_int2_on_pages_of_16_equals_embedded_engine(served, tiny_llama, prompts):
+    """SGLang's paged allocator (16-token pages): the kernel's page table is every 16th column of its
+    req_to_token from the sink on; the tokens equal the embedded engine's with the same windows."""
+    from transformers import AutoModelForCausalLM
+
+    results, _, quarot = served
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype="float32").eval()
+    ref = embedded_greedy(model, "quarot", quarot, SINK_P16, RECENT, prompts, NEW_TOKENS)
+    assert results["oscar_int2_p16"]["output_ids"] == ref
+
+
 def test_pool_reports_int2_bytes(served, tiny_llama):
     import re
 
@@ -89,14 +106,15 @@ def test_pool_reports_int2_bytes(served, tiny_llama):
     _, log, _ = served
     cfg = AutoConfig.from_pretrained(str(tiny_llama))
     expect = bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 2, 64)
-    lines = re.findall(r"OSCAR KV pool: INT(\d), group (\d+), sink (\d+), recent (\d+), pages of \d+ tokens "
-                       r"\(\w+ layout\): (\d+) bytes/token "
-                       r"\(BF16 KV: (\d+), ([\d.]+)x", log)
+    lines = re.findall(r"OSCAR KV pool: INT(\d), group (\d+), sink (\d+), recent (\d+), pages of (\d+) tokens "
+                       r"\(\w+ layout\): (\d+) bytes/token \(BF16 KV: (\d+), ([\d.]+)x more tokens per byte\); "
+                       r"#tokens (\d+), pages (\d+) bytes", log)
     assert lines, "the pool did not log its size"
-    bits, group, sink, recent, bpt, bf16, ratio = lines[-1]
-    assert (int(bits), int(group), int(sink), int(recent)) == (2, 64, SINK, RECENT)
-    assert int(bpt) == expect
-    assert int(bf16) == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
-    assert float(ratio) > 6
-    held = re.findall(r"OSCAR KV pool: .* #tokens (\d+), pages (\d+) bytes", log)
-    assert held and int(held[-1][1]) == (int(held[-1][0]) + 1) * expect
+    int2 = [x for x in lines if x[0] == "2" and int(x[3]) == RECENT]  # the INT2 runs (not the BF16-equivalent)
+    assert {(int(x[2]), int(x[4])) for x in int2} == {(SINK, 1), (SINK_P16, 16)}  # both INT2 runs logged
+    for bits, group, sink, recent, page, bpt, bf16, ratio, tokens, held in int2:
+        assert (int(group), int(recent)) == (64, RECENT)
+        assert int(bpt) == expect
+        assert int(bf16) == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+        assert float(ratio) > 6
+        assert int(held) == (int(tokens) + int(page)) * expect  # SGLang's pages plus its padding page
