@@ -107,7 +107,8 @@ def write_png(rows: list[dict[str, Any]], path: Path) -> None:
         ax.set_xlabel("context (k tokens)")
         ax.set_ylabel("decode ms / step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+        if ax.get_lines():
+            ax.legend(fontsize=6)
     fig.suptitle("SGLang 0.5.17 decode step, dummy Qwen3-8B, CUDA graphs", fontsize=10)
     fig.tight_layout()
 
