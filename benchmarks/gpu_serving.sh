@@ -34,6 +34,8 @@ import sglang, torch
 from oscar.serve.contract import check_contract
 print('sglang', sglang.__version__, 'torch', torch.__version__, 'contract problems:', check_contract() or 'none')
 " 2>&1 | grep -v Warning | tee "$OUTDIR/logs/contract.log"
+# the CUDA decode path (Triton writer, captured metadata, v9 kernel) against the twin on the pool's own pages
+timeout 120 python3 benchmarks/serve_gpu_check.py --out "$OUTDIR/gpu_check.json" 2>&1 | grep -v Warning | tail -3
 MODEL="$BUNDLE/qwen3-8b"
 python3 benchmarks/serve_artifact.py "$MODEL" /tmp/art_random --rotation random --mu 2>&1 | tail -1
 python3 benchmarks/serve_artifact.py "$MODEL" /tmp/art_identity --rotation identity 2>&1 | tail -1
