@@ -16,6 +16,7 @@ include: "workflow/rules/evaluation.smk"
 include: "workflow/rules/reports.smk"
 include: "workflow/rules/kernels.smk"
 include: "workflow/rules/throughput.smk"
+include: "workflow/rules/serving.smk"
 
 
 rule all:

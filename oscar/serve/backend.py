@@ -1,18 +1,23 @@
 """SGLang attention backend ``oscar``: attention over BF16 sink + INT pages + BF16 recent, writing the OSCAR pool.
 
-- Extend (prefill, no cached prefix): causal attention of each request's chunk over its own rows rounded
-  to BF16 (with a BF16 model, exactly SGLang's ``torch_native`` computation), then the rows go to the pool (sink,
-  quantized middle, ring): prompt keys are quantized once the prompt is in, as in ``oscar.cache``'s
-  serving mode.
-- Decode: demote the row leaving the recent window, write the new row, then attend over the three
-  segments with ``oscar.paged.decode_attention`` (torch twin on CPU, Triton kernel on CUDA), the query
-  rotated by ``R_K`` inside it. While no request of the batch has quantized rows the step is plain
-  attention over the windows in position order (the same ``torch_native`` computation).
+- Extend (prefill, and each chunk of a chunked prefill): causal attention of the chunk's queries over the
+  request's cached prefix as the cache holds it (BF16 sink, dequantized pages, BF16 ring; nothing for a
+  first chunk) and the chunk's own rows rounded to BF16 (without a prefix and with a BF16 model, exactly
+  SGLang's ``torch_native`` computation); then the rows go to the pool (``OscarTokenToKVPool.write``).
+- Decode: write the new row (quantized into its token slot, BF16 into its window column), then attend over
+  the three segments with ``oscar.paged.decode_attention``: on CUDA the v9 mma kernel over fragment-order
+  pages (or the Triton row kernel for other formats), on a CPU the torch twin. The metadata (window
+  columns, segment lengths, the page table) is computed on the device from ``seq_lens`` and
+  ``req_pool_indices`` with no host sync, into fixed buffers under CUDA graphs
+  (``init_cuda_graph_state`` / ``init_forward_metadata_out_graph`` / ``init_forward_metadata_in_graph``: the
+  decode graph runner records ``in_graph`` inside the capture, so a replay recomputes it). On a CPU, while no
+  request of the batch has quantized rows, the step is plain attention over the windows in position order
+  (the same ``torch_native`` computation).
 - With the value rotation folded into ``o_proj`` (``OSCAR_FOLD``, on by default) every path returns
   ``(o - mu_V) @ R_V`` per KV head, which the folded ``o_proj`` maps back.
 
-Prefix reuse (radix cache, chunked prefill) is refused at start-up (``oscar.serve.plugin``); a forward
-that still carries a cached prefix raises instead of attending wrongly.
+A cached prefix of another request (radix cache) is refused at start-up (``oscar.serve.plugin``): the pool
+keeps no BF16 sink rows for it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from torch.nn.functional import scaled_dot_product_attention
 
 from oscar import paged
+from oscar.serve.state import current_state
 
 
 @dataclass
@@ -34,18 +40,45 @@ class _ExtendMeta:
     seq_len: torch.Tensor  # [N] sequence length of the token's request
     starts: list[int]
     lens: list[int]
+    prefix: list[int]  # cached prefix length per request (earlier chunks of the same request)
+    req_slots: list[int]
 
 
 @dataclass
-class _DecodeMeta:
-    req: torch.Tensor  # [B]
-    new_pos: torch.Tensor  # [B] position of the token written this step
-    seq_lens: list[int]
+class DecodeMeta:
+    """Per-step decode metadata, shared by the layers (device tensors of the batch's size)."""
+
+    req: torch.Tensor  # [B] int64 request slot (padded entries: the pool's padding slot)
+    col: torch.Tensor  # [B] int64 window column of the new row
     sink_len: torch.Tensor  # [B] int32
     recent_len: torch.Tensor  # [B] int32
-    int_len: torch.Tensor  # [B] int32
-    any_int: bool
-    page_table: Optional[torch.Tensor] = None  # [B, max_int] int32 (token slots of positions S0..)
+    int_len: torch.Tensor  # [B] int32 quantized rows read by the kernel
+    page_table: torch.Tensor  # [B, pages past the sink] int32
+    seq_lens: Optional[list[int]] = None  # host copy (eager CPU window path only)
+
+
+def decode_metadata(pool: Any, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                    out_cache_loc: torch.Tensor, out: Optional[DecodeMeta] = None) -> DecodeMeta:
+    """The decode metadata of a batch from SGLang's device tensors, with device ops of fixed shapes only (no
+    host sync): into ``out``'s buffers when given (CUDA graphs), else into new tensors. An entry whose
+    ``out_cache_loc`` is 0 (SGLang's padding slot: a padded CUDA-graph entry) uses the pool's padding
+    request slot and reads nothing."""
+    S0, W = pool.sink, pool.recent
+    L = seq_lens.to(torch.int64)
+    pad = out_cache_loc.to(torch.int64) == 0
+    real = torch.where(pad, torch.zeros_like(L), req_pool_indices.to(torch.int64))  # a row of req_to_token
+    req = torch.where(pad, torch.full_like(L, pool.pad_slot), real)
+    L = torch.where(pad, torch.ones_like(L), L)
+    vals = dict(req=req, col=pool.window_index(L - 1), sink_len=L.clamp(max=S0).to(torch.int32),
+                recent_len=(L - S0).clamp(min=0, max=W).to(torch.int32),
+                int_len=torch.where(pad, torch.zeros_like(L), (L - S0 - W).clamp(min=0)).to(torch.int32))
+    if out is None:
+        return DecodeMeta(**vals, page_table=pool.page_table(req_to_token, real))
+    B = L.shape[0]
+    for name, v in vals.items():
+        getattr(out, name)[:B].copy_(v)
+    pool.page_table(req_to_token, real, out=out.page_table)
+    return DecodeMeta(**{name: getattr(out, name)[:B] for name in vals}, page_table=out.page_table[:B])
 
 
 class OscarAttnBackend(AttentionBackend):
@@ -65,50 +98,80 @@ class OscarAttnBackend(AttentionBackend):
         self.pool = pool
         self.req_to_token_pool = model_runner.req_to_token_pool
         pool.bind_requests(int(self.req_to_token_pool.req_to_token.shape[0]))
-        from oscar.serve.plugin import current_state
-
         self.folded = bool(current_state().get("fold", True))
         self.meta: Any = None
+        self.graph: Optional[DecodeMeta] = None  # fixed-size buffers of the CUDA-graph decode metadata
+        self.num_splits: dict[int, int] = {}
 
     # -- metadata (once per forward, shared by the layers) -----------------------------------------
 
+    @property
+    def _eager_windows(self) -> bool:
+        """Whether an all-window batch attends by plain SDPA in position order (CPU / torch kernels)."""
+        return self.pool.kernels == "torch"
+
+    def _decode_meta(self, fb: Any, out: Optional[DecodeMeta] = None) -> DecodeMeta:
+        return decode_metadata(self.pool, self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                               fb.out_cache_loc, out)
+
     def init_forward_metadata(self, forward_batch: Any) -> None:
+        """Eager metadata of a forward (SGLang calls it outside CUDA graphs)."""
         mode = forward_batch.forward_mode
-        req = forward_batch.req_pool_indices.long()
-        seq_lens = [int(x) for x in (forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None
-                                     else forward_batch.seq_lens.cpu()).tolist()]
-        dev = req.device
-        if mode.is_decode():
-            S0, W = self.pool.sink, self.pool.recent
-            L = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
-            int_len = (L - S0 - W).clamp(min=0)
-            max_int = int(int_len.max()) if len(seq_lens) else 0
-            page_table = None
-            if max_int > 0:
-                page_table = self.req_to_token_pool.req_to_token[req, S0 : S0 + max_int].to(torch.int32)
-            self.meta = _DecodeMeta(
-                req=req, new_pos=L - 1, seq_lens=seq_lens, sink_len=L.clamp(max=S0).to(torch.int32),
-                recent_len=(L - S0).clamp(min=0, max=W).to(torch.int32), int_len=int_len.to(torch.int32),
-                any_int=max_int > 0, page_table=page_table)
-            return
         if mode.is_idle():
             self.meta = None
             return
-        prefix = forward_batch.extend_prefix_lens_cpu or [0] * len(seq_lens)
-        if any(int(p) > 0 for p in prefix):
-            raise RuntimeError(
-                f"--attention-backend oscar got an extend with cached prefixes {list(prefix)}: prefix reuse is not "
-                "supported; start the server with --disable-radix-cache and --chunked-prefill-size -1"
-            )
-        lens = [int(x) for x in forward_batch.extend_seq_lens_cpu]
+        if mode.is_decode():
+            self.meta = self._decode_meta(forward_batch)
+            if self._eager_windows:
+                cpu = forward_batch.seq_lens_cpu
+                self.meta.seq_lens = [int(x) for x in (cpu if cpu is not None else forward_batch.seq_lens.cpu()).tolist()]
+            return
+        self.meta = self._extend_meta(forward_batch)
+
+    def _extend_meta(self, fb: Any) -> _ExtendMeta:
+        req = fb.req_pool_indices.long()
+        dev = req.device
+        seq_lens = [int(x) for x in (fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens.cpu()).tolist()]
+        lens = [int(x) for x in fb.extend_seq_lens_cpu]
+        prefix = [int(p) for p in (fb.extend_prefix_lens_cpu or [0] * len(lens))]
         starts = [0]
         for n in lens[:-1]:
             starts.append(starts[-1] + n)
-        pos = torch.cat([torch.arange(n, device=dev) for n in lens]) if lens else torch.empty(0, dtype=torch.int64)
+        pos = (torch.cat([torch.arange(p, p + n, device=dev) for p, n in zip(prefix, lens)]) if lens
+               else torch.empty(0, dtype=torch.int64, device=dev))
         counts = torch.tensor(lens, device=dev)
-        self.meta = _ExtendMeta(req=torch.repeat_interleave(req, counts), pos=pos,
-                                seq_len=torch.repeat_interleave(torch.tensor(seq_lens, device=dev), counts),
-                                starts=starts, lens=lens)
+        return _ExtendMeta(req=torch.repeat_interleave(req, counts), pos=pos,
+                           seq_len=torch.repeat_interleave(torch.tensor(seq_lens, device=dev), counts),
+                           starts=starts, lens=lens, prefix=prefix, req_slots=[int(r) for r in req.tolist()])
+
+    # CUDA graphs (decode): fixed buffers, bound outside the capture, filled by ops recorded inside it
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        dev = self.pool.device
+        cols = self.pool.page_columns(self.req_to_token_pool.req_to_token).shape[1]
+        i64 = lambda: torch.zeros(max_bs, dtype=torch.int64, device=dev)  # noqa: E731
+        i32 = lambda: torch.zeros(max_bs, dtype=torch.int32, device=dev)  # noqa: E731
+        self.graph = DecodeMeta(req=torch.full((max_bs,), self.pool.pad_slot, dtype=torch.int64, device=dev), col=i64(),
+                                sink_len=i32(), recent_len=i32(), int_len=i32(),
+                                page_table=torch.zeros(max_bs, cols, dtype=torch.int32, device=dev))
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+        """Outside the capture / before a replay: the layers read views of the fixed buffers."""
+        if self.graph is None or not forward_batch.forward_mode.is_decode():
+            self.init_forward_metadata(forward_batch)
+            return
+        B = int(forward_batch.batch_size)
+        g = self.graph
+        self.meta = DecodeMeta(req=g.req[:B], col=g.col[:B], sink_len=g.sink_len[:B], recent_len=g.recent_len[:B],
+                               int_len=g.int_len[:B], page_table=g.page_table[:B])
+
+    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+        """Inside the capture (recorded, so each replay recomputes it): the decode metadata into the buffers."""
+        if self.graph is not None and forward_batch.forward_mode.is_decode():
+            self._decode_meta(forward_batch, self.graph)
 
     # -- helpers -----------------------------------------------------------------------------------
 
@@ -134,6 +197,19 @@ class OscarAttnBackend(AttentionBackend):
             og = og - vt.mu[None, :, None, :]
         return torch.einsum("nkpd,kde->nkpe", og, vt.R).reshape(n, h, d).to(o.dtype)
 
+    def _num_splits(self, batch: int, hkv: int) -> Optional[int]:
+        """Split-K of the mma kernel per batch size, from the server's context length (fixed, so that the
+        captured grid fits every replay)."""
+        if self.pool.layout != "mma":
+            return None
+        if batch not in self.num_splits:
+            from oscar.kernels.decode_mma import default_num_splits
+
+            cap = int(self.req_to_token_pool.req_to_token.shape[1])
+            props = torch.cuda.get_device_properties(self.pool.device)
+            self.num_splits[batch] = default_num_splits(batch, hkv, cap, num_sms=int(props.multi_processor_count))
+        return self.num_splits[batch]
+
     # -- forwards ----------------------------------------------------------------------------------
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, forward_batch: Any,
@@ -145,12 +221,22 @@ class OscarAttnBackend(AttentionBackend):
         kb = k.view(-1, Hkv, d).to(self.pool.window_dtype)
         vb = v.view(-1, Hkv, d).to(self.pool.window_dtype)
         out = torch.empty_like(q3)
-        for start, n in zip(m.starts, m.lens):
+        r2t = self.req_to_token_pool.req_to_token
+        for start, n, p, r in zip(m.starts, m.lens, m.prefix, m.req_slots):
             qs = q3[start : start + n].movedim(0, 1)  # [H, n, d]
             ks = kb[start : start + n].movedim(0, 1).to(q.dtype)
             vs = vb[start : start + n].movedim(0, 1).to(q.dtype)
-            o = scaled_dot_product_attention(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), enable_gqa=H != Hkv,
-                                             scale=layer.scaling, is_causal=True)
+            mask = None
+            if p > 0:  # an earlier chunk of this request: its rows as the cache holds them
+                pk, pv = self.pool.cached_rows(layer.layer_id, r2t, r, p)
+                ks = torch.cat([pk.to(q.dtype), ks], dim=1)
+                vs = torch.cat([pv.to(q.dtype), vs], dim=1)
+                mask = torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(p)
+            gqa = H != Hkv
+            if gqa and q.is_cuda:  # the flash / memory-efficient kernels, not the math fallback of enable_gqa
+                ks, vs, gqa = ks.repeat_interleave(H // Hkv, dim=0), vs.repeat_interleave(H // Hkv, dim=0), False
+            o = scaled_dot_product_attention(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=mask,
+                                             enable_gqa=gqa, scale=layer.scaling, is_causal=mask is None)
             out[start : start + n] = o.squeeze(0).movedim(1, 0)
         if save_kv_cache:
             self.pool.write(layer.layer_id, kb, vb, forward_batch.out_cache_loc.long(), m.req, m.pos, m.seq_len)
@@ -161,44 +247,45 @@ class OscarAttnBackend(AttentionBackend):
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, forward_batch: Any,
                        save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
         self._check_layer(layer)
-        m: _DecodeMeta = self.meta
+        m: DecodeMeta = self.meta
         H, Hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
         q3 = q.reshape(-1, H, d)
         pool, i = self.pool, layer.layer_id - self.pool.start_layer
         if save_kv_cache:
-            r2t = self.req_to_token_pool.req_to_token
-            pool.demote(layer.layer_id, m.req, m.new_pos, r2t)
-            pool.write(layer.layer_id, k.view(-1, Hkv, d), v.view(-1, Hkv, d), forward_batch.out_cache_loc.long(),
-                       m.req, m.new_pos, m.new_pos + 1)
-        if not m.any_int:
+            pool.write_decode(layer.layer_id, k.view(-1, Hkv, d), v.view(-1, Hkv, d),
+                              forward_batch.out_cache_loc.long(), m.req, m.col)
+        if m.seq_lens is not None and max(m.seq_lens, default=0) <= pool.sink + pool.recent:
             out = self._decode_windows(q3, layer, m, i)
             if self.folded:
                 out = self._to_folded(out, layer.layer_id)
             return out.reshape(q3.shape[0], H * d)
-        S0 = pool.sink
-        segs = dict(
-            sink_k=pool.sink_k[i][m.req] if S0 else None, sink_v=pool.sink_v[i][m.req] if S0 else None,
-            sink_len=m.sink_len if S0 else None, recent_k=pool.recent_k[i][m.req], recent_v=pool.recent_v[i][m.req],
-            recent_len=m.recent_len)
         kt, vt = pool.transforms[i]
         out = paged.decode_attention(q3, pool.k_pages[i], pool.v_pages[i], m.page_table, m.int_len, kt, vt,
                                      sm_scale=layer.scaling, output_frame="rotated" if self.folded else "original",
-                                     backend=pool.kernels, **segs)
+                                     backend=pool.kernels, num_splits=self._num_splits(q3.shape[0], Hkv),
+                                     **self._window_segments(m, i))
         return out.reshape(q3.shape[0], H * d)
 
-    def _decode_windows(self, q3: torch.Tensor, layer: Any, m: _DecodeMeta, i: int) -> torch.Tensor:
+    def _window_segments(self, m: DecodeMeta, i: int) -> dict[str, Any]:
+        """The batch's sink and ring rows (gathered by request slot: the kernels index windows by batch row)."""
+        sk, sv = self.pool.sink_view(i)
+        rk, rv = self.pool.ring_view(i)
+        segs = dict(recent_k=rk[m.req], recent_v=rv[m.req], recent_len=m.recent_len)
+        if self.pool.sink:
+            segs.update(sink_k=sk[m.req], sink_v=sv[m.req], sink_len=m.sink_len)
+        return segs
+
+    def _decode_windows(self, q3: torch.Tensor, layer: Any, m: DecodeMeta, i: int) -> torch.Tensor:
         """Decode attention while every row is in the BF16 windows: keys in position order, one SDPA per
         request (as ``torch_native``)."""
         pool = self.pool
-        S0, W = pool.sink, pool.recent
         H, Hkv = layer.tp_q_head_num, layer.tp_k_head_num
         out = torch.empty_like(q3)
-        for b, L in enumerate(m.seq_lens):
+        for b, L in enumerate(m.seq_lens or []):
             r = int(m.req[b])
-            ns = min(L, S0)
-            ring = [(p - S0) % W for p in range(S0, L)]
-            ks = torch.cat([pool.sink_k[i][r, :, :ns], pool.recent_k[i][r][:, ring]], dim=1).to(q3.dtype)
-            vs = torch.cat([pool.sink_v[i][r, :, :ns], pool.recent_v[i][r][:, ring]], dim=1).to(q3.dtype)
+            cols = pool.window_index(torch.arange(L, device=q3.device))
+            ks = pool.win_k[i][r][:, cols].to(q3.dtype)
+            vs = pool.win_v[i][r][:, cols].to(q3.dtype)
             qs = q3[b : b + 1].movedim(0, 1)  # [H, 1, d]
             o = scaled_dot_product_attention(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), enable_gqa=H != Hkv,
                                              scale=layer.scaling, is_causal=False)
@@ -209,4 +296,4 @@ class OscarAttnBackend(AttentionBackend):
         return False
 
 
-__all__ = ["OscarAttnBackend"]
+__all__ = ["DecodeMeta", "OscarAttnBackend", "decode_metadata"]

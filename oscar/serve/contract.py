@@ -1,53 +1,113 @@
-"""Every SGLang symbol the plugin registers with, hooks or subclasses, with the signature it relies on.
+"""Every SGLang symbol the plugin registers with, hooks or subclasses, with the signature it relies on, per version.
 
-Checked by ``tests/serve/test_contract.py`` and logged by the plugin at load, so that an SGLang upgrade
-that moves or reshapes one of these fails loudly instead of serving wrong. Pinned: ``SGLANG_VERSION``.
+Two SGLang versions are supported by one plugin: 0.5.17 (the newest release pinned to torch 2.11, what the
+H200 host runs) and 0.5.23 (the CPU CI). They differ in two seams, named by ``Seams``:
+
+- the attention-backend CLI choices live in ``sglang.srt.server_args`` (0.5.17) or
+  ``sglang.srt.arg_groups.choices`` (0.5.23);
+- the MHA pool class is picked in ``KVCacheConfigurator._build_mha_kv_pool`` (0.5.17: the plugin swaps its
+  ``mha_pool_class`` argument) or ``KVCacheConfigurator._resolve_kv_pool_class`` (0.5.23: the plugin
+  returns its class for ``kind="mha"``).
+
+Both versions drive the backend's metadata through ``init_forward_metadata_out_graph`` /
+``init_forward_metadata_in_graph`` and ``init_cuda_graph_state`` (the decode CUDA-graph runner records
+``in_graph`` inside the capture and replays it).
+
+``check_contract()`` checks the installed SGLang by import (``tests/serve/test_contract.py``, and the GPU
+script under 0.5.17); ``check_contract_source(root, version)`` checks an unpacked source tree without
+importing it (parses the files), so that CI covers 0.5.17 on a CPU that cannot import it.
 """
 
 from __future__ import annotations
 
+import ast
 import inspect
 import pkgutil
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
 
-SGLANG_VERSION = "0.5.23"
+SUPPORTED_VERSIONS = ("0.5.17", "0.5.23")
+SGLANG_VERSION = "0.5.23"  # the CPU CI's pin (envs/serve-constraints.txt); the GPU host runs 0.5.17
 
-# dotted path -> parameter names the plugin calls or receives, in order (None: existence only)
-SIGNATURES: dict[str, Any] = {
+
+@dataclass(frozen=True)
+class Seams:
+    """Where one SGLang version keeps the symbols that differ between versions."""
+
+    choices_module: str  # holds ATTENTION_BACKEND_CHOICES and add_attention_backend_choices
+    pool_hook: str  # the KVCacheConfigurator method the plugin hooks (AROUND) to put its pool in
+    pool_hook_kind: str  # "build" (swap mha_pool_class) or "resolve" (return the class for kind="mha")
+
+
+_KVC = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+SEAMS = {
+    "0.5.17": Seams("sglang.srt.server_args", f"{_KVC}._build_mha_kv_pool", "build"),
+    "0.5.23": Seams("sglang.srt.arg_groups.choices", f"{_KVC}._resolve_kv_pool_class", "resolve"),
+}
+_POOL_HOOK_PARAMS = {"build": ["self", "max_total_num_tokens", "mha_pool_class"], "resolve": ["self", "kind", "default"]}
+
+_BASE = "sglang.srt.layers.attention.base_attn_backend.AttentionBackend"
+_MHA = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool"
+_POOLCONF = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator"
+# dotted path -> parameter names the plugin calls or receives, in order (None: existence only); both versions
+COMMON: dict[str, Any] = {
     "sglang.srt.plugins.GENERAL_PLUGINS_GROUP": None,
     "sglang.srt.plugins.hook_registry.HookRegistry.register": ["target", "hook", "hook_type", "source"],
+    "sglang.srt.plugins.hook_registry.HookRegistry.apply_hooks": None,
     "sglang.srt.plugins.hook_registry.HookType": None,
     "sglang.srt.layers.attention.attention_registry.register_attention_backend": ["name"],
     "sglang.srt.layers.attention.attention_registry.ATTENTION_BACKENDS": None,
-    "sglang.srt.arg_groups.choices.add_attention_backend_choices": None,
-    "sglang.srt.arg_groups.choices.ATTENTION_BACKEND_CHOICES": None,
     "sglang.srt.server_args.ServerArgs.check_server_args": ["self"],
-    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_kv_pool_class": ["self", "kind", "default"],
-    "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size": ["self", "kvc", "num_layers"],
-    "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes": [
-        "self", "available_bytes", "page_size"],
+    f"{_POOLCONF}._compute_cell_size": ["self", "kvc", "num_layers"],
+    f"{_POOLCONF}.calculate_pool_sizes": ["self", "available_bytes", "page_size"],
     "sglang.srt.model_executor.model_runner.ModelRunner.load_model": ["self"],
-    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.__init__": [
-        "self", "size", "page_size", "dtype", "head_num", "head_dim", "layer_num", "device", "enable_memory_saver"],
-    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers": ["self"],
-    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.get_kv_size_bytes": ["self"],
-    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer": ["self", "layer", "loc_info", "cache_k", "cache_v"],
-    "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.init_forward_metadata": ["self", "forward_batch"],
-    "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.forward_extend": [
-        "self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache"],
-    "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.forward_decode": [
-        "self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache"],
+    "sglang.srt.runtime_context.get_parallel": None,
+    "sglang.srt.runtime_context.get_schedule": None,
+    f"{_MHA}.__init__": ["self", "size", "page_size", "dtype", "head_num", "head_dim", "layer_num", "device",
+                         "enable_memory_saver"],
+    f"{_MHA}._create_buffers": ["self"],
+    f"{_MHA}.get_kv_size_bytes": ["self"],
+    f"{_MHA}.set_kv_buffer": ["self", "layer", "loc_info", "cache_k", "cache_v"],
+    f"{_BASE}.init_forward_metadata": ["self", "forward_batch"],
+    f"{_BASE}.init_forward_metadata_out_graph": ["self", "forward_batch", "in_capture"],
+    f"{_BASE}.init_forward_metadata_in_graph": ["self", "forward_batch"],
+    f"{_BASE}.init_cuda_graph_state": ["self", "max_bs", "max_num_tokens"],
+    f"{_BASE}.get_cuda_graph_seq_len_fill_value": ["self"],
+    f"{_BASE}.forward_extend": ["self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache"],
+    f"{_BASE}.forward_decode": ["self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache"],
 }
 
 # ForwardBatch fields the backend reads
-FORWARD_BATCH_FIELDS = ("forward_mode", "req_pool_indices", "seq_lens", "seq_lens_cpu", "extend_prefix_lens_cpu",
-                        "extend_seq_lens_cpu", "out_cache_loc")
+FORWARD_BATCH_FIELDS = ("forward_mode", "batch_size", "req_pool_indices", "seq_lens", "seq_lens_cpu",
+                        "extend_prefix_lens_cpu", "extend_seq_lens_cpu", "out_cache_loc")
 # ServerArgs fields the start-up check reads
 SERVER_ARGS_FIELDS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend", "model_path",
                       "trust_remote_code", "device", "tp_size", "pp_size", "dp_size", "dcp_size", "enable_dp_attention",
                       "speculative_algorithm", "disable_radix_cache", "chunked_prefill_size", "enable_mixed_chunk",
                       "disable_cuda_graph", "max_running_requests", "kv_cache_dtype", "enable_hierarchical_cache",
-                      "disaggregation_mode")
+                      "disaggregation_mode", "page_size")
+_CLASSES = {"sglang.srt.model_executor.forward_batch_info.ForwardBatch": FORWARD_BATCH_FIELDS,
+            "sglang.srt.server_args.ServerArgs": SERVER_ARGS_FIELDS}
+
+
+def seams(version: str) -> Seams:
+    """The seams of SGLang ``version``; refuses an unsupported version, naming the supported ones."""
+    if version not in SEAMS:
+        raise RuntimeError(f"sglang {version} is installed; the oscar plugin supports {', '.join(SUPPORTED_VERSIONS)}")
+    return SEAMS[version]
+
+
+def signatures(version: str) -> dict[str, Any]:
+    """Dotted path -> expected leading parameter names (None: existence only) for ``version``."""
+    s = seams(version)
+    return {**COMMON, f"{s.choices_module}.ATTENTION_BACKEND_CHOICES": None,
+            f"{s.choices_module}.add_attention_backend_choices": None,
+            s.pool_hook: _POOL_HOOK_PARAMS[s.pool_hook_kind]}
+
+
+def _compare(path: str, got: list[str], expected: list[str]) -> list[str]:
+    return [] if got[: len(expected)] == expected else [f"{path}: parameters {got}, expected to start with {expected}"]
 
 
 def _params(obj: Any) -> list[str]:
@@ -55,32 +115,106 @@ def _params(obj: Any) -> list[str]:
     return [p.name for p in sig.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
-def check_contract() -> list[str]:
+def check_contract(version: Optional[str] = None) -> list[str]:
     """Problems with the installed SGLang (empty when every symbol exists with the expected signature)."""
     import sglang
 
+    installed = str(sglang.__version__)
+    version = version or installed
+    if installed != version or version not in SEAMS:
+        return [f"sglang {installed} is installed; the oscar plugin supports {', '.join(SUPPORTED_VERSIONS)}"
+                + (f" (asked to check {version})" if version != installed else "")]
     problems = []
-    if sglang.__version__ != SGLANG_VERSION:
-        problems.append(f"sglang {sglang.__version__} is installed; the oscar plugin supports {SGLANG_VERSION}")
-    for path, expected in SIGNATURES.items():
+    for path, expected in signatures(version).items():
         try:
             obj = pkgutil.resolve_name(path)
         except (ImportError, AttributeError) as err:
             problems.append(f"{path}: missing ({err})")
             continue
-        if expected is None:
-            continue
-        got = _params(obj)
-        if got[: len(expected)] != expected:
-            problems.append(f"{path}: parameters {got}, expected to start with {expected}")
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-    from sglang.srt.server_args import ServerArgs
-
+        if expected is not None:
+            problems += _compare(path, _params(obj), expected)
     # ForwardBatch is a dataclass, ServerArgs a msgspec struct: both list their fields in the constructor
-    for cls, fields in ((ForwardBatch, FORWARD_BATCH_FIELDS), (ServerArgs, SERVER_ARGS_FIELDS)):
-        names = set(inspect.signature(cls).parameters)
+    for cls_path, fields in _CLASSES.items():
+        cls = pkgutil.resolve_name(cls_path)
+        names = set(inspect.signature(cls).parameters) | set(getattr(cls, "__annotations__", {}))
         problems += [f"{cls.__name__}.{f}: missing field" for f in fields if f not in names]
     return problems
 
 
-__all__ = ["FORWARD_BATCH_FIELDS", "SERVER_ARGS_FIELDS", "SGLANG_VERSION", "SIGNATURES", "check_contract"]
+# -- the same check on an unpacked source tree (no import) --------------------------------------------
+
+
+def _find_module(root: Path, parts: list[str]) -> tuple[Optional[Path], list[str]]:
+    for n in range(len(parts), 0, -1):
+        base = root.joinpath(*parts[:n])
+        for cand in (base.with_suffix(".py"), base / "__init__.py"):
+            if cand.is_file():
+                return cand, parts[n:]
+    return None, parts
+
+
+def _lookup(body: list[ast.stmt], name: str) -> Optional[ast.AST]:
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            return node
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return node
+        if isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == name for a in node.names):
+            return node
+    return None
+
+
+def _ast_params(fn: ast.AST) -> list[str]:
+    a = fn.args  # type: ignore[attr-defined]
+    names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+    bound = any(isinstance(d, ast.Name) and d.id == "classmethod" for d in fn.decorator_list)  # type: ignore[attr-defined]
+    return names[1:] if bound else names  # as inspect.signature shows a classmethod
+
+
+def _resolve_source(root: Path, path: str) -> tuple[Optional[ast.AST], str]:
+    file, rest = _find_module(root, path.split("."))
+    if file is None:
+        return None, "no such module"
+    if not rest:
+        return ast.parse(file.read_text()), ""
+    node: Optional[ast.AST] = ast.parse(file.read_text())
+    for name in rest:
+        node = _lookup(getattr(node, "body", []), name)
+        if node is None:
+            return None, f"{name} not found in {file.relative_to(root)}"
+    return node, ""
+
+
+def check_contract_source(root: str | Path, version: str) -> list[str]:
+    """``check_contract`` on an unpacked SGLang ``version`` under ``root`` (the folder holding ``sglang/``),
+    from the source files alone: symbols and their parameters, and the fields of ForwardBatch and ServerArgs."""
+    root = Path(root)
+    ver_file = root / "sglang" / "_version.py"
+    problems = []
+    if ver_file.is_file():
+        text = ver_file.read_text()
+        if f'"{version}"' not in text and f"'{version}'" not in text:
+            problems.append(f"{ver_file}: not sglang {version}")
+    for path, expected in signatures(version).items():
+        node, why = _resolve_source(root, path)
+        if node is None:
+            problems.append(f"{path}: missing ({why})")
+            continue
+        if expected is not None:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                problems.append(f"{path}: not a function in the sources")
+                continue
+            problems += _compare(path, _ast_params(node), expected)
+    for cls_path, fields in _CLASSES.items():
+        node, why = _resolve_source(root, cls_path)
+        if not isinstance(node, ast.ClassDef):
+            problems.append(f"{cls_path}: missing ({why})")
+            continue
+        names = {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+        problems += [f"{node.name}.{f}: missing field" for f in fields if f not in names]
+    return problems
+
+
+__all__ = ["COMMON", "FORWARD_BATCH_FIELDS", "SEAMS", "SERVER_ARGS_FIELDS", "SGLANG_VERSION", "SUPPORTED_VERSIONS",
+           "Seams", "check_contract", "check_contract_source", "seams", "signatures"]

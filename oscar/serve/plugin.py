@@ -1,13 +1,15 @@
 """The SGLang plugin: entry point ``oscar`` in group ``sglang.srt.plugins`` (see pyproject.toml).
 
 ``register()`` runs in every SGLang process (``sglang.srt.plugins.load_plugins``) and only registers;
-everything it hooks is inert unless the server runs with ``--attention-backend oscar``:
+everything it hooks is inert unless the server runs with ``--attention-backend oscar``. One plugin for the
+SGLang versions of ``oscar.serve.contract.SUPPORTED_VERSIONS``; the state lives in ``oscar.serve.state``:
 
 - attention backend ``oscar`` (``attention_registry.register_attention_backend``) and its CLI choice;
 - ``ServerArgs.check_server_args`` (after): refuses unsupported flags and models and validates the OSCAR
   settings (``oscar.serve.settings``) against the model, in the launching process, before any server
   process starts; marks the backend active for the scheduler processes (``OSCAR_SERVE_ACTIVE``);
-- ``KVCacheConfigurator._resolve_kv_pool_class`` (around): the MHA pool becomes ``OscarTokenToKVPool``;
+- the MHA pool becomes ``OscarTokenToKVPool``: ``KVCacheConfigurator._resolve_kv_pool_class`` (0.5.23) or
+  ``KVCacheConfigurator._build_mha_kv_pool`` (0.5.17), around (``oscar.serve.contract.SEAMS``);
 - ``DefaultPoolConfigurator._compute_cell_size`` / ``calculate_pool_sizes`` (around): pool sizing from the
   real bytes per token, with the BF16 windows of ``--max-running-requests`` request slots reserved first;
 - ``ModelRunner.load_model`` (after): the value rotation folded into each layer's ``o_proj``.
@@ -16,45 +18,13 @@ everything it hooks is inert unless the server runs with ``--attention-backend o
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Optional
+
+from oscar.serve.state import BACKEND, active, ensure_state, set_active
 
 logger = logging.getLogger(__name__)
 
-BACKEND = "oscar"
-ENV_ACTIVE = "OSCAR_SERVE_ACTIVE"
-ENV_FOLD = "OSCAR_FOLD"
-
-_STATE: dict[str, Any] = {}
-
-
-def active() -> bool:
-    """True in a server started with ``--attention-backend oscar`` (set by the start-up check)."""
-    return os.environ.get(ENV_ACTIVE) == "1"
-
-
-def ensure_state(hf_config: Any) -> dict[str, Any]:
-    """Settings, rotations, bits and group of this process (validated against ``hf_config`` once)."""
-    if not _STATE:
-        from oscar.serve.settings import ServeSettings, validate
-
-        settings = ServeSettings.from_env()
-        rotations, bits, group = validate(settings, hf_config)
-        fold = os.environ.get(ENV_FOLD, "1")
-        if fold not in ("0", "1"):
-            from oscar.serve.settings import OscarServeError
-
-            raise OscarServeError(f"{ENV_FOLD}={fold!r} is not valid; use 1 (fold R_V into o_proj) or 0")
-        _STATE.update(settings=settings, rotations=rotations, bits=bits, group_size=group, fold=fold == "1")
-    return _STATE
-
-
-def current_state() -> dict[str, Any]:
-    """The state set up by ``ensure_state`` in this process (the pool and backend read it)."""
-    if not _STATE:
-        raise RuntimeError("the oscar plugin has no settings in this process: ensure_state() did not run "
-                           "(was the pool built without the plugin's hooks?)")
-    return _STATE
+MIN_CUDA_PAGE_SIZE = 16  # the fragment-order pages of the v9 kernel hold blocks of 16 tokens
 
 
 # -- start-up check (launching process) -----------------------------------------------------------
@@ -72,13 +42,20 @@ def _flag_problems(args: Any) -> list[str]:
     if get("speculative_algorithm"):
         out.append(f"speculative decoding is not supported: drop --speculative-algorithm {get('speculative_algorithm')}")
     if not get("disable_radix_cache"):
-        out.append("prefix (radix) cache reuse is not supported yet: add --disable-radix-cache")
-    if get("chunked_prefill_size") != -1:
-        out.append(f"chunked prefill is not supported yet: add --chunked-prefill-size -1 (got {get('chunked_prefill_size')})")
+        out.append("prefix (radix) cache reuse is not supported yet (a cached prefix has no BF16 sink rows left for "
+                   "the next request): add --disable-radix-cache")
     if get("enable_mixed_chunk"):
         out.append("mixed prefill/decode batches are not supported: drop --enable-mixed-chunk")
-    if str(get("device") or "") not in ("cpu",) and not get("disable_cuda_graph"):
-        out.append("CUDA graphs are not supported yet: add --disable-cuda-graph")
+    if str(get("device") or "cuda") != "cpu" and get("disable_prefill_cuda_graph") is False \
+            and not get("disable_cuda_graph"):
+        out.append("prefill CUDA graphs are not supported (the extend attention loops over requests on the host): "
+                   "add --disable-prefill-cuda-graph (decode CUDA graphs are supported)")
+    page = int(get("page_size") or 1)
+    if page & (page - 1):
+        out.append(f"--page-size {page} is not supported: use a power of two")
+    if str(get("device") or "cuda") != "cpu" and page < MIN_CUDA_PAGE_SIZE:
+        out.append(f"--page-size {page} is too small on a GPU: use --page-size {MIN_CUDA_PAGE_SIZE} or more (pages "
+                   "of the fragment-order layout read by the v9 decode kernel)")
     for name in ("prefill_attention_backend", "decode_attention_backend"):
         if get(name) not in (None, BACKEND):
             out.append(f"--{name.replace('_', '-')} {get(name)} would bypass the OSCAR pool: drop it or set it to oscar")
@@ -94,21 +71,30 @@ def _flag_problems(args: Any) -> list[str]:
     return out
 
 
+def _settings_problems(settings: Any, args: Any) -> list[str]:
+    """Settings that do not fit the server's flags (the sink must fill whole pages)."""
+    page = int(getattr(args, "page_size", None) or 1)
+    if settings.sink % page:
+        return [f"OSCAR_SINK={settings.sink} must be a multiple of --page-size {page} (quantized rows start on a page)"]
+    return []
+
+
 def check_server_args_after(result: Any, args: Any, *rest: Any, **kwargs: Any) -> Any:
     """AFTER hook of ``ServerArgs.check_server_args``: refuse what the plugin cannot serve correctly."""
     if getattr(args, "attention_backend", None) != BACKEND:
-        os.environ[ENV_ACTIVE] = "0"
+        set_active(False)
         return result
     from oscar.serve.settings import OscarServeError, ServeSettings, validate
 
-    problems = _flag_problems(args)
+    settings = ServeSettings.from_env()
+    problems = _flag_problems(args) + _settings_problems(settings, args)
     if problems:
         raise OscarServeError("--attention-backend oscar refuses these settings:\n  - " + "\n  - ".join(problems))
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(args.model_path, trust_remote_code=bool(args.trust_remote_code))
-    validate(ServeSettings.from_env(), hf_config)
-    os.environ[ENV_ACTIVE] = "1"
+    validate(settings, hf_config)
+    set_active(True)
     return result
 
 
@@ -116,7 +102,7 @@ def check_server_args_after(result: Any, args: Any, *rest: Any, **kwargs: Any) -
 
 
 def resolve_kv_pool_class_around(original: Any, kvc: Any, *args: Any, **kwargs: Any) -> Any:
-    """``KVCacheConfigurator._resolve_kv_pool_class``: the OSCAR pool for MHA when the backend is oscar."""
+    """``KVCacheConfigurator._resolve_kv_pool_class`` (0.5.23): the OSCAR pool for MHA when the backend is oscar."""
     if active() and kwargs.get("kind", args[0] if args else None) == "mha":
         from oscar.serve.pool import OscarTokenToKVPool
 
@@ -125,21 +111,40 @@ def resolve_kv_pool_class_around(original: Any, kvc: Any, *args: Any, **kwargs: 
     return original(kvc, *args, **kwargs)
 
 
+def build_mha_kv_pool_around(original: Any, kvc: Any, *args: Any, **kwargs: Any) -> Any:
+    """``KVCacheConfigurator._build_mha_kv_pool`` (0.5.17): built with the OSCAR pool class when the backend is
+    oscar (its arguments are keyword-only: ``max_total_num_tokens``, ``mha_pool_class``, ``quant_method``)."""
+    if active():
+        from oscar.serve.pool import OscarTokenToKVPool
+
+        ensure_state(kvc.model_config.hf_config)
+        if kwargs.get("quant_method") is not None:
+            from oscar.serve.settings import OscarServeError
+
+            raise OscarServeError("--attention-backend oscar got a KV-cache quantization method from SGLang "
+                                  "(--kv-cache-dtype); keep --kv-cache-dtype auto")
+        kwargs["mha_pool_class"] = OscarTokenToKVPool
+    return original(kvc, *args, **kwargs)
+
+
 def compute_cell_size_around(original: Any, conf: Any, kvc: Any, num_layers: int, *args: Any, **kwargs: Any) -> Any:
     """``DefaultPoolConfigurator._compute_cell_size``: OSCAR bytes per token; remembers the window bytes."""
     if not active():
         return original(conf, kvc, num_layers, *args, **kwargs)
-    from sglang.srt.runtime_context import get_parallel, get_schedule
+    from sglang.srt.runtime_context import get_parallel
 
     from oscar.serve.settings import bytes_per_token, window_bytes_per_request
 
     st = ensure_state(kvc.model_config.hf_config)
     mc = kvc.model_config
     par = get_parallel()
-    hkv = mc.get_num_kv_heads(par.attn_tp_size, par.attn_dcp_size)
+    try:  # 0.5.23: (attn_tp_size, attn_dcp_size); 0.5.17: (tensor_parallel_size); DCP > 1 is refused
+        hkv = mc.get_num_kv_heads(par.attn_tp_size, par.attn_dcp_size)
+    except TypeError:
+        hkv = mc.get_num_kv_heads(par.attn_tp_size)
     cell = bytes_per_token(int(num_layers), int(hkv), int(mc.head_dim), st["bits"], st["group_size"])
     bf16 = int(hkv) * (int(mc.head_dim) + int(mc.v_head_dim)) * int(num_layers) * 2
-    reqs = int(get_schedule().max_running_requests) + 1
+    reqs = int(kvc.server_args.max_running_requests) + 1
     conf._oscar_window_bytes = reqs * window_bytes_per_request(
         int(num_layers), int(hkv), int(mc.head_dim), st["settings"].sink, st["settings"].recent)
     logger.info("OSCAR pool sizing: %d bytes/token (BF16 would be %d: %.2fx the tokens per byte); BF16 windows "
@@ -219,30 +224,42 @@ def create_backend(runner: Any) -> Any:
     return OscarAttnBackend(runner)
 
 
+def hooks(version: str) -> list[tuple[str, Any, Any]]:
+    """(target, hook, kind name) of every hook the plugin registers under SGLang ``version``."""
+    from oscar.serve.contract import seams
+
+    s = seams(version)
+    pool_hook = build_mha_kv_pool_around if s.pool_hook_kind == "build" else resolve_kv_pool_class_around
+    conf = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator"
+    return [
+        ("sglang.srt.server_args.ServerArgs.check_server_args", check_server_args_after, "AFTER"),
+        (s.pool_hook, pool_hook, "AROUND"),
+        (f"{conf}._compute_cell_size", compute_cell_size_around, "AROUND"),
+        (f"{conf}.calculate_pool_sizes", calculate_pool_sizes_around, "AROUND"),
+        ("sglang.srt.model_executor.model_runner.ModelRunner.load_model", fold_after_load, "AFTER"),
+    ]
+
+
 def register() -> None:
-    """Entry point: register the backend, its CLI choice and the hooks (idempotent)."""
-    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    """Entry point: register the backend, its CLI choice and the hooks of the installed SGLang (idempotent)."""
+    import importlib
+
+    import sglang
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from oscar.serve.contract import seams
+
+    version = str(sglang.__version__)
+    choices = importlib.import_module(seams(version).choices_module)
     if BACKEND not in ATTENTION_BACKENDS:
         register_attention_backend(BACKEND)(create_backend)
-    if BACKEND not in ATTENTION_BACKEND_CHOICES:
-        add_attention_backend_choices([BACKEND])
-    hooks: list[tuple[str, Any, Any]] = [
-        ("sglang.srt.server_args.ServerArgs.check_server_args", check_server_args_after, HookType.AFTER),
-        ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_kv_pool_class",
-         resolve_kv_pool_class_around, HookType.AROUND),
-        ("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
-         compute_cell_size_around, HookType.AROUND),
-        ("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes",
-         calculate_pool_sizes_around, HookType.AROUND),
-        ("sglang.srt.model_executor.model_runner.ModelRunner.load_model", fold_after_load, HookType.AFTER),
-    ]
+    if BACKEND not in choices.ATTENTION_BACKEND_CHOICES:
+        choices.add_attention_backend_choices([BACKEND])
     registered = {(t, h) for t, entries in HookRegistry._hooks.items() for _, h, _ in entries}
-    for target, hook, kind in hooks:
+    for target, hook, kind in hooks(version):
         if (target, hook) not in registered:
-            HookRegistry.register(target, hook, kind)
+            HookRegistry.register(target, hook, getattr(HookType, kind))
 
 
 def plugin_loaded() -> Optional[bool]:
@@ -254,4 +271,4 @@ def plugin_loaded() -> Optional[bool]:
     return BACKEND in ATTENTION_BACKENDS
 
 
-__all__ = ["BACKEND", "active", "current_state", "ensure_state", "fold_model", "register"]
+__all__ = ["BACKEND", "MIN_CUDA_PAGE_SIZE", "fold_model", "hooks", "register"]

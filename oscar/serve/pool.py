@@ -1,20 +1,29 @@
-"""The OSCAR KV pool for SGLang: packed INT pages per token slot plus BF16 sink and recent windows per request.
+"""The OSCAR KV pool for SGLang: packed INT pages of SGLang's page size plus BF16 sink and recent windows per request.
 
-Layout (``oscar.paged``'s format with one token per page, so SGLang's token slots are the pages):
-per layer, K and V each hold ``oscar.paged.QuantPages`` with ``codes`` uint8
-``[size + page_size, Hkv, 1, d*bits/8]`` and BF16 ``scale``/``zero`` ``[size + page_size, Hkv, 1, d/G]``;
-slot ``loc`` (SGLang's ``out_cache_loc``, allocated and freed by SGLang's own allocator) is page ``loc``.
-The BF16 windows are per request slot (SGLang's ``req_pool_idx``): ``sink`` ``[R, Hkv, S0, d]`` (positions
-``0..S0-1``) and a ring ``recent`` ``[R, Hkv, W, d]`` (position ``p >= S0`` at ``(p - S0) % W``), BF16
-whatever the model dtype (as ``oscar.cache``), in the original frame. Rows are rounded to BF16 once, as they
-arrive; prefill attention, windows and quantization all read the rounded rows.
+Layout (``oscar.paged``'s format; SGLang's pages are the pages): per layer, K and V each hold
+``oscar.paged.QuantPages`` with ``codes`` uint8 ``[size/P + 1, Hkv, P, d*bits/8]`` and BF16 ``scale``/``zero``
+``[size/P + 1, Hkv, P, d/G]`` for SGLang's ``--page-size`` ``P``; token slot ``loc`` (SGLang's
+``out_cache_loc``, from SGLang's own allocator) is token ``loc % P`` of page ``loc // P``. On CUDA, INT2 with
+one group per row goes to the fragment-order layouts ``mma_k``/``mma_v`` read by the v9 decode kernel
+(``oscar.kernels.decode_mma``, pages of 16k tokens); other formats and the CPU use token rows
+(``oscar.device_cache.resolve_layout``). The BF16 windows are per request slot (SGLang's ``req_pool_idx``), one
+buffer per layer and tensor ``[R + 1, Hkv, S0 + W, d]``: the sink (positions ``0..S0-1``) in columns
+``0..S0-1`` and a ring (position ``p >= S0`` at column ``S0 + (p - S0) % W``); slot ``R`` takes the rows of
+the padded entries of a CUDA-graph batch. BF16 whatever the model dtype (as ``oscar.cache``), in the
+original frame; rows are rounded to BF16 once, as they arrive.
 
 Window convention (as ``oscar.cache``): for a sequence of length ``L`` the sink holds ``[0, min(L, S0))``,
-the pages ``[S0, L - W)`` (rotated, quantized) and the ring ``[max(S0, L - W), L)``. A prefill quantizes
-its middle rows directly; each decode step first demotes the row that leaves the window (position
-``L - 1 - W``) from the ring into its slot, then writes the new row (demotion inside the decode step).
+the quantized pages ``[S0, L - W)`` and the ring ``[max(S0, L - W), L)``. The sink is a whole number of
+pages (``S0 % P == 0``), so quantized token ``t`` (position ``S0 + t``) is token ``t % P`` of the page
+``req_to_token[r, S0 + t] // P``: the kernel's page table is every ``P``-th column of SGLang's
+``req_to_token`` from ``S0`` on, divided by ``P``. Every row at ``p >= S0`` is quantized into its token
+slot as it arrives (write-through); a row in the ring is also kept in BF16 and only read from there while
+it is in the window. Quantizing at arrival and quantizing at demotion give the same codes (the same
+BF16 row through the same quantizer), so the decode step's demotion costs nothing: when a row leaves
+the window the kernel's ``int_len`` grows by one and reads its codes. A decode step writes its new
+row (quantized, and BF16 into the sink or ring) with device ops only: it is captured in the step's CUDA graph.
 Token slots return to SGLang's allocator when a request ends; the window rows of a request slot are
-simply overwritten by the next request that gets the slot.
+overwritten by the next request that gets the slot.
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 from oscar import paged
-from oscar.serve.settings import ServeSettings, bytes_per_token, head_transforms, window_bytes_per_request
+from oscar.serve.settings import OscarServeError, ServeSettings, bytes_per_token, head_transforms, window_bytes_per_request
+from oscar.serve.state import current_state
 
 logger = logging.getLogger(__name__)
 
@@ -36,15 +46,19 @@ class OscarTokenToKVPool(MHATokenToKVPool):
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int,
                  layer_num: int, device: str, enable_memory_saver: bool, *args: Any,
-                 oscar_state: Optional[dict] = None, **kwargs: Any) -> None:
-        from oscar.serve.plugin import current_state
+                 oscar_state: Optional[dict] = None, oscar_layout: str = "auto", **kwargs: Any) -> None:
+        from oscar.device_cache import resolve_layout
 
         state = oscar_state if oscar_state is not None else current_state()
         self.settings: ServeSettings = state["settings"]
         self.rotations = state["rotations"]
         self.bits, self.group_size = int(state["bits"]), int(state["group_size"])
         self.sink, self.recent = self.settings.sink, self.settings.recent
+        if self.sink % page_size:
+            raise OscarServeError(f"OSCAR_SINK={self.sink} must be a multiple of --page-size {page_size}")
         self.kernels = self.settings.kernel_backend(device)
+        layout = oscar_layout if self.kernels == "triton" or oscar_layout != "auto" else "rows"
+        self.layout = resolve_layout(layout, self.bits, self.group_size, head_dim, page_size, torch.device(device))
         self.num_req_slots = 0
         self.window_dtype = torch.bfloat16
         super().__init__(size, page_size, dtype, head_num, head_dim, layer_num, device, enable_memory_saver,
@@ -54,40 +68,55 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         bpt = bytes_per_token(layer_num, head_num, head_dim, self.bits, self.group_size)
         bf16 = 2 * layer_num * head_num * head_dim * 2
         logger.info(
-            "OSCAR KV pool: INT%d, group %d, sink %d, recent %d: %d bytes/token (BF16 KV: %d, %.2fx more tokens "
-            "per byte); #tokens %d, pages %d bytes; kernels=%s",
-            self.bits, self.group_size, self.sink, self.recent, bpt, bf16, bf16 / bpt, size,
+            "OSCAR KV pool: INT%d, group %d, sink %d, recent %d, pages of %d tokens (%s layout): %d bytes/token "
+            "(BF16 KV: %d, %.2fx more tokens per byte); #tokens %d, pages %d bytes; kernels=%s",
+            self.bits, self.group_size, self.sink, self.recent, page_size, self.layout, bpt, bf16, bf16 / bpt, size,
             self.pages_nbytes(), self.kernels)
 
     # -- storage -----------------------------------------------------------------------------------
 
     def _create_buffers(self) -> None:
-        n = self.size + self.page_size
-        self.k_pages = [paged.QuantPages.empty(n, self.head_num, 1, self.head_dim, self.bits, self.group_size,
-                                               self.device) for _ in range(self.layer_num)]
-        self.v_pages = [paged.QuantPages.empty(n, self.head_num, 1, self.head_dim, self.bits, self.group_size,
-                                               self.device) for _ in range(self.layer_num)]
+        n = (self.size + self.page_size + self.page_size - 1) // self.page_size
+        k_layout, v_layout = ("rows", "rows") if self.layout == "rows" else ("mma_k", "mma_v")
+        make = lambda lay: paged.QuantPages.empty(n, self.head_num, self.page_size, self.head_dim, self.bits,  # noqa: E731
+                                                  self.group_size, self.device, lay)
+        self.k_pages = [make(k_layout) for _ in range(self.layer_num)]
+        self.v_pages = [make(v_layout) for _ in range(self.layer_num)]
         # SGLang code that probes the BF16 buffers gets an explicit refusal (properties below).
         self.k_scale_buffer = self.v_scale_buffer = None
-        self.sink_k: list[torch.Tensor] = []
-        self.sink_v: list[torch.Tensor] = []
-        self.recent_k: list[torch.Tensor] = []
-        self.recent_v: list[torch.Tensor] = []
+        self.win_k: list[torch.Tensor] = []
+        self.win_v: list[torch.Tensor] = []
 
     def bind_requests(self, num_req_slots: int) -> None:
-        """Allocate the BF16 windows of ``num_req_slots`` request slots (SGLang's req_to_token rows)."""
+        """Allocate the BF16 windows of ``num_req_slots`` request slots (SGLang's req_to_token rows), plus the
+        padding slot ``num_req_slots``."""
         if num_req_slots <= self.num_req_slots:
             return
-        shape_s = (num_req_slots, self.head_num, self.sink, self.head_dim)
-        shape_r = (num_req_slots, self.head_num, self.recent, self.head_dim)
-        z = lambda shape: torch.zeros(shape, dtype=self.window_dtype, device=self.device)  # noqa: E731
-        self.sink_k = [z(shape_s) for _ in range(self.layer_num)]
-        self.sink_v = [z(shape_s) for _ in range(self.layer_num)]
-        self.recent_k = [z(shape_r) for _ in range(self.layer_num)]
-        self.recent_v = [z(shape_r) for _ in range(self.layer_num)]
+        shape = (num_req_slots + 1, self.head_num, self.sink + self.recent, self.head_dim)
+        z = lambda: torch.zeros(shape, dtype=self.window_dtype, device=self.device)  # noqa: E731
+        self.win_k = [z() for _ in range(self.layer_num)]
+        self.win_v = [z() for _ in range(self.layer_num)]
         self.num_req_slots = num_req_slots
         logger.info("OSCAR KV pool: BF16 windows for %d request slots: %.3f GB", num_req_slots,
                     self.windows_nbytes() / 2**30)
+
+    @property
+    def pad_slot(self) -> int:
+        """The request slot whose windows take the rows of padded batch entries."""
+        return self.num_req_slots
+
+    def sink_view(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sink K and V ``[R + 1, Hkv, S0, d]`` of local layer ``i`` (views of the window buffers)."""
+        return self.win_k[i][:, :, : self.sink], self.win_v[i][:, :, : self.sink]
+
+    def ring_view(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Recent-window ring K and V ``[R + 1, Hkv, W, d]`` of local layer ``i`` (views)."""
+        return self.win_k[i][:, :, self.sink :], self.win_v[i][:, :, self.sink :]
+
+    def window_index(self, pos: torch.Tensor) -> torch.Tensor:
+        """Window column of position ``pos``: ``pos`` in the sink, ``S0 + (pos - S0) % W`` in the ring."""
+        S0, W = self.sink, self.recent
+        return torch.where(pos < S0, pos, S0 + (pos - S0).clamp(min=0) % W)
 
     def pages_nbytes(self) -> int:
         """Bytes of the packed pages (codes + scale + zero) of all layers."""
@@ -96,7 +125,7 @@ class OscarTokenToKVPool(MHATokenToKVPool):
 
     def windows_nbytes(self) -> int:
         """Bytes of the BF16 sink and recent windows of all request slots and layers."""
-        return sum(t.numel() * t.element_size() for t in (*self.sink_k, *self.sink_v, *self.recent_k, *self.recent_v))
+        return sum(t.numel() * t.element_size() for t in (*self.win_k, *self.win_v))
 
     def window_bytes_per_request(self) -> int:
         """Window bytes one request slot costs (what pool sizing reserves per running request)."""
@@ -110,7 +139,7 @@ class OscarTokenToKVPool(MHATokenToKVPool):
 
     def _clear_buffers(self) -> None:
         self.k_pages, self.v_pages = [], []
-        self.sink_k, self.sink_v, self.recent_k, self.recent_v = [], [], [], []
+        self.win_k, self.win_v = [], []
 
     def _refuse(self, what: str) -> Any:
         raise NotImplementedError(
@@ -152,40 +181,71 @@ class OscarTokenToKVPool(MHATokenToKVPool):
               pos: torch.Tensor, seq_len: torch.Tensor) -> None:
         """Store new rows ``k``/``v`` ``[N, Hkv, d]`` (original frame) of request slots ``req`` at positions
         ``pos`` (``[N]``, int64), where ``seq_len[n]`` is the length of row ``n``'s sequence after this
-        forward: sink rows to the sink, rows already outside the recent window quantized into slot ``loc``,
-        the others into the ring."""
+        forward (an extend, eager): rows past the sink quantized into slot ``loc``, sink rows and rows inside
+        the recent window also into the BF16 windows."""
         i = self._local(layer_id)
         kb, vb = k.to(self.window_dtype), v.to(self.window_dtype)
-        S0, W = self.sink, self.recent
-        in_sink = pos < S0
-        if bool(in_sink.any()):
-            r, p = req[in_sink], pos[in_sink]
-            self.sink_k[i][r, :, p] = kb[in_sink]
-            self.sink_v[i][r, :, p] = vb[in_sink]
-        in_int = (pos >= S0) & (pos < seq_len - W)
-        if bool(in_int.any()):
-            paged.rotate_quantize_pack_kv(kb[in_int], vb[in_int], loc[in_int], self.k_pages[i], self.v_pages[i],
+        quant = pos >= self.sink
+        if bool(quant.any()):
+            paged.rotate_quantize_pack_kv(kb[quant], vb[quant], loc[quant], self.k_pages[i], self.v_pages[i],
                                           *self.transforms[i], backend=self.kernels)
-        in_ring = (pos >= S0) & (pos >= seq_len - W)
-        if bool(in_ring.any()):
-            r, slot = req[in_ring], (pos[in_ring] - S0) % W
-            self.recent_k[i][r, :, slot] = kb[in_ring]
-            self.recent_v[i][r, :, slot] = vb[in_ring]
+        keep = (pos < self.sink) | (pos >= seq_len - self.recent)
+        if bool(keep.any()):
+            r, col = req[keep], self.window_index(pos[keep])
+            self.win_k[i][r, :, col] = kb[keep]
+            self.win_v[i][r, :, col] = vb[keep]
 
-    def demote(self, layer_id: int, req: torch.Tensor, new_pos: torch.Tensor, req_to_token: torch.Tensor) -> None:
-        """Before writing position ``new_pos[b]`` of request slot ``req[b]``: quantize the ring row that
-        leaves the window (position ``new_pos - W``, when it is past the sink) into its token slot."""
-        S0, W = self.sink, self.recent
-        old = new_pos - W
-        leaving = old >= S0
-        if not bool(leaving.any()):
-            return
+    def write_decode(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, req: torch.Tensor,
+                     col: torch.Tensor) -> None:
+        """A decode step's new rows ``[B, Hkv, d]``: quantized into their token slots ``loc`` and BF16 into
+        window column ``col`` of request slot ``req`` (device ops of fixed shapes: graph-capturable). A sink
+        row's codes land in its slot too and are never read (the page table starts at ``S0``); a padded
+        entry (``loc`` 0, SGLang's padding slot) writes the padding slots."""
         i = self._local(layer_id)
-        r, p = req[leaving], old[leaving]
-        slots = req_to_token[r, p].long()
-        src = (p - S0) % W
-        paged.rotate_quantize_pack_kv(self.recent_k[i][r], self.recent_v[i][r], slots, self.k_pages[i],
-                                      self.v_pages[i], *self.transforms[i], src_index=src, backend=self.kernels)
+        kb, vb = k.to(self.window_dtype), v.to(self.window_dtype)
+        paged.rotate_quantize_pack_kv(kb, vb, loc, self.k_pages[i], self.v_pages[i], *self.transforms[i],
+                                      backend=self.kernels)
+        self.win_k[i][req, :, col] = kb
+        self.win_v[i][req, :, col] = vb
+
+    def page_columns(self, req_to_token: torch.Tensor) -> torch.Tensor:
+        """The view of ``req_to_token`` holding, for each request slot, the first token slot of each page
+        past the sink (every ``P``-th column from ``S0``)."""
+        return req_to_token[:, self.sink :: self.page_size]
+
+    def page_table(self, req_to_token: torch.Tensor, req: torch.Tensor, out: Optional[torch.Tensor] = None
+                   ) -> torch.Tensor:
+        """The kernel's page table int32 ``[B, ceil((C - S0) / P)]`` of request slots ``req`` (device ops)."""
+        pages = torch.index_select(self.page_columns(req_to_token), 0, req) // self.page_size
+        if out is None:
+            return pages.to(torch.int32).contiguous()
+        out[: pages.shape[0]].copy_(pages)
+        return out[: pages.shape[0]]
+
+    def cached_rows(self, layer_id: int, req_to_token: torch.Tensor, r: int, length: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[Hkv, length, d]`` (float32, original frame) of positions ``0..length-1`` of request slot
+        ``r`` as the cache holds them: BF16 sink, dequantized pages ``[S0, length - W)``, BF16 ring."""
+        i = self._local(layer_id)
+        S0, W = self.sink, self.recent
+        n_sink, q_end = min(length, S0), max(S0, length - W)
+        parts_k = [self.win_k[i][r, :, :n_sink].float()]
+        parts_v = [self.win_v[i][r, :, :n_sink].float()]
+        if q_end > S0:
+            table = self.page_table(req_to_token, torch.tensor([r], device=req_to_token.device))
+            kt, vt = self.transforms[i]
+            for pages, t, out in ((self.k_pages[i], kt, parts_k), (self.v_pages[i], vt, parts_v)):
+                x = paged.gather_dequantize(pages, table, 0, q_end - S0)  # rotated frame
+                if t.R is not None:
+                    x = torch.einsum("hte,hde->htd", x, t.R.to(x.device, torch.float32))
+                if t.mu is not None:
+                    x = x + t.mu.to(x.device, torch.float32)[:, None, :]
+                out.append(x)
+        if length > q_end:
+            cols = self.window_index(torch.arange(q_end, length, device=self.device))
+            parts_k.append(self.win_k[i][r][:, cols].float())
+            parts_v.append(self.win_v[i][r][:, cols].float())
+        return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
 
 
 __all__ = ["OscarTokenToKVPool"]

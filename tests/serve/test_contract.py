@@ -1,15 +1,58 @@
-"""Every SGLang symbol the plugin registers with or hooks exists with the signature it relies on (pinned
-sglang 0.5.23), and the plugin is found through SGLang's entry-point group."""
+"""Every SGLang symbol the plugin registers with or hooks exists with the signature it relies on, for each
+supported version: the installed one (0.5.23 in CI) by import, and 0.5.17 (the GPU host's) from its sources
+(parsed, not imported: it needs torch 2.11 and CUDA wheels), when the bundle is on this machine; and the
+plugin is found through SGLang's entry-point group."""
 
 from __future__ import annotations
 
+import os
+import tarfile
 from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+_REPO = Path(__file__).parents[2]
+_CANDIDATES = [Path(os.environ["OSCAR_SGLANG_GPU_BUNDLE"])] if os.environ.get("OSCAR_SGLANG_GPU_BUNDLE") else [
+    _REPO / ".dev" / "sglang-gpu", _REPO.parent / "shared" / "sglang-gpu", _REPO.parent.parent / "shared" / "sglang-gpu"]
+TARBALL = next((c / "sglang-0.5.17-h200-site.tar.xz" for c in _CANDIDATES
+                if (c / "sglang-0.5.17-h200-site.tar.xz").is_file()), _CANDIDATES[0] / "sglang-0.5.17-h200-site.tar.xz")
 
 
 def test_sglang_symbols_match_the_contract():
     from oscar.serve.contract import check_contract
 
     assert check_contract() == []
+
+
+@pytest.fixture(scope="module")
+def sglang_0517_sources(tmp_path_factory) -> Path:
+    """sglang 0.5.17's pure-Python sources, extracted from the GPU bundle (``sglang/`` only)."""
+    if not TARBALL.is_file():
+        pytest.skip(f"the sglang 0.5.17 bundle is not on this machine ({TARBALL}; set OSCAR_SGLANG_GPU_BUNDLE)")
+    out = tmp_path_factory.mktemp("sg0517")
+    with tarfile.open(TARBALL) as tar:
+        members = [m for m in tar
+                   if m.name.removeprefix("./").startswith("sglang/") and (m.isdir() or m.name.endswith(".py"))]
+        tar.extractall(out, members=members, filter="data")
+    return out
+
+
+@pytest.mark.slow
+def test_sglang_0517_sources_match_the_contract(sglang_0517_sources):
+    from oscar.serve.contract import check_contract_source
+
+    assert check_contract_source(sglang_0517_sources, "0.5.17") == []
+    # and the check is not vacuous: the 0.5.23 seams are absent there
+    problems = check_contract_source(sglang_0517_sources, "0.5.23")
+    assert any("_resolve_kv_pool_class" in p for p in problems) and any("arg_groups.choices" in p for p in problems)
+
+
+def test_unsupported_version_is_refused_by_name():
+    from oscar.serve.contract import seams
+
+    with pytest.raises(RuntimeError, match="supports 0.5.17, 0.5.23"):
+        seams("0.5.9")
 
 
 def test_plugin_is_an_sglang_entry_point():
@@ -20,16 +63,20 @@ def test_plugin_is_an_sglang_entry_point():
 
 
 def test_register_adds_backend_choice_and_hooks():
-    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+    import importlib
+
+    import sglang
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     from oscar.serve import plugin
+    from oscar.serve.contract import seams
 
+    choices = importlib.import_module(seams(sglang.__version__).choices_module).ATTENTION_BACKEND_CHOICES
     plugin.register()
     plugin.register()  # idempotent
     assert ATTENTION_BACKENDS["oscar"] is plugin.create_backend
-    assert ATTENTION_BACKEND_CHOICES.count("oscar") == 1
+    assert choices.count("oscar") == 1
     hooked = {t for t, entries in HookRegistry._hooks.items() for _, h, _ in entries if h.__module__ == plugin.__name__}
     assert hooked == {
         "sglang.srt.server_args.ServerArgs.check_server_args",
@@ -38,6 +85,10 @@ def test_register_adds_backend_choice_and_hooks():
         "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes",
         "sglang.srt.model_executor.model_runner.ModelRunner.load_model",
     }
+    # under 0.5.17 the pool hook is the builder (one seam differs; the others are shared)
+    targets = {t for t, _, _ in plugin.hooks("0.5.17")}
+    assert "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mha_kv_pool" in targets
+    assert len(targets) == len(hooked)
     for target, entries in HookRegistry._hooks.items():
         assert sum(h.__module__ == plugin.__name__ for _, h, _ in entries) <= 1, target
 
@@ -45,22 +96,30 @@ def test_register_adds_backend_choice_and_hooks():
 def test_refusals_name_the_flag():
     from types import SimpleNamespace
 
-    from oscar.serve.plugin import _flag_problems
+    from oscar.serve.plugin import _flag_problems, _settings_problems
 
     ok = SimpleNamespace(tp_size=1, pp_size=1, dp_size=1, dcp_size=1, enable_dp_attention=False,
-                         speculative_algorithm=None, disable_radix_cache=True, chunked_prefill_size=-1,
+                         speculative_algorithm=None, disable_radix_cache=True, chunked_prefill_size=8192,
                          enable_mixed_chunk=False, device="cpu", disable_cuda_graph=False,
                          prefill_attention_backend=None, decode_attention_backend=None, max_running_requests=8,
-                         kv_cache_dtype="auto", enable_hierarchical_cache=False, disaggregation_mode="null")
-    assert _flag_problems(ok) == []
+                         kv_cache_dtype="auto", enable_hierarchical_cache=False, disaggregation_mode="null",
+                         page_size=1, disable_prefill_cuda_graph=False)
+    assert _flag_problems(ok) == []  # chunked prefill and (decode) CUDA graphs are served
     cases = {"tp_size": (2, "--tp-size 1"), "disable_radix_cache": (False, "--disable-radix-cache"),
-             "chunked_prefill_size": (8192, "--chunked-prefill-size -1"),
+             "enable_mixed_chunk": (True, "--enable-mixed-chunk"),
              "speculative_algorithm": ("EAGLE", "--speculative-algorithm"),
              "max_running_requests": (None, "--max-running-requests"),
              "decode_attention_backend": ("triton", "--decode-attention-backend"),
-             "kv_cache_dtype": ("fp8_e4m3", "--kv-cache-dtype")}
+             "kv_cache_dtype": ("fp8_e4m3", "--kv-cache-dtype"), "page_size": (24, "--page-size")}
     for field, (value, flag) in cases.items():
         problems = _flag_problems(SimpleNamespace(**{**vars(ok), field: value}))
         assert len(problems) == 1 and flag in problems[0], (field, problems)
-    cuda = SimpleNamespace(**{**vars(ok), "device": "cuda"})
-    assert any("--disable-cuda-graph" in p for p in _flag_problems(cuda))
+    gpu = SimpleNamespace(**{**vars(ok), "device": "cuda", "page_size": 16, "disable_prefill_cuda_graph": True})
+    assert _flag_problems(gpu) == []
+    for field, value, flag in (("page_size", 1, "--page-size 16"),
+                               ("disable_prefill_cuda_graph", False, "--disable-prefill-cuda-graph")):
+        problems = _flag_problems(SimpleNamespace(**{**vars(gpu), field: value}))
+        assert len(problems) == 1 and flag in problems[0], (field, problems)
+    settings = SimpleNamespace(sink=24)
+    assert any("OSCAR_SINK=24" in p and "--page-size 16" in p for p in _settings_problems(settings, gpu))
+    assert _settings_problems(SimpleNamespace(sink=64), gpu) == []
