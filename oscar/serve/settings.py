@@ -169,7 +169,8 @@ def load_rotations(settings: ServeSettings, hf_config: Any) -> tuple[list[Any], 
     if rope_layers:
         raise OscarServeError(
             f"{ENV_ARTIFACT}={str(path)!r} has rope-centered keys in layers {rope_layers} (auto chose '+rope' key "
-            "candidates), which the SGLang pool does not serve yet (the kernels do; the pool does not pass token positions to them); calibrate it with method.rope_center=false"
+            "candidates), which the SGLang pool does not serve yet (the kernels do; the pool does not pass token "
+            "positions to them); calibrate it with method.rope_center=false"
         )
     return layer_rotations(art), int(art.meta["bits"]), int(art.meta["group_size"])
 
