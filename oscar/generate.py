@@ -214,6 +214,7 @@ def generate_continuous(
     eos = set(int(e) for e in eos_token_ids)
     gens: dict[int, torch.Generator] = {}
     kw = cache_kwarg(model)
+    last_only = _last_logits_only(model)
     queue = deque(range(len(prompts)))
     active: list[int] = []
     cache: Any = None
@@ -229,7 +230,7 @@ def generate_continuous(
             fresh = make_cache()
             t0 = time.perf_counter()
             lg = model(input_ids=ids, attention_mask=mask if bool((mask == 0).any()) else None, position_ids=pos,
-                       use_cache=True, **{kw: fresh}).logits[:, -1, :]
+                       use_cache=True, **{kw: fresh}, **last_only).logits[:, -1, :]
             _sync(device)
             perf["prefill_s"] += time.perf_counter() - t0
             perf["prefill_tokens"] += int(mask.sum())
@@ -286,6 +287,14 @@ def generate_continuous(
     if stats is not None:
         stats.update(perf, batch=max_batch)
     return out
+
+
+def _last_logits_only(model: Any) -> dict:
+    """`{"logits_to_keep": 1}` when the model's forward takes it: the prefill then runs the LM head on the
+    last position only (Qwen2.5's 152k-token head is 27% of a 0.5B model's weights), else `{}`."""
+    import inspect
+
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 def _sync(device: torch.device) -> None:
