@@ -197,7 +197,8 @@ def generate_continuous(
     batch-mates; float sums over another batch shape may differ in the last bits. Sampling draws from one
     generator per request (seed `params.seed` and the request index), so it does not depend on the schedule
     either. `on_done(i, tokens, info)` is called as request `i` ends (`info`: `kv_bits_per_element` of its
-    cache rows at that moment, `steps` it was decoded for). Waiting requests are taken in prompt order.
+    cache rows at that moment, `steps` it was decoded for). Waiting requests are taken shortest prompt first, so
+    that a prefill group wastes little on left padding (its forward pass runs every padded slot).
     """
     from collections import deque
 
@@ -215,7 +216,7 @@ def generate_continuous(
     gens: dict[int, torch.Generator] = {}
     kw = cache_kwarg(model)
     last_only = _last_logits_only(model)
-    queue = deque(range(len(prompts)))
+    queue = deque(sorted(range(len(prompts)), key=lambda i: len(prompts[i])))  # prefill groups of similar lengths
     active: list[int] = []
     cache: Any = None
     logits = next_pos = None
