@@ -37,14 +37,17 @@ def read_cell(cell: Path) -> Optional[tuple[Optional[dict], list[dict]]]:
     partial = cell / PARTIAL_FILE
     if not partial.is_file():
         return None
-    records = {}
+    lines = []
     for line in partial.read_text().splitlines():
         try:
-            rec = json.loads(line)
+            lines.append(json.loads(line))
         except ValueError:
             continue  # a line cut by an interruption
-        records[rec["id"]] = rec
-    return (None, list(records.values())) if records else None
+    if not lines:
+        return None
+    current = lines[-1].get("_config_hash")  # records of an earlier configuration are not resumed, nor shown
+    records = {rec["id"]: rec for rec in lines if rec.get("_config_hash") == current}
+    return None, list(records.values())
 
 
 def _methods(root: Path, benchmark: str) -> list[str]:
