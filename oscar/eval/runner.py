@@ -354,15 +354,16 @@ def run_cell(cfg: Any, engine: Any, out_dir: Path | None = None, progress: bool 
             ok = [bool(r.get("correct")) for r in done.values()]
             bar.set_postfix(acc=f"{sum(ok) / max(1, len(ok)):.3f}")
 
-        if _continuous(cfg, engine):
+        if _continuous(cfg, engine):  # one stream over every item left; records as requests end
             _stream_items(engine, cfg, todo, emit)
             if on_batch:
                 on_batch(len(done), len(items))
-        for i in range(0, 0 if _continuous(cfg, engine) else len(todo), batch_size):
-            for rec in process_batch(engine, cfg, todo[i:i + batch_size]):
-                emit(rec)
-            if on_batch:
-                on_batch(len(done), len(items))
+        else:
+            for i in range(0, len(todo), batch_size):
+                for rec in process_batch(engine, cfg, todo[i:i + batch_size]):
+                    emit(rec)
+                if on_batch:
+                    on_batch(len(done), len(items))
     bar.close()
     records = []
     for it in items:
