@@ -174,9 +174,10 @@ def humaneval_figure(rows: list[dict[str, Any]], path: Path) -> None:
     means = [100 * r["pass_at_1"] for r in rows]
     err = [[100 * (r["pass_at_1"] - r["ci_lo"]) for r in rows], [100 * (r["ci_hi"] - r["pass_at_1"]) for r in rows]]
     ax.bar(xs, means, yerr=err, capsize=3, color=["#555555" if r["method"] == "bf16" else "#3b75af" for r in rows])
-    ax.set_xticks(list(xs), [f"{r['method']}\n{r['bits_per_element']:.2f} b" for r in rows], fontsize=8)
+    ax.set_xticks(list(xs), [f"{r['method']}\n{r['bits_per_element']:.2f} b\nn={r['n']}" for r in rows], fontsize=8)
     ax.set_ylabel("HumanEval pass@1 (%)")
-    ax.set_title("Qwen2.5-Coder-0.5B-Instruct, 164 problems, greedy; 95% item-bootstrap CI", fontsize=9)
+    partial = "" if all(r["complete"] for r in rows) else " (partial cells: n problems each)"
+    ax.set_title(f"Qwen2.5-Coder-0.5B-Instruct, greedy; 95% item-bootstrap CI{partial}", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.tmp.png")
