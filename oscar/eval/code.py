@@ -21,7 +21,7 @@ def humaneval_items(records: list[dict]) -> list[EvalItem]:
     for rec in records:
         problem = {k: rec[k] for k in ("task_id", "prompt", "test", "entry_point")}
         items.append(EvalItem(id=rec["task_id"], prompt=HUMANEVAL_INSTRUCTION.format(prompt=rec["prompt"]),
-                              target=problem, meta={"entry_point": rec["entry_point"]}))
+                              target=problem, meta={"entry_point": rec["entry_point"], "code_prompt": rec["prompt"]}))
     return items
 
 

@@ -23,6 +23,11 @@ HUMANEVAL_INSTRUCTION = (
     "```python\n{prompt}```"
 )
 
+# `benchmark.extra.answer_start=function`: the assistant's answer opens with the function's signature and
+# docstring in a code block (as bigcode-evaluation-harness's instruct HumanEval does), so the model writes
+# the body instead of first copying the prompt; the user turn then only asks for it.
+HUMANEVAL_CONTINUE_INSTRUCTION = "Complete the Python function that begins your answer. Return it in one ```python code block."
+
 LCB_INSTRUCTION = (
     "You will be given a programming problem. Write a correct Python 3 program that solves it. "
     "{io_note} Return the program in one ```python code block.\n\n{question}"

@@ -156,8 +156,6 @@ def _choice_loglikelihoods(engine: Any, contexts: list[str], conts: list[str], m
 
 def process_batch(engine: Any, cfg: Any, items: list[EvalItem]) -> list[dict]:
     """Run and grade one batch of items; one record per item."""
-    from oscar.eval import graders
-
     family = cfg.benchmark.family
     extra = cfg.benchmark.extra
     records: list[dict] = []
@@ -179,30 +177,89 @@ def process_batch(engine: Any, cfg: Any, items: list[EvalItem]) -> list[dict]:
                             "target": item.target, "correct": pred == item.target, "loglikelihoods": lls,
                             "score_mode": mode})
         return records
-    prefixes = [item.meta.get("answer_prefix", "") if family == "niah" else "" for item in items]
-    prompts = [_rendered(engine, cfg, item, p) for item, p in zip(items, prefixes)]
+    prompts = [generation_prompt(engine, cfg, item) for item in items]
     outs = _run_generate(engine, cfg, prompts, stop=list(extra.get("stop", [])) or None)
-    for item, prompt, out in zip(items, prompts, outs):
-        rec: dict[str, Any] = {"id": item.id, "prompt_hash": prompt_hash(prompt), "prediction": out,
-                               "target": item.target}
-        if family == "math":
-            rec.update(graders.grade_math(out, str(item.target)))
-        elif family == "multiple_choice":
-            letter = graders.extract_choice(out, item.meta.get("num_choices", 4))
-            rec.update({"extracted": letter, "correct": letter == item.target})
-        elif family == "code":
-            if cfg.benchmark.name == "humaneval":
-                rec.update(graders.grade_humaneval(item.target, out))
-            else:
-                rec.update(graders.grade_livecodebench(item.target["tests"], item.target["func_name"], out))
-                rec["target"] = {"num_tests": len(item.target["tests"])}
-        elif family == "niah":
-            rec.update(graders.grade_niah(out, list(item.target)))
-            rec["length"] = item.meta.get("length")
+    return [grade_generation(cfg, item, prompt, out) for item, prompt, out in zip(items, prompts, outs)]
+
+
+ANSWER_STARTS = ("", "code_block", "function")
+
+
+def answer_start(cfg: Any, item: EvalItem) -> str:
+    """Opening words of the assistant's answer (`benchmark.extra.answer_start`): "" (none), `code_block`
+    ("```python", EvalPlus's instruct prompting) or `function` (the code block opened with the item's
+    signature and docstring, `meta["code_prompt"]`); they are part of the graded answer."""
+    start = str(cfg.benchmark.extra.get("answer_start", "") or "")
+    if start not in ANSWER_STARTS:
+        raise ValueError(f"benchmark.extra.answer_start={start!r} is not valid; valid: {', '.join(map(repr, ANSWER_STARTS))}")
+    if start == "code_block":
+        return "```python"
+    if start == "function":
+        if "code_prompt" not in item.meta:
+            raise ValueError(f"benchmark.extra.answer_start=function needs code items with a code prompt; {item.id} has none")
+        return "```python\n" + item.meta["code_prompt"]
+    return ""
+
+
+def generation_prompt(engine: Any, cfg: Any, item: EvalItem) -> str:
+    """Rendered prompt of a generated (not scored) item: the chat template, then the assistant's opening
+    words (NIAH's answer prefix, or `answer_start`)."""
+    if cfg.benchmark.family == "niah":
+        return _rendered(engine, cfg, item, item.meta.get("answer_prefix", ""))
+    start = answer_start(cfg, item)
+    if start and cfg.benchmark.extra.get("answer_start") == "function":
+        from oscar.eval.prompts import HUMANEVAL_CONTINUE_INSTRUCTION
+
+        return render(getattr(engine, "tokenizer", None), HUMANEVAL_CONTINUE_INSTRUCTION, item.system,
+                      use_chat=bool(cfg.model.chat_template), assistant_prefix=start)
+    return _rendered(engine, cfg, item, start)
+
+
+def grade_generation(cfg: Any, item: EvalItem, prompt: str, out: str) -> dict:
+    """The graded record of one generated item (the response prefix, if any, is part of the answer)."""
+    from oscar.eval import graders
+
+    family = cfg.benchmark.family
+    rec: dict[str, Any] = {"id": item.id, "prompt_hash": prompt_hash(prompt), "prediction": out, "target": item.target}
+    answer = out if family == "niah" else answer_start(cfg, item) + out
+    if family == "math":
+        rec.update(graders.grade_math(answer, str(item.target)))
+    elif family == "multiple_choice":
+        letter = graders.extract_choice(answer, item.meta.get("num_choices", 4))
+        rec.update({"extracted": letter, "correct": letter == item.target})
+    elif family == "code":
+        if cfg.benchmark.name == "humaneval":
+            rec.update(graders.grade_humaneval(item.target, answer))
         else:
-            raise ValueError(f"benchmark family {family!r} has no grader; valid: math, multiple_choice, code, niah")
-        records.append(rec)
-    return records
+            rec.update(graders.grade_livecodebench(item.target["tests"], item.target["func_name"], answer))
+            rec["target"] = {"num_tests": len(item.target["tests"])}
+    elif family == "niah":
+        rec.update(graders.grade_niah(out, list(item.target)))
+        rec["length"] = item.meta.get("length")
+    else:
+        raise ValueError(f"benchmark family {family!r} has no grader; valid: math, multiple_choice, code, niah")
+    return rec
+
+
+def _continuous(cfg: Any, engine: Any) -> bool:
+    """Whether the cell generates with continuous batching (`benchmark.extra.continuous=true`, a generated
+    family and an engine that streams)."""
+    scored = cfg.benchmark.family == "multiple_choice" and cfg.benchmark.extra.get("mode", "loglikelihood") == "loglikelihood"
+    return bool(cfg.benchmark.extra.get("continuous", False)) and not scored and hasattr(engine, "generate_stream")
+
+
+def _stream_items(engine: Any, cfg: Any, items: list[EvalItem], emit: Callable[[dict], None]) -> None:
+    """Generate all `items` with continuous batching (`benchmark.batch_size` requests per decode step) and
+    emit each graded record as its request finishes (with the measured bits per element of its cache rows)."""
+    prompts = [generation_prompt(engine, cfg, item) for item in items]
+    stop = list(cfg.benchmark.extra.get("stop", [])) or None
+
+    def done(i: int, text: str, info: dict) -> None:
+        rec = grade_generation(cfg, items[i], prompts[i], text)
+        rec.update({k: v for k, v in info.items() if k in ("kv_bits_per_element", "steps")})
+        emit(rec)
+
+    engine.generate_stream(prompts, done, max_batch=max(1, int(cfg.benchmark.batch_size)), stop=stop, **_sampling(cfg))
 
 
 def _with_ci(metrics: dict[str, float], name: str, values: list[float]) -> None:
@@ -271,18 +328,25 @@ def run_cell(cfg: Any, engine: Any, out_dir: Path | None = None, progress: bool 
     bar = tqdm(total=len(items), initial=len(items) - len(todo), desc=desc, disable=not progress,
                file=sys.stderr, dynamic_ncols=True)
     with open(partial, "a", encoding="utf-8") as fh:
-        for i in range(0, len(todo), batch_size):
-            batch = todo[i:i + batch_size]
-            for rec in process_batch(engine, cfg, batch):
-                rec["_config_hash"] = chash
-                fh.write(json.dumps(rec, default=str) + "\n")
-                done[rec["id"]] = rec
+        def emit(rec: dict) -> None:
+            rec["_config_hash"] = chash
+            fh.write(json.dumps(rec, default=str) + "\n")
             fh.flush()
-            bar.update(len(batch))
+            done[rec["id"]] = rec
+            bar.update(1)
             ok = [bool(r.get("correct")) for r in done.values()]
             bar.set_postfix(acc=f"{sum(ok) / max(1, len(ok)):.3f}")
+
+        if _continuous(cfg, engine):  # one stream over every item left; records as requests end
+            _stream_items(engine, cfg, todo, emit)
             if on_batch:
                 on_batch(len(done), len(items))
+        else:
+            for i in range(0, len(todo), batch_size):
+                for rec in process_batch(engine, cfg, todo[i:i + batch_size]):
+                    emit(rec)
+                if on_batch:
+                    on_batch(len(done), len(items))
     bar.close()
     records = []
     for it in items:

@@ -103,3 +103,28 @@ rule track_table:
         "../../envs/oscar.yaml"
     shell:
         "$OSCAR_PYTHON -m oscar report --plan {input.plan} --track --track-output {output} {params.tracking} > {log} 2>&1"
+
+
+rule accuracy_report:
+    # Task accuracy by method (experiment=coder): pass@1 / needles with intervals, bits and paired diffs to BF16.
+    input:
+        cells=lambda wc: [f"{c.result_dir}/result.json" for t in ("humaneval", "niah") for c in table_plan(t).cells],
+    output:
+        csv="reports/accuracy/humaneval.csv",
+        md="reports/accuracy/humaneval.md",
+        png="reports/accuracy/humaneval.png",
+        niah_csv="reports/accuracy/niah.csv",
+        niah_md="reports/accuracy/niah.md",
+    params:
+        model=lambda wc: table_plan("humaneval").cells[0].model,
+    log:
+        "logs/accuracy_report/accuracy.log",
+    threads: res("report", "threads")
+    resources:
+        mem_mb=res("report", "mem_mb"),
+        runtime=res("report", "runtime"),
+        gpu=0,
+    conda:
+        "../../envs/oscar.yaml"
+    shell:
+        "$OSCAR_PYTHON -m oscar.studies.accuracy --results results --model {params.model} --out-dir reports/accuracy > {log} 2>&1"

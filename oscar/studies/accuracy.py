@@ -1,0 +1,222 @@
+"""Task accuracy by KV-cache method from finished eval cells: HumanEval pass@1 and needle retrieval, with 95%
+item-bootstrap intervals, the paired difference to BF16 and the measured bits per element of each row.
+
+    python -m oscar.studies.accuracy --results results --model qwen2.5-coder-0.5b --out-dir reports/accuracy
+
+Reads `results/eval/<model>/<method>/{humaneval,niah}/seed0/` (`result.json` + `items.jsonl`, or the
+`items.partial.jsonl` of a cell still running, marked as partial) and writes `humaneval.{csv,md,png}` and
+`niah.{csv,md}`. Fractions in the CSV (0-1), percent in the Markdown. `bits_per_element` is the mean over
+items of the bits per cached K/V element measured from each request's cache rows when it finished (prompt
+and completion), so it covers the BF16 windows, the INT pages in use (whole pages) and their scales.
+The paired difference to BF16 resamples problems (the same problems for both methods).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from oscar.eval.runner import ITEMS_FILE, PARTIAL_FILE, RESULT_FILE
+from oscar.eval.stats import bootstrap_mean_ci, paired_bootstrap
+
+METHOD_ORDER = ["bf16", "int2", "auto", "kivi2", "quarot", "oscar", "turboquant", "saw_int4"]
+HUMANEVAL_COLUMNS = ["method", "pass_at_1", "ci_lo", "ci_hi", "bits_per_element", "n", "diff_vs_bf16", "diff_ci_lo",
+                     "diff_ci_hi", "complete", "wall_s", "hardware"]
+NIAH_COLUMNS = ["method", "length", "score", "ci_lo", "ci_hi", "bits_per_element", "n", "diff_vs_bf16", "diff_ci_lo",
+                "diff_ci_hi", "complete"]
+
+
+def read_cell(cell: Path) -> Optional[tuple[Optional[dict], list[dict]]]:
+    """(result or None while running, item records) of a cell directory, or None when it has no records."""
+    if (cell / RESULT_FILE).is_file() and (cell / ITEMS_FILE).is_file():
+        result = json.loads((cell / RESULT_FILE).read_text())
+        return result, [json.loads(x) for x in (cell / ITEMS_FILE).read_text().splitlines() if x.strip()]
+    partial = cell / PARTIAL_FILE
+    if not partial.is_file():
+        return None
+    lines = []
+    for line in partial.read_text().splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut by an interruption
+    if not lines:
+        return None
+    current = lines[-1].get("_config_hash")  # records of an earlier configuration are not resumed, nor shown
+    records = {rec["id"]: rec for rec in lines if rec.get("_config_hash") == current}
+    return None, list(records.values())
+
+
+def _methods(root: Path, benchmark: str) -> list[str]:
+    found = sorted(p.parent.parent.name for p in root.glob(f"*/{benchmark}/seed0"))
+    return [m for m in METHOD_ORDER if m in found] + [m for m in found if m not in METHOD_ORDER]
+
+
+def _bits(records: list[dict]) -> float:
+    vals = [float(r["kv_bits_per_element"]) for r in records if r.get("kv_bits_per_element") is not None]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def _row(method: str, values: dict[str, float], ref: Optional[dict[str, float]], records: list[dict],
+         complete: bool) -> dict[str, Any]:
+    mean = sum(values.values()) / len(values)
+    lo, hi = bootstrap_mean_ci(list(values.values()))
+    row: dict[str, Any] = {"method": method, "ci_lo": lo, "ci_hi": hi, "bits_per_element": _bits(records),
+                           "n": len(values), "complete": complete, "_mean": mean}
+    if ref is not None and method != "bf16":
+        d = paired_bootstrap({(k, 0): v for k, v in values.items()}, {(k, 0): v for k, v in ref.items()})
+        row.update(diff_vs_bf16=d["diff"], diff_ci_lo=d["lo"], diff_ci_hi=d["hi"])
+    return row
+
+
+def humaneval_rows(results: Path, model: str) -> list[dict[str, Any]]:
+    """One row per method with a HumanEval cell (finished or partial)."""
+    root = results / "eval" / model
+    cells = {m: read_cell(root / m / "humaneval" / "seed0") for m in _methods(root, "humaneval")}
+    cells = {m: c for m, c in cells.items() if c}
+    ref = None
+    if "bf16" in cells:
+        ref = {r["id"]: float(bool(r.get("correct"))) for r in cells["bf16"][1]}
+    rows = []
+    for method, (result, records) in cells.items():
+        values = {r["id"]: float(bool(r.get("correct"))) for r in records}
+        common_ref = None if ref is None else {k: v for k, v in ref.items() if k in values}
+        row = _row(method, values, common_ref if common_ref else None, records, result is not None)
+        row["pass_at_1"] = row.pop("_mean")
+        row["wall_s"] = None if result is None else result.get("wall_s")
+        row["hardware"] = None if result is None else (result.get("hardware") or {}).get("cpu")
+        rows.append(row)
+    return rows
+
+
+def niah_rows(results: Path, model: str) -> list[dict[str, Any]]:
+    """One row per (method, context length) with a NIAH cell (finished or partial)."""
+    root = results / "eval" / model
+    cells = {m: read_cell(root / m / "niah" / "seed0") for m in _methods(root, "niah")}
+    cells = {m: c for m, c in cells.items() if c}
+    rows = []
+    lengths = sorted({int(r["length"]) for _, recs in cells.values() for r in recs if r.get("length")})
+    for length in lengths:
+        ref = None
+        if "bf16" in cells:
+            ref = {r["id"]: float(r["score"]) for r in cells["bf16"][1] if r.get("length") == length}
+        for method, (result, records) in cells.items():
+            sub = [r for r in records if r.get("length") == length]
+            if not sub:
+                continue
+            values = {r["id"]: float(r["score"]) for r in sub}
+            common_ref = None if not ref else {k: v for k, v in ref.items() if k in values}
+            row = _row(method, values, common_ref or None, sub, result is not None)
+            row["score"] = row.pop("_mean")
+            row["length"] = length
+            rows.append(row)
+    return rows
+
+
+def _csv(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    def cell(v: Any) -> str:
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return ""
+        if isinstance(v, float):
+            return f"{v:.6g}"
+        text = str(v)
+        return f'"{text}"' if "," in text else text
+
+    return "\n".join([",".join(columns)] + [",".join(cell(r.get(c)) for c in columns) for r in rows]) + "\n"
+
+
+def _pct(x: Any, signed: bool = False) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{100 * x:+.1f}" if signed else f"{100 * x:.1f}"
+
+
+def _diff(r: dict[str, Any]) -> str:
+    if r["method"] == "bf16":
+        return "(reference)"
+    if r.get("diff_vs_bf16") is None:
+        return "-"
+    return f"{_pct(r['diff_vs_bf16'], True)} [{_pct(r['diff_ci_lo'], True)}, {_pct(r['diff_ci_hi'], True)}]"
+
+
+def humaneval_markdown(rows: list[dict[str, Any]], header: str) -> str:
+    lines = [header, "", "| method | pass@1 (%) [95% CI] | bits / element | n | paired diff to BF16 (pts) [95% CI] |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        n = f"{r['n']}" + ("" if r["complete"] else " (running)")
+        lines.append(f"| {r['method']} | {_pct(r['pass_at_1'])} [{_pct(r['ci_lo'])}, {_pct(r['ci_hi'])}] | "
+                     f"{r['bits_per_element']:.2f} | {n} | {_diff(r)} |")
+    return "\n".join(lines) + "\n"
+
+
+def niah_markdown(rows: list[dict[str, Any]], header: str) -> str:
+    lines = [header, "", "| method | context (tokens) | needles retrieved (%) [95% CI] | bits / element | n | paired diff to BF16 (pts) [95% CI] |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        n = f"{r['n']}" + ("" if r["complete"] else " (running)")
+        lines.append(f"| {r['method']} | {r['length']} | {_pct(r['score'])} [{_pct(r['ci_lo'])}, {_pct(r['ci_hi'])}] | "
+                     f"{r['bits_per_element']:.2f} | {n} | {_diff(r)} |")
+    return "\n".join(lines) + "\n"
+
+
+def humaneval_figure(rows: list[dict[str, Any]], path: Path) -> None:
+    """Bars of pass@1 with their intervals, labelled with the measured bits per element."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    xs = range(len(rows))
+    means = [100 * r["pass_at_1"] for r in rows]
+    err = [[100 * (r["pass_at_1"] - r["ci_lo"]) for r in rows], [100 * (r["ci_hi"] - r["pass_at_1"]) for r in rows]]
+    ax.bar(xs, means, yerr=err, capsize=3, color=["#555555" if r["method"] == "bf16" else "#3b75af" for r in rows])
+    ax.set_xticks(list(xs), [f"{r['method']}\n{r['bits_per_element']:.2f} b\nn={r['n']}" for r in rows], fontsize=8)
+    ax.set_ylabel("HumanEval pass@1 (%)")
+    partial = "" if all(r["complete"] for r in rows) else " (partial cells: n problems each)"
+    ax.set_title(f"Qwen2.5-Coder-0.5B-Instruct, greedy; 95% item-bootstrap CI{partial}", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.savefig(tmp, dpi=130)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def write_reports(results: Path, model: str, out_dir: Path, header: str = "") -> dict[str, list[dict[str, Any]]]:
+    """Write humaneval.{csv,md,png} and niah.{csv,md} under `out_dir`; returns the rows."""
+    from oscar.stats import atomic_write_text
+
+    he, nh = humaneval_rows(results, model), niah_rows(results, model)
+    if he:
+        atomic_write_text(out_dir / "humaneval.csv", _csv(he, HUMANEVAL_COLUMNS))
+        atomic_write_text(out_dir / "humaneval.md", humaneval_markdown(he, header))
+        humaneval_figure(he, out_dir / "humaneval.png")
+    if nh:
+        atomic_write_text(out_dir / "niah.csv", _csv(nh, NIAH_COLUMNS))
+        atomic_write_text(out_dir / "niah.md", niah_markdown(nh, header))
+    return {"humaneval": he, "niah": nh}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", default="results", help="results root (default: results)")
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--out-dir", default="reports/accuracy")
+    parser.add_argument("--header", default="", help="Markdown text above the tables (hardware, command)")
+    args = parser.parse_args(argv)
+    rows = write_reports(Path(args.results), args.model, Path(args.out_dir), args.header)
+    if not rows["humaneval"] and not rows["niah"]:
+        print(f"no humaneval or niah cells under {args.results}/eval/{args.model}/")
+        return 1
+    for name, part in rows.items():
+        if part:
+            print((humaneval_markdown if name == "humaneval" else niah_markdown)(part, f"## {name}"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

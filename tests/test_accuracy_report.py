@@ -1,0 +1,52 @@
+"""`oscar.studies.accuracy`: pass@1 / needle tables with intervals, bits and paired differences from cells."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from oscar.studies import accuracy
+
+
+def _cell(root, method, bench, records, finished=True, hashes=None):
+    cell = root / "eval" / "m" / method / bench / "seed0"
+    cell.mkdir(parents=True)
+    if finished:
+        (cell / "result.json").write_text(json.dumps({"wall_s": 12.0, "hardware": {"cpu": "test cpu"}}))
+        (cell / "items.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    else:
+        lines = [dict(r, _config_hash=h) for r, h in zip(records, hashes)]
+        (cell / "items.partial.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"cut')
+
+
+def test_humaneval_and_niah_tables(tmp_path):
+    ids = [f"HumanEval/{i}" for i in range(10)]
+    _cell(tmp_path, "bf16", "humaneval", [{"id": i, "correct": True, "kv_bits_per_element": 16.0} for i in ids])
+    _cell(tmp_path, "int2", "humaneval",
+          [{"id": i, "correct": k % 2 == 0, "kv_bits_per_element": 3.0 + k % 2} for k, i in enumerate(ids)])
+    # a running cell: the stale record of an earlier configuration and the cut last line are ignored
+    _cell(tmp_path, "auto", "humaneval", [{"id": ids[0], "correct": False}, {"id": ids[1], "correct": True,
+          "kv_bits_per_element": 4.0}, {"id": ids[2], "correct": True, "kv_bits_per_element": 4.0}],
+          finished=False, hashes=["old", "new", "new"])
+    for method, scores in (("bf16", [1, 1, 0, 1]), ("int2", [0, 1, 0, 0])):
+        _cell(tmp_path, method, "niah", [{"id": f"n{k}", "length": 4096 if k < 2 else 8192, "score": s,
+                                          "kv_bits_per_element": 2.5} for k, s in enumerate(scores)])
+    rows = accuracy.write_reports(tmp_path, "m", tmp_path / "out")
+    he = {r["method"]: r for r in rows["humaneval"]}
+    assert [r["method"] for r in rows["humaneval"]] == ["bf16", "int2", "auto"]
+    assert he["bf16"]["pass_at_1"] == 1.0 and he["bf16"]["n"] == 10 and "diff_vs_bf16" not in he["bf16"]
+    assert he["int2"]["pass_at_1"] == 0.5 and he["int2"]["bits_per_element"] == pytest.approx(3.5)
+    assert he["int2"]["diff_vs_bf16"] == pytest.approx(-0.5) and he["int2"]["diff_ci_lo"] < -0.5 < he["int2"]["diff_ci_hi"]
+    assert he["auto"]["n"] == 2 and he["auto"]["pass_at_1"] == 1.0 and not he["auto"]["complete"]
+    assert he["auto"]["diff_vs_bf16"] == 0.0  # paired on the two problems both have
+    with open(tmp_path / "out" / "humaneval.csv") as fh:
+        table = list(csv.DictReader(fh))
+    assert set(["method", "pass_at_1", "ci_lo", "ci_hi", "bits_per_element", "n"]) <= set(table[0])
+    assert (tmp_path / "out" / "humaneval.png").stat().st_size > 0
+    md = (tmp_path / "out" / "humaneval.md").read_text()
+    assert "| int2 | 50.0 [" in md and "2 (running)" in md
+    niah = {(r["method"], r["length"]): r for r in rows["niah"]}
+    assert niah[("bf16", 8192)]["score"] == 0.5 and niah[("int2", 4096)]["diff_vs_bf16"] == pytest.approx(-0.5)
+    assert accuracy.main(["--results", str(tmp_path / "none"), "--model", "m", "--out-dir", str(tmp_path / "x")]) == 1
