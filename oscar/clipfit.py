@@ -482,6 +482,8 @@ def select_layer(
     head's table still lists all candidates."""
     rows = _samples(stats, layer, side)
     metric = _metric(stats, layer, side)
+    if rows.shape[1] < channel_block:  # fewer held-back rows than one block: nothing to score them on
+        channel_block = 0
     cands = [candidates(stats, layer, h, side, targets, centers, channel_block) for h in range(stats.num_kv_heads)]
     if not (channel_block and side == "key"):
         return [select_candidate(rows[h], metric[h], cands[h], grid, bits=bits, group_size=group_size) for h in range(len(cands))]
