@@ -5,7 +5,8 @@ Tensors (float32), per layer `l`: `layers.{l}.R_K`, `layers.{l}.R_V` `[Hkv, d, d
 `layers.{l}.rho_K`, `layers.{l}.rho_V` `[Hkv]`, and `layers.{l}.eig_K`, `layers.{l}.eig_V`
 `[Hkv, d]` when the method has an eigen-target, and `layers.{l}.ropemu_K` `[Hkv, d]` when a key head of
 the layer is rope-centered (`oscar.rope`: the pre-RoPE mean, zero rows for the other heads; the layer's
-RoPE is `meta["rope"][l]`). `meta.json` carries `format_version`,
+RoPE is `meta["rope"][l]`). A layer whose keys `auto` gave the per-channel format has its block size in
+`meta["key_block"][l]` (0 elsewhere; absent when no layer has it). `meta.json` carries `format_version`,
 `oscar_version`, `method`, `model` (`id`, `config_hash`, `num_layers`, `num_kv_heads`,
 `head_dim`), `calibration`, `group_size`, `bits`, `choices` (for `auto`), `tensors_sha256`
 (the digest of the safetensors file it was written with, so a mixed-up pair is refused) and
@@ -40,7 +41,7 @@ _OPTIONAL = ("eig_K", "eig_V", "ropemu_K")
 # and the like act at run time and may differ.
 METHOD_FIELDS = {"key_rotation": "identity", "value_rotation": "identity", "key_target": "query",
                  "value_target": "output", "center": False, "clip": "fit", "seed": 0,
-                 "rope_center": True}
+                 "rope_center": True, "channel_block": 0}
 FIXED_CLIP_FIELDS = {"rho_k": 1.0, "rho_v": 1.0}
 
 
@@ -135,6 +136,15 @@ class CalibrationArtifact:
             if not getattr(self, name):
                 setattr(self, name, [None] * n)
         self.validate()
+
+    def key_block(self, layer: int) -> int:
+        """Tokens per block of the layer's per-channel keys (`meta["key_block"]`), 0 for per-token keys."""
+        blocks = self.meta.get("key_block") or []
+        if not blocks:
+            return 0
+        if len(blocks) != self.num_layers:
+            raise ValueError(f"meta key_block lists {len(blocks)} layers, the artifact has {self.num_layers}")
+        return int(blocks[layer])
 
     def key_rope(self, layer: int) -> Any:
         """`(RopeSpec, pre-RoPE means [Hkv, d])` of a layer with rope-centered key heads, else None."""

@@ -67,10 +67,13 @@ class LayerRotations:
     rho_v: Optional[torch.Tensor] = None  # [Hkv]
     rope_k: Optional[torch.Tensor] = None  # [Hkv, d] pre-RoPE key means of rope-centered heads (zero rows elsewhere)
     rope: Any = None  # oscar.rope.RopeSpec of the layer's keys, with rope_k
+    k_block: int = 0  # >0: keys quantized per channel over blocks of k_block tokens (oscar.quant.quantize_channels)
 
     def __post_init__(self) -> None:
         if (self.rope_k is None) != (self.rope is None):
             raise ValueError("rope-centered keys need both the pre-RoPE means (rope_k) and the layer's RoPE (rope)")
+        if self.k_block < 0:
+            raise ValueError(f"k_block={self.k_block} must be 0 (per-token keys) or a positive block of tokens")
 
     def to(self, device: torch.device, dtype: torch.dtype = torch.float32) -> "LayerRotations":
         """Copy onto `device` as `dtype` (float32, or float64 for exactness tests)."""
@@ -79,7 +82,7 @@ class LayerRotations:
             return None if t is None else t.to(device=device, dtype=dtype)
 
         return LayerRotations(mv(self.r_k), mv(self.r_v), mv(self.mu_k), mv(self.mu_v), mv(self.rho_k), mv(self.rho_v),
-                              mv(self.rope_k), self.rope)
+                              mv(self.rope_k), self.rope, self.k_block)
 
     def paged_transforms(self, where: str, device: Optional[torch.device] = None) -> tuple[Any, Any]:
         """K and V `oscar.paged.HeadTransform`s (float32, on `device` or where the rotations are) for the
@@ -90,6 +93,7 @@ class LayerRotations:
         """
         from oscar import paged
 
+        self.check_channel_keys(where)
         if self.rope_k is not None and self.rope.head_dim != self.r_k.shape[-1]:
             raise ValueError(f"{where}: the RoPE of the rope-centered keys has head_dim {self.rope.head_dim}, the "
                              f"rotations {self.r_k.shape[-1]}")
@@ -107,6 +111,16 @@ class LayerRotations:
             kt = paged.HeadTransform(kt.R, kt.mu, kt.rho, self.rope_k.to(dev, torch.float32),
                                      self.rope.inv_freq.to(dev, torch.float64), float(self.rope.scaling))
         return kt, one(self.r_v, self.mu_v, self.rho_v)
+
+    def check_channel_keys(self, where: str) -> None:
+        """Refuse per-channel keys on the paged/Triton/CUDA path (their pages carry one scale and zero per
+        block and channel, which the kernels do not read yet), naming the setting that turns them off."""
+        if self.k_block:
+            raise NotImplementedError(
+                f"{where}: per-channel keys (auto chose a '/ch{self.k_block}' key candidate) run on the torch path only; "
+                "the paged/Triton/CUDA kernels read per-token scales only. Use backend=torch without paged_decode, or "
+                "calibrate auto without per-channel candidates (method.channel_block=0)"
+            )
 
     def key_offsets(self, positions: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
         """`RoPE_p(rope_k[h])` `[B, Hkv, L, d]` for token positions `[B, L]` (-1: empty slot, zero offset),
@@ -162,15 +176,24 @@ class CacheSpec:
 
 class PagedRows:
     """Packed INT rows of one tensor (K or V) in fixed-size pages: `codes` `[P, Hkv, page, d*b/8]`,
-    `scale`/`zero` `[P, Hkv, page, d/G]`, plus one page list per sequence (the page table)."""
+    `scale`/`zero` `[P, Hkv, page, d/G]`, plus one page list per sequence (the page table).
 
-    def __init__(self, batch: int, num_kv_heads: int, head_dim: int, bits: int, group_size: int, page_size: int, device: torch.device):
+    `block > 0` (per-channel keys, `oscar.quant.quantize_channels`): the same code bytes per slot, and
+    `scale`/`zero` `[P, Hkv, page/block, d]`, one pair per block of `block` slots and channel; `block`
+    divides `page_size`, rows arrive in whole blocks, so a block never straddles two pages."""
+
+    def __init__(self, batch: int, num_kv_heads: int, head_dim: int, bits: int, group_size: int, page_size: int,
+                 device: torch.device, block: int = 0):
         self.hkv, self.d, self.bits, self.group_size, self.page_size = num_kv_heads, head_dim, bits, group_size, page_size
-        self.device = device
+        self.device, self.block = device, block
+        if block and page_size % block:
+            raise ValueError(f"page_size={page_size} is not a multiple of the per-channel key block {block}; "
+                             f"use a page_size that is a multiple of {block}")
         nb, ng = head_dim * bits // 8, head_dim // group_size
+        meta_shape = (page_size // block, head_dim) if block else (page_size, ng)
         self.codes = torch.zeros(0, num_kv_heads, page_size, nb, dtype=torch.uint8, device=device)
-        self.scale = torch.zeros(0, num_kv_heads, page_size, ng, dtype=torch.bfloat16, device=device)
-        self.zero = torch.zeros(0, num_kv_heads, page_size, ng, dtype=torch.bfloat16, device=device)
+        self.scale = torch.zeros(0, num_kv_heads, *meta_shape, dtype=torch.bfloat16, device=device)
+        self.zero = torch.zeros(0, num_kv_heads, *meta_shape, dtype=torch.bfloat16, device=device)
         self.pages: list[list[int]] = [[] for _ in range(batch)]
         self.lengths: list[int] = [0] * batch
         self.num_pages = 0
@@ -184,8 +207,11 @@ class PagedRows:
         self.num_pages += 1
         return self.num_pages - 1
 
-    def append(self, b: int, rows: quant.QuantizedRows) -> None:
-        """Append quantized rows `[Hkv, m, ...]` to sequence `b`."""
+    def append(self, b: int, rows: quant.QuantizedRows | quant.ChannelQuantizedRows) -> None:
+        """Append quantized rows `[Hkv, m, ...]` to sequence `b` (per-channel rows: whole blocks)."""
+        if self.block:
+            self._append_blocks(b, rows)  # type: ignore[arg-type]
+            return
         m = rows.codes.shape[1]
         done = 0
         while done < m:
@@ -199,6 +225,19 @@ class PagedRows:
             self.zero[page, :, slot : slot + take] = rows.zero[:, done : done + take]
             self.lengths[b] += take
             done += take
+
+    def _append_blocks(self, b: int, rows: quant.ChannelQuantizedRows) -> None:
+        if not isinstance(rows, quant.ChannelQuantizedRows) or rows.block != self.block:
+            raise ValueError(f"pages of per-channel blocks of {self.block} tokens take ChannelQuantizedRows of that block")
+        for j in range(rows.scale.shape[1]):
+            slot = self.lengths[b] % self.page_size
+            if slot == 0:
+                self.pages[b].append(self._new_page())
+            page, t = self.pages[b][-1], self.block
+            self.codes[page, :, slot : slot + t] = rows.codes[:, j * t : (j + 1) * t]
+            self.scale[page, :, slot // t] = rows.scale[:, j]
+            self.zero[page, :, slot // t] = rows.zero[:, j]
+            self.lengths[b] += t
 
     def reserve(self, b: int, m: int) -> torch.Tensor:
         """Allocate the next `m` slots of sequence `b` (new pages as needed); their slot ids
@@ -232,9 +271,14 @@ class PagedRows:
         table = self.page_table().long()
         bsz, width = table.shape
         codes = self.codes[table].permute(0, 2, 1, 3, 4).reshape(bsz, self.hkv, width * self.page_size, -1)
-        scale = self.scale[table].permute(0, 2, 1, 3, 4).reshape(bsz, self.hkv, width * self.page_size, -1)
-        zero = self.zero[table].permute(0, 2, 1, 3, 4).reshape(bsz, self.hkv, width * self.page_size, -1)
-        rows = quant.dequantize(quant.QuantizedRows(codes, scale, zero, self.bits, self.group_size, self.d))
+        meta_rows = width * self.scale.shape[2]
+        scale = self.scale[table].permute(0, 2, 1, 3, 4).reshape(bsz, self.hkv, meta_rows, -1)
+        zero = self.zero[table].permute(0, 2, 1, 3, 4).reshape(bsz, self.hkv, meta_rows, -1)
+        if self.block:
+            rows = quant.dequantize_channels(
+                quant.ChannelQuantizedRows(codes, scale, zero, self.bits, self.block, self.group_size, self.d))
+        else:
+            rows = quant.dequantize(quant.QuantizedRows(codes, scale, zero, self.bits, self.group_size, self.d))
         lengths = torch.tensor(self.lengths, device=self.device)
         valid = torch.arange(width * self.page_size, device=self.device)[None, :] < lengths[:, None]
         return rows, valid
@@ -295,7 +339,8 @@ class OscarLayer(CacheLayerMixin):
         dt = sp.store_dtype
         self.sink_k = torch.zeros(b, hkv, sp.sink, d, dtype=dt, device=self.device)
         self.sink_v = torch.zeros_like(self.sink_k)
-        cap = sp.recent if sp.kind == "rotated" else 64
+        k_block = self.rot.k_block if sp.kind == "rotated" and self.rot is not None else 0
+        cap = sp.recent + max(k_block - 1, 0) if sp.kind == "rotated" else 64  # per-channel keys demote whole blocks
         self.recent_k = torch.zeros(b, hkv, cap, d, dtype=dt, device=self.device)
         self.recent_v = torch.zeros_like(self.recent_k)
         self.sink_len = [0] * b
@@ -310,7 +355,9 @@ class OscarLayer(CacheLayerMixin):
                     f"layer {self.layer_idx}: rotations of shape {tuple(self.rot.r_k.shape)} / {tuple(self.rot.r_v.shape)} "
                     f"do not match the model's {hkv} KV heads of head_dim {d}"
                 )
-            self.k_store = PagedRows(b, hkv, d, sp.bits, sp.group_size, sp.page_size, self.device)
+            if self.rot.k_block and (sp.backend == "triton" or sp.paged_decode):
+                self.rot.check_channel_keys(f"layer {self.layer_idx}")
+            self.k_store = PagedRows(b, hkv, d, sp.bits, sp.group_size, sp.page_size, self.device, block=self.rot.k_block)
             self.v_store = PagedRows(b, hkv, d, sp.bits, sp.group_size, sp.page_size, self.device)
         self.keys = self.values = None
         self.is_initialized = True
@@ -421,9 +468,10 @@ class OscarLayer(CacheLayerMixin):
 
     # -- quantization ----------------------------------------------------------------------------
 
-    def _quantize(self, x: torch.Tensor, which: str, positions: Optional[torch.Tensor] = None) -> quant.QuantizedRows:
+    def _quantize(self, x: torch.Tensor, which: str, positions: Optional[torch.Tensor] = None) -> Any:
         """Rotate-clip-quantize rows `[..., Hkv, m, d]` (BF16 values as stored) per KV head; keys of a
-        rope-centered layer need their token `positions` (`[m]` or `[B, m]`, matching `x`)."""
+        rope-centered layer need their token `positions` (`[m]` or `[B, m]`, matching `x`). Keys of a
+        per-channel layer (`k_block`) are whole blocks of consecutive tokens -> `ChannelQuantizedRows`."""
         r = self.rot
         assert r is not None
         rot, mu, rho = (r.r_k, r.mu_k, r.rho_k) if which == "k" else (r.r_v, r.mu_v, r.rho_v)
@@ -436,10 +484,46 @@ class OscarLayer(CacheLayerMixin):
             off = r.key_offsets(positions.reshape(-1, positions.shape[-1]), torch.float32)
             off = off.reshape(*x.shape[:-3], self.hkv, x.shape[-2], self.d) if extra else off[0]
             mu = off if mu is None else mu + off
+        clipped = rho is not None and bool((rho < 1).any())
+        if which == "k" and r.k_block:
+            xc = x.float() if mu is None else x.float() - mu.float()
+            rho_h: Any = rho.float().reshape(*([1] * extra), self.hkv) if clipped else 1.0  # type: ignore[union-attr]
+            return quant.quantize_channels(torch.matmul(xc, rot.float()), self.spec.bits, r.k_block, self.spec.group_size, rho_h)
         rho_b: Any = 1.0
-        if rho is not None and bool((rho < 1).any()):
-            rho_b = rho.reshape(*([1] * extra), self.hkv, 1).expand(*x.shape[:-1])
+        if clipped:
+            rho_b = rho.reshape(*([1] * extra), self.hkv, 1).expand(*x.shape[:-1])  # type: ignore[union-attr]
         return quant.rotate_clip_quantize(x.float(), rot, mu, rho_b, bits=self.spec.bits, group_size=self.spec.group_size)
+
+    def _requantized(self, x: torch.Tensor, which: str, positions: torch.Tensor) -> torch.Tensor:
+        """Dequantized rotated-frame image `[B, Hkv, L, d]` (float32) of rows `x` `[B, Hkv, L, d]` at `positions`
+        `[B, L]` (-1: empty slot), as the cache would store them: per token, or for per-channel keys in whole
+        blocks of consecutive tokens aligned at the sink (rows of an incomplete block: zero, never read)."""
+        block = self.rot.k_block if which == "k" and self.rot is not None else 0
+        if not block:
+            return quant.dequantize(self._quantize(x, which, positions))
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        sink = self.spec.sink
+        for b in range(x.shape[0]):
+            cols = (positions[b] >= sink).nonzero().flatten()
+            n = (cols.numel() // block) * block
+            if n == 0:
+                continue
+            cols = cols[:n]
+            first = int(positions[b, cols[0]])
+            if (first - sink) % block or not torch.equal(positions[b, cols], torch.arange(first, first + n, device=x.device)):
+                raise RuntimeError(f"layer {self.layer_idx}: per-channel key rows are not whole blocks aligned at the sink")
+            out[b][:, cols] = quant.dequantize_channels(self._quantize(x[b][:, cols], which, positions[b, cols]))
+        return out
+
+    def _int_end(self, t: torch.Tensor) -> torch.Tensor:
+        """End (exclusive) of the quantized range `[sink, end)` that a query at position `t` reads: `t + 1 - W`
+        (at least the sink), rounded down to whole blocks past the sink for per-channel keys."""
+        sp = self.spec
+        past = (t + 1 - sp.sink - sp.recent).clamp(min=0)
+        block = self.rot.k_block if sp.kind == "rotated" and self.rot is not None else 0
+        if block:
+            past = torch.div(past, block, rounding_mode="floor") * block
+        return sp.sink + past
 
     def _with_key_offsets_rot(self, k_rot: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Dequantized rotated-frame keys `[B, Hkv, L, d]` plus the rope-centered offsets at `positions`
@@ -550,7 +634,7 @@ class OscarLayer(CacheLayerMixin):
         pos_bf = torch.cat([sink_pos, rec_pos, chunk_pos], dim=1)[:, None, :]  # [B, 1, L]
         vis_bf = q_ok & (pos_bf >= 0) & (pos_bf <= t)
         if decode_eq and sp.kind == "rotated":
-            vis_bf = vis_bf & ((pos_bf < sp.sink) | (pos_bf > t - sp.recent))
+            vis_bf = vis_bf & ((pos_bf < sp.sink) | (pos_bf >= self._int_end(t)))
         o_bf, lse_bf = segment_attention(qg, k_bf, v_bf, vis_bf[:, None, None], scale)
 
         int_parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -566,10 +650,10 @@ class OscarLayer(CacheLayerMixin):
                 int_parts.append(int_segment(qg, k_rot, v_rot, vis[:, None, None], scale, rot.r_k, rot.mu_k))
             if decode_eq:
                 pos_q = torch.cat([rec_pos, chunk_pos], dim=1)[:, None, :]
-                vis_q = q_ok & (pos_q >= sp.sink) & (pos_q <= t - sp.recent)
+                vis_q = q_ok & (pos_q >= sp.sink) & (pos_q < self._int_end(t))
                 if bool(vis_q.any()):
                     pq = pos_q[:, 0]
-                    kq = quant.dequantize(self._quantize(torch.cat([self.recent_k, kb], dim=2), "k", pq)).to(self.cdt)
+                    kq = self._requantized(torch.cat([self.recent_k, kb], dim=2), "k", pq).to(self.cdt)
                     kq = self._with_key_offsets_rot(kq, pq)
                     vq = quant.dequantize(self._quantize(torch.cat([self.recent_v, vb], dim=2), "v")).to(self.cdt)
                     int_parts.append(int_segment(qg, kq, vq, vis_q[:, None, None], scale, rot.r_k, rot.mu_k))
@@ -670,7 +754,7 @@ class OscarLayer(CacheLayerMixin):
                 is_q.append(True)
             if decode_eq:
                 pq = torch.cat([rec_pos, chunk_pos], dim=1)
-                keys.append(self._unrotate(quant.dequantize(self._quantize(torch.cat([self.recent_k, kb], dim=2), "k", pq)), "k", pq))
+                keys.append(self._unrotate(self._requantized(torch.cat([self.recent_k, kb], dim=2), "k", pq), "k", pq))
                 vals.append(self._unrotate(quant.dequantize(self._quantize(torch.cat([self.recent_v, vb], dim=2), "v")), "v"))
                 pos.append(pq)
                 is_q.append(True)
@@ -684,7 +768,7 @@ class OscarLayer(CacheLayerMixin):
             t = chunk_pos[:, start : start + block, None]  # [B, nb, 1]
             vis = (p_all >= 0) & (p_all <= t) & (t >= 0)
             if decode_eq and sp.kind == "rotated":
-                in_window = (p_all < sp.sink) | (p_all > t - sp.recent)
+                in_window = (p_all < sp.sink) | (p_all >= self._int_end(t))
                 vis = vis & torch.where(q_flag[None, None, :], ~in_window, in_window)
             cols = vis.any(dim=1).any(dim=0).nonzero().flatten()
             if cols.numel() == 0:
@@ -741,6 +825,8 @@ class OscarLayer(CacheLayerMixin):
             all_k = torch.cat([self.recent_k[b, :, :r], k], dim=1)
             all_v = torch.cat([self.recent_v[b, :, :r], v], dim=1)
             over = all_k.shape[1] - sp.recent
+            if over > 0 and self.rot is not None and self.rot.k_block:  # per-channel keys: whole blocks only
+                over = (over // self.rot.k_block) * self.rot.k_block
             if over > 0:
                 if sp.backend == "triton":
                     self._demote_triton(b, all_k[:, :over], all_v[:, :over])

@@ -83,7 +83,9 @@ def build_artifact(
     `fixed`: `rho_k`/`rho_v`; `none`: 1.0), `seed`. `group_size` is the effective group size
     (`oscar.methods.effective_group_size`). `auto` picks, per (layer, KV head) and side, the
     candidate (`oscar.clipfit.candidates`) with the lowest measured distortion, each candidate
-    with its own fitted clip ratio, and records the choices in the metadata.
+    with its own fitted clip ratio, and records the choices in the metadata. `channel_block` (`auto`
+    only; 0 = off) adds the per-channel key candidates over blocks of that many tokens; a layer whose keys
+    take them is listed in `meta["key_block"]` (per layer: the block, 0 for per-token keys).
     """
     bits = int(_get(method, "bits", 2))
     clip = str(_get(method, "clip", "fit"))
@@ -92,6 +94,7 @@ def build_artifact(
     center = bool(_get(method, "center", False))
     rope_center = bool(_get(method, "rope_center", True))
     seed = int(_get(method, "seed", 0))
+    channel_block = int(_get(method, "channel_block", 0))
     kinds = {"key": str(_get(method, "key_rotation", "identity")), "value": str(_get(method, "value_rotation", "identity"))}
     targets = {"key": str(_get(method, "key_target", "query")), "value": str(_get(method, "value_target", "output"))}
     fixed = {"key": float(_get(method, "rho_k", 1.0)), "value": float(_get(method, "rho_v", 1.0))}
@@ -105,11 +108,15 @@ def build_artifact(
         raise ValueError(f"auto must apply to both sides, got key_rotation={kinds['key']!r}, value_rotation={kinds['value']!r}")
     if kinds["key"] == "auto" and stats is None:
         raise ValueError("method auto needs calibration statistics with held-back rows")
+    if channel_block < 0 or (channel_block and kinds["key"] != "auto"):
+        raise ValueError(f"channel_block={channel_block}: per-channel key candidates are an auto setting (a positive "
+                         "number of tokens, 0 = off); other methods have per-token keys")
 
     # layers the cache never quantizes (sliding-window layers, recorded by `dump`): no selection or clip fit
     skip = set((stats.meta.get("window_layers") or []) if stats is not None else [])
     out: dict[str, list] = {n: [] for n in ("R_K", "R_V", "mu_K", "mu_V", "rho_K", "rho_V", "eig_K", "eig_V", "ropemu_K")}
     ropes: list[dict[str, Any] | None] = []
+    key_block: list[int] = []
     choices: list[dict[str, Any]] = []
     for layer in range(num_layers):
         per_side: dict[str, dict[str, Any]] = {}
@@ -122,7 +129,8 @@ def build_artifact(
             elif kinds[side] == "auto":
                 grid = grids[side] if clip == "fit" else [fixed[side] if clip == "fixed" else 1.0]
                 centers = None if rope_center or side == "value" else (False, True)
-                sel = select_layer(stats, layer, side, grid, bits=bits, group_size=group_size, centers=centers)  # type: ignore[arg-type]
+                sel = select_layer(stats, layer, side, grid, bits=bits, group_size=group_size, centers=centers,  # type: ignore[arg-type]
+                                   channel_block=channel_block)
                 rot = {
                     "R": torch.stack([s.candidate.R for s in sel]),
                     "mu": torch.stack([s.candidate.mu for s in sel]),
@@ -154,13 +162,14 @@ def build_artifact(
             out[f"eig_{tag}"].append(None if rot["eig"] is None else rot["eig"].to(torch.float32))
             out[f"rho_{tag}"].append(rho.to(torch.float32))
         out["ropemu_K"].append(None if rope_mean is None else rope_mean.to(torch.float32))
+        key_block.append(int(per_side["key"]["sel"][0].candidate.block) if "key" in per_side else 0)
         spec = stats_rope(stats, layer) if rope_mean is not None else None  # type: ignore[arg-type]
         ropes.append(None if spec is None else spec.to_json())
         if "key" in per_side:
             for h, (sk, sv) in enumerate(zip(per_side["key"]["sel"], per_side["value"]["sel"])):
                 choices.append({
                     "layer": layer, "head": h,
-                    "key_target": sk.candidate.target, "value_target": sv.candidate.target,
+                    "key_target": sk.candidate.target, "value_target": sv.candidate.target, "key_block": sk.candidate.block,
                     "center_k": sk.candidate.center, "center_v": sv.candidate.center,
                     "rho_k": sk.clip.rho, "rho_v": sv.clip.rho,
                     "key_distortion": sk.clip.distortion, "value_distortion": sv.clip.distortion,
@@ -176,6 +185,8 @@ def build_artifact(
         meta["rope"] = ropes
     if skip:
         meta["window_layers"] = sorted(skip)
+    if any(key_block):
+        meta["key_block"] = key_block
     for side in ("eig_K", "eig_V"):
         if any(t is None for t in out[side]):
             out[side] = [None] * num_layers

@@ -31,6 +31,16 @@ Candidate rotation targets (each `U.H.P` of the target's eigenbasis, plus plain 
   on the basis the statistics were collected in, and it is invariant to rescaling `M` or `D`.
 - `hadamard`: `H.P` without any eigenbasis.
 
+Per-channel keys (`block > 0`, the "channel" key format, KIVI-style: `oscar.quant.quantize_channels`):
+each channel is quantized over blocks of `T` consecutive tokens, so a channel's offset and scale live in
+its own zero point and scale; what a per-token group cannot absorb (channels of very different spread, an
+offset per channel) costs it nothing. Its candidates (`CHANNEL_TARGETS`) rotate by the identity (the
+channels as the model writes them, KIVI) or by the eigenbasis `U` of the `raw` target (no Hadamard: a
+Hadamard would spread every channel's spread over all of them, the opposite of what per-channel groups
+want), each plain or rope-centered. The held-back rows are consecutive tokens, scored in whole blocks.
+The key format is one per layer (`select_layer`: the format whose per-head best candidates distort less in
+total), since a layer's key pages have one layout.
+
 Each target comes with and without centering (`center`: `False`, `True` = subtract the constant mean).
 Keys have a third mode where the model's RoPE is known (`oscar.rope`, statistics with pre-RoPE sums):
 `center="rope"` subtracts `RoPE_p(m)`, the pre-RoPE key mean `m` turned to each row's position `p`
@@ -45,12 +55,13 @@ from typing import Sequence
 
 import torch
 
-from oscar.quant import ClipRatio, dequantize, rotate_clip_quantize
+from oscar.quant import ClipRatio, dequantize, dequantize_channels, quantize_channels, rotate_clip_quantize
 from oscar.rope import RopeSpec
 from oscar.rotation import bit_reversal, build_rotation, eigenbasis, hadamard
 from oscar.stats import CalibrationStats
 
 KEY_TARGETS = ("query", "raw", "geomean", "hadamard")
+CHANNEL_TARGETS = ("identity", "raw")  # per-channel key candidates (module doc)
 VALUE_TARGETS = ("output", "raw", "geomean", "hadamard")
 _METRIC = {"key": "Q", "value": "S"}
 _DATA = {"key": "K", "value": "V"}
@@ -60,6 +71,11 @@ Center = bool | str  # False | True | "rope"
 def center_suffix(center: Center) -> str:
     """Label suffix of a centering mode: `""`, `"+center"` or `"+rope"`."""
     return {False: "", True: "+center", "rope": "+rope"}[center]
+
+
+def candidate_label(target: str, center: Center, block: int = 0) -> str:
+    """`target+center`, with `/ch<block>` for a per-channel key candidate."""
+    return target + center_suffix(center) + (f"/ch{int(block)}" if block else "")
 
 
 def stats_rope(stats: CalibrationStats, layer: int) -> RopeSpec | None:
@@ -122,19 +138,32 @@ def quantization_error(
     rho: ClipRatio,
     bits: int,
     group_size: int,
+    block: int = 0,
 ) -> torch.Tensor:
     """Original-frame error `e = (X_hat_rot - (X - mu) R) R^T` (float64 `[n, d]`) of the real quantizer.
 
     The rotation is applied in float32 like the cache does (`rotate_clip_quantize`), the codes
     are packed and unpacked, and the error is measured in float64 against the exact rotation.
+    `block > 0`: per-channel quantization over blocks of `block` consecutive rows (the channel key
+    format); only whole blocks are scored (`n` is cut to a multiple of `block`).
     """
     r32 = R.to(torch.float32)
-    q = rotate_clip_quantize(rows, r32, mu, rho, bits=bits, group_size=group_size)
+    if block:
+        n = (rows.shape[0] // block) * block
+        if n == 0:
+            raise ValueError(f"{rows.shape[0]} held-back rows are fewer than one channel block of {block} tokens")
+        rows = rows[:n]
+        if mu is not None and mu.ndim == 2:
+            mu = mu[:n]
+        xr = rows.to(torch.float32) - (0 if mu is None else mu.to(torch.float32))
+        deq = dequantize_channels(quantize_channels(xr @ r32, bits, block, group_size, rho))
+    else:
+        deq = dequantize(rotate_clip_quantize(rows, r32, mu, rho, bits=bits, group_size=group_size))
     x = rows.to(torch.float64)
     if mu is not None:
         x = x - mu.to(torch.float64)
     r64 = r32.to(torch.float64)
-    return (dequantize(q).to(torch.float64) - x @ r64) @ r64.T
+    return (deq.to(torch.float64) - x @ r64) @ r64.T
 
 
 def weighted_distortion(err: torch.Tensor, metric: torch.Tensor) -> float:
@@ -152,13 +181,15 @@ def measured_distortion(
     rho: ClipRatio = 1.0,
     bits: int = 2,
     group_size: int = 128,
+    block: int = 0,
 ) -> float:
-    """Attention-weighted distortion `tr(Y R^T C R Y^T) / n` after real quantization (module doc)."""
+    """Attention-weighted distortion `tr(Y R^T C R Y^T) / n` after real quantization (module doc);
+    `block > 0` scores the per-channel key format over blocks of `block` rows."""
     if rows.ndim != 2:
         raise ValueError(f"rows must be [n, d] samples of one (layer, head), got shape {tuple(rows.shape)}")
     if rows.shape[0] == 0:
         raise ValueError("no held-back rows to measure distortion on")
-    return weighted_distortion(quantization_error(rows, R, mu, rho, bits, group_size), metric)
+    return weighted_distortion(quantization_error(rows, R, mu, rho, bits, group_size, block), metric)
 
 
 @dataclass
@@ -180,12 +211,13 @@ def fit_clip_ratio(
     mu: torch.Tensor | None = None,
     bits: int = 2,
     group_size: int = 128,
+    block: int = 0,
 ) -> ClipFit:
     """The grid ratio with the smallest measured distortion (first one on ties)."""
     grid = [float(g) for g in grid]
     if not grid:
         raise ValueError("clip grid is empty; give at least one ratio in (0, 1]")
-    values = [measured_distortion(rows, R, metric, mu=mu, rho=g, bits=bits, group_size=group_size) for g in grid]
+    values = [measured_distortion(rows, R, metric, mu=mu, rho=g, bits=bits, group_size=group_size, block=block) for g in grid]
     best = min(range(len(grid)), key=lambda i: (values[i], i))
     return ClipFit(rho=grid[best], distortion=values[best], grid=grid, distortions=values)
 
@@ -223,6 +255,7 @@ class Candidate:
 
     A rope-centered key candidate (`center == "rope"`) has `mu` zero, `rope_mean` the pre-RoPE mean
     and `row_offsets` `RoPE_p(rope_mean)` at the held-back rows' positions (what scoring subtracts).
+    `block > 0`: a per-channel key candidate over blocks of `block` tokens (the channel key format).
     """
 
     target: str
@@ -232,11 +265,12 @@ class Candidate:
     eig: torch.Tensor | None
     rope_mean: torch.Tensor | None = None
     row_offsets: torch.Tensor | None = None
+    block: int = 0
 
     @property
     def name(self) -> str:
-        """Readable label, e.g. `query+center`, `raw+rope`."""
-        return self.target + center_suffix(self.center)
+        """Readable label, e.g. `query+center`, `raw+rope`, `identity+rope/ch64` (per-channel keys)."""
+        return candidate_label(self.target, self.center, self.block)
 
     @property
     def scoring_mean(self) -> torch.Tensor:
@@ -244,20 +278,39 @@ class Candidate:
         return self.row_offsets if self.row_offsets is not None else self.mu
 
 
-def make_candidate(stats: CalibrationStats, layer: int, head: int, side: str, target: str, center: Center) -> Candidate:
-    """Build the `U.H.P` (or `H.P` for `hadamard`) candidate of a target, with or without centering."""
+def _centering(
+    stats: CalibrationStats, layer: int, head: int, side: str, center: Center
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`(mu, rope_mean, row_offsets)` of a centering mode (`Candidate`)."""
     d = stats.head_dim
-    mat = target_matrix(stats, layer, head, side, target, center)
     mu = stats.mean(layer, _DATA[side])[head] if center is True else torch.zeros(d, dtype=torch.float64)
-    rope_mean = offsets = None
-    if center == "rope":
-        spec = stats_rope(stats, layer)
-        assert spec is not None  # target_matrix refused otherwise
-        rope_mean = stats.mean(layer, "Kpre")[head]
-        pos = stats.sample_pos[layer]
-        if pos.numel() != stats.samples[layer]["K_samples"].shape[1]:
-            raise ValueError(f"layer {layer}: {pos.numel()} sample positions for {stats.samples[layer]['K_samples'].shape[1]} held-back rows")
-        offsets = spec.offsets(rope_mean[None], pos[None], dtype=torch.float64)[0, 0]
+    if center != "rope":
+        return mu, None, None
+    spec = stats_rope(stats, layer)
+    if spec is None:
+        raise ValueError(f"layer {layer}: rope-centered keys need pre-RoPE key sums and the layer's RoPE in the statistics")
+    rope_mean = stats.mean(layer, "Kpre")[head]
+    pos = stats.sample_pos[layer]
+    if pos.numel() != stats.samples[layer]["K_samples"].shape[1]:
+        raise ValueError(f"layer {layer}: {pos.numel()} sample positions for {stats.samples[layer]['K_samples'].shape[1]} held-back rows")
+    return mu, rope_mean, spec.offsets(rope_mean[None], pos[None], dtype=torch.float64)[0, 0]
+
+
+def make_candidate(
+    stats: CalibrationStats, layer: int, head: int, side: str, target: str, center: Center, block: int = 0
+) -> Candidate:
+    """Build the `U.H.P` (or `H.P` for `hadamard`) candidate of a target, with or without centering;
+    `block > 0`: the per-channel key candidate of a `CHANNEL_TARGETS` target (`I` or the raw eigenbasis `U`)."""
+    d = stats.head_dim
+    if block and (side != "key" or target not in CHANNEL_TARGETS):
+        raise ValueError(f"per-channel candidates are keys with targets {CHANNEL_TARGETS}, got {side} {target!r}")
+    mat = None if block and target == "identity" else target_matrix(stats, layer, head, side, target, center)
+    mu, rope_mean, offsets = _centering(stats, layer, head, side, center)
+    if block:
+        if mat is None:
+            return Candidate(target, center, torch.eye(d, dtype=torch.float64), mu, None, rope_mean, offsets, block)
+        u, eig = eigenbasis(mat)
+        return Candidate(target, center, _compose(u, "u"), mu, eig, rope_mean, offsets, block)
     if mat is None:
         return Candidate(target, center, build_rotation("hp", d), mu, None, rope_mean, offsets)
     u, eig = eigenbasis(mat)
@@ -283,13 +336,19 @@ def candidates(
     side: str,
     targets: Sequence[str] | None = None,
     centers: Sequence[Center] | None = None,
+    channel_block: int = 0,
 ) -> list[Candidate]:
     """All candidates of `auto` for one (layer, head, side): every target with every centering mode
-    (default: without and with the mean; keys also rope-centered where `key_centers` allows)."""
+    (default: without and with the mean; keys also rope-centered where `key_centers` allows), and with
+    `channel_block > 0` the per-channel key candidates (`CHANNEL_TARGETS`, plain and, where allowed, rope-centered)."""
     if centers is None:
         centers = key_centers(stats, layer) if side == "key" else (False, True)
     targets = list(targets) if targets is not None else list(KEY_TARGETS if side == "key" else VALUE_TARGETS)
-    return [make_candidate(stats, layer, head, side, t, c) for t in targets for c in centers]
+    out = [make_candidate(stats, layer, head, side, t, c) for t in targets for c in centers]
+    if channel_block and side == "key":
+        ch_centers = [c for c in centers if c is not True]  # a constant mean is the per-channel zero point's job
+        out += [make_candidate(stats, layer, head, side, t, c, channel_block) for t in CHANNEL_TARGETS for c in ch_centers]
+    return out
 
 
 def _samples(stats: CalibrationStats, layer: int, side: str) -> torch.Tensor:
@@ -326,8 +385,9 @@ def select_candidate(
     best: Selection | None = None
     table = []
     for cand in cands:
-        fit = fit_clip_ratio(rows, cand.R, metric, grid, mu=cand.scoring_mean, bits=bits, group_size=group_size)
-        table.append({"target": cand.target, "center": cand.center, "rho": fit.rho, "distortion": fit.distortion})
+        fit = fit_clip_ratio(rows, cand.R, metric, grid, mu=cand.scoring_mean, bits=bits, group_size=group_size, block=cand.block)
+        entry = {"target": cand.target, "center": cand.center, "rho": fit.rho, "distortion": fit.distortion}
+        table.append(entry if not cand.block else {**entry, "block": cand.block})
         if best is None or fit.distortion < best.clip.distortion:
             best = Selection(cand, fit)
     assert best is not None
@@ -414,24 +474,39 @@ def select_layer(
     group_size: int,
     targets: Sequence[str] | None = None,
     centers: Sequence[Center] | None = None,
+    channel_block: int = 0,
 ) -> list[Selection]:
-    """`auto` for one layer and side: the best candidate of every KV head on held-back rows."""
+    """`auto` for one layer and side: the best candidate of every KV head on held-back rows. With
+    `channel_block > 0` (keys) the layer's key format is the one (per-token or per-channel) whose per-head
+    best candidates distort less in total, and each head takes its best candidate of that format; every
+    head's table still lists all candidates."""
     rows = _samples(stats, layer, side)
     metric = _metric(stats, layer, side)
-    return [
-        select_candidate(
-            rows[h], metric[h], candidates(stats, layer, h, side, targets, centers), grid, bits=bits, group_size=group_size
-        )
-        for h in range(stats.num_kv_heads)
-    ]
+    if rows.shape[1] < channel_block:  # fewer held-back rows than one block: nothing to score them on
+        channel_block = 0
+    cands = [candidates(stats, layer, h, side, targets, centers, channel_block) for h in range(stats.num_kv_heads)]
+    if not (channel_block and side == "key"):
+        return [select_candidate(rows[h], metric[h], cands[h], grid, bits=bits, group_size=group_size) for h in range(len(cands))]
+    by_format = {
+        fmt: [select_candidate(rows[h], metric[h], [c for c in cands[h] if bool(c.block) == fmt], grid, bits=bits,
+                               group_size=group_size) for h in range(len(cands))]
+        for fmt in (False, True)
+    }
+    total = {fmt: sum(s.clip.distortion for s in sel) for fmt, sel in by_format.items()}
+    chosen = by_format[total[True] < total[False]]
+    for h, s in enumerate(chosen):
+        s.table = by_format[False][h].table + by_format[True][h].table
+    return chosen
 
 
 __all__ = [
+    "CHANNEL_TARGETS",
     "Candidate",
     "ClipFit",
     "KEY_TARGETS",
     "Selection",
     "VALUE_TARGETS",
+    "candidate_label",
     "candidates",
     "center_suffix",
     "fit_clip_ratio",

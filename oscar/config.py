@@ -52,6 +52,7 @@ class MethodConfig:
     value_target: str = "output"  # output (C_S) | raw (V^T V)
     center: bool = False  # subtract calibrated per-(layer, head) means before rotation
     rope_center: bool = True  # auto: also try rope-centered key candidates (oscar.rope) where the model's RoPE is known
+    channel_block: int = 0  # auto: also try per-channel keys over blocks of this many tokens (0 = off; divides page_size)
     bits: int = 2
     group_size: int = 128
     sink: int = 64

@@ -64,6 +64,7 @@ def layer_rotations(artifact: Any) -> list[LayerRotations]:
                 t["rho_V"].float(),
                 None if rope is None else rope[1].float(),
                 None if rope is None else rope[0],
+                artifact.key_block(layer),
             )
         )
     return out

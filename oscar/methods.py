@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-from oscar.clipfit import center_suffix
+from oscar.clipfit import candidate_label, center_suffix
 from oscar.rotation import ROTATION_KINDS, NEEDS_COVARIANCE
 
 METHOD_KINDS = ("bf16", "rotated", "kivi", "turboquant")
@@ -95,6 +95,12 @@ def validate_method(method_cfg: Any) -> None:
     auto = [str(_get(method_cfg, s, "identity")) == "auto" for s in ("key_rotation", "value_rotation")]
     if any(auto) and not all(auto):
         raise MethodError(f"method {name!r}: auto must apply to both key_rotation and value_rotation")
+    block, page = int(_get(method_cfg, "channel_block", 0)), int(_get(method_cfg, "page_size", 64))
+    if block < 0 or (block and not all(auto)):
+        raise MethodError(f"method {name!r}: channel_block={block}; per-channel key candidates are an auto setting "
+                          "(a positive number of tokens; 0 = off)")
+    if block and page % block:
+        raise MethodError(f"method {name!r}: channel_block={block} must divide page_size={page} (a key block lives in one page)")
 
 
 def needs_statistics(method_cfg: Any) -> bool:
@@ -254,7 +260,7 @@ def auto_choices_table(artifact: Any) -> list[dict[str, Any]]:
     for c in artifact.meta.get("choices", []):
         rows.append({
             "layer": c["layer"], "head": c["head"],
-            "key_choice": c["key_target"] + center_suffix(c["center_k"]),
+            "key_choice": candidate_label(c["key_target"], c["center_k"], int(c.get("key_block", 0))),
             "value_choice": c["value_target"] + center_suffix(c["center_v"]),
             "rho_k": c.get("rho_k"), "rho_v": c.get("rho_v"),
             "key_distortion": c["key_distortion"], "value_distortion": c["value_distortion"],
@@ -279,7 +285,7 @@ def auto_choices_rows(artifact_meta: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append({
             "layer": int(c["layer"]),
             "head": int(c["head"]),
-            "key_choice": c["key_target"] + center_suffix(c["center_k"]),
+            "key_choice": candidate_label(c["key_target"], c["center_k"], int(c.get("key_block", 0))),
             "rho_k": c.get("rho_k"),
             "key_distortion": float(c["key_distortion"]),
             "key_vs_oscar": float(c["key_distortion"]) / ref_k if ref_k else None,

@@ -258,6 +258,89 @@ def rotate_clip_quantize(
     return quantize(xf @ R.to(torch.float32), bits, group_size, clip_ratio=rho)
 
 
+# ----------------------------------------------------------------------------------------------
+# Per-channel key blocks (the "channel" key format, KIVI-style; docs/DESIGN.md, "Per-channel key pages").
+#
+# Keys of a layer that `auto` gave the channel format are quantized per channel over blocks of `T`
+# consecutive tokens (aligned at the start of the quantized segment, which the cache fills in whole blocks):
+# the same steps 2-4 as above with the block's `T` tokens of one channel as the group (step 2's quantile is
+# taken over those `T` values), so `scale`/`zero` are bf16 `[..., n/T, d]`, one pair per block and channel.
+# A token's codes pack exactly like a per-token row (`pack_codes` with the layer's `group_size`), so a page's
+# code bytes have the same layout in both formats; only where scale and zero live differs.
+
+
+@dataclass
+class ChannelQuantizedRows:
+    """Rows `[..., n, d]` quantized per channel over blocks of `block` tokens: packed codes
+    `[..., n, d*bits//8]` (per token, `pack_codes` with `group_size`), bf16 `scale`/`zero` `[..., n//block, d]`."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    block: int
+    group_size: int
+    d: int
+
+    @property
+    def shape(self) -> torch.Size:
+        """Shape of the dequantized tensor `[..., n, d]`."""
+        return torch.Size((*self.codes.shape[:-1], self.d))
+
+    def nbytes(self) -> int:
+        """Bytes held by codes, scales and zeros."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+
+
+def check_block(block: int, num_tokens: int) -> None:
+    """Refuse a channel block size that is not positive or does not divide the token count."""
+    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+        raise ValueError(f"channel block={block!r} must be a positive number of tokens")
+    if num_tokens % block:
+        raise ValueError(f"{num_tokens} tokens are not whole blocks of {block}; the channel format quantizes whole blocks only")
+
+
+def quantize_channels(
+    x: torch.Tensor, bits: int, block: int, group_size: int, clip_ratio: ClipRatio = 1.0
+) -> ChannelQuantizedRows:
+    """Quantize rows `[..., n, d]` per channel over blocks of `block` consecutive tokens (`n % block == 0`).
+
+    `clip_ratio` is a float or a tensor broadcastable to `x.shape[:-2]` (one ratio per head); the clip
+    quantile of each block and channel is taken over its `block` values.
+    """
+    if x.ndim < 2:
+        raise ValueError(f"quantize_channels needs rows [..., n, d], got shape {tuple(x.shape)}")
+    n, d = int(x.shape[-2]), int(x.shape[-1])
+    check_format(bits, group_size, d)
+    check_block(block, n)
+    blocks = x.to(torch.float32).reshape(*x.shape[:-2], n // block, block, d).transpose(-1, -2)  # [..., nb, d, T]
+    rho: ClipRatio = clip_ratio
+    if isinstance(clip_ratio, torch.Tensor):
+        rho = torch.as_tensor(clip_ratio, dtype=torch.float32, device=x.device)
+        rho = torch.broadcast_to(rho, x.shape[:-2])[..., None, None].expand(blocks.shape[:-1])
+    codes, scale, zero = quantize_codes(blocks, bits, block, rho)  # codes [..., nb, d, T], scale [..., nb, d, 1]
+    codes = codes.transpose(-1, -2).reshape(x.shape)
+    return ChannelQuantizedRows(pack_codes(codes, bits, group_size), scale[..., 0], zero[..., 0], bits, block, group_size, d)
+
+
+def dequantize_channels(q: ChannelQuantizedRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Reconstruct `[..., n, d]` rows: `code[t, c] * scale[t // block, c] + zero[t // block, c]` (float32)."""
+    codes = unpack_codes(q.codes, q.bits, q.group_size)
+    n = int(codes.shape[-2])
+    if codes.shape[-1] != q.d or n != q.scale.shape[-2] * q.block:
+        raise ValueError(f"codes {tuple(codes.shape)} do not match {q.scale.shape[-2]} blocks of {q.block} tokens, d={q.d}")
+    c = codes.to(torch.float32).reshape(*codes.shape[:-2], n // q.block, q.block, q.d)
+    out = c * q.scale.to(torch.float32).unsqueeze(-2) + q.zero.to(torch.float32).unsqueeze(-2)
+    return out.reshape(codes.shape).to(dtype)
+
+
+def channel_bits_per_element(head_dim: int, bits: int, block: int, meta_bits: int = 16) -> float:
+    """Bits per quantized key element of the channel format: `bits + 2 * meta_bits / block`."""
+    if block <= 0:
+        raise ValueError(f"channel block={block} must be positive")
+    return bits + 2 * meta_bits / block
+
+
 def bits_per_element(
     num_tokens: int,
     head_dim: int,
@@ -413,6 +496,7 @@ def unpack_codes_mma(packed: torch.Tensor, token_in_block: torch.Tensor, layout:
 
 
 __all__ = [
+    "ChannelQuantizedRows",
     "LAYOUTS",
     "MMA_BITS",
     "MMA_BLOCK_TOKENS",
@@ -420,9 +504,12 @@ __all__ = [
     "SUPPORTED_BITS",
     "bits_per_element",
     "bits_per_element_of",
+    "channel_bits_per_element",
+    "check_block",
     "check_format",
     "check_mma_layout",
     "dequantize",
+    "dequantize_channels",
     "dequantize_codes",
     "fake_quantize",
     "mma_token_map",
@@ -430,6 +517,7 @@ __all__ = [
     "pack_codes_mma",
     "percentile_clip",
     "quantize",
+    "quantize_channels",
     "quantize_codes",
     "relative_error",
     "rotate_clip_quantize",

@@ -35,8 +35,7 @@ def key_rows(stats: Any, auto_meta: dict[str, Any], *, kivi_groups: tuple[int, .
     """One row per (layer, KV head): auto's chosen key distortion and KIVI per-channel key distortion for each
     token block size in `kivi_groups` (`kivi<G>`, and `kivi<G>_over_auto`)."""
     from oscar.baselines import kivi_fake_quantize
-    from oscar.clipfit import center_suffix
-    from oscar.clipfit import weighted_distortion
+    from oscar.clipfit import candidate_label, weighted_distortion
 
     choices = {(int(c["layer"]), int(c["head"])): c for c in auto_meta.get("choices", [])}
     if not choices:
@@ -49,7 +48,7 @@ def key_rows(stats: Any, auto_meta: dict[str, Any], *, kivi_groups: tuple[int, .
             if (layer, head) not in choices:  # a layer auto did not select for (sliding window: never quantized)
                 continue
             c = choices[(layer, head)]
-            row: dict[str, Any] = {"layer": layer, "head": head, "auto_choice": c["key_target"] + center_suffix(c["center_k"]),
+            row: dict[str, Any] = {"layer": layer, "head": head, "auto_choice": candidate_label(c["key_target"], c["center_k"], int(c.get("key_block", 0))),
                                    "auto": float(c["key_distortion"])}
             for g in kivi_groups:
                 n = (keys.shape[1] // g) * g
@@ -86,7 +85,8 @@ def write_report(rows: list[dict[str, Any]], out: Path, *, model: str, group_siz
         "",
         "Mean squared logit error (metric C_Q / n_Q) of the 2-bit key quantizer on the held-back calibration key rows "
         f"(consecutive tokens), per layer and KV head. `auto`: its chosen candidate (per-token groups of {group_size} "
-        f"channels, bf16 scale and zero: {2 + 32 / group_size:.2f} key bits per element). `kivi<T>`: per-channel groups "
+        f"channels, bf16 scale and zero: {2 + 32 / group_size:.2f} key bits per element; `/ch<T>`: its per-channel "
+        "candidate over blocks of T tokens, 2 + 32/T bits, with rotation, centering and fitted clip). `kivi<T>`: per-channel groups "
         "over blocks of T tokens, no rotation or clip ("
         + ", ".join(f"T={g}: {2 + 32 / g:.2f}" for g in groups)
         + " key bits per element, before the BF16 residual window; KIVI-2 uses T=32). Ratio below 1: per-channel keys "

@@ -313,10 +313,12 @@ def goal_lines(part: Any, candidate: str = "auto") -> list[str]:
     every other 2-bit method at no more bits per element: for each other method, the candidate row with the
     lowest KL over quantized-history positions among those holding no more bits per element than it.
     Says by how much each comparison misses (KL, bits) and gives the paired interval where the winning
-    row is the paired reference."""
+    row is the paired reference (``candidate`` may name a window variant, e.g. ``auto@64/128``: the family is
+    ``auto``, the paired reference that row)."""
     ok = part[(part["status"] == "ok") & (part["kind"] != "bf16")]
     if "bits_per_element" not in ok:
         return []
+    reference, candidate = candidate, re.split(r"[:@]", candidate)[0]  # the paired reference may be a window variant
     is_cand = ok["method"].astype(str).str.split(r"[:@]").str[0] == candidate
     cands, others = ok[is_cand], ok[~is_cand & (ok["bits"] == 2)]
     if cands.empty or others.empty:
@@ -335,7 +337,7 @@ def goal_lines(part: Any, candidate: str = "auto") -> list[str]:
         met += int(good)
         if not good:
             missed.append(str(o["method"]))
-        paired = _ci(o, "diff_past", "diff_past_lo", "diff_past_hi", signed=True) if c["method"] == candidate else "-"
+        paired = _ci(o, "diff_past", "diff_past_lo", "diff_past_hi", signed=True) if c["method"] == reference else "-"
         verdict = "met" if good else f"missed by {c['kl_past_window'] - o['kl_past_window']:.4f} nats ({c['kl_past_window'] / o['kl_past_window']:.2f}x)"
         rows.append(f"| {o['method']} | {o['bits_per_element']:.2f} | {o['kl_past_window']:.4f} | {c['method']} at "
                     f"{c['bits_per_element']:.2f} bits: {c['kl_past_window']:.4f} | {paired} | {verdict} |")
