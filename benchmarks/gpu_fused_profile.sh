@@ -16,6 +16,7 @@ cp -r oscar conf tests benchmarks pyproject.toml "$W"/ && cp -r kernels "$W"/osc
 [ -d _site ] && cp -r _site "$W"/_site
 cd "$W" || exit 1
 export PYTHONPATH="$W:$W/_site" PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache
+source benchmarks/_need_site.sh   # omegaconf/hydra: ./_site from benchmarks/gpu_site.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv
 ARGS=(output_dir="$OUTDIR" tracking.enabled=false models=qwen3-8b caches=bf16,oscar hf_caches=bf16
       points=1x4096,1x100000,8x32000,32x100000 reps=8 experiment.extra.profile.speedup_contexts=[]
