@@ -11,16 +11,14 @@ taken in order until ``budget_s`` seconds have passed (the most important first)
 
 from __future__ import annotations
 
-import csv
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from oscar.files import atomic_write_csv, atomic_write_text
 from oscar.kernel_bench import DEFAULTS, bench_int2, bench_sdpa, check_against_twin, copy_bandwidth
 
 SHAPES = {
@@ -35,20 +33,11 @@ INT4_VARIANTS = [{"layout": "mma"}, {}]  # INT4 in the fragment-order layout; IN
 
 
 def _write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
+    atomic_write_text(path, text)
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
-    keys = sorted({k for r in rows for k in r})
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, path)
+    atomic_write_csv(path, rows, sorted({k for r in rows for k in r}))
 
 
 def main(argv: list[str]) -> int:

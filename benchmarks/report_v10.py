@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from oscar.files import atomic_write_csv as _write_csv, atomic_write_text as _write_atomic
+from oscar.files import atomic_write, atomic_write_csv as _write_csv, atomic_write_text as _write_atomic
 
 COLUMNS = {  # output column -> variant of bench_decode_v10.py
     "int2": {"layout": "mma"},
@@ -65,9 +65,6 @@ def markdown(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path) -> None:
     """Speedup over the best BF16 against context, per batch: INT2, INT2 + rope-centered keys, INT4."""
-    import os
-    import tempfile
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,11 +88,7 @@ def plot(rows: list[dict], path: Path) -> None:
                    title=f"{label}, head_dim {d}")
             ax.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=100))
 
 
 def main(argv: list[str]) -> int:

@@ -107,7 +107,7 @@ def test_deterministic_for_a_seed(tiny_setup, tmp_path):
 
 
 def test_auto_records_choices_no_worse_than_oscar(tiny_setup, tmp_path):
-    cfg = _cfg(tiny_setup, tmp_path, "method=auto")
+    cfg = _cfg(tiny_setup, tmp_path, "method=auto", "method.channel_block=64")  # per-channel candidates: opt-in
     art_dir = run_calibrate(cfg)[-1].path
     meta = json.loads((art_dir / "meta.json").read_text())
     choices = meta["choices"]
