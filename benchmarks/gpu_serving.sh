@@ -2,6 +2,8 @@
 # SGLang serving on the GPU: SGLang's own one-batch benchmark (dummy Qwen3-8B weights, CUDA graphs) with the
 # BF16 backends and with the oscar plugin (python -m oscar.serve.bench), one process per backend and setting.
 #   bash benchmarks/gpu_serving.sh            (repo root, on the GPU machine; the bundle at $BUNDLE)
+#   e.g. run(command="cd .dev/s6a && BUNDLE=$PWD/../sglang-gpu SKIP_CHECKS=1 bash benchmarks/gpu_serving.sh",
+#            carry=[".dev/s6a", ".dev/sglang-gpu"]) with this tree copied to .dev/s6a (+ _site)
 # Env: BUNDLE (default .dev/sglang-gpu: the sglang 0.5.17 bundle, README there), SITE (/root/sg), OUT,
 #      PLAN (a file of plan lines, default: the PLAN variable): each line
 #        NAME TIMEOUT_S BACKEND SHAPES [KEY=VALUE | --flag=value ...]
@@ -75,9 +77,9 @@ run() { # NAME TIMEOUT BACKEND SHAPES [OSCAR_X=V | --flag=v ...]
 # flashinfer compiles its kernels with nvcc at first use (~2 min, inside its timeout).
 REAL=1x30000,1x60000,1x100000,1x128000
 GRID=$(for b in 1 8 32 64; do for n in 30000 60000 100000 128000; do printf '%sx%s,' "$b" "$n"; done; done)
-PLAN_TEXT=${PLAN_TEXT:-"oscar 210 oscar $REAL OSCAR_SINK=64 OSCAR_RECENT=256 --oscar-warmup=1x2048 --oscar-synthetic=${GRID}51x100000 --oscar-profile=1x100000,32x100000
-bf16_flashinfer 250 flashinfer $REAL --oscar-warmup=1x2048 --oscar-synthetic=${GRID}7x100000 --oscar-profile=1x100000
-bf16_triton 150 triton $REAL --oscar-warmup=1x2048 --oscar-synthetic=${GRID}7x100000"}
+PLAN_TEXT=${PLAN_TEXT:-"oscar 200 oscar $REAL OSCAR_SINK=64 OSCAR_RECENT=256 --oscar-warmup=1x2048 --oscar-synthetic=${GRID}51x100000 --oscar-profile=1x100000,32x100000
+bf16_flashinfer 240 flashinfer $REAL --oscar-warmup=1x2048 --oscar-synthetic=${GRID}7x100000 --oscar-profile=1x100000
+bf16_triton 140 triton $REAL --oscar-warmup=1x2048 --oscar-synthetic=${GRID}7x100000"}
 [ -n "${PLAN:-}" ] && PLAN_TEXT=$(cat "$ROOT/$PLAN")
 while read -r name limit backend shapes rest; do
   [ -z "$name" ] && continue
