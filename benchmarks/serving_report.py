@@ -1,12 +1,15 @@
-"""The serving table from the rows of ``benchmarks/gpu_serving.sh``: reports/serving/decode.{csv,md,png}.
+"""The serving table from the rows of ``benchmarks/gpu_serving.sh``: reports/serving/decode.{csv,md,png} (+ profile).
 
-    python benchmarks/serving_report.py ROWS.jsonl [ROWS2.jsonl ...] --out reports/serving
+    python benchmarks/serving_report.py ROWS.jsonl [ROWS2.jsonl ...] --out reports/serving [--profile P.jsonl]
 
-One CSV row per (cache, backend, batch, context) with ``decode_ms`` (median ms per decode step, SGLang's
-``bench_one_batch`` timing), ``prefill_s``, ``cuda_graph``, ``status`` (ok | capacity | oom | failed: not in the
-rows) and the job's decode tokens/s; the markdown adds OSCAR's speed-up over the best BF16 backend at each
-shape and the greedy-token agreement of each OSCAR row with the BF16 rows of the same prompts (the prompts
-are seeded, so rows of one shape share them).
+One CSV row per (cache, backend, mode, batch, context) with ``decode_ms`` (median ms per decode step, SGLang's
+``bench_one_batch`` timing), ``prefill_s``, ``cuda_graph``, ``radix``, ``status`` (ok | capacity: over the pool's
+tokens by ``bench_one_batch``'s rule | oom | failed), ``mode`` (real: prefill forward then decode; synthetic: the
+decode steps on a synthetic state, ``oscar.serve.synthetic``), the job's decode tokens/s, the server's token
+capacity and the largest batch of that context it holds. The markdown adds the grid (OSCAR against the best
+BF16 backend of the same mode and shape), the issue's target ratios, the real-vs-synthetic cross-check, the
+greedy-token agreement of the real rows (seeded prompts: rows of one shape share them); ``--profile`` (default:
+``profile_rows.jsonl`` beside the first rows file) writes profile.{csv,md}: GPU ms per part of the decode step.
 """
 
 from __future__ import annotations
@@ -17,24 +20,28 @@ import io
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-COLUMNS = ("cache", "backend", "batch", "context", "decode_ms", "prefill_s", "cuda_graph", "status", "tokens_per_s",
-           "max_total_num_tokens", "page_size", "tag", "device")
-MD_COLUMNS = ("cache", "backend", "tag", "batch", "context", "decode_ms", "prefill_s", "cuda_graph", "status",
-              "tokens_per_s", "max_total_num_tokens")
+COLUMNS = ("cache", "backend", "mode", "batch", "context", "decode_ms", "prefill_s", "cuda_graph", "radix", "status",
+           "tokens_per_s", "max_total_num_tokens", "max_batch_by_tokens", "page_size", "mem_fraction_static", "tag", "device")
+MD_COLUMNS = ("cache", "backend", "mode", "batch", "context", "decode_ms", "prefill_s", "cuda_graph", "radix", "status",
+              "tokens_per_s", "max_total_num_tokens", "max_batch_by_tokens")
 REPRODUCE = ("bash benchmarks/gpu_serving.sh   # on the H200 machine, from a checkout holding the sglang 0.5.17 "
-             "bundle at .dev/sglang-gpu; then python benchmarks/serving_report.py reports/serving/serving_rows.jsonl")
+             "bundle at .dev/sglang-gpu (BUNDLE=...); then\n"
+             "python benchmarks/serving_report.py reports/serving/serving_rows.jsonl --out reports/serving "
+             "--notes reports/serving/notes.md")
 
 
 def load_rows(paths: list[Path]) -> list[dict[str, Any]]:
-    """Rows of the JSON-lines files; a later row of the same (tag, batch, context) replaces an earlier one."""
+    """Rows of the JSON-lines files (``mode`` real when absent); a later row of the same (tag, mode, batch,
+    context) replaces an earlier one."""
     rows: dict[tuple, dict[str, Any]] = {}
     for path in paths:
         for line in path.read_text().splitlines():
             if line.strip():
                 r = json.loads(line)
-                rows[(r.get("tag"), r["batch"], r["context"])] = r
+                r.setdefault("mode", "real")
+                rows[(r.get("tag"), r["mode"], r["batch"], r["context"])] = r
     return list(rows.values())
 
 
@@ -42,37 +49,118 @@ def _fmt(x: Any, nd: int = 2) -> str:
     return "" if x is None else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
+def max_batch(r: dict[str, Any]) -> Optional[int]:
+    """Requests of this row's context (+ output) that the server's token capacity holds (bench_one_batch's rule)."""
+    cap = r.get("max_total_num_tokens")
+    return None if cap is None else int(cap) // (int(r["context"]) + int(r.get("output_len") or 16))
+
+
 def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
-    for r in sorted(rows, key=lambda r: (r["batch"], r["context"], r["cache"], r["backend"], r.get("tag", ""))):
+    key = lambda r: (r["batch"], r["context"], r["cache"], r["backend"], r["mode"], r.get("tag", ""))  # noqa: E731
+    for r in sorted(rows, key=key):
         ms = r.get("decode_ms")
         out.append({**{c: r.get(c) for c in COLUMNS},
                     "tokens_per_s": None if not ms else round(1e3 * r["batch"] / ms, 1),
                     "cuda_graph": str(bool(r.get("cuda_graph"))).lower(),
+                    "radix": "" if r.get("radix") is None else str(bool(r["radix"])).lower(),
+                    "max_batch_by_tokens": max_batch(r),
                     "decode_ms": None if ms is None else round(ms, 3),
                     "prefill_s": None if r.get("prefill_s") is None else round(r["prefill_s"], 3)})
     return out
 
 
+def _ok(rows: list[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
+    return [r for r in rows if r.get("status") == "ok" and all(r.get(k) == v for k, v in match.items())]
+
+
+def _best_bf16(rows: list[dict[str, Any]], **match: Any) -> Optional[dict[str, Any]]:
+    bf16 = _ok(rows, cache="bf16", **match)
+    return min(bf16, key=lambda r: r["decode_ms"]) if bf16 else None
+
+
+def _is_main_oscar(r: dict[str, Any]) -> bool:
+    return r["cache"] == "oscar" and "identity" not in str(r.get("tag", ""))
+
+
 def speedups(rows: list[dict[str, Any]]) -> list[str]:
-    """Markdown lines: OSCAR's decode speed-up over the best BF16 backend measured at the same shape."""
+    """Markdown lines: OSCAR's decode speed-up over the best BF16 backend of the same mode at the same shape."""
     lines = []
-    shapes = sorted({(r["batch"], r["context"]) for r in rows})
-    for b, n in shapes:
-        at = [r for r in rows if (r["batch"], r["context"]) == (b, n) and r.get("status") == "ok"]
-        bf16 = [r for r in at if r["cache"] == "bf16"]
-        if not bf16:
+    for mode, b, n in sorted({(r["mode"], r["batch"], r["context"]) for r in rows}):
+        best = _best_bf16(rows, mode=mode, batch=b, context=n)
+        if best is None:
             continue
-        best = min(bf16, key=lambda r: r["decode_ms"])
-        for r in at:
-            if r["cache"] == "oscar" and "identity" not in str(r.get("tag", "")):
-                lines.append(f"| {b} | {n} | {best['backend']} {best['decode_ms']:.2f} | {r['tag']} {r['decode_ms']:.2f} | "
-                             f"{best['decode_ms'] / r['decode_ms']:.2f}x |")
+        for r in _ok(rows, mode=mode, batch=b, context=n):
+            if _is_main_oscar(r):
+                lines.append(f"| {mode} | {b} | {n} | {best['backend']} {best['decode_ms']:.2f} | {r['tag']} "
+                             f"{r['decode_ms']:.2f} | {best['decode_ms'] / r['decode_ms']:.2f}x |")
+    return lines
+
+
+def grid(rows: list[dict[str, Any]], mode: str = "synthetic") -> list[str]:
+    """Markdown lines: decode ms of each backend per (batch, context) of one mode (status where it did not run)."""
+    of_mode = [r for r in rows if r["mode"] == mode]
+    backends = sorted({(r["cache"], r["backend"], r.get("tag", "")) for r in of_mode})
+    if not backends:
+        return []
+    head = "| batch | context | " + " | ".join(f"{c}/{b} ms" for c, b, _ in backends) + " | best BF16 / OSCAR |"
+    lines = [head, "|" + "---|" * (len(backends) + 3)]
+    for b, n in sorted({(r["batch"], r["context"]) for r in of_mode}):
+        cells = []
+        for c, be, tag in backends:
+            r = next((x for x in of_mode if (x["cache"], x["backend"], x.get("tag", ""), x["batch"], x["context"])
+                      == (c, be, tag, b, n)), None)
+            cells.append("" if r is None else f"{r['decode_ms']:.2f}" if r.get("status") == "ok" else r["status"])
+        best = _best_bf16(of_mode, batch=b, context=n)
+        osc = [r for r in _ok(of_mode, batch=b, context=n) if _is_main_oscar(r)]
+        ratio = f"{best['decode_ms'] / osc[0]['decode_ms']:.2f}x" if best and osc else ""
+        lines.append(f"| {b} | {n} | " + " | ".join(cells) + f" | {ratio} |")
+    return lines
+
+
+def cross_check(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: real prefill-then-decode against the synthetic state at the same shape and backend."""
+    lines = []
+    for r in sorted(_ok(rows, mode="real"), key=lambda r: (r["backend"], r["batch"], r["context"])):
+        syn = _ok(rows, mode="synthetic", tag=r.get("tag"), batch=r["batch"], context=r["context"])
+        s = f"{syn[0]['decode_ms']:.2f} | {syn[0]['decode_ms'] / r['decode_ms'] - 1:+.1%}" if syn else " | "
+        lines.append(f"| {r['cache']}/{r['backend']} | {r['batch']} | {r['context']} | {r['prefill_s']:.2f} | "
+                     f"{r['decode_ms']:.2f} | {s} |")
+    return lines
+
+
+def targets(rows: list[dict[str, Any]], context: int = 100000, batch: int = 32, mode: str = "synthetic") -> list[str]:
+    """Markdown lines: the issue's three target ratios at ``context`` from the rows of one mode."""
+    of_mode = [r for r in rows if r["mode"] == mode and r["context"] == context]
+    osc = [r for r in of_mode if _is_main_oscar(r)]
+    bf16 = [r for r in of_mode if r["cache"] == "bf16"]
+    if not osc or not bf16:
+        return []
+    lines = []
+    b1, o1 = _best_bf16(of_mode, batch=1), next(iter(_ok(osc, batch=1)), None)
+    if b1 and o1:
+        ratio = b1["decode_ms"] / o1["decode_ms"]
+        lines.append(f"| batch 1 decode at {context} | >= 1.5x | {b1['backend']} {b1['decode_ms']:.2f} ms / OSCAR "
+                     f"{o1['decode_ms']:.2f} ms | {ratio:.2f}x | {'holds' if ratio >= 1.5 else 'missed'} |")
+    cap_o, cap_b = max(max_batch(r) or 0 for r in osc), max(max_batch(r) or 0 for r in bf16)
+    if cap_b:
+        ratio = cap_o / cap_b
+        lines.append(f"| largest batch at {context} (token capacity) | >= 6x | OSCAR {cap_o} / BF16 {cap_b} | "
+                     f"{ratio:.2f}x | {'holds' if ratio >= 6 else 'missed'} |")
+    ob = next(iter(_ok(osc, batch=batch)), None)
+    bb = [r for r in _ok(bf16) if r["batch"] == min(batch, cap_b)]
+    if ob and bb:
+        best = max(bb, key=lambda r: r["batch"] / r["decode_ms"])
+        tps_o, tps_b = 1e3 * ob["batch"] / ob["decode_ms"], 1e3 * best["batch"] / best["decode_ms"]
+        ratio = tps_o / tps_b
+        lines.append(f"| job tokens/s at batch {batch}, {context} (BF16 at its largest batch {best['batch']}) | >= 4x | "
+                     f"OSCAR {tps_o:.0f} / {best['backend']} {tps_b:.0f} tok/s | {ratio:.2f}x | "
+                     f"{'holds' if ratio >= 4 else 'missed'} |")
     return lines
 
 
 def agreement(rows: list[dict[str, Any]]) -> list[str]:
-    """Markdown lines: greedy tokens of each OSCAR row against each BF16 row of the same shape."""
+    """Markdown lines: greedy tokens of each OSCAR row against each BF16 row of the same shape (real rows)."""
     lines = []
     for r in rows:
         if r["cache"] != "oscar" or not r.get("tokens"):
@@ -98,18 +186,21 @@ def write_png(rows: list[dict[str, Any]], path: Path) -> None:
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(max(7.0, 4.5 * len(batches)), 4.0), squeeze=False)
     for ax, b in zip(axes[0], batches):
-        for key in sorted({(r["cache"], r["backend"], r.get("tag", "")) for r in rows if r["batch"] == b}):
-            pts = sorted((r["context"], r["decode_ms"]) for r in rows
-                         if r["batch"] == b and (r["cache"], r["backend"], r.get("tag", "")) == key and r.get("decode_ms"))
+        for key in sorted({(r["cache"], r["backend"], r.get("tag", ""), r["mode"]) for r in rows if r["batch"] == b}):
+            pts = sorted((r["context"], r["decode_ms"]) for r in rows if r["batch"] == b and r.get("decode_ms")
+                         and (r["cache"], r["backend"], r.get("tag", ""), r["mode"]) == key)
             if pts:
-                ax.plot([p[0] / 1e3 for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]}/{key[1]} {key[2]}")
+                real = key[3] == "real"
+                ax.plot([p[0] / 1e3 for p in pts], [p[1] for p in pts], marker="x" if real else "o",
+                        linestyle="--" if real else "-", label=f"{key[0]}/{key[1]} {key[3]}")
         ax.set_title(f"batch {b}")
         ax.set_xlabel("context (k tokens)")
         ax.set_ylabel("decode ms / step")
         ax.grid(alpha=0.3)
         if ax.get_lines():
             ax.legend(fontsize=6)
-    fig.suptitle("SGLang 0.5.17 decode step, dummy Qwen3-8B, CUDA graphs", fontsize=10)
+    fig.suptitle("SGLang 0.5.17 decode step, dummy Qwen3-8B, CUDA graphs (synthetic state: solid; real prefill: "
+                 "dashed; missing: over the token capacity)", fontsize=9)
     fig.tight_layout()
 
     def save(tmp: Path) -> None:
@@ -144,15 +235,79 @@ def track(out: Path, table: list[dict[str, Any]], uri: str, root: Path = Path(".
             client.log_artifact(parent, str(out / f), artifact_path="reports")
         for r in table:
             tags = {tracking.ROLE_TAG: "cell", tracking.PARENT_TAG: parent, "oscar.status": str(r["status"]), **base}
-            run = client.create_run(exp_id, run_name=f"{r['tag']}/b{r['batch']}/T{r['context']}", tags=tags).info.run_id
+            run = client.create_run(exp_id, run_name=f"{r['tag']}/{r['mode']}/b{r['batch']}/T{r['context']}",
+                                    tags=tags).info.run_id
             m = {"perf.decode_ms": r["decode_ms"], "perf.prefill_s": r["prefill_s"], "perf.tokens_per_s": r["tokens_per_s"],
                  "mem.max_total_num_tokens": r["max_total_num_tokens"]}
             client.log_batch(run, metrics=[Metric(k, float(v), now, 0) for k, v in m.items() if v is not None],
-                             params=[Param(k, str(r[k])) for k in ("cache", "backend", "batch", "context", "cuda_graph",
-                                                                   "page_size", "device")])
+                             params=[Param(k, str(r[k])) for k in ("cache", "backend", "mode", "batch", "context",
+                                                                   "cuda_graph", "radix", "page_size", "device")])
             client.set_terminated(run)
         client.set_terminated(parent)
     return parent
+
+
+PROFILE_COLUMNS = ("tag", "backend", "batch", "context", "step", "part", "ms", "kernels", "wall_ms", "gpu_ms")
+
+
+def profile_parts(p: dict[str, Any], mode: str) -> dict[str, dict[str, float]]:
+    """GPU ms and kernels per step of each part of one profiled step kind (graph | eager): the plugin's labelled
+    calls kept, the rest re-classified by name with today's ``kernel_category`` (from the per-kernel list, which
+    covers the whole step when the step has at most 25 kernel names; the remainder goes to ``unlisted``)."""
+    from oscar.serve.synthetic import kernel_category
+
+    parts: dict[str, dict[str, float]] = {}
+    for k in p.get(f"top_{mode}") or []:
+        part = k["part"] if k["part"].startswith("oscar.") else kernel_category(k["name"])
+        acc = parts.setdefault(part, {"ms": 0.0, "kernels": 0.0})
+        acc["ms"] += k["ms"]
+        acc["kernels"] += k["calls"]
+    rest = p[f"{mode}_gpu_ms"] - sum(v["ms"] for v in parts.values())
+    if rest > 1e-3:
+        parts["unlisted"] = {"ms": rest, "kernels": 0.0}
+    return parts
+
+
+def write_profile(profiles: list[dict[str, Any]], out: Path) -> list[str]:
+    """profile.csv (one row per profiled shape, step kind and part) and profile.md; returns the markdown lines."""
+    from oscar.files import atomic_write_csv, atomic_write_text
+
+    rows, md = [], ["# The decode step under torch.profiler (GPU ms per part of one step)", "",
+                    "`python -m oscar.serve.bench --oscar-profile BxN`: on the synthetic state, 2 warm-up + 5 timed "
+                    "steps (`wall_ms`, median), then 5 steps under `torch.profiler` (CPU + CUDA), first as SGLang's "
+                    "CUDA-graph replay (`graph`), then eager with the decode graph runner set aside (`eager`: the "
+                    "plugin's calls are labelled, `oscar.*`, and a kernel is attributed to the label around its "
+                    "launch). `gpu_ms`: the sum of the step's kernel times; `wall - gpu`: the GPU idle between them "
+                    "(launch gaps; in eager mode the host's Python). Other parts by kernel name "
+                    "(`oscar.serve.synthetic.CATEGORIES`).", ""]
+    for p in profiles:
+        if p.get("status") != "ok":
+            md += [f"- {p['tag']} batch {p['batch']} context {p['context']}: {p.get('status')}", ""]
+            continue
+        md += [f"## {p['cache']}/{p['backend']}, batch {p['batch']}, context {p['context']} ({p.get('device', '')})", ""]
+        for mode in ("graph", "eager"):
+            if f"{mode}_gpu_ms" not in p:
+                md += [f"- {mode}: {p.get(f'{mode}_error', 'not measured')}", ""]
+                continue
+            wall, gpu = p[f"{mode}_wall_ms"], p[f"{mode}_gpu_ms"]
+            parts = profile_parts(p, mode)
+            md += [f"**{mode}**: wall {wall:.2f} ms per step, GPU {gpu:.2f} ms, wall - gpu {wall - gpu:.2f} ms", "",
+                   "| part | GPU ms / step | share of GPU | kernels / step |", "|---|---|---|---|"]
+            for part, v in sorted(parts.items(), key=lambda kv: -kv[1]["ms"]):
+                md.append(f"| {part} | {v['ms']:.3f} | {v['ms'] / gpu:.0%} | {v['kernels']:.0f} |")
+                rows.append(dict(tag=p["tag"], backend=p["backend"], batch=p["batch"], context=p["context"], step=mode,
+                                 part=part, ms=round(v["ms"], 4), kernels=round(v["kernels"], 1),
+                                 wall_ms=round(wall, 3), gpu_ms=round(gpu, 3)))
+            md.append("")
+        md += ["Top kernels (graph replay):", "", "| GPU ms / step | calls / step | part | kernel |", "|---|---|---|---|"]
+        for k in (p.get("top_graph") or [])[:10]:
+            part = k["part"] if k["part"].startswith("oscar.") else __import__(
+                "oscar.serve.synthetic", fromlist=["kernel_category"]).kernel_category(k["name"])
+            md.append(f"| {k['ms']:.3f} | {k['calls']:.0f} | {part} | `{k['name'][:90]}` |")
+        md.append("")
+    atomic_write_csv(out / "profile.csv", rows, PROFILE_COLUMNS)
+    atomic_write_text(out / "profile.md", "\n".join(md) + "\n")
+    return md
 
 
 def main(argv: list[str]) -> int:
@@ -161,6 +316,8 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rows", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, default=Path("reports/serving"))
+    ap.add_argument("--profile", type=Path, default=None, help="profile rows (default: profile_rows.jsonl beside "
+                    "the first rows file, when there)")
     ap.add_argument("--notes", type=Path, default=None, help="markdown appended to decode.md (the profile, caveats)")
     ap.add_argument("--mlflow-uri", default=None, help="also mirror the rows into this MLflow tracking URI")
     a = ap.parse_args(argv)
@@ -176,28 +333,52 @@ def main(argv: list[str]) -> int:
     atomic_write_text(a.out / "decode.csv", buf.getvalue())
     dev = sorted({str(r.get("device")) for r in rows})
     md = [f"# SGLang serving: decode step and prefill ({', '.join(dev)})", "",
-          "SGLang 0.5.17 `bench_one_batch` timing (`python -m oscar.serve.bench`: the same `latency_test_run_once`, "
-          "plugin loaded), `--load-format dummy` Qwen3-8B (bundle config), CUDA graphs on, output 16 tokens, "
-          "median decode step. OSCAR: INT2, one group per row, sink 64, recent 256, `--page-size 16`, fragment-order "
-          "pages read by the v9 kernel, seeded random dense rotations with means (the kernel work of a calibrated "
-          "artifact), radix cache off (refused: see README). Reproduce:", "", "```", REPRODUCE, "```", "",
-          "| " + " | ".join(MD_COLUMNS) + " |", "|" + "---|" * len(MD_COLUMNS)]
-    for r in table:
-        md.append("| " + " | ".join(_fmt(r[c]) for c in MD_COLUMNS) + " |")
+          "SGLang 0.5.17 `bench_one_batch` timing (`python -m oscar.serve.bench`: SGLang's `load_model`, "
+          "`latency_test_run_once` and decode step, plugin loaded), `--load-format dummy` Qwen3-8B (bundle config), "
+          "CUDA graphs on (decode; one graph per batch size of the rows), `--mem-fraction-static 0.85`, "
+          "`--max-running-requests 64`, `--disable-radix-cache`, output 16 tokens, median decode step. OSCAR: INT2, "
+          "one group per row, sink 64, recent 256, `--page-size 16`, fragment-order pages read by the v9 kernel, "
+          "seeded random dense rotations with means (the kernel work of a calibrated artifact). Rows `real`: "
+          "prefill forward, then 15 timed decode steps (`bench_one_batch`); rows `synthetic`: the same decode "
+          "steps on a synthetic state (SGLang's own allocator and `req_to_token` hold the batch's slots, the pool "
+          "holds random valid data, no prefill forward: `oscar/serve/synthetic.py`), so that every (batch, context) "
+          "that fits in the pool is measured; `capacity`: over the server's token capacity by `bench_one_batch`'s "
+          "rule (batch > capacity // (context + 16)). Reproduce:", "", "```", REPRODUCE, "```", ""]
+    tg = targets(rows)
+    if tg:
+        md += ["## The issue's targets (synthetic-state rows, this run)", "",
+               "| target | asked | measured | ratio | |", "|---|---|---|---|---|", *tg, ""]
+    gr = grid(rows)
+    if gr:
+        md += ["## Decode ms per step (synthetic state)", "", *gr, ""]
+    cc = cross_check(rows)
+    if cc:
+        md += ["## Real prefill, then decode (batch 1), and the synthetic state at the same shape", "",
+               "| cache/backend | batch | context | prefill s | decode ms (real) | decode ms (synthetic) | synthetic vs real |",
+               "|---|---|---|---|---|---|---|", *cc, ""]
     sp = speedups(rows)
     if sp:
-        md += ["", "## OSCAR vs the best BF16 backend measured in this run at each shape (decode step)", "",
-               "| batch | context | best BF16 ms | OSCAR ms | speed-up |", "|---|---|---|---|---|", *sp]
+        md += ["## OSCAR vs the best BF16 backend of the same mode at each shape (decode step)", "",
+               "| mode | batch | context | best BF16 ms | OSCAR ms | speed-up |", "|---|---|---|---|---|---|", *sp, ""]
     ag = agreement(rows)
     if ag:
-        md += ["", "## Greedy tokens against BF16 (same seeded prompts; first request of the batch)", "",
+        md += ["## Greedy tokens against BF16 (real rows: same seeded prompts; first request of the batch)", "",
                "| OSCAR row | BF16 backend | batch | context | equal tokens | first difference |",
-               "|---|---|---|---|---|---|", *ag]
+               "|---|---|---|---|---|---|", *ag, ""]
+    md += ["## All rows", "", "| " + " | ".join(MD_COLUMNS) + " |", "|" + "---|" * len(MD_COLUMNS)]
+    for r in table:
+        md.append("| " + " | ".join(_fmt(r[c]) for c in MD_COLUMNS) + " |")
     if a.notes is not None and a.notes.is_file():
         md += ["", a.notes.read_text().rstrip()]
     atomic_write_text(a.out / "decode.md", "\n".join(md) + "\n")
     write_png(rows, a.out / "decode.png")
     print("\n".join(md))
+    prof = a.profile if a.profile is not None else a.rows[0].parent / "profile_rows.jsonl"
+    if prof.is_file():
+        profiles = [json.loads(x) for x in prof.read_text().splitlines() if x.strip()]
+        print("\n".join(write_profile(profiles, a.out)))
+    elif a.profile is not None:
+        raise SystemExit(f"--profile {a.profile}: no such file")
     if a.mlflow_uri:
         print(f"MLflow: parent run {track(a.out, table, a.mlflow_uri)}")
     return 0

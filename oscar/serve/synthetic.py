@@ -18,7 +18,8 @@ cross-check it in the same process.
 
 The profile helpers turn a ``torch.profiler`` chrome trace into GPU time per part of the step: kernels
 launched inside the ranges ``label_ranges`` wraps around the plugin's calls (``oscar.write``,
-``oscar.attention``, ``oscar.fold``, ``oscar.metadata``) are attributed to them through the trace's
+``oscar.windows``: the gather of the batch's sink/ring rows, ``oscar.attention``, ``oscar.fold``,
+``oscar.metadata``) are attributed to them through the trace's
 launch/kernel correlation ids; the others by kernel name (``kernel_category``).
 """
 
@@ -62,16 +63,16 @@ def fits(capacity: int, batch: int, context: int, output_len: int) -> bool:
 
 # -- profile ---------------------------------------------------------------------------------------
 
-LABELS = ("oscar.metadata", "oscar.write", "oscar.attention", "oscar.fold")
+LABELS = ("oscar.metadata", "oscar.write", "oscar.windows", "oscar.attention", "oscar.fold")
 # by kernel name, first match wins (lower case)
 CATEGORIES = (
+    ("norm", r"norm"),
+    ("rope", r"rotary|rope|pos_enc"),
+    ("activation", r"silu|gelu|act_and_mul"),
     ("attention", r"flashinfer|batchdecode|batchprefill|decode_attn|_fwd_kernel|fwd_grouped|attention|mma_decode|"
                   r"decode_mma|split_kv|merge_state"),
     ("kv_write", r"store_kv|set_kv|kv_buffer|quantize|pack"),
     ("gemm", r"gemm|gemv|nvjet|cutlass|xmma|cublas|matmul|splitk|sm90_|wgmma"),
-    ("norm", r"norm"),
-    ("rope", r"rotary|rope|pos_enc"),
-    ("activation", r"silu|gelu|act_and_mul"),
     ("sampling", r"argmax|sampl|softmax|topk|top_k|logit"),
     ("copy_index", r"copy|index|gather|scatter|fill|arange|cat_|where|elementwise|vectorized|reduce|memcpy|memset"),
 )
@@ -105,17 +106,19 @@ def label_ranges(backend: Any) -> Iterator[None]:
         return inner
 
     pool = backend.pool
-    saved = dict(write=pool.write_decode, meta=backend.init_forward_metadata, fold=backend._to_folded,
-                 attn=backend_mod.paged.decode_attention)
-    pool.write_decode = wrap(saved["write"], "oscar.write")
-    backend.init_forward_metadata = wrap(saved["meta"], "oscar.metadata")
-    backend._to_folded = wrap(saved["fold"], "oscar.fold")
-    backend_mod.paged.decode_attention = wrap(saved["attn"], "oscar.attention")
+    methods = dict(init_forward_metadata="oscar.metadata", _window_segments="oscar.windows", _to_folded="oscar.fold")
+    saved = {name: getattr(backend, name) for name in methods}
+    saved_write, saved_attn = pool.write_decode, backend_mod.paged.decode_attention
+    for name, label in methods.items():
+        setattr(backend, name, wrap(saved[name], label))
+    pool.write_decode = wrap(saved_write, "oscar.write")
+    backend_mod.paged.decode_attention = wrap(saved_attn, "oscar.attention")
     try:
         yield
     finally:
-        pool.write_decode, backend.init_forward_metadata = saved["write"], saved["meta"]
-        backend._to_folded, backend_mod.paged.decode_attention = saved["fold"], saved["attn"]
+        for name, fn in saved.items():
+            setattr(backend, name, fn)
+        pool.write_decode, backend_mod.paged.decode_attention = saved_write, saved_attn
 
 
 def attribute_kernels(trace: dict[str, Any]) -> list[dict[str, Any]]:

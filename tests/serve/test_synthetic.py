@@ -70,4 +70,25 @@ def test_attribute_kernels_by_launch_range_then_name():
     parts = sy.summarize(got, steps=2)
     assert parts["oscar.attention"] == {"ms": 0.015, "kernels": 0.5} and parts["gemm"]["ms"] == 0.02
     assert sy.top_kernels(got, 2)[0] == dict(name="nvjet_tst_128x64", part="gemm", ms=0.02, calls=0.5)
-    assert sy.kernel_category("fused_add_rmsnorm_kernel") == "norm" and sy.kernel_category("zzz") == "other"
+    assert sy.kernel_category("flashinfer::norm::FusedAddRMSNormKernel") == "norm" and sy.kernel_category("zzz") == "other"
+    assert sy.kernel_category("flashinfer::BatchPrefillWithPagedKVCacheKernel") == "attention"
+
+
+def test_label_ranges_wraps_the_plugin_calls_and_restores_them():
+    from torch.profiler import ProfilerActivity, profile
+
+    from oscar.serve import backend as backend_mod
+
+    calls = []
+    pool = SimpleNamespace(write_decode=lambda *a: calls.append("write"))
+    backend = SimpleNamespace(pool=pool, init_forward_metadata=lambda fb: calls.append("meta"),
+                              _window_segments=lambda m, i: calls.append("windows") or {}, _to_folded=lambda o, i: o)
+    before = (pool.write_decode, backend._window_segments, backend_mod.paged.decode_attention)
+    with profile(activities=[ProfilerActivity.CPU]) as prof, sy.label_ranges(backend):
+        backend.init_forward_metadata(None)
+        backend._window_segments(None, 0)
+        pool.write_decode()
+    assert calls == ["meta", "windows", "write"]
+    assert (pool.write_decode, backend._window_segments, backend_mod.paged.decode_attention) == before
+    names = {e.name for e in prof.events()}
+    assert {"oscar.metadata", "oscar.windows", "oscar.write"} <= names
