@@ -175,7 +175,9 @@ def agreement(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def write_png(rows: list[dict[str, Any]], path: Path) -> None:
+def write_png(rows: list[dict[str, Any]], path: Path, context: int = 100000) -> None:
+    """Decode ms against context, one panel per batch of the grid (batches with at least two contexts), and the
+    job's decode tokens/s against batch at ``context``; one colour per cache/backend, dashed: real rows."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -183,28 +185,45 @@ def write_png(rows: list[dict[str, Any]], path: Path) -> None:
 
     from oscar.stats import atomic_write
 
-    batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(1, len(batches), figsize=(max(7.0, 4.5 * len(batches)), 4.0), squeeze=False)
+    series = sorted({(r["cache"], r["backend"], r.get("tag", "")) for r in rows})
+    colour = {key: f"C{i}" for i, key in enumerate(series)}
+    batches = [b for b in sorted({r["batch"] for r in rows})
+               if len({r["context"] for r in rows if r["batch"] == b and r.get("decode_ms")}) > 1]
+    n = len(batches) + 1
+    fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.8), squeeze=False)
     for ax, b in zip(axes[0], batches):
-        for key in sorted({(r["cache"], r["backend"], r.get("tag", ""), r["mode"]) for r in rows if r["batch"] == b}):
-            pts = sorted((r["context"], r["decode_ms"]) for r in rows if r["batch"] == b and r.get("decode_ms")
-                         and (r["cache"], r["backend"], r.get("tag", ""), r["mode"]) == key)
-            if pts:
-                real = key[3] == "real"
-                ax.plot([p[0] / 1e3 for p in pts], [p[1] for p in pts], marker="x" if real else "o",
-                        linestyle="--" if real else "-", label=f"{key[0]}/{key[1]} {key[3]}")
+        for key in series:
+            for mode in ("synthetic", "real"):
+                pts = sorted((r["context"], r["decode_ms"]) for r in rows if r["batch"] == b and r.get("decode_ms")
+                             and r["mode"] == mode and (r["cache"], r["backend"], r.get("tag", "")) == key)
+                if pts:
+                    ax.plot([p[0] / 1e3 for p in pts], [p[1] for p in pts], color=colour[key],
+                            marker="x" if mode == "real" else "o", linestyle="--" if mode == "real" else "-",
+                            label=f"{key[0]}/{key[1]} {mode}")
         ax.set_title(f"batch {b}")
         ax.set_xlabel("context (k tokens)")
         ax.set_ylabel("decode ms / step")
         ax.grid(alpha=0.3)
         if ax.get_lines():
             ax.legend(fontsize=6)
-    fig.suptitle("SGLang 0.5.17 decode step, dummy Qwen3-8B, CUDA graphs (synthetic state: solid; real prefill: "
-                 "dashed; missing: over the token capacity)", fontsize=9)
+    ax = axes[0][-1]
+    for key in series:
+        pts = sorted((r["batch"], 1e3 * r["batch"] / r["decode_ms"]) for r in rows if r["context"] == context
+                     and r.get("decode_ms") and r["mode"] == "synthetic" and (r["cache"], r["backend"], r.get("tag", "")) == key)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colour[key], marker="o", label=f"{key[0]}/{key[1]}")
+    ax.set_title(f"context {context // 1000}k: job tokens/s (synthetic)")
+    ax.set_xlabel("batch (up to the token capacity)")
+    ax.set_ylabel("tokens / s")
+    ax.grid(alpha=0.3)
+    if ax.get_lines():
+        ax.legend(fontsize=6)
+    fig.suptitle("SGLang 0.5.17 decode step, dummy Qwen3-8B, CUDA graphs (synthetic state: solid; after a real "
+                 "prefill: dashed; missing points: over the token capacity)", fontsize=9)
     fig.tight_layout()
 
     def save(tmp: Path) -> None:
-        fig.savefig(tmp, dpi=120, format="png")
+        fig.savefig(tmp, dpi=110, format="png")
 
     atomic_write(path, save)
     plt.close(fig)
