@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 COLUMNS = ("cache", "backend", "mode", "batch", "context", "decode_ms", "prefill_s", "cuda_graph", "radix", "status",
-           "tokens_per_s", "max_total_num_tokens", "max_batch_by_tokens", "page_size", "mem_fraction_static", "tag", "device")
+           "tokens_per_s", "max_total_num_tokens", "max_batch_by_tokens", "page_size", "mem_fraction_static", "tag",
+           "device")
 MD_COLUMNS = ("cache", "backend", "mode", "batch", "context", "decode_ms", "prefill_s", "cuda_graph", "radix", "status",
               "tokens_per_s", "max_total_num_tokens", "max_batch_by_tokens")
 REPRODUCE = ("bash benchmarks/gpu_serving.sh   # on the H200 machine, from a checkout holding the sglang 0.5.17 "
@@ -290,6 +291,7 @@ def profile_parts(p: dict[str, Any], mode: str) -> dict[str, dict[str, float]]:
 def write_profile(profiles: list[dict[str, Any]], out: Path) -> list[str]:
     """profile.csv (one row per profiled shape, step kind and part) and profile.md; returns the markdown lines."""
     from oscar.files import atomic_write_csv, atomic_write_text
+    from oscar.serve.synthetic import kernel_category
 
     rows, md = [], ["# The decode step under torch.profiler (GPU ms per part of one step)", "",
                     "`python -m oscar.serve.bench --oscar-profile BxN`: on the synthetic state, 2 warm-up + 5 timed "
@@ -320,8 +322,7 @@ def write_profile(profiles: list[dict[str, Any]], out: Path) -> list[str]:
             md.append("")
         md += ["Top kernels (graph replay):", "", "| GPU ms / step | calls / step | part | kernel |", "|---|---|---|---|"]
         for k in (p.get("top_graph") or [])[:10]:
-            part = k["part"] if k["part"].startswith("oscar.") else __import__(
-                "oscar.serve.synthetic", fromlist=["kernel_category"]).kernel_category(k["name"])
+            part = k["part"] if k["part"].startswith("oscar.") else kernel_category(k["name"])
             md.append(f"| {k['ms']:.3f} | {k['calls']:.0f} | {part} | `{k['name'][:90]}` |")
         md.append("")
     atomic_write_csv(out / "profile.csv", rows, PROFILE_COLUMNS)
