@@ -92,3 +92,12 @@ def test_label_ranges_wraps_the_plugin_calls_and_restores_them():
     assert (pool.write_decode, backend._window_segments, backend_mod.paged.decode_attention) == before
     names = {e.name for e in prof.events()}
     assert {"oscar.metadata", "oscar.windows", "oscar.write"} <= names
+
+
+def test_bench_shapes_parse_and_refuse_bad_ones():
+    from oscar.serve.bench import _shapes
+
+    assert _shapes("1x30000, 51x100000,") == [(1, 30000), (51, 100000)] and _shapes("") == []
+    for bad in ("1x", "0x100", "8*100", "ax1"):
+        with pytest.raises(SystemExit, match=f"shape '{bad}' is not valid; write BATCHxINPUT"):
+            _shapes(bad)
