@@ -385,11 +385,11 @@ def main(argv: list[str]) -> int:
         md += ["## Greedy tokens against BF16 (real rows: same seeded prompts; first request of the batch)", "",
                "| OSCAR row | BF16 backend | batch | context | equal tokens | first difference |",
                "|---|---|---|---|---|---|", *ag, ""]
+    if a.notes is not None and a.notes.is_file():  # the reading of the run, before the full table
+        md += [a.notes.read_text().rstrip(), ""]
     md += ["## All rows", "", "| " + " | ".join(MD_COLUMNS) + " |", "|" + "---|" * len(MD_COLUMNS)]
     for r in table:
         md.append("| " + " | ".join(_fmt(r[c]) for c in MD_COLUMNS) + " |")
-    if a.notes is not None and a.notes.is_file():
-        md += ["", a.notes.read_text().rstrip()]
     atomic_write_text(a.out / "decode.md", "\n".join(md) + "\n")
     write_png(rows, a.out / "decode.png")
     print("\n".join(md))
