@@ -7,8 +7,9 @@ backend does (``write`` for the prefill rows through the fused Triton writer, th
 ``decode_metadata`` + ``write_decode``, the metadata built into fixed buffers as under CUDA graphs and the last
 step captured and replayed in a CUDA graph), and compares the backend's attention call (the v9 kernel over the
 gathered windows, both output frames, random rotations with means) with ``oscar.paged.decode_attention_torch`` on
-the same pages and windows. Twice: with plain keys (mean-centered), and with rope-centered keys (a pre-RoPE mean
-``m`` per head: the writers take each row's position, the kernel adds ``q . RoPE_p(m)`` at ``int_pos0 = S0``).
+the same pages and windows. With plain keys (mean-centered), with rope-centered keys (a pre-RoPE mean ``m`` per
+head: the writers take each row's position, the kernel adds ``q . RoPE_p(m)`` at ``int_pos0 = S0``), and with
+rope-centered keys in SmolLM2-135M's geometry (3 KV heads of 3 query heads, padded to 4 for the kernel; d 64).
 Prints one JSON line; exit status 1 when a relative error exceeds 2e-2.
 """
 
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 
-def check(rope: bool, device: str = "cuda") -> dict:
+def check(rope: bool, device: str = "cuda", heads: tuple[int, int, int] = (8, 32, 128)) -> dict:
     """One pool (plain or rope-centered keys): the relative error of both output frames against the twin
     (``device="cpu"``: the twin through the same calls, eager: a smoke test of the script without a GPU)."""
     from oscar import paged
@@ -36,7 +37,7 @@ def check(rope: bool, device: str = "cuda") -> dict:
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     gen = torch.Generator().manual_seed(0)
-    hkv, H, d, P, S0, W = 8, 32, 128, 16, 64, 256
+    (hkv, H, d), P, S0, W = heads, 16, 64, 256
     orth = lambda: torch.linalg.qr(torch.randn(hkv, d, d, generator=gen))[0]  # noqa: E731
     spec = RopeSpec(1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)), 1.0, head_dim=d)
     rope_k = 4.0 * torch.randn(hkv, d, generator=gen) if rope else None  # a k_proj bias turned by RoPE
@@ -104,7 +105,8 @@ def check(rope: bool, device: str = "cuda") -> dict:
                                            sm_scale=d**-0.5, output_frame=frame, int_pos0=pos0)
         rel = float(((out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)).max())
         result[frame] = {"rel": rel, "int_len": m.int_len.tolist()}
-    return {"layout": pool.layout, "page_size": P, "rope_centered": pool.rope_centered, **result}
+    return {"layout": pool.layout, "page_size": P, "rope_centered": pool.rope_centered, "kv_heads": hkv, "q_heads": H,
+            "head_dim": d, **result}
 
 
 def main(argv: list[str]) -> int:
@@ -114,7 +116,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--device", default="cuda", help="cuda (the check) or cpu (a smoke test: twin against twin)")
     a = ap.parse_args(argv)
-    results = {"plain": check(False, a.device), "rope_centered": check(True, a.device)}
+    results = {"plain": check(False, a.device), "rope_centered": check(True, a.device),
+               # SmolLM2-135M's heads: GQA 3 (query heads padded to 4 for the kernel), head_dim 64
+               "rope_centered_gqa3_d64": check(True, a.device, (3, 9, 64))}
     line = json.dumps(results)
     print(line)
     if a.out is not None:
