@@ -258,6 +258,8 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--auto-artifact", type=Path)
+    ap.add_argument("--method", default="auto", help="the artifact's method (default auto)")
+    ap.add_argument("--method-override", action="append", default=[], help="method settings the artifact was made with")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--eval-sglang", type=Path, default=None)
     ap.add_argument("--eval-embedded", type=Path, default=None)
@@ -286,9 +288,10 @@ def main(argv: list[str]) -> int:
     mcfg = compose(["model=smollm2-135m"]).model
     path = model_path(mcfg)  # the dense copy (made from the GGUF at first use)
     tok = AutoTokenizer.from_pretrained(path)
-    prompts = [tok(t, add_special_tokens=True)["input_ids"] for t in TEXTS]
+    texts, new_tokens = (TEXTS[:2], 8) if a.cpu else (TEXTS, NEW_TOKENS)  # the smoke test: a small run
+    prompts = [tok(t, add_special_tokens=True)["input_ids"] for t in texts]
     identity = save_in_code_artifact(Path(path), "int2", out / "art_identity")
-    sampling = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    sampling = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
     top = {"return_logprob": True, "top_logprobs_num": TOP}
     base = {"model_path": path, "input_ids": prompts, "sampling": sampling}
     int2_env = {"OSCAR_ARTIFACT": str(a.auto_artifact), "OSCAR_SINK": S0_INT2, "OSCAR_RECENT": W_INT2}
@@ -308,7 +311,7 @@ def main(argv: list[str]) -> int:
     procs = {name: start_engines(name, runs, out) for name, runs in groups.items()}
     served: dict[str, Any] = {}
     for name, proc in procs.items():
-        rc = proc.wait(timeout=540)
+        rc = proc.wait(timeout=200)
         res_path = out / f"{name}.json"
         served.update(json.loads(res_path.read_text()) if res_path.exists() else
                       {r["name"]: {"error": f"engine process exit {rc}; see {name}.log"} for r in groups[name]})
@@ -318,7 +321,7 @@ def main(argv: list[str]) -> int:
                               "device": "cpu (smoke test)" if a.cpu else torch.cuda.get_device_name(0),
                               "torch": torch.__version__,
                               "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
-                              "new_tokens": NEW_TOKENS, "engines_s": engines_s,
+                              "new_tokens": new_tokens, "engines_s": engines_s, "method": a.method,
                               "runs": {k: {kk: vv for kk, vv in v.items() if kk not in ("logprobs", "output_ids")}
                                        for k, v in served.items()}}
     if "output_ids" in served.get("bf16_triton", {}) and "output_ids" in served.get("oscar_bf16eq", {}):
@@ -330,14 +333,16 @@ def main(argv: list[str]) -> int:
         if "output_ids" not in run:
             continue
         model, _ = load_model(mcfg, device="cpu" if a.cpu else "cuda", dtype=dtype)
-        emb_int2 = embedded_forced(model.eval(), "auto", a.auto_artifact, S0_INT2, W_INT2, prompts, run["output_ids"])
+        emb_int2 = embedded_forced(model.eval(), a.method, a.auto_artifact, S0_INT2, W_INT2, prompts, run["output_ids"],
+                                   tuple(a.method_override))
         emb_bf16 = embedded_forced(model, "bf16", None, S0_INT2, W_INT2, prompts, run["output_ids"])
         report[f"int2_{name}"] = {"model_dtype": str(dtype).replace("torch.", ""), **compare_int2(run, emb_int2, emb_bf16)}
         del model
     meta = json.loads((a.auto_artifact / "meta.json").read_text())
-    report["auto_artifact"] = {"center_k": sorted({str(c["center_k"]) for c in meta["choices"]}),
-                               "rope_centered_heads": sum(c["center_k"] == "rope" for c in meta["choices"]),
-                               "heads": len(meta["choices"])}
+    choices = meta.get("choices", [])
+    report["auto_artifact"] = {"center_k": sorted({str(c["center_k"]) for c in choices}),
+                               "rope_centered_heads": sum(c["center_k"] == "rope" for c in choices),
+                               "heads": len(choices)}
     if a.eval_sglang is not None and (a.eval_sglang / "result.json").exists() and a.eval_embedded is not None:
         report["eval_cell"] = compare_eval(a.eval_sglang, a.eval_embedded)
     report["total_s"] = time.perf_counter() - t0
@@ -379,7 +384,8 @@ def render(r: dict) -> str:
         if not c:
             continue
         ci = lambda k: f"[{c[k][0]:.3f}, {c[k][1]:.3f}]"  # noqa: E731
-        lines += [f"## INT2, auto artifact (sink {S0_INT2}, recent {W_INT2}), {c['model_dtype']} model: SGLang vs embedded", "",
+        lines += [f"## INT2, {r.get('method', 'auto')} artifact (sink {S0_INT2}, recent {W_INT2}), {c['model_dtype']} model: "
+                  "SGLang vs embedded", "",
                   "| measure | value |", "|---|---|",
                   f"| teacher-forced check (tol {c['tolerance']}, median {c['median_tolerance']}) | "
                   f"{'pass' if c['teacher_forced_ok'] else 'FAIL ' + c['teacher_forced_error'][:120]} |",
