@@ -70,7 +70,7 @@ CELL=(method=quarot method.clip=paper benchmark=mmlu benchmark.source=file "benc
 (
   timeout 200 python3 -m oscar eval engine=sglang "${CELL[@]}" "engine.python=$SGPY" engine.mem_fraction_static=0.9 \
     engine.max_total_tokens=16384 engine.max_running_requests=8 \
-    'engine.extra_args=[--page-size,16,--sampling-backend,pytorch,--grammar-backend,none]' \
+    'engine.extra_args=[--page-size,16,--disable-prefill-cuda-graph,--sampling-backend,pytorch,--grammar-backend,none]' \
     "output=$OUTDIR/eval_sglang" > "$OUTDIR/eval_sglang.log" 2>&1
   echo "eval engine=sglang rc=$? after $(( $(date +%s) - T0 )) s" >> "$OUTDIR/eval_sglang.log"
   timeout 90 python3 -m oscar eval engine=embedded "${CELL[@]}" "output=$OUTDIR/eval_embedded" \
