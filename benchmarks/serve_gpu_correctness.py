@@ -263,7 +263,8 @@ def embedded_forced(model: Any, method: str, artifact: Any, sink: int, recent: i
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
-    ap.add_argument("--auto-artifact", type=Path)
+    ap.add_argument("--auto-artifact", type=Path, default=None,
+                    help="the INT2 runs' artifact (default: --method's in-code artifact, for methods without calibration)")
     ap.add_argument("--method", default="auto", help="the artifact's method (default auto)")
     ap.add_argument("--method-override", action="append", default=[], help="method settings the artifact was made with")
     ap.add_argument("--out", type=Path)
@@ -299,6 +300,9 @@ def main(argv: list[str]) -> int:
     texts, new_tokens = (TEXTS[:2], 8) if a.cpu else (TEXTS, NEW_TOKENS)  # the smoke test: a small run
     prompts = [tok(t, add_special_tokens=True)["input_ids"] for t in texts]
     identity = save_in_code_artifact(Path(path), "int2", out / "art_identity")
+    if a.auto_artifact is None:  # a method without calibration (quarot: Hadamard), its artifact built in code
+        a.auto_artifact = save_in_code_artifact(Path(path), a.method, out / f"art_{a.method}")
+        a.method_override = a.method_override or ["method.clip=paper"]
     sampling = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
     top = {"return_logprob": True, "top_logprobs_num": TOP}
     base = {"model_path": path, "input_ids": prompts, "sampling": sampling}
