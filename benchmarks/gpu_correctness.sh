@@ -62,25 +62,25 @@ nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 "$SGPY" -c "from oscar.config import compose; from oscar.serve.client import model_path
 print('dense copy:', model_path(compose(['model=smollm2-135m']).model))" 2>&1 | grep -v Warning | tail -2
 echo "set up after $(( $(date +%s) - T0 )) s"
-timeout 150 "$SGPY" benchmarks/serve_gpu_check.py --out "$OUTDIR/gpu_check.json" > "$OUTDIR/gpu_check.log" 2>&1 &
+timeout 120 "$SGPY" benchmarks/serve_gpu_check.py --out "$OUTDIR/gpu_check.json" > "$OUTDIR/gpu_check.log" 2>&1 &
 CHECK=$!
 CELL=(method=quarot method.clip=paper benchmark=mmlu benchmark.source=file "benchmark.path=$MMLU"
       benchmark.extra.score_mode=serving benchmark.limit=8 progress=false tracking.enabled=false device=cuda
       backend=triton results_dir=/tmp/oscar_results)
 (
-  timeout 200 python3 -m oscar eval engine=sglang "${CELL[@]}" "engine.python=$SGPY" engine.mem_fraction_static=0.9 \
+  timeout 160 python3 -m oscar eval engine=sglang "${CELL[@]}" "engine.python=$SGPY" engine.mem_fraction_static=0.9 \
     engine.max_total_tokens=16384 engine.max_running_requests=8 \
     'engine.extra_args=[--page-size,16,--disable-prefill-cuda-graph,--sampling-backend,pytorch,--grammar-backend,none]' \
     "output=$OUTDIR/eval_sglang" > "$OUTDIR/eval_sglang.log" 2>&1
   echo "eval engine=sglang rc=$? after $(( $(date +%s) - T0 )) s" >> "$OUTDIR/eval_sglang.log"
-  timeout 90 python3 -m oscar eval engine=embedded "${CELL[@]}" "output=$OUTDIR/eval_embedded" \
+  timeout 60 python3 -m oscar eval engine=embedded "${CELL[@]}" "output=$OUTDIR/eval_embedded" \
     > "$OUTDIR/eval_embedded.log" 2>&1
   echo "eval engine=embedded rc=$? after $(( $(date +%s) - T0 )) s" >> "$OUTDIR/eval_embedded.log"
 ) &
 EVAL=$!
 # the INT2 runs: the auto artifact when AUTO names one, else quarot's (built in code)
 if [ -n "${AUTO:-}" ]; then INT2=(--auto-artifact "$AUTO"); else INT2=(--method quarot); fi
-timeout 250 python3 benchmarks/serve_gpu_correctness.py "${INT2[@]}" --out "$OUTDIR" 2>&1 \
+timeout 200 python3 benchmarks/serve_gpu_correctness.py "${INT2[@]}" --engine-timeout 170 --out "$OUTDIR" 2>&1 \
   | grep -v Warning | tail -60
 echo "correctness done after $(( $(date +%s) - T0 )) s"
 wait $CHECK; echo "gpu_check rc=$?"; tail -2 "$OUTDIR/gpu_check.log"

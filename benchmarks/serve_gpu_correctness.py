@@ -425,8 +425,10 @@ def render(r: dict) -> str:
                   f"where decided ({e['decided']}): {e['decided_predictions_equal']}, accuracy {e['accuracy_served']} vs "
                   f"{e['accuracy_embedded']}, server log shows the INT2 pool: {e['server_log_has_int2_pool']}", ""]
     a = r.get("auto_artifact", {})
-    lines += [f"Auto artifact: key centering {a.get('center_k')}, {a.get('rope_centered_heads')} of {a.get('heads')} "
-              "heads rope-centered.", "", "Runs: " + ", ".join(
+    if a.get("heads"):
+        lines += [f"Auto artifact: key centering {a.get('center_k')}, {a.get('rope_centered_heads')} of {a.get('heads')} "
+                  "(layer, KV head)s rope-centered.", ""]
+    lines += ["Runs: " + ", ".join(
                   f"{k} ({'error: ' + v['error'][:200] if 'error' in v else 'start %.0f s' % v.get('start_s', 0)})"
                   for k, v in r["runs"].items()), "",
               "Reproduce (GPU machine, repo root; the GGUF in pieces under /root, see the script's header): "
