@@ -66,6 +66,7 @@ timeout 120 "$SGPY" benchmarks/serve_gpu_check.py --out "$OUTDIR/gpu_check.json"
 CHECK=$!
 CELL=(method=quarot method.clip=paper benchmark=mmlu benchmark.source=file "benchmark.path=$MMLU"
       benchmark.extra.score_mode=serving benchmark.limit=8 progress=false tracking.enabled=false device=cuda
+      model.dtype=bfloat16   # SGLang's CUDA RMSNorm has no float32 kernel
       backend=triton results_dir=/tmp/oscar_results)
 (
   timeout 160 python3 -m oscar eval engine=sglang "${CELL[@]}" "engine.python=$SGPY" engine.mem_fraction_static=0.9 \
