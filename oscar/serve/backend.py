@@ -13,6 +13,8 @@
   decode graph runner records ``in_graph`` inside the capture, so a replay recomputes it). On a CPU, while no
   request of the batch has quantized rows, the step is plain attention over the windows in position order
   (the same ``torch_native`` computation).
+- Rope-centered keys: the new row's position goes to the writer (``DecodeMeta.pos``) and decode passes
+  ``int_pos0 = S0`` (quantized row ``t`` is position ``S0 + t``), constant under CUDA graphs.
 - With the value rotation folded into ``o_proj`` (``OSCAR_FOLD``, on by default) every path returns
   ``(o - mu_V) @ R_V`` per KV head, which the folded ``o_proj`` maps back.
 

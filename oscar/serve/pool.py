@@ -24,6 +24,11 @@ the window the kernel's ``int_len`` grows by one and reads its codes. A decode s
 row (quantized, and BF16 into the sink or ring) with device ops only: it is captured in the step's CUDA graph.
 Token slots return to SGLang's allocator when a request ends; the window rows of a request slot are
 overwritten by the next request that gets the slot.
+
+Rope-centered keys (an ``auto`` artifact's ``+rope`` heads): a key row at position ``p`` is quantized minus
+``RoPE_p(m)`` (``write`` passes each row's position, ``write_decode`` the decode metadata's ``pos``) and
+``cached_rows`` adds it back; served by the mma-layout CUDA kernel and the torch twins, refused (naming the
+format) where the pool would use the row-layout Triton kernels.
 """
 
 from __future__ import annotations
