@@ -132,3 +132,14 @@ def test_cpu_engine_variable_only_for_cpu_servers(monkeypatch):
     assert gpu.child_env()["OSCAR_SINK"] == "64"
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "0")
     assert SGLangServer("m", ["--device", "cpu"], port=1).child_env()["SGLANG_USE_CPU_ENGINE"] == "0"
+
+
+def test_engine_sglang_refuses_a_float32_model_on_a_gpu():
+    """SGLang's CUDA RMSNorm has no float32 kernel (measured on the H200, reports/serving/gpu_correctness.md): the
+    runner's engine refuses at once, naming the setting, before any model or server is touched."""
+    from oscar.config import compose
+    from oscar.serve.client import SGLangEngine
+
+    cfg = compose(["engine=sglang", "device=cuda", "model.dtype=float32", "method=quarot", "method.clip=paper"])
+    with pytest.raises(ValueError, match=r"model.dtype=float32.*model.dtype=bfloat16"):
+        SGLangEngine(cfg)
