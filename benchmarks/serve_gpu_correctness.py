@@ -44,13 +44,12 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = [
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
-    "movable metal type with an oil-based ink and a screw press adapted from wine making. Within fifty years",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
-    "    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\ndef main():\n    for i in range(10):\n",
-    "Question: A train travels 120 kilometres in 1.5 hours. It then travels a further 80 kilometres at the "
-    "same speed. How long does the whole journey take, in minutes? Think step by step before you answer, "
-    "and give the final answer on its own line.\nAnswer: The speed is",
+    "The Roman aqueducts carried water from distant springs into the cities by gravity alone. Engineers surveyed "
+    "a gentle, constant slope over tens of kilometres, and where a valley crossed the route they built",
+    "class Stack:\n    \"\"\"A last-in, first-out container.\"\"\"\n\n    def __init__(self):\n        self.items = []\n\n"
+    "    def push(self, item):\n        self.items.append(item)\n\n    def pop(self):\n",
+    "Question: A shop sells pencils at 3 for 45 cents. How much do 14 pencils cost, in dollars? Explain each "
+    "step of the calculation before you give the answer.\nAnswer: One pencil costs",
     "Photosynthesis is the process by which green plants, algae and some bacteria turn light energy into "
     "chemical energy. In the chloroplasts, chlorophyll absorbs mostly blue and red light, and the energy",
     "Dear hiring manager,\n\nI am writing to apply for the position of data engineer advertised on your "

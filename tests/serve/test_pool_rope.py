@@ -28,6 +28,7 @@ import torch
 from oscar.cache import LayerRotations
 from oscar.rope import RopeSpec
 from oscar.serve.settings import OscarServeError, ServeSettings
+from test_pool_paged import _Mode, _backend  # the backend without an engine, as there
 
 HKV, H, D, PAGE, S0, W = 2, 4, 64, 16, 16, 16
 SPEC = RopeSpec(1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)), 1.0, head_dim=D)
@@ -115,26 +116,6 @@ def test_write_through_subtracts_the_offsets_at_each_rows_position(layout):
     # INT2 of the centered rows (unit spread) against INT2 of rows carrying the bias (|m| ~ 6 sqrt(d)): measured
     # 3.5 against 21 (6x)
     assert errs[True] * 4 < errs[False], errs
-
-
-class _Mode:
-    def __init__(self, decode: bool) -> None:
-        self.decode = decode
-
-    def is_decode(self) -> bool:
-        return self.decode
-
-    def is_idle(self) -> bool:
-        return False
-
-
-def _backend(pool, r2t):
-    from oscar.serve.backend import OscarAttnBackend
-
-    be = OscarAttnBackend.__new__(OscarAttnBackend)
-    be.pool, be.device, be.folded, be.graph, be.num_splits, be.meta = pool, "cpu", False, None, {}, None
-    be.req_to_token_pool = SimpleNamespace(req_to_token=r2t)
-    return be
 
 
 LAYER = SimpleNamespace(layer_id=0, tp_q_head_num=H, tp_k_head_num=HKV, qk_head_dim=D, v_head_dim=D, scaling=D**-0.5,
