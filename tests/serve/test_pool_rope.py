@@ -28,7 +28,7 @@ import torch
 from oscar.cache import LayerRotations
 from oscar.rope import RopeSpec
 from oscar.serve.settings import OscarServeError, ServeSettings
-from test_pool_paged import _Mode, _backend  # the backend without an engine, as there
+from test_pool_paged import _Mode, _backend, write_history  # the engine-less helpers of the paged pool tests
 
 HKV, H, D, PAGE, S0, W = 2, 4, 64, 16, 16, 16
 SPEC = RopeSpec(1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)), 1.0, head_dim=D)
@@ -67,23 +67,6 @@ def _rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return k.to(torch.bfloat16), torch.randn(n, HKV, D, generator=gen).to(torch.bfloat16)
 
 
-def _fill(pool, r2t, r: int, prompt: int, steps: int, k: torch.Tensor, v: torch.Tensor):
-    """Prefill ``prompt`` rows with ``write``, then ``steps`` decode rows with ``write_decode`` at the metadata's
-    positions (as the backend does); returns the last decode metadata."""
-    from oscar.serve.backend import decode_metadata
-
-    pool.write(0, k[:prompt], v[:prompt], r2t[r, :prompt].long(), torch.full((prompt,), r), torch.arange(prompt),
-               torch.full((prompt,), prompt))
-    meta = None
-    for s in range(steps):
-        L = prompt + s + 1
-        loc = r2t[r, L - 1 : L].long()
-        meta = decode_metadata(pool, r2t, torch.tensor([r]), torch.tensor([L]), loc)
-        assert meta.pos.tolist() == [L - 1]
-        pool.write_decode(0, k[L - 1 : L], v[L - 1 : L], loc, meta.req, meta.col, meta.pos)
-    return meta
-
-
 def _twin_rows(pool, k: torch.Tensor, first: int, last: int) -> torch.Tensor:
     """Keys ``[Hkv, last - first, d]`` at positions ``first..last-1`` through the twin writer and reader on their own
     (offsets subtracted at those positions, quantized, dequantized, unrotated, offsets added back)."""
@@ -106,7 +89,7 @@ def test_write_through_subtracts_the_offsets_at_each_rows_position(layout):
     for rope in (True, False):
         pool = _pool(rope, layout=layout)
         r2t = _r2t(1, n)
-        _fill(pool, r2t, 1, prompt, n - prompt, k, v)
+        write_history(pool, r2t, 1, prompt, n - prompt, k, v)
         ck, _ = pool.cached_rows(0, r2t, 1, n)
         assert torch.equal(ck[:, :S0], k[:S0].transpose(0, 1).float())
         assert torch.equal(ck[:, n - W :], k[n - W :].transpose(0, 1).float())
@@ -136,7 +119,7 @@ def test_decode_through_the_backend_equals_attention_over_the_cached_rows():
     k, v = _rows(n, seed=3)
     pool = _pool(True)
     r2t = _r2t(2, n)
-    _fill(pool, r2t, 2, n - 4, 3, k, v)  # the 100th row comes with the decode step below
+    write_history(pool, r2t, 2, n - 4, 3, k, v)  # the 100th row comes with the decode step below
     be = _backend(pool, r2t)
     fb = SimpleNamespace(forward_mode=_Mode(True), req_pool_indices=torch.tensor([2]), seq_lens=torch.tensor([n]),
                          seq_lens_cpu=torch.tensor([n]), out_cache_loc=r2t[2, n - 1 : n].long())
