@@ -7,7 +7,10 @@ backend does (``write`` for the prefill rows through the fused Triton writer, th
 ``decode_metadata`` + ``write_decode``, the metadata built into fixed buffers as under CUDA graphs and the last
 step captured and replayed in a CUDA graph), and compares the backend's attention call (the v9 kernel over the
 gathered windows, both output frames, random rotations with means) with ``oscar.paged.decode_attention_torch`` on
-the same pages and windows. Prints one JSON line; exit status 1 when the relative error exceeds 2e-2.
+the same pages and windows. With plain keys (mean-centered), with rope-centered keys (a pre-RoPE mean ``m`` per
+head: the writers take each row's position, the kernel adds ``q . RoPE_p(m)`` at ``int_pos0 = S0``), and with
+rope-centered keys in SmolLM2-135M's geometry (3 KV heads of 3 query heads, padded to 4 for the kernel; d 64).
+Prints one JSON line; exit status 1 when a relative error exceeds 2e-2.
 """
 
 from __future__ import annotations
@@ -21,25 +24,30 @@ from pathlib import Path
 import torch
 
 
-def main(argv: list[str]) -> int:
+def check(rope: bool, device: str = "cuda", heads: tuple[int, int, int] = (8, 32, 128)) -> dict:
+    """One pool (plain or rope-centered keys): the relative error of both output frames against the twin
+    (``device="cpu"``: the twin through the same calls, eager: a smoke test of the script without a GPU)."""
     from oscar import paged
     from oscar.cache import LayerRotations
+    from oscar.rope import RopeSpec
     from oscar.serve.backend import DecodeMeta, decode_metadata
     from oscar.serve.pool import OscarTokenToKVPool
     from oscar.serve.settings import ServeSettings
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=None)
-    a = ap.parse_args(argv)
-    dev = torch.device("cuda")
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
     gen = torch.Generator().manual_seed(0)
-    hkv, H, d, P, S0, W = 8, 32, 128, 16, 64, 256
+    (hkv, H, d), P, S0, W = heads, 16, 64, 256
     orth = lambda: torch.linalg.qr(torch.randn(hkv, d, d, generator=gen))[0]  # noqa: E731
-    rot = LayerRotations(orth(), orth(), 0.3 * torch.randn(hkv, d, generator=gen), 0.2 * torch.randn(hkv, d, generator=gen))
-    state = dict(settings=ServeSettings(artifact=Path("unused"), sink=S0, recent=W), rotations=[rot], bits=2,
+    spec = RopeSpec(1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)), 1.0, head_dim=d)
+    rope_k = 4.0 * torch.randn(hkv, d, generator=gen) if rope else None  # a k_proj bias turned by RoPE
+    rot = LayerRotations(orth(), orth(), 0.3 * torch.randn(hkv, d, generator=gen), 0.2 * torch.randn(hkv, d, generator=gen),
+                         rope_k=rope_k, rope=spec if rope else None)
+    state = dict(settings=ServeSettings(artifact=Path("unused"), sink=S0, recent=W, kernels="triton" if cuda else "torch"),
+                 rotations=[rot], bits=2,
                  group_size=d, fold=True)
     size, ctx, lens = 1 << 16, 8192, [5000, 700]
-    pool = OscarTokenToKVPool(size, P, torch.bfloat16, hkv, d, 1, "cuda", False, oscar_state=state)
+    pool = OscarTokenToKVPool(size, P, torch.bfloat16, hkv, d, 1, str(dev), False, oscar_state=state, oscar_layout="mma")
     pool.bind_requests(4)
     r2t = torch.zeros(4, ctx, dtype=torch.int32, device=dev)
     pages = (torch.randperm(size // P - 1, generator=gen) + 1).tolist()
@@ -57,7 +65,9 @@ def main(argv: list[str]) -> int:
                       sink_len=torch.zeros(8, dtype=torch.int32, device=dev),
                       recent_len=torch.zeros(8, dtype=torch.int32, device=dev),
                       int_len=torch.zeros(8, dtype=torch.int32, device=dev),
-                      page_table=torch.zeros(8, pool.page_columns(r2t).shape[1], dtype=torch.int32, device=dev))
+                      page_table=torch.zeros(8, pool.page_columns(r2t).shape[1], dtype=torch.int32, device=dev),
+                      pos=torch.zeros(8, dtype=torch.int64, device=dev))
+    pos0 = S0 if rope else None  # INT row t of a sequence is token S0 + t
     req_t = torch.tensor(reqs, device=dev)
     seq = torch.tensor(lens, device=dev)
     kt, vt = pool.transforms[0]
@@ -70,35 +80,50 @@ def main(argv: list[str]) -> int:
     def step(frame: str) -> torch.Tensor:
         loc = torch.gather(r2t[req_t], 1, (seq - 1)[:, None]).squeeze(1).long()
         m = decode_metadata(pool, r2t, req_t, seq, loc, out=bufs)
-        pool.write_decode(0, knew, vnew, loc, m.req, m.col)
+        pool.write_decode(0, knew, vnew, loc, m.req, m.col, m.pos)
         return paged.decode_attention(q, pool.k_pages[0], pool.v_pages[0], m.page_table, m.int_len, kt, vt,
                                       sink_k=sk[m.req], sink_v=sv[m.req], sink_len=m.sink_len, recent_k=rk[m.req],
                                       recent_v=rv[m.req], recent_len=m.recent_len, sm_scale=d**-0.5,
-                                      output_frame=frame, backend="triton", num_splits=33)
+                                      output_frame=frame, backend=pool.kernels, num_splits=33, int_pos0=pos0)
 
     result = {}
     for frame in ("original", "rotated"):
         seq += 1
-        step(frame)  # eager (JIT, derived copies)
-        seq += 1
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step(frame)
-        seq += 1  # the replay must see the new lengths through the captured metadata ops
-        graph.replay()
-        torch.cuda.synchronize()
+        out = step(frame)  # eager (JIT, derived copies)
+        if cuda:
+            seq += 1
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step(frame)
+            seq += 1  # the replay must see the new lengths through the captured metadata ops
+            graph.replay()
+            torch.cuda.synchronize()
         m = decode_metadata(pool, r2t, req_t, seq, torch.ones_like(seq))
         ref = paged.decode_attention_torch(q, pool.k_pages[0], pool.v_pages[0], m.page_table, m.int_len, kt, vt,
                                            sink_k=sk[m.req], sink_v=sv[m.req], sink_len=m.sink_len,
                                            recent_k=rk[m.req], recent_v=rv[m.req], recent_len=m.recent_len,
-                                           sm_scale=d**-0.5, output_frame=frame)
+                                           sm_scale=d**-0.5, output_frame=frame, int_pos0=pos0)
         rel = float(((out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)).max())
         result[frame] = {"rel": rel, "int_len": m.int_len.tolist()}
-    line = json.dumps({"layout": pool.layout, "page_size": P, **result})
+    return {"layout": pool.layout, "page_size": P, "rope_centered": pool.rope_centered, "kv_heads": hkv, "q_heads": H,
+            "head_dim": d, **result}
+
+
+def main(argv: list[str]) -> int:
+    from oscar.files import atomic_write_text
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--device", default="cuda", help="cuda (the check) or cpu (a smoke test: twin against twin)")
+    a = ap.parse_args(argv)
+    results = {"plain": check(False, a.device), "rope_centered": check(True, a.device),
+               # SmolLM2-135M's heads: GQA 3 (query heads padded to 4 for the kernel), head_dim 64
+               "rope_centered_gqa3_d64": check(True, a.device, (3, 9, 64))}
+    line = json.dumps(results)
     print(line)
     if a.out is not None:
-        a.out.write_text(line + "\n")
-    return 0 if all(v["rel"] < 2e-2 for v in result.values()) else 1
+        atomic_write_text(a.out, line + "\n")
+    return 0 if all(r[f]["rel"] < 2e-2 for r in results.values() for f in ("original", "rotated")) else 1
 
 
 if __name__ == "__main__":

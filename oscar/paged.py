@@ -456,11 +456,32 @@ def decode_attention(
                              "q . RoPE_p(m)")
         _pos0(int_pos0, 0, 0)  # present
         kwargs.update(rope_mu=kt.rope_mu, rope_freq=kt.rope_freq, rope_scaling=kt.rope_scaling, rope_pos0=int_pos0)
-    return paged_decode_attention(
-        q, k_pages.codes, k_pages.scale, k_pages.zero, v_pages.codes, v_pages.scale, v_pages.zero,
+    hkv = k_pages.codes.shape[1]
+    qk, unpad = pad_query_heads(q, hkv) if layout == "mma" else (q, None)
+    out = paged_decode_attention(
+        qk, k_pages.codes, k_pages.scale, k_pages.zero, v_pages.codes, v_pages.scale, v_pages.zero,
         page_table, int_len, bits=k_pages.bits, group_size=k_pages.group_size,
         R_K=kt.R, mu_K=kt.mu, R_V=vt.R, mu_V=vt.mu, num_splits=num_splits, layout=layout,
         **(kernel_options or {}), **kwargs)
+    return out if unpad is None else unpad(out)
+
+
+MMA_GQA = (1, 2, 4, 8)  # query heads per KV head that the mma kernel's template instances take
+
+
+def pad_query_heads(q: torch.Tensor, hkv: int) -> tuple[torch.Tensor, Optional[Any]]:
+    """``q`` ``[B, H, d]`` with each KV head's ``H/Hkv`` query heads padded by zero queries to the next GQA ratio
+    of ``MMA_GQA`` (SmolLM2's 3 -> 4), and the function that drops the padded heads from the output; ``(q, None)``
+    when the ratio is one of them. Each query head attends on its own, so the real heads' outputs are those of
+    the unpadded call (device ops only: graph-capturable; the kernel reads each page once per KV head either way)."""
+    B, H, d = q.shape
+    rep = H // hkv
+    if rep in MMA_GQA or rep > MMA_GQA[-1]:  # > 8: refused by the kernel, naming the ratio
+        return q, None
+    padded = next(r for r in MMA_GQA if r > rep)
+    qp = q.new_zeros(B, hkv, padded, d)
+    qp[:, :, :rep] = q.view(B, hkv, rep, d)
+    return qp.view(B, hkv * padded, d), lambda o: o.view(B, hkv, padded, d)[:, :, :rep].reshape(B, H, d)
 
 
 def _pair_layout(k_pages: QuantPages, v_pages: QuantPages) -> str:

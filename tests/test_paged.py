@@ -143,3 +143,30 @@ def test_rotate_quantize_pack_torch_rejects_mismatched_rows():
     pages = QuantPages.empty(2, 2, 4, 64, 2, 64)
     with pytest.raises(ValueError, match="do not match"):
         rotate_quantize_pack_torch(torch.zeros(1, 3, 64), torch.zeros(1, dtype=torch.long), pages, HeadTransform())
+
+
+@pytest.mark.parametrize("rep,padded", [(3, 4), (5, 8), (4, None)])
+def test_query_heads_padded_to_an_mma_gqa_ratio_keep_the_real_heads(rep, padded):
+    """SmolLM2's 9 query / 3 KV heads go to the mma kernel as 12 (zero queries appended per KV head); the real
+    heads' outputs are those of the unpadded call (each query head attends on its own: the same float ops)."""
+    from oscar.paged import pad_query_heads
+
+    gen = torch.Generator().manual_seed(5)
+    B, hkv, d, ps = 2, 3, 64, 4
+    kt, vt = _transform(hkv, d, gen), _transform(hkv, d, gen, 0.9)
+    pool = PagedKVPool(num_layers=1, num_kv_heads=hkv, head_dim=d, num_pages=16, max_batch=B, max_pages_per_seq=6,
+                       page_size=ps, group_size=d)
+    lens = [9, 5]
+    slots = pool.reserve([0, 1], lens)
+    pool.write(0, torch.randn(sum(lens), hkv, d, generator=gen), torch.randn(sum(lens), hkv, d, generator=gen), slots,
+               kt, vt)
+    q = torch.randn(B, hkv * rep, d, generator=gen)
+    qp, unpad = pad_query_heads(q, hkv)
+    if padded is None:
+        assert qp is q and unpad is None
+        return
+    assert qp.shape == (B, hkv * padded, d)
+    assert torch.equal(qp.view(B, hkv, padded, d)[:, :, rep:], torch.zeros(B, hkv, padded - rep, d))
+    ref = decode_attention_torch(q, pool.k[0], pool.v[0], pool.page_table, pool.int_len, kt, vt)
+    got = unpad(decode_attention_torch(qp, pool.k[0], pool.v[0], pool.page_table, pool.int_len, kt, vt))
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)  # the same per-head computation (batched einsums)

@@ -13,6 +13,8 @@
   decode graph runner records ``in_graph`` inside the capture, so a replay recomputes it). On a CPU, while no
   request of the batch has quantized rows, the step is plain attention over the windows in position order
   (the same ``torch_native`` computation).
+- Rope-centered keys: the new row's position goes to the writer (``DecodeMeta.pos``) and decode passes
+  ``int_pos0 = S0`` (quantized row ``t`` is position ``S0 + t``), constant under CUDA graphs.
 - With the value rotation folded into ``o_proj`` (``OSCAR_FOLD``, on by default) every path returns
   ``(o - mu_V) @ R_V`` per KV head, which the folded ``o_proj`` maps back.
 
@@ -55,6 +57,7 @@ class DecodeMeta:
     int_len: torch.Tensor  # [B] int32 quantized rows read by the kernel
     page_table: torch.Tensor  # [B, pages past the sink] int32
     seq_lens: Optional[list[int]] = None  # host copy (eager CPU window path only)
+    pos: Optional[torch.Tensor] = None  # [B] int64 position of the new row (rope-centered keys' writes)
 
 
 def decode_metadata(pool: Any, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -72,6 +75,8 @@ def decode_metadata(pool: Any, req_to_token: torch.Tensor, req_pool_indices: tor
     vals = dict(req=req, col=pool.window_index(L - 1), sink_len=L.clamp(max=S0).to(torch.int32),
                 recent_len=(L - S0).clamp(min=0, max=W).to(torch.int32),
                 int_len=torch.where(pad, torch.zeros_like(L), (L - S0 - W).clamp(min=0)).to(torch.int32))
+    if out is None or out.pos is not None:
+        vals["pos"] = L - 1
     if out is None:
         return DecodeMeta(**vals, page_table=pool.page_table(req_to_token, real))
     B = L.shape[0]
@@ -153,7 +158,7 @@ class OscarAttnBackend(AttentionBackend):
         i32 = lambda: torch.zeros(max_bs, dtype=torch.int32, device=dev)  # noqa: E731
         self.graph = DecodeMeta(req=torch.full((max_bs,), self.pool.pad_slot, dtype=torch.int64, device=dev), col=i64(),
                                 sink_len=i32(), recent_len=i32(), int_len=i32(),
-                                page_table=torch.zeros(max_bs, cols, dtype=torch.int32, device=dev))
+                                page_table=torch.zeros(max_bs, cols, dtype=torch.int32, device=dev), pos=i64())
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
@@ -166,7 +171,7 @@ class OscarAttnBackend(AttentionBackend):
         B = int(forward_batch.batch_size)
         g = self.graph
         self.meta = DecodeMeta(req=g.req[:B], col=g.col[:B], sink_len=g.sink_len[:B], recent_len=g.recent_len[:B],
-                               int_len=g.int_len[:B], page_table=g.page_table[:B])
+                               int_len=g.int_len[:B], page_table=g.page_table[:B], pos=g.pos[:B])
 
     def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
         """Inside the capture (recorded, so each replay recomputes it): the decode metadata into the buffers."""
@@ -200,7 +205,7 @@ class OscarAttnBackend(AttentionBackend):
     def _num_splits(self, batch: int, hkv: int) -> Optional[int]:
         """Split-K of the mma kernel per batch size, from the server's context length (fixed, so that the
         captured grid fits every replay)."""
-        if self.pool.layout != "mma":
+        if self.pool.layout != "mma" or self.pool.kernels == "torch":  # the twin has no split-K
             return None
         if batch not in self.num_splits:
             from oscar.kernels.decode_mma import default_num_splits
@@ -253,7 +258,7 @@ class OscarAttnBackend(AttentionBackend):
         pool, i = self.pool, layer.layer_id - self.pool.start_layer
         if save_kv_cache:
             pool.write_decode(layer.layer_id, k.view(-1, Hkv, d), v.view(-1, Hkv, d),
-                              forward_batch.out_cache_loc.long(), m.req, m.col)
+                              forward_batch.out_cache_loc.long(), m.req, m.col, m.pos)
         if m.seq_lens is not None and max(m.seq_lens, default=0) <= pool.sink + pool.recent:
             out = self._decode_windows(q3, layer, m, i)
             if self.folded:
@@ -263,6 +268,7 @@ class OscarAttnBackend(AttentionBackend):
         out = paged.decode_attention(q3, pool.k_pages[i], pool.v_pages[i], m.page_table, m.int_len, kt, vt,
                                      sm_scale=layer.scaling, output_frame="rotated" if self.folded else "original",
                                      backend=pool.kernels, num_splits=self._num_splits(q3.shape[0], Hkv),
+                                     int_pos0=pool.sink if pool.rope_centered else None,  # INT row t: token S0 + t
                                      **self._window_segments(m, i))
         return out.reshape(q3.shape[0], H * d)
 

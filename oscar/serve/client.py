@@ -72,9 +72,12 @@ class SGLangEngine:
             raise NotImplementedError(f"engine=sglang serves method kinds {SUPPORTED_KINDS}; method {cfg.method.name!r} "
                                       f"has kind {kind!r} (use engine=embedded)")
         self.cfg = cfg
+        self.device = _device(cfg)
+        if self.device == "cuda" and str(cfg.model.dtype) == "float32":
+            raise ValueError("engine=sglang on a GPU serves BF16/FP16 models: SGLang's CUDA RMSNorm has no float32 kernel "
+                             f"(got model.dtype={cfg.model.dtype}); set model.dtype=bfloat16 (float32 serves on device=cpu)")
         self.path = model_path(cfg.model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        self.device = _device(cfg)
         self._tmp: Optional[str] = None
         env: dict[str, str] = {}
         args = ["--device", self.device, "--dtype", str(cfg.model.dtype), "--disable-radix-cache",

@@ -24,6 +24,11 @@ the window the kernel's ``int_len`` grows by one and reads its codes. A decode s
 row (quantized, and BF16 into the sink or ring) with device ops only: it is captured in the step's CUDA graph.
 Token slots return to SGLang's allocator when a request ends; the window rows of a request slot are
 overwritten by the next request that gets the slot.
+
+Rope-centered keys (an ``auto`` artifact's ``+rope`` heads): a key row at position ``p`` is quantized minus
+``RoPE_p(m)`` (``write`` passes each row's position, ``write_decode`` the decode metadata's ``pos``) and
+``cached_rows`` adds it back; served by the mma-layout CUDA kernel and the torch twins, refused (naming the
+format) where the pool would use the row-layout Triton kernels.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 from oscar import paged
-from oscar.serve.settings import OscarServeError, ServeSettings, bytes_per_token, head_transforms, window_bytes_per_request
+from oscar.serve.settings import (ENV_ARTIFACT, ENV_KERNELS, OscarServeError, ServeSettings, bytes_per_token,
+                                  head_transforms, window_bytes_per_request)
 from oscar.serve.state import current_state
 
 logger = logging.getLogger(__name__)
@@ -65,6 +71,15 @@ class OscarTokenToKVPool(MHATokenToKVPool):
                          *args, **kwargs)
         first = self.start_layer
         self.transforms = [head_transforms(self.rotations[first + i], device) for i in range(layer_num)]
+        self.rope_centered = any(kt.rope_centered for kt, _ in self.transforms)
+        if self.rope_centered and self.kernels != "torch" and self.layout != "mma":
+            rope = [first + i for i, (kt, _) in enumerate(self.transforms) if kt.rope_centered]
+            raise OscarServeError(
+                f"{ENV_ARTIFACT}={str(self.settings.artifact)!r} has rope-centered keys in layers {rope}, which "
+                f"{ENV_KERNELS}={self.kernels} serves through the mma-layout CUDA kernel only (INT2/INT4 with one "
+                f"group per row, head_dim 64/128, --page-size a power of two >= 16); this pool is INT{self.bits}, "
+                f"group {self.group_size}, head_dim {head_dim}, pages of {page_size} on {device} ({self.layout} "
+                f"layout). Use {ENV_KERNELS}=torch, such a format, or calibrate with method.rope_center=false")
         bpt = bytes_per_token(layer_num, head_num, head_dim, self.bits, self.group_size)
         bf16 = 2 * layer_num * head_num * head_dim * 2
         logger.info(
@@ -188,7 +203,8 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         quant = pos >= self.sink
         if bool(quant.any()):
             paged.rotate_quantize_pack_kv(kb[quant], vb[quant], loc[quant], self.k_pages[i], self.v_pages[i],
-                                          *self.transforms[i], backend=self.kernels)
+                                          *self.transforms[i], backend=self.kernels,
+                                          positions=pos[quant] if self.rope_centered else None)
         keep = (pos < self.sink) | (pos >= seq_len - self.recent)
         if bool(keep.any()):
             r, col = req[keep], self.window_index(pos[keep])
@@ -196,15 +212,16 @@ class OscarTokenToKVPool(MHATokenToKVPool):
             self.win_v[i][r, :, col] = vb[keep]
 
     def write_decode(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, req: torch.Tensor,
-                     col: torch.Tensor) -> None:
-        """A decode step's new rows ``[B, Hkv, d]``: quantized into their token slots ``loc`` and BF16 into
-        window column ``col`` of request slot ``req`` (device ops of fixed shapes: graph-capturable). A sink
-        row's codes land in its slot too and are never read (the page table starts at ``S0``); a padded
-        entry (``loc`` 0, SGLang's padding slot) writes the padding slots."""
+                     col: torch.Tensor, pos: Optional[torch.Tensor] = None) -> None:
+        """A decode step's new rows ``[B, Hkv, d]`` at positions ``pos`` ``[B]`` (needed for rope-centered
+        keys): quantized into their token slots ``loc`` and BF16 into window column ``col`` of request slot
+        ``req`` (device ops of fixed shapes: graph-capturable). A sink row's codes land in its slot too and are
+        never read (the page table starts at ``S0``); a padded entry (``loc`` 0, SGLang's padding slot) writes
+        the padding slots."""
         i = self._local(layer_id)
         kb, vb = k.to(self.window_dtype), v.to(self.window_dtype)
         paged.rotate_quantize_pack_kv(kb, vb, loc, self.k_pages[i], self.v_pages[i], *self.transforms[i],
-                                      backend=self.kernels)
+                                      backend=self.kernels, positions=pos if self.rope_centered else None)
         self.win_k[i][req, :, col] = kb
         self.win_v[i][req, :, col] = vb
 
@@ -225,7 +242,8 @@ class OscarTokenToKVPool(MHATokenToKVPool):
     def cached_rows(self, layer_id: int, req_to_token: torch.Tensor, r: int, length: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[Hkv, length, d]`` (float32, original frame) of positions ``0..length-1`` of request slot
-        ``r`` as the cache holds them: BF16 sink, dequantized pages ``[S0, length - W)``, BF16 ring."""
+        ``r`` as the cache holds them: BF16 sink, dequantized pages ``[S0, length - W)`` (rope-centered keys with
+        their offsets added back), BF16 ring."""
         i = self._local(layer_id)
         S0, W = self.sink, self.recent
         n_sink, q_end = min(length, S0), max(S0, length - W)
@@ -240,6 +258,8 @@ class OscarTokenToKVPool(MHATokenToKVPool):
                     x = torch.einsum("hte,hde->htd", x, t.R.to(x.device, torch.float32))
                 if t.mu is not None:
                     x = x + t.mu.to(x.device, torch.float32)[:, None, :]
+                if t.rope_centered:  # the rope-centered key offsets RoPE_p(m) of positions S0..q_end-1
+                    x = x + paged.rope_offsets(t, torch.arange(S0, q_end, device=x.device)).transpose(0, 1)
                 out.append(x)
         if length > q_end:
             cols = self.window_index(torch.arange(q_end, length, device=self.device))

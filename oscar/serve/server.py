@@ -91,11 +91,25 @@ class SGLangServer:
         return [self.python, "-m", "sglang.launch_server", "--model-path", self.model_path, "--host", self.host,
                 "--port", str(self.port), *self.args]
 
+    @property
+    def device(self) -> Optional[str]:
+        """The ``--device`` of the server's flags (None when they name none)."""
+        return self.args[self.args.index("--device") + 1] if "--device" in self.args[:-1] else None
+
+    def child_env(self) -> dict[str, str]:
+        """The server's environment: this process's, the extra variables, and ``SGLANG_USE_CPU_ENGINE=1`` (unless
+        set) for a CPU server only (``--device cpu`` or no ``--device``): on a GPU it would make SGLang take the
+        host for a CPU one."""
+        env = {**os.environ, **self.extra_env}
+        if self.device in (None, "cpu"):
+            env["SGLANG_USE_CPU_ENGINE"] = env.get("SGLANG_USE_CPU_ENGINE", "1")
+        return env
+
     def start(self) -> "SGLangServer":
         """Launch the server and block until ``/health`` answers (or raise ``ServerError`` with its log tail)."""
         if port_in_use(self.host, self.port):
             raise ServerError(f"port {self.port} on {self.host} is already in use; choose another engine.port (0 = any free)")
-        env = {**os.environ, "SGLANG_USE_CPU_ENGINE": os.environ.get("SGLANG_USE_CPU_ENGINE", "1"), **self.extra_env}
+        env = self.child_env()
         if self.log_path:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_fh = open(self.log_path, "ab")

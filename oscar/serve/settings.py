@@ -152,7 +152,11 @@ def check_architecture(hf_config: Any) -> None:
 
 def load_rotations(settings: ServeSettings, hf_config: Any) -> tuple[list[Any], int, int]:
     """Per-layer ``LayerRotations`` (float32, CPU), bits and effective group size, from the artifact,
-    after checking it against ``hf_config`` (config hash, layers, KV heads, head_dim) and the settings."""
+    after checking it against ``hf_config`` (config hash, layers, KV heads, head_dim) and the settings.
+
+    ``auto`` artifacts (per-head rotations and targets, centering ``mu_K``/``mu_V``, rope-centered keys) are
+    served; the pool refuses rope-centered keys where its kernels do not take token positions
+    (`oscar.serve.pool.OscarTokenToKVPool`). Per-channel keys (``method.channel_block > 0``) are refused here."""
     from oscar.artifact import ArtifactMismatch, load_artifact
     from oscar.engine import layer_rotations
 
@@ -165,12 +169,13 @@ def load_rotations(settings: ServeSettings, hf_config: Any) -> tuple[list[Any], 
         art = load_artifact(path, model=cfg, group_size=settings.group_size, bits=settings.bits)
     except (ArtifactMismatch, FileNotFoundError) as err:
         raise OscarServeError(f"{ENV_ARTIFACT}: {err}") from None
-    rope_layers = [layer for layer in range(art.num_layers) if art.key_rope(layer) is not None]
-    if rope_layers:
+    channel_layers = [layer for layer in range(art.num_layers) if art.key_block(layer)]
+    if channel_layers:
         raise OscarServeError(
-            f"{ENV_ARTIFACT}={str(path)!r} has rope-centered keys in layers {rope_layers} (auto chose '+rope' key "
-            "candidates), which the SGLang pool does not serve yet (the kernels do; the pool does not pass token "
-            "positions to them); calibrate it with method.rope_center=false"
+            f"{ENV_ARTIFACT}={str(path)!r} has per-channel keys in layers {channel_layers} (auto chose '/ch"
+            f"{art.key_block(channel_layers[0])}' key candidates, method.channel_block="
+            f"{art.key_block(channel_layers[0])}), which the SGLang pool does not serve (its pages carry one scale "
+            "and zero per token); calibrate it with method.channel_block=0 (the default)"
         )
     return layer_rotations(art), int(art.meta["bits"]), int(art.meta["group_size"])
 

@@ -70,14 +70,16 @@ def embedded_greedy(model: Any, method: str, artifact: Path, sink: int, recent: 
 
 
 def embedded_forced_logprobs(model: Any, method: str, artifact: Path, sink: int, recent: int,
-                             prompts: list[list[int]], forced: list[list[int]]) -> list[Any]:
+                             prompts: list[list[int]], forced: list[list[int]],
+                             overrides: tuple[str, ...] = ("method.clip=paper",)) -> list[Any]:
     """Teacher-forced next-token log-probabilities of the embedded engine (value rotation folded) along
-    `forced` (`oscar.generate.forced_logprobs`: the decode path, through the quantized cache)."""
+    `forced` (`oscar.generate.forced_logprobs`: the decode path, through the quantized cache); `overrides`:
+    method settings the artifact was made with (default: the unclipped in-code artifacts)."""
     from oscar.config import compose
     from oscar.engine import Engine, rotations_from_artifact
     from oscar.generate import forced_logprobs
 
-    cfg = compose([f"method={method}", "method.clip=paper", f"method.sink={sink}", f"method.recent={recent}"])
+    cfg = compose([f"method={method}", *overrides, f"method.sink={sink}", f"method.recent={recent}"])
     engine = Engine(model, None, cfg.method, rotations_from_artifact(artifact, cfg.method, model), fold_values=True)
     try:
         return [forced_logprobs(model, ids, toks, engine.new_cache) for ids, toks in zip(prompts, forced)]

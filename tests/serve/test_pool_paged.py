@@ -89,19 +89,26 @@ def _history(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _prefill_and_decode(pool, r2t, r: int, prompt: int, steps: int, gen: torch.Generator):
+    k, v = _history(prompt + steps, gen)
+    return k, v, write_history(pool, r2t, r, prompt, steps, k, v)
+
+
+def write_history(pool, r2t, r: int, prompt: int, steps: int, k: torch.Tensor, v: torch.Tensor):
+    """Rows ``k``/``v`` of request slot ``r``: ``prompt`` through ``write`` (a prefill), then ``steps`` decode rows
+    through ``decode_metadata`` + ``write_decode`` at the metadata's positions, as the backend does; returns the last
+    decode metadata."""
     from oscar.serve.backend import decode_metadata
 
-    k, v = _history(prompt + steps, gen)
-    pos = torch.arange(prompt)
-    pool.write(0, k[:prompt], v[:prompt], r2t[r, :prompt].long(), torch.full((prompt,), r), pos,
+    pool.write(0, k[:prompt], v[:prompt], r2t[r, :prompt].long(), torch.full((prompt,), r), torch.arange(prompt),
                torch.full((prompt,), prompt))
     meta = None
     for s in range(steps):
         L = prompt + s + 1
         loc = r2t[r, L - 1 : L].long()
         meta = decode_metadata(pool, r2t, torch.tensor([r]), torch.tensor([L]), loc)
-        pool.write_decode(0, k[L - 1 : L], v[L - 1 : L], loc, meta.req, meta.col)
-    return k, v, meta
+        assert meta.pos.tolist() == [L - 1]
+        pool.write_decode(0, k[L - 1 : L], v[L - 1 : L], loc, meta.req, meta.col, meta.pos)
+    return meta
 
 
 @pytest.mark.parametrize("layout", ["mma", "rows"])

@@ -119,3 +119,27 @@ def test_ctrl_c_stops_the_server(tiny_llama, quarot, tmp_path):
     assert child.wait(timeout=120) != 0  # KeyboardInterrupt propagated after the server was stopped
     assert not group_alive(int(pgid))
     assert not port_in_use("127.0.0.1", int(port))
+
+
+def test_cpu_engine_variable_only_for_cpu_servers(monkeypatch):
+    """``SGLANG_USE_CPU_ENGINE=1`` goes to a ``--device cpu`` server (and one naming no device, as before), never to
+    a GPU server (SGLang would take the GPU host for a CPU one); a value the caller set is kept."""
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    assert SGLangServer("m", ["--device", "cpu"], port=1).child_env()["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert SGLangServer("m", [], port=1).child_env()["SGLANG_USE_CPU_ENGINE"] == "1"
+    gpu = SGLangServer("m", ["--device", "cuda", "--dtype", "bfloat16"], env={"OSCAR_SINK": "64"}, port=1)
+    assert gpu.device == "cuda" and "SGLANG_USE_CPU_ENGINE" not in gpu.child_env()
+    assert gpu.child_env()["OSCAR_SINK"] == "64"
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "0")
+    assert SGLangServer("m", ["--device", "cpu"], port=1).child_env()["SGLANG_USE_CPU_ENGINE"] == "0"
+
+
+def test_engine_sglang_refuses_a_float32_model_on_a_gpu():
+    """SGLang's CUDA RMSNorm has no float32 kernel (measured on the H200, reports/serving/gpu_correctness.md): the
+    runner's engine refuses at once, naming the setting, before any model or server is touched."""
+    from oscar.config import compose
+    from oscar.serve.client import SGLangEngine
+
+    cfg = compose(["engine=sglang", "device=cuda", "model.dtype=float32", "method=quarot", "method.clip=paper"])
+    with pytest.raises(ValueError, match=r"model.dtype=float32.*model.dtype=bfloat16"):
+        SGLangEngine(cfg)
