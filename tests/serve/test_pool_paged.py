@@ -68,13 +68,15 @@ def test_graph_metadata_equals_eager_with_padding():
     loc = torch.tensor([int(r2t[2, 39]), int(r2t[0, 199]), int(r2t[3, 16]), 0, 0])  # two padded entries
     eager = decode_metadata(pool, r2t, req[:3], seq[:3], loc[:3])
     cols = pool.page_columns(r2t).shape[1]
-    bufs = DecodeMeta(req=torch.zeros(8, dtype=torch.int64), col=torch.zeros(8, dtype=torch.int64),
+    bufs = DecodeMeta(req=torch.zeros(8, dtype=torch.int64), win_row=torch.zeros(8, dtype=torch.int32),
+                      col=torch.zeros(8, dtype=torch.int64),
                       sink_len=torch.zeros(8, dtype=torch.int32), recent_len=torch.zeros(8, dtype=torch.int32),
                       int_len=torch.zeros(8, dtype=torch.int32), page_table=torch.zeros(8, cols, dtype=torch.int32))
     graph = decode_metadata(pool, r2t, req, seq, loc, out=bufs)
-    for name in ("req", "col", "sink_len", "recent_len", "int_len", "page_table"):
+    for name in ("req", "win_row", "col", "sink_len", "recent_len", "int_len", "page_table"):
         assert torch.equal(getattr(graph, name)[:3], getattr(eager, name)), name
     assert graph.req[3:].tolist() == [pool.pad_slot] * 2 and graph.int_len[3:].tolist() == [0, 0]
+    assert graph.win_row.dtype == torch.int32 and torch.equal(graph.win_row[:5].long(), graph.req[:5])
     assert eager.int_len.tolist() == [0, 200 - 16 - 32, 0]
     assert eager.sink_len.tolist() == [16, 16, 16] and eager.recent_len.tolist() == [24, 32, 1]
     assert eager.col.tolist() == [16 + (39 - 16) % 32, 16 + (199 - 16) % 32, 16 + 0]
