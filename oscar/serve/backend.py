@@ -85,6 +85,10 @@ def decode_metadata(pool: Any, req_to_token: torch.Tensor, req_pool_indices: tor
 class OscarAttnBackend(AttentionBackend):
     """Attention over an ``OscarTokenToKVPool`` (see the module docstring)."""
 
+    mma_waves: Optional[int] = None  # OSCAR_MMA (oscar.serve.settings): split-K waves or fixed splits, launch options
+    mma_splits: Optional[int] = None
+    kernel_options: Optional[dict] = None
+
     def __init__(self, model_runner: Any) -> None:
         super().__init__()
         from oscar.serve.pool import OscarTokenToKVPool

@@ -139,12 +139,10 @@ def test_decode_over_pool_equals_attention_over_cached_rows():
     meta = decode_metadata(pool, r2t, req, seq, torch.tensor([int(r2t[3, 69]), int(r2t[0, 149])]))
     q = torch.randn(2, H, D, generator=gen).to(torch.bfloat16)
     kt, vt = pool.transforms[0]
-    sk, sv = pool.sink_view(0)
-    rk, rv = pool.ring_view(0)
+    segs = _backend(pool, r2t)._window_segments(meta, 0)  # the pool's window buffers, read in place by slot
+    assert segs["recent_k"].data_ptr() == pool.win_k[0].data_ptr() + pool.sink * D * 2 and segs["window_rows"] is meta.win_row
     out = paged.decode_attention(q, pool.k_pages[0], pool.v_pages[0], meta.page_table, meta.int_len, kt, vt,
-                                 sink_k=sk[meta.req], sink_v=sv[meta.req], sink_len=meta.sink_len,
-                                 recent_k=rk[meta.req], recent_v=rv[meta.req], recent_len=meta.recent_len,
-                                 sm_scale=D**-0.5, output_frame="original", backend="torch").float()
+                                 sm_scale=D**-0.5, output_frame="original", backend="torch", **segs).float()
     for b, (r, n) in enumerate(((3, 70), (0, 150))):
         ck, cv = pool.cached_rows(0, r2t, r, n)  # [HKV, n, D]
         qb = q[b].float().reshape(HKV, H // HKV, D)
