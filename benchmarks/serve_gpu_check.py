@@ -53,7 +53,8 @@ def main(argv: list[str]) -> int:
         v = torch.randn(n, hkv, d, generator=gen).to(dev, torch.bfloat16)
         pos = torch.arange(n, device=dev)
         pool.write(0, k, v, r2t[r, :n].long(), torch.full((n,), r, device=dev), pos, torch.full((n,), n, device=dev))
-    bufs = DecodeMeta(req=torch.zeros(8, dtype=torch.int64, device=dev), win_row=torch.zeros(8, dtype=torch.int32, device=dev),
+    bufs = DecodeMeta(req=torch.zeros(8, dtype=torch.int64, device=dev),
+                      win_row=torch.zeros(8, dtype=torch.int32, device=dev),
                       col=torch.zeros(8, dtype=torch.int64, device=dev),
                       sink_len=torch.zeros(8, dtype=torch.int32, device=dev),
                       recent_len=torch.zeros(8, dtype=torch.int32, device=dev),

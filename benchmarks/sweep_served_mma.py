@@ -95,7 +95,8 @@ def main(argv: list[str]) -> int:
                 row.update(check=f"error: {type(exc).__name__}: {str(exc)[:160]}", us=float("nan"))
             rows.append(row)
             print(f"B={B} {row['variant']:<40} splits={splits:<3} {row.get('us', float('nan')):9.1f} us "
-                  f"{100 * row.get('bw_frac', float('nan')):5.1f}% of copy  twin {row.get('rel_twin', float('nan')):.2e} "
+                  f"{100 * row.get('bw_frac', float('nan')):5.1f}% of copy  "
+                  f"twin {row.get('rel_twin', float('nan')):.2e} "
                   f"in-place {row.get('rel_in_place_twin', float('nan')):.2e} {row['check']}", flush=True)
         atomic_write_csv(out / "mma_sweep.csv", rows, list(dict.fromkeys(k for r in rows for k in r)))
         del kp, vp, tables, segs, qs, slotted, k_mma, v_mma

@@ -1101,7 +1101,8 @@ def paged_decode_attention(
     s_strides = (sk.stride(0), sk.stride(1), sk.stride(2)) if sink is not None else (0, 0, 0)
     r_strides = (rk.stride(0), rk.stride(1), rk.stride(2)) if recent is not None else (0, 0, 0)
     wrow = window_rows if window_rows is not None else sl
-    bf_flags = dict(CHUNK=chunk, HAS_SINK=sink is not None, HAS_RECENT=recent is not None, WIN_ROWS=window_rows is not None,
+    bf_flags = dict(CHUNK=chunk, HAS_SINK=sink is not None, HAS_RECENT=recent is not None,
+                    WIN_ROWS=window_rows is not None,
                     DOT_T=tl.bfloat16 if dev.type == "cuda" else tl.float32)
     reg_cap = {"maxnreg": maxnreg} if maxnreg and dev.type == "cuda" else {}
     out = torch.empty(B, H, d, dtype=q.dtype, device=dev)

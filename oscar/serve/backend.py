@@ -70,7 +70,8 @@ def decode_metadata(pool: Any, req_to_token: torch.Tensor, req_pool_indices: tor
     real = torch.where(pad, torch.zeros_like(L), req_pool_indices.to(torch.int64))  # a row of req_to_token
     req = torch.where(pad, torch.full_like(L, pool.pad_slot), real)
     L = torch.where(pad, torch.ones_like(L), L)
-    vals = dict(req=req, win_row=req.to(torch.int32), col=pool.window_index(L - 1), sink_len=L.clamp(max=S0).to(torch.int32),
+    vals = dict(req=req, win_row=req.to(torch.int32), col=pool.window_index(L - 1),
+                sink_len=L.clamp(max=S0).to(torch.int32),
                 recent_len=(L - S0).clamp(min=0, max=W).to(torch.int32),
                 int_len=torch.where(pad, torch.zeros_like(L), (L - S0 - W).clamp(min=0)).to(torch.int32))
     if out is None:
@@ -160,7 +161,8 @@ class OscarAttnBackend(AttentionBackend):
         i64 = lambda: torch.zeros(max_bs, dtype=torch.int64, device=dev)  # noqa: E731
         i32 = lambda: torch.zeros(max_bs, dtype=torch.int32, device=dev)  # noqa: E731
         self.graph = DecodeMeta(req=torch.full((max_bs,), self.pool.pad_slot, dtype=torch.int64, device=dev),
-                                win_row=torch.full((max_bs,), self.pool.pad_slot, dtype=torch.int32, device=dev), col=i64(),
+                                win_row=torch.full((max_bs,), self.pool.pad_slot, dtype=torch.int32, device=dev),
+                                col=i64(),
                                 sink_len=i32(), recent_len=i32(), int_len=i32(),
                                 page_table=torch.zeros(max_bs, cols, dtype=torch.int32, device=dev))
 
@@ -174,7 +176,8 @@ class OscarAttnBackend(AttentionBackend):
             return
         B = int(forward_batch.batch_size)
         g = self.graph
-        self.meta = DecodeMeta(req=g.req[:B], win_row=g.win_row[:B], col=g.col[:B], sink_len=g.sink_len[:B], recent_len=g.recent_len[:B],
+        self.meta = DecodeMeta(req=g.req[:B], win_row=g.win_row[:B], col=g.col[:B], sink_len=g.sink_len[:B],
+                               recent_len=g.recent_len[:B],
                                int_len=g.int_len[:B], page_table=g.page_table[:B])
 
     def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:

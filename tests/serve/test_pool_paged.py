@@ -140,7 +140,8 @@ def test_decode_over_pool_equals_attention_over_cached_rows():
     q = torch.randn(2, H, D, generator=gen).to(torch.bfloat16)
     kt, vt = pool.transforms[0]
     segs = _backend(pool, r2t)._window_segments(meta, 0)  # the pool's window buffers, read in place by slot
-    assert segs["recent_k"].data_ptr() == pool.win_k[0].data_ptr() + pool.sink * D * 2 and segs["window_rows"] is meta.win_row
+    assert segs["recent_k"].data_ptr() == pool.win_k[0].data_ptr() + pool.sink * D * 2  # a view, no copy
+    assert segs["window_rows"] is meta.win_row
     out = paged.decode_attention(q, pool.k_pages[0], pool.v_pages[0], meta.page_table, meta.int_len, kt, vt,
                                  sm_scale=D**-0.5, output_frame="original", backend="torch", **segs).float()
     for b, (r, n) in enumerate(((3, 70), (0, 150))):
