@@ -61,7 +61,9 @@ def check(rope: bool, device: str = "cuda", heads: tuple[int, int, int] = (8, 32
         v = torch.randn(n, hkv, d, generator=gen).to(dev, torch.bfloat16)
         pos = torch.arange(n, device=dev)
         pool.write(0, k, v, r2t[r, :n].long(), torch.full((n,), r, device=dev), pos, torch.full((n,), n, device=dev))
-    bufs = DecodeMeta(req=torch.zeros(8, dtype=torch.int64, device=dev), col=torch.zeros(8, dtype=torch.int64, device=dev),
+    bufs = DecodeMeta(req=torch.zeros(8, dtype=torch.int64, device=dev),
+                      win_row=torch.zeros(8, dtype=torch.int32, device=dev),
+                      col=torch.zeros(8, dtype=torch.int64, device=dev),
                       sink_len=torch.zeros(8, dtype=torch.int32, device=dev),
                       recent_len=torch.zeros(8, dtype=torch.int32, device=dev),
                       int_len=torch.zeros(8, dtype=torch.int32, device=dev),
@@ -81,9 +83,10 @@ def check(rope: bool, device: str = "cuda", heads: tuple[int, int, int] = (8, 32
         loc = torch.gather(r2t[req_t], 1, (seq - 1)[:, None]).squeeze(1).long()
         m = decode_metadata(pool, r2t, req_t, seq, loc, out=bufs)
         pool.write_decode(0, knew, vnew, loc, m.req, m.col, m.pos)
+        # the windows read in place by request slot (the backend's path); the twin below reads gathered copies
         return paged.decode_attention(q, pool.k_pages[0], pool.v_pages[0], m.page_table, m.int_len, kt, vt,
-                                      sink_k=sk[m.req], sink_v=sv[m.req], sink_len=m.sink_len, recent_k=rk[m.req],
-                                      recent_v=rv[m.req], recent_len=m.recent_len, sm_scale=d**-0.5,
+                                      sink_k=sk, sink_v=sv, sink_len=m.sink_len, recent_k=rk, recent_v=rv,
+                                      recent_len=m.recent_len, window_rows=m.win_row, sm_scale=d**-0.5,
                                       output_frame=frame, backend=pool.kernels, num_splits=33, int_pos0=pos0)
 
     result = {}

@@ -633,14 +633,19 @@ def _bf16_chunk(
     pid, chunk,
     qo_ptr,
     sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
-    rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
+    rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt, wrow_ptr,
     o_ptr, lse_ptr, num_splits, sink_chunks, num_bf, qscale,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr, HAS_SINK: tl.constexpr, HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr,
+    WIN_ROWS: tl.constexpr,
 ):
-    """One CHUNK of the BF16 sink (chunks ``0..sink_chunks-1``) or recent window (the rest): output + LSE."""
+    """One CHUNK of the BF16 sink (chunks ``0..sink_chunks-1``) or recent window (the rest): output + LSE.
+    ``WIN_ROWS``: the windows of sequence ``b`` are row ``wrow_ptr[b]`` of the window tensors (else row ``b``)."""
     b = pid // HKV
     kvh = pid % HKV
+    wb = b.to(tl.int64)
+    if WIN_ROWS:
+        wb = tl.load(wrow_ptr + b).to(tl.int64)
     H: tl.constexpr = HKV * REP
     heads = tl.arange(0, HP)
     hmask = heads < REP
@@ -655,14 +660,14 @@ def _bf16_chunk(
     if chunk < sink_chunks:
         if HAS_SINK:
             n = tl.load(slen_ptr + b)
-            base = b * stride_sb + kvh * stride_sh
+            base = wb * stride_sb + kvh * stride_sh
             m_i, l_i, acc = _bf16_segment(sk_ptr + base, sv_ptr + base, chunk * CHUNK,
                                           tl.minimum(n, (chunk + 1) * CHUNK), stride_st, qbT, m_i, l_i, acc,
                                           BLOCK_N, D, HP, DOT_T)
     else:
         if HAS_RECENT:
             n = tl.load(rlen_ptr + b)
-            base = b * stride_rb + kvh * stride_rh
+            base = wb * stride_rb + kvh * stride_rh
             c = chunk - sink_chunks
             m_i, l_i, acc = _bf16_segment(rk_ptr + base, rv_ptr + base, c * CHUNK, tl.minimum(n, (c + 1) * CHUNK),
                                           stride_rt, qbT, m_i, l_i, acc, BLOCK_N, D, HP, DOT_T)
@@ -684,14 +689,14 @@ def _planes_kernel(
     o_ptr, lse_ptr,
     tokens_per_split, s_total,
     sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
-    recent_k_ptr, recent_v_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
+    recent_k_ptr, recent_v_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt, wrow_ptr,
     num_splits, sink_chunks, num_bf,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
     BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
     ROW_GATHER: tl.constexpr, QK_INT8: tl.constexpr, QK_LEVELS: tl.constexpr, PREFETCH: tl.constexpr,
     HAS_RK: tl.constexpr, HAS_MUK: tl.constexpr, ROT_OUT: tl.constexpr, HAS_MUV: tl.constexpr,
     FUSE_BF16: tl.constexpr, BF_BLOCK: tl.constexpr, CHUNK: tl.constexpr, HAS_SINK: tl.constexpr,
-    HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr,
+    HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr, WIN_ROWS: tl.constexpr,
     AK0: tl.constexpr, AK1: tl.constexpr, AK2: tl.constexpr, AK3: tl.constexpr,
     AV0: tl.constexpr, AV1: tl.constexpr, AV2: tl.constexpr, AV3: tl.constexpr,
 ):
@@ -702,9 +707,9 @@ def _planes_kernel(
     if FUSE_BF16 and split >= num_splits:
         _bf16_chunk(pid, split - num_splits, q_ptr,
                     sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
-                    recent_k_ptr, recent_v_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
+                    recent_k_ptr, recent_v_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt, wrow_ptr,
                     o_ptr, lse_ptr, num_splits, sink_chunks, num_bf, scale,
-                    HKV, REP, HP, D, BF_BLOCK, CHUNK, HAS_SINK, HAS_RECENT, DOT_T)
+                    HKV, REP, HP, D, BF_BLOCK, CHUNK, HAS_SINK, HAS_RECENT, DOT_T, WIN_ROWS)
     else:
         _int_split_planes(pid, split, q_ptr, scale, rk_ptr, muk_ptr, rv_ptr, muv_ptr,
                           kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
@@ -743,13 +748,13 @@ def _partial_kernel(
     tokens_per_split, s_total,
     qo_ptr,
     sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
-    rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
+    rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt, wrow_ptr,
     num_splits, sink_chunks, num_bf,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
     HEADS_IN_M: tl.constexpr, ROW_GATHER: tl.constexpr, PREFETCH: tl.constexpr, V_HEADS_IN_M: tl.constexpr,
     FUSE_BF16: tl.constexpr, BF_BLOCK: tl.constexpr, CHUNK: tl.constexpr, HAS_SINK: tl.constexpr,
-    HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr,
+    HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr, WIN_ROWS: tl.constexpr,
 ):
     """Program ``(sequence * Hkv + KV head, split)``: a quantized split; with ``FUSE_BF16`` the programs past
     ``num_splits`` take the BF16 chunks instead (one launch fewer)."""
@@ -759,9 +764,9 @@ def _partial_kernel(
         if split >= num_splits:
             _bf16_chunk(pid, split - num_splits, qo_ptr,
                         sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
-                        rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
+                        rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt, wrow_ptr,
                         o_ptr, lse_ptr, num_splits, sink_chunks, num_bf, 1.0,
-                        HKV, REP, HP, D, BF_BLOCK, CHUNK, HAS_SINK, HAS_RECENT, DOT_T)
+                        HKV, REP, HP, D, BF_BLOCK, CHUNK, HAS_SINK, HAS_RECENT, DOT_T, WIN_ROWS)
         else:
             _int_split(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                        stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
@@ -780,17 +785,18 @@ def _partial_kernel(
 def _bf16_partial_kernel(
     qo_ptr,
     sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
-    rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
+    rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt, wrow_ptr,
     o_ptr, lse_ptr, num_splits, sink_chunks, num_bf, qscale,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr, HAS_SINK: tl.constexpr, HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr,
+    WIN_ROWS: tl.constexpr,
 ):
     """Program ``(sequence * Hkv + KV head, chunk)``: one BF16 chunk (launch of its own)."""
     _bf16_chunk(tl.program_id(0), tl.program_id(1), qo_ptr,
                 sk_ptr, sv_ptr, slen_ptr, stride_sb, stride_sh, stride_st,
-                rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt,
+                rk_ptr, rv_ptr, rlen_ptr, stride_rb, stride_rh, stride_rt, wrow_ptr,
                 o_ptr, lse_ptr, num_splits, sink_chunks, num_bf, qscale,
-                HKV, REP, HP, D, BLOCK_N, CHUNK, HAS_SINK, HAS_RECENT, DOT_T)
+                HKV, REP, HP, D, BLOCK_N, CHUNK, HAS_SINK, HAS_RECENT, DOT_T, WIN_ROWS)
 
 
 @triton.jit
@@ -965,6 +971,7 @@ def paged_decode_attention(
     layout: str = "rows", mma_warps: int = 8, mma_stages: Optional[int] = None, mma_min_blocks: int = 2,
     rope_mu: Optional[torch.Tensor] = None, rope_freq: Optional[torch.Tensor] = None, rope_scaling: float = 1.0,
     rope_pos0: Union[int, torch.Tensor, None] = None, rope_blocks: int = 8, mma_carveout: Optional[int] = None,
+    window_rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Triton decode attention of one query per sequence; same contract as ``oscar.paged.decode_attention_torch``.
 
@@ -976,7 +983,8 @@ def paged_decode_attention(
 
     ``q`` ``[B, H, d]``; codes ``[P, Hkv, page_size, d*bits//8]`` uint8; scale/zero
     ``[P, Hkv, page_size, d//G]`` bf16; ``page_table`` int32 ``[B, M]``; ``int_len`` int32 ``[B]``;
-    sink/recent ``[B, Hkv, S, d]`` with int32 valid lengths ``[B]``. Returns ``[B, H, d]`` in ``q.dtype``.
+    sink/recent ``[B, Hkv, S, d]`` with int32 valid lengths ``[B]``, or ``[R, Hkv, S, d]`` with ``window_rows``
+    (int32 ``[B]``: the row each sequence reads; not range-checked). Returns ``[B, H, d]`` in ``q.dtype``.
     Options left at ``None`` (``block_n``, ``span_pages``, ``fuse_bf16``, ``num_splits``) follow
     ``default_config``. ``prefetch``: load the next block by hand before computing the current one (else plain loads
     pipelined by Triton over ``num_stages``); ``span_pages``: let a block of ``block_n`` rows cover
@@ -1002,7 +1010,8 @@ def paged_decode_attention(
             mu_V=mu_V, sink_k=sink_k, sink_v=sink_v, sink_len=sink_len, recent_k=recent_k, recent_v=recent_v,
             recent_len=recent_len, sm_scale=sm_scale, output_frame=output_frame, num_splits=num_splits,
             num_warps=mma_warps, stages=mma_stages, min_blocks=mma_min_blocks, rope_mu=rope_mu, rope_freq=rope_freq,
-            rope_scaling=rope_scaling, rope_pos0=rope_pos0, rope_blocks=rope_blocks, bits=bits, carveout=mma_carveout)
+            rope_scaling=rope_scaling, rope_pos0=rope_pos0, rope_blocks=rope_blocks, bits=bits, carveout=mma_carveout,
+            window_rows=window_rows)
     check(rope_mu is None, "rope-centered keys (rope_mu) are read by the mma-layout kernel only (layout='mma')")
     check(bits in (2, 4), f"bits={bits} is not supported; valid values are 2 and 4")
     npages, hkv, page_size, nbytes = (int(s) for s in k_codes.shape)
@@ -1051,8 +1060,8 @@ def paged_decode_attention(
         if k is None:
             return None
         check(v is not None and n is not None, f"{name}_k given without {name}_v / {name}_len")
-        check(k.dim() == 4 and k.shape[0] >= B and k.shape[1] == hkv and k.shape[3] == d,
-              f"{name}_k must be [B, {hkv}, S, {d}], got {tuple(k.shape)}")
+        check(k.dim() == 4 and (k.shape[0] >= B or window_rows is not None) and k.shape[1] == hkv and k.shape[3] == d,
+              f"{name}_k must be [B, {hkv}, S, {d}] (or [R, {hkv}, S, {d}] with window_rows), got {tuple(k.shape)}")
         check(v.shape == k.shape and v.stride() == k.stride() and k.stride(-1) == 1,
               f"{name}_v {tuple(v.shape)} must match {name}_k in shape and strides, contiguous in d")
         check(n.dtype == torch.int32 and n.shape[0] >= B, f"{name}_len must be int32 [B], got {n.dtype}")
@@ -1060,6 +1069,10 @@ def paged_decode_attention(
 
     sink = _segment(sink_k, sink_v, sink_len, "sink")
     recent = _segment(recent_k, recent_v, recent_len, "recent")
+    check(window_rows is None or (window_rows.dtype == torch.int32 and window_rows.dim() == 1
+                                  and window_rows.numel() >= B and window_rows.device == dev),
+          f"window_rows must be int32 [>= {B}] on {dev}, got "
+          f"{None if window_rows is None else (window_rows.dtype, tuple(window_rows.shape), str(window_rows.device))}")
     capacity = int(page_table.shape[1]) * page_size
     auto = default_config(B, hkv, capacity, planes=planes)  # options left at None take the measured configuration
     block_n = auto["block_n"] if block_n is None else block_n
@@ -1087,7 +1100,9 @@ def paged_decode_attention(
     rk, rv, rl = recent if recent is not None else (dummy, dummy, dummy)
     s_strides = (sk.stride(0), sk.stride(1), sk.stride(2)) if sink is not None else (0, 0, 0)
     r_strides = (rk.stride(0), rk.stride(1), rk.stride(2)) if recent is not None else (0, 0, 0)
+    wrow = window_rows if window_rows is not None else sl
     bf_flags = dict(CHUNK=chunk, HAS_SINK=sink is not None, HAS_RECENT=recent is not None,
+                    WIN_ROWS=window_rows is not None,
                     DOT_T=tl.bfloat16 if dev.type == "cuda" else tl.float32)
     reg_cap = {"maxnreg": maxnreg} if maxnreg and dev.type == "cuda" else {}
     out = torch.empty(B, H, d, dtype=q.dtype, device=dev)
@@ -1100,7 +1115,7 @@ def paged_decode_attention(
         rk16 = _fp16_copy(R_K, dev) if R_K is not None else dummy
         rv16 = _fp16_copy(R_V, dev) if R_V is not None else dummy
         muk = mu_K.to(dev, torch.float32).contiguous() if mu_K is not None else dummy
-        bf_args = (sk, sv, sl, *s_strides, rk, rv, rl, *r_strides)
+        bf_args = (sk, sv, sl, *s_strides, rk, rv, rl, *r_strides, wrow)
         launchable(_planes_kernel, dev)[grid](
             qc, scale, rk16, muk, rv16, muv,
             k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
@@ -1139,7 +1154,7 @@ def paged_decode_attention(
             num_warps=8,
         )
         kw, vw = k_codes.view(torch.int32), v_codes.view(torch.int32)  # 4 packed bytes per load element
-        bf_args = (q_orig, sk, sv, sl, *s_strides, rk, rv, rl, *r_strides)
+        bf_args = (q_orig, sk, sv, sl, *s_strides, rk, rv, rl, *r_strides, wrow)
         launchable(_partial_kernel, dev)[grid](
             q_rot, qmu,
             kw, k_scale, k_zero, vw, v_scale, v_zero,

@@ -120,7 +120,7 @@ struct Params {
   const float* muk;       // [Hkv, D] or null
   const uint2* rot_out;   // B fragments per KV head or null: x @ M for the partials not in the output frame
   const float* muv;       // [Hkv, D] or null
-  const u16* sink_k;      // bf16 [B, Hkv, S0, D] (strides below) or null
+  const u16* sink_k;      // bf16 [B, Hkv, S0, D] or [R, Hkv, S0, D] with win_row (strides below) or null
   const u16* sink_v;
   const int* sink_len;
   const u16* rec_k;
@@ -142,6 +142,7 @@ struct Params {
   const int* rope_pos0;   // [B] position of each sequence's first quantized token, or null (0)
   float rope_scaling;     // RoPE attention scaling
   int rope_half, rope_pos_add;  // rotary_dim / 2; added to every position
+  const int* win_row;     // [B] row of the sink/recent tensors that sequence b reads (per-slot windows), or null (b)
 };
 
 constexpr int SMAX = 256;  // most partials per (sequence, KV head); the launcher checks
@@ -589,8 +590,9 @@ __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P)
     const u16* vp = sink ? P.sink_v : P.rec_v;
     const long long sb = sink ? P.sk_b : P.rk_b, sh = sink ? P.sk_h : P.rk_h, stt = sink ? P.sk_t : P.rk_t;
     const int n = (int)min((long long)__ldg((sink ? P.sink_len : P.rec_len) + b), sink ? P.sk_max : P.rk_max);
-    kp += b * sb + kvh * sh;
-    vp += b * sb + kvh * sh;
+    const long long wb = P.win_row != nullptr ? (long long)__ldg(P.win_row + b) : (long long)b;
+    kp += wb * sb + kvh * sh;
+    vp += wb * sb + kvh * sh;
     for (int blk = warp; blk * 16 < n; blk += W) bf16_block<D>(st, kp, vp, stt, qb, P.sc, blk * 16, n, lane);
   }
 

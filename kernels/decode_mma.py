@@ -42,7 +42,7 @@ class Params(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_void_p) for n in _POINTERS] + [("sc", ctypes.c_float)]
                 + [(n, ctypes.c_int) for n in _INTS] + [(n, ctypes.c_longlong) for n in _LONGS]
                 + [(n, ctypes.c_void_p) for n in _ROPE_POINTERS] + [("rope_scaling", ctypes.c_float)]
-                + [("rope_half", ctypes.c_int), ("rope_pos_add", ctypes.c_int)])
+                + [("rope_half", ctypes.c_int), ("rope_pos_add", ctypes.c_int), ("win_row", ctypes.c_void_p)])
 
 
 _KERNELS: dict[tuple, ctypes.c_void_p] = {}
@@ -71,9 +71,10 @@ def shared_bytes(d: int, rep: int, num_warps: int, stages: int, rope: bool = Fal
 
 
 def shared_limit(bits: int, min_blocks: int) -> int:
-    """Shared memory a CTA may use: 48 KiB for INT2 (the measured v9 configurations), else what ``min_blocks`` CTAs
-    of an SM may share (228 KiB, 1 KiB reserved per CTA; at most 227 KiB)."""
-    return 48 * 1024 if bits == 2 else min(227 * 1024, 228 * 1024 // max(1, min_blocks) - 1024)
+    """Shared memory a CTA may use: what ``min_blocks`` CTAs of an SM may share (228 KiB, 1 KiB reserved per CTA; at
+    most 227 KiB). The default ``stages`` stays at 4 (the measured v9 configurations, under 48 KiB for INT2);
+    deeper rings (5, 6 stages of 8 warps) are asked for explicitly."""
+    return min(227 * 1024, 228 * 1024 // max(1, min_blocks) - 1024)
 
 
 def rope_table(inv_freq: torch.Tensor, d: int, num_warps: int, rope_blocks: int) -> torch.Tensor:
@@ -192,12 +193,13 @@ def default_num_splits(batch: int, num_kv_heads: int, capacity_tokens: int, num_
     return int(max(1, min(want, most)))
 
 
-def _segment(k, v, n, name, B, hkv, d, dev):
+def _segment(k, v, n, name, B, hkv, d, dev, rows=False):
     if k is None and v is None:
         return None
     check(k is not None and v is not None and n is not None, f"{name}: give keys, values and lengths together")
-    check(k.shape == v.shape and k.dim() == 4 and tuple(k.shape[:2]) == (B, hkv) and k.shape[3] == d,
-          f"{name} keys/values must be [B={B}, Hkv={hkv}, S, {d}], got {tuple(k.shape)} and {tuple(v.shape)}")
+    check(k.shape == v.shape and k.dim() == 4 and (rows or k.shape[0] == B) and k.shape[1] == hkv and k.shape[3] == d,
+          f"{name} keys/values must be [B={B}, Hkv={hkv}, S, {d}] (or [R, Hkv, S, {d}] with window_rows), got "
+          f"{tuple(k.shape)} and {tuple(v.shape)}")
     check(k.dtype == torch.bfloat16 and v.dtype == torch.bfloat16, f"{name} keys/values must be bf16, got {k.dtype}")
     check(k.stride() == v.stride() and k.stride(-1) == 1 and all(st % 2 == 0 for st in k.stride()[:3]),
           f"{name} keys and values need equal strides, contiguous rows of even stride; got {k.stride()}, {v.stride()}")
@@ -240,6 +242,7 @@ def paged_decode_attention_mma(
     rope_blocks: int = 8,
     bits: int = 2,
     carveout: Optional[int] = None,
+    window_rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Decode attention ``[B, H, d]`` (``q.dtype``) over BF16 sink + INT2/INT4 pages in the mma layouts + BF16 recent.
 
@@ -248,6 +251,8 @@ def paged_decode_attention_mma(
     warp's cp.async ring, 2-6; default: 4, or the most that fit in ``shared_limit``) and ``min_blocks``
     (CTAs per SM the registers must allow: 2 caps them at 128 for 8 warps) tune the launch; ``carveout`` (percent)
     asks the driver for that share of the SM's memory as shared memory (the rest is L1; None: the driver's choice).
+    ``window_rows`` (int32 ``[B]``): sequence ``b`` reads row ``window_rows[b]`` of ``sink_*``/``recent_*``
+    (``[R, Hkv, S, d]``: a cache's per-slot window buffers, read in place; the rows are not range-checked).
 
     Rope-centered keys (stored as ``(k - mu - RoPE_p(m)) R_K``): ``rope_mu`` ``[Hkv, d]`` (``m``; zero rows for heads
     that are not centered), ``rope_freq`` (inverse frequencies ``[r/2]`` of the rotate-half RoPE, float64),
@@ -299,8 +304,13 @@ def paged_decode_attention_mma(
     check(output_frame in ("original", "rotated"), f"output_frame={output_frame!r} must be 'original' or 'rotated'")
     check(num_warps in (2, 4, 8) and 32 * num_warps >= d and 1 <= min_blocks <= 8,
           f"num_warps={num_warps} (valid 2, 4, 8; at least d/32), min_blocks={min_blocks} (valid 1-8)")
-    sink = _segment(sink_k, sink_v, sink_len, "sink", B, hkv, d, dev)
-    rec = _segment(recent_k, recent_v, recent_len, "recent", B, hkv, d, dev)
+    rows = window_rows is not None
+    check(not rows or (window_rows.dtype == torch.int32 and window_rows.dim() == 1 and window_rows.numel() >= B
+                       and window_rows.device == dev),
+          f"window_rows must be int32 [>= {B}] on {dev}, got "
+          f"{None if window_rows is None else (window_rows.dtype, tuple(window_rows.shape), str(window_rows.device))}")
+    sink = _segment(sink_k, sink_v, sink_len, "sink", B, hkv, d, dev, rows)
+    rec = _segment(recent_k, recent_v, recent_len, "recent", B, hkv, d, dev, rows)
     out = torch.empty(B, H, d, dtype=torch.bfloat16, device=dev)
     if B == 0:
         return out.to(q.dtype)
@@ -345,7 +355,7 @@ def paged_decode_attention_mma(
     for name, t in (("q", qb), ("kc", k_codes), ("vc", v_codes), ("ks", k_scale), ("kz", k_zero), ("vs", v_scale),
                     ("vz", v_zero), ("page_table", page_table), ("int_len", int_len), ("rk", rk), ("muk", muk),
                     ("rot_out", rot_out), ("muv", muv), ("part_o", part_o), ("part_ml", part_ml),
-                    ("counters", counters), ("out", out)):
+                    ("counters", counters), ("out", out), ("win_row", window_rows if sink or rec else None)):
         ptr(name, t)
     for prefix, seg in (("sink", sink), ("rec", rec)):
         if seg is not None:

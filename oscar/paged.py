@@ -323,6 +323,7 @@ def decode_attention_torch(
     sm_scale: Optional[float] = None,
     output_frame: str = "original",
     int_pos0: Union[int, torch.Tensor, None] = None,
+    window_rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Torch twin of the paged decode attention: float32 dequantize-then-attend over three segments.
 
@@ -330,10 +331,14 @@ def decode_attention_torch(
     segments, the logits of the quantized segment and ``output_frame``. Rope-centered keys (``kt.rope_mu``)
     add ``q . RoPE_p(rope_mu)`` to the logit of quantized token ``t`` at position ``p = int_pos0[b] + t``
     (``int_pos0``: an int or int ``[B]``, the position of each sequence's first quantized token).
+    ``window_rows`` (int ``[B]``): sequence ``b`` reads its sink and recent rows at row ``window_rows[b]`` of
+    ``sink_*``/``recent_*`` (any number of rows: a cache's per-slot window buffers, read in place); None: row ``b``.
+    The lengths stay per sequence (``sink_len[b]``, ``recent_len[b]``).
     """
     B, H, d = q.shape
     hkv = k_pages.codes.shape[1]
     _check_attention_args(q, hkv, output_frame)
+    wrows = _window_rows(window_rows, B, sink_k if sink_k is not None else recent_k)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     rep = H // hkv
     lens = int_len.tolist()
@@ -344,10 +349,10 @@ def decode_attention_torch(
         for seg_k, seg_v, seg_len in ((sink_k, sink_v, sink_len), (recent_k, recent_v, recent_len)):
             if seg_k is None:
                 continue
-            n = int(seg_len[b])
-            kk = seg_k[b, :, :n].to(torch.float32)
+            n, w = int(seg_len[b]), wrows[b]
+            kk = seg_k[w, :, :n].to(torch.float32)
             logits.append(torch.einsum("hrd,htd->hrt", qb, kk) * scale)
-            values.append(seg_v[b, :, :n].to(torch.float32))
+            values.append(seg_v[w, :, :n].to(torch.float32))
             frames.append("original")
         n = int(lens[b])
         if n > 0:
@@ -401,6 +406,21 @@ def _pos0(int_pos0: Union[int, torch.Tensor, None], b: int, batch: int) -> int:
     return int(int_pos0[b])
 
 
+def _window_rows(window_rows: Optional[torch.Tensor], batch: int, seg: Optional[torch.Tensor]) -> list[int]:
+    """Row of the window tensors each sequence reads (``window_rows``, checked against their rows, or ``b``)."""
+    if window_rows is None:
+        return list(range(batch))
+    if window_rows.dim() != 1 or window_rows.numel() < batch or window_rows.is_floating_point():
+        raise ValueError(f"window_rows must be an int vector of one window row per sequence ([>= {batch}]), got "
+                         f"{window_rows.dtype} {tuple(window_rows.shape)}")
+    rows = [int(r) for r in window_rows[:batch].tolist()]
+    n = int(seg.shape[0]) if seg is not None else 0
+    bad = [r for r in rows if not 0 <= r < n]
+    if seg is not None and bad:
+        raise ValueError(f"window_rows {bad[:4]} are outside the {n} rows of the window tensors (valid: 0..{n - 1})")
+    return rows
+
+
 def _check_attention_args(q: torch.Tensor, hkv: int, output_frame: str) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [B, H, d] (one decode query per sequence), got shape {tuple(q.shape)}")
@@ -431,16 +451,19 @@ def decode_attention(
     num_splits: Optional[int] = None,
     kernel_options: Optional[dict] = None,
     int_pos0: Union[int, torch.Tensor, None] = None,
+    window_rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over BF16 sink + quantized pages + BF16 recent.
 
     ``num_splits`` and ``kernel_options`` (``block_n``, ``num_warps``, ``num_stages``, ``fast_unpack``)
     tune the Triton kernel and are ignored by the torch twin. ``int_pos0`` (int or int ``[B]``): position of
     each sequence's first quantized token, needed for rope-centered keys (``decode_attention_torch``).
+    ``window_rows`` (int ``[B]``; int32 for the kernels): row of ``sink_*``/``recent_*`` that sequence ``b``
+    reads (per-slot window buffers read in place, no gather); the kernels do not check the rows' range.
     """
     _check_backend(backend)
     kwargs = dict(sink_k=sink_k, sink_v=sink_v, sink_len=sink_len, recent_k=recent_k, recent_v=recent_v,
-                  recent_len=recent_len, sm_scale=sm_scale, output_frame=output_frame)
+                  recent_len=recent_len, sm_scale=sm_scale, output_frame=output_frame, window_rows=window_rows)
     if backend == "torch":
         return decode_attention_torch(q, k_pages, v_pages, page_table, int_len, kt, vt, int_pos0=int_pos0, **kwargs)
     from oscar.kernels.decode_attention import paged_decode_attention

@@ -229,3 +229,46 @@ def test_decode_kernel_rejects_bad_arguments():
         decode_attention(q, kp, vp, pt, il, kt, vt, backend="triton", **seg)
     with pytest.raises(ValueError, match="page_table must be int32"):
         decode_attention(q[:, :4], kp, vp, pt.long(), il, kt, vt, backend="triton", **seg)
+
+
+def _in_slots(seg: dict, rows: list[int], num_rows: int, gen: torch.Generator) -> dict:
+    """The windows of ``seg`` moved into per-slot buffers ``[num_rows, Hkv, S, d]`` (sequence ``b`` at row ``rows[b]``,
+    random rows elsewhere), with ``window_rows``: the layout of a cache's per-request window buffers."""
+    out = dict(seg, window_rows=torch.tensor(rows, dtype=torch.int32))
+    for name in ("sink_k", "sink_v", "recent_k", "recent_v"):
+        t = seg[name]
+        buf = torch.randn(num_rows, *t.shape[1:], generator=gen).to(t.dtype)
+        buf[torch.tensor(rows)] = t
+        out[name] = buf
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fuse_bf16", [False, True])
+def test_decode_reads_windows_in_place_by_row(device, fuse_bf16):
+    """``window_rows``: the kernel reads each sequence's windows at its row of per-slot buffers; the twin does so
+    exactly as on gathered copies (same float ops), the kernel within the usual tolerance."""
+    gen = torch.Generator().manual_seed(5)
+    sc = _scenario(B=3, H=8, hkv=2, d=64, bits=2, g=64, ps=16, int_lens=[45, 0, 20], sink_lens=[4, 2, 4],
+                   recent_lens=[8, 5, 1], S0=4, W=8, seed=3)
+    q, kp, vp, pt, il, seg, kt, vt, _, _ = sc
+    slotted = _in_slots(seg, [4, 0, 2], 6, gen)
+    for frame in ("original", "rotated"):
+        ref = decode_attention(q, kp, vp, pt, il, kt, vt, output_frame=frame, backend="torch", **seg)
+        twin = decode_attention(q, kp, vp, pt, il, kt, vt, output_frame=frame, backend="torch", **slotted)
+        assert torch.equal(twin, ref), frame
+        out = decode_attention(_to(q, device), _to(kp, device), _to(vp, device), _to(pt, device), _to(il, device),
+                               _to(kt, device), _to(vt, device), output_frame=frame, backend="triton",
+                               kernel_options={"fuse_bf16": fuse_bf16}, **_to(slotted, device))
+        assert _rel(out.float().cpu(), ref.float()) < REL_TOL, frame
+
+
+def test_decode_window_rows_refusals():
+    q, kp, vp, pt, il, seg, kt, vt, _, _ = _scenario(B=2, H=4, hkv=2, d=64, bits=2, g=64, ps=16, int_lens=[5, 3],
+                                                     sink_lens=[1, 1], recent_lens=[2, 2], S0=2, W=4, seed=1)
+    with pytest.raises(ValueError, match=r"window_rows \[2\] are outside the 2 rows"):
+        decode_attention(q, kp, vp, pt, il, kt, vt, backend="torch", window_rows=torch.tensor([0, 2]), **seg)
+    with pytest.raises(ValueError, match="one window row per sequence"):
+        decode_attention(q, kp, vp, pt, il, kt, vt, backend="torch", window_rows=torch.tensor([0]), **seg)
+    with pytest.raises(ValueError, match="window_rows must be int32"):
+        decode_attention(q, kp, vp, pt, il, kt, vt, backend="triton", window_rows=torch.tensor([0, 1]), **seg)

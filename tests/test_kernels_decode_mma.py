@@ -287,3 +287,23 @@ def test_cuda_mma_kernel_in_a_cuda_graph():
     torch.cuda.synchronize()
     ref = decode_attention_torch(q, pages["k"][0], pages["v"][0], pt, int_len, kt, vt, **seg)
     assert _rel(out, ref) < REL_TOL and not torch.equal(out, eager)
+
+
+@CUDA
+@pytest.mark.parametrize("case", [0, 1])
+def test_cuda_mma_kernel_reads_windows_in_place_by_row(case):
+    """``window_rows``: the windows of sequence b at row rows[b] of per-slot buffers (other rows random), as the
+    serving pool holds them; same result as on gathered copies (twin) within the tolerance."""
+    spec = dict(CASES[case])
+    q, pages, pt, int_len, kt, vt, seg = _case(seed=case + 20, **spec)
+    rows = list(range(2 * spec["B"] - 1, -1, -2))  # sequence b at row 2(B - 1 - b) + 1
+    slotted = dict(seg, window_rows=torch.tensor(rows, dtype=torch.int32, device="cuda"))
+    for name in ("sink_k", "sink_v", "recent_k", "recent_v"):
+        buf = torch.randn(2 * spec["B"] + 1, *seg[name].shape[1:], device="cuda").to(torch.bfloat16)
+        buf[rows] = seg[name]
+        slotted[name] = buf
+    for frame in ("original", "rotated"):
+        ref = decode_attention_torch(q, pages["k"][0], pages["v"][0], pt, int_len, kt, vt, output_frame=frame, **seg)
+        out = decode_attention(q, pages["k"][1], pages["v"][1], pt, int_len, kt, vt, output_frame=frame,
+                               backend="triton", **slotted)
+        assert _rel(out, ref) < REL_TOL, frame

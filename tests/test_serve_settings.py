@@ -123,3 +123,16 @@ def test_engine_enters_the_cell_hash_only_when_not_embedded():
     base = compose(["benchmark=mmlu"])
     assert cell_config_hash(base) == cell_config_hash(compose(["benchmark=mmlu", "engine=embedded"]))
     assert cell_config_hash(base) != cell_config_hash(compose(["benchmark=mmlu", "engine=sglang"]))
+
+
+def test_mma_launch_options_parse_and_refuse():
+    from oscar.serve.settings import OscarServeError, ServeSettings, parse_mma
+
+    assert parse_mma("") == ()
+    assert parse_mma("warps=8, stages=6,waves=3") == (("warps", 8), ("stages", 6), ("waves", 3))
+    assert ServeSettings.from_env({"OSCAR_ARTIFACT": "/a", "OSCAR_MMA": "splits=12,min_blocks=2"}).mma == (
+        ("splits", 12), ("min_blocks", 2))
+    for bad, match in (("warp=8", "'warp=8' is not valid"), ("stages=x", "'stages=x'"), ("splits=0", "'splits=0'"),
+                       ("waves=2,splits=4", "both waves and splits")):
+        with pytest.raises(OscarServeError, match=match):
+            parse_mma(bad)

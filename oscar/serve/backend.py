@@ -51,6 +51,7 @@ class DecodeMeta:
     """Per-step decode metadata, shared by the layers (device tensors of the batch's size)."""
 
     req: torch.Tensor  # [B] int64 request slot (padded entries: the pool's padding slot)
+    win_row: torch.Tensor  # [B] int32 the same slot: the row of the window buffers the kernel reads in place
     col: torch.Tensor  # [B] int64 window column of the new row
     sink_len: torch.Tensor  # [B] int32
     recent_len: torch.Tensor  # [B] int32
@@ -72,7 +73,8 @@ def decode_metadata(pool: Any, req_to_token: torch.Tensor, req_pool_indices: tor
     real = torch.where(pad, torch.zeros_like(L), req_pool_indices.to(torch.int64))  # a row of req_to_token
     req = torch.where(pad, torch.full_like(L, pool.pad_slot), real)
     L = torch.where(pad, torch.ones_like(L), L)
-    vals = dict(req=req, col=pool.window_index(L - 1), sink_len=L.clamp(max=S0).to(torch.int32),
+    vals = dict(req=req, win_row=req.to(torch.int32), col=pool.window_index(L - 1),
+                sink_len=L.clamp(max=S0).to(torch.int32),
                 recent_len=(L - S0).clamp(min=0, max=W).to(torch.int32),
                 int_len=torch.where(pad, torch.zeros_like(L), (L - S0 - W).clamp(min=0)).to(torch.int32))
     if out is None or out.pos is not None:
@@ -88,6 +90,10 @@ def decode_metadata(pool: Any, req_to_token: torch.Tensor, req_pool_indices: tor
 
 class OscarAttnBackend(AttentionBackend):
     """Attention over an ``OscarTokenToKVPool`` (see the module docstring)."""
+
+    mma_waves: Optional[int] = None  # OSCAR_MMA (oscar.serve.settings): split-K waves or fixed splits, launch options
+    mma_splits: Optional[int] = None
+    kernel_options: Optional[dict] = None
 
     def __init__(self, model_runner: Any) -> None:
         super().__init__()
@@ -107,6 +113,9 @@ class OscarAttnBackend(AttentionBackend):
         self.meta: Any = None
         self.graph: Optional[DecodeMeta] = None  # fixed-size buffers of the CUDA-graph decode metadata
         self.num_splits: dict[int, int] = {}
+        mma = dict(getattr(current_state().get("settings"), "mma", ()))
+        self.mma_waves, self.mma_splits = mma.pop("waves", None), mma.pop("splits", None)
+        self.kernel_options = {"mma_" + k: v for k, v in mma.items()}  # OSCAR_MMA (oscar.serve.settings)
 
     # -- metadata (once per forward, shared by the layers) -----------------------------------------
 
@@ -156,7 +165,9 @@ class OscarAttnBackend(AttentionBackend):
         cols = self.pool.page_columns(self.req_to_token_pool.req_to_token).shape[1]
         i64 = lambda: torch.zeros(max_bs, dtype=torch.int64, device=dev)  # noqa: E731
         i32 = lambda: torch.zeros(max_bs, dtype=torch.int32, device=dev)  # noqa: E731
-        self.graph = DecodeMeta(req=torch.full((max_bs,), self.pool.pad_slot, dtype=torch.int64, device=dev), col=i64(),
+        self.graph = DecodeMeta(req=torch.full((max_bs,), self.pool.pad_slot, dtype=torch.int64, device=dev),
+                                win_row=torch.full((max_bs,), self.pool.pad_slot, dtype=torch.int32, device=dev),
+                                col=i64(),
                                 sink_len=i32(), recent_len=i32(), int_len=i32(),
                                 page_table=torch.zeros(max_bs, cols, dtype=torch.int32, device=dev), pos=i64())
 
@@ -170,8 +181,9 @@ class OscarAttnBackend(AttentionBackend):
             return
         B = int(forward_batch.batch_size)
         g = self.graph
-        self.meta = DecodeMeta(req=g.req[:B], col=g.col[:B], sink_len=g.sink_len[:B], recent_len=g.recent_len[:B],
-                               int_len=g.int_len[:B], page_table=g.page_table[:B], pos=g.pos[:B])
+        self.meta = DecodeMeta(req=g.req[:B], win_row=g.win_row[:B], col=g.col[:B], sink_len=g.sink_len[:B],
+                               recent_len=g.recent_len[:B], int_len=g.int_len[:B], page_table=g.page_table[:B],
+                               pos=g.pos[:B])
 
     def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
         """Inside the capture (recorded, so each replay recomputes it): the decode metadata into the buffers."""
@@ -212,7 +224,10 @@ class OscarAttnBackend(AttentionBackend):
 
             cap = int(self.req_to_token_pool.req_to_token.shape[1])
             props = torch.cuda.get_device_properties(self.pool.device)
-            self.num_splits[batch] = default_num_splits(batch, hkv, cap, num_sms=int(props.multi_processor_count))
+            self.num_splits[batch] = self.mma_splits or default_num_splits(
+                batch, hkv, cap, num_warps=self.kernel_options.get("mma_warps", 8),
+                num_sms=int(props.multi_processor_count), ctas_per_sm=self.kernel_options.get("mma_min_blocks", 2),
+                waves=self.mma_waves)
         return self.num_splits[batch]
 
     # -- forwards ----------------------------------------------------------------------------------
@@ -269,16 +284,18 @@ class OscarAttnBackend(AttentionBackend):
                                      sm_scale=layer.scaling, output_frame="rotated" if self.folded else "original",
                                      backend=pool.kernels, num_splits=self._num_splits(q3.shape[0], Hkv),
                                      int_pos0=pool.sink if pool.rope_centered else None,  # INT row t: token S0 + t
+                                     kernel_options=self.kernel_options if pool.layout == "mma" else None,
                                      **self._window_segments(m, i))
         return out.reshape(q3.shape[0], H * d)
 
     def _window_segments(self, m: DecodeMeta, i: int) -> dict[str, Any]:
-        """The batch's sink and ring rows (gathered by request slot: the kernels index windows by batch row)."""
+        """The pool's sink and ring buffers ``[R + 1, Hkv, S, d]`` as they are, read in place at row ``win_row[b]``
+        (the request slot; no gather)."""
         sk, sv = self.pool.sink_view(i)
         rk, rv = self.pool.ring_view(i)
-        segs = dict(recent_k=rk[m.req], recent_v=rv[m.req], recent_len=m.recent_len)
+        segs = dict(recent_k=rk, recent_v=rv, recent_len=m.recent_len, window_rows=m.win_row)
         if self.pool.sink:
-            segs.update(sink_k=sk[m.req], sink_v=sv[m.req], sink_len=m.sink_len)
+            segs.update(sink_k=sk, sink_v=sv, sink_len=m.sink_len)
         return segs
 
     def _decode_windows(self, q3: torch.Tensor, layer: Any, m: DecodeMeta, i: int) -> torch.Tensor:

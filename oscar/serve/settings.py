@@ -12,6 +12,9 @@ environment variables (inherited by SGLang's scheduler processes):
 ``OSCAR_GROUP_SIZE``      quantization group; must equal the artifact's (default: the artifact's)
 ``OSCAR_KERNELS``         ``torch`` (the twins in ``oscar.paged``) or ``triton``; default ``triton``
                           on CUDA, ``torch`` elsewhere
+``OSCAR_MMA``             launch of the mma decode kernel, ``KEY=INT,...`` with keys ``warps`` (2, 4, 8),
+                          ``stages``, ``min_blocks``, ``carveout``, ``waves`` (split-K waves of CTAs) or
+                          ``splits`` (fixed split-K); default: the kernel's own (``default_num_splits``)
 ========================  ==========================================================================
 
 Everything here is plain Python + torch (no sglang import), so it is tested in the default environment too.
@@ -32,7 +35,9 @@ ENV_RECENT = "OSCAR_RECENT"
 ENV_BITS = "OSCAR_BITS"
 ENV_GROUP = "OSCAR_GROUP_SIZE"
 ENV_KERNELS = "OSCAR_KERNELS"
-ENV_VARS = (ENV_ARTIFACT, ENV_SINK, ENV_RECENT, ENV_BITS, ENV_GROUP, ENV_KERNELS)
+ENV_MMA = "OSCAR_MMA"
+ENV_VARS = (ENV_ARTIFACT, ENV_SINK, ENV_RECENT, ENV_BITS, ENV_GROUP, ENV_KERNELS, ENV_MMA)
+MMA_KEYS = ("warps", "stages", "min_blocks", "carveout", "waves", "splits")
 
 # Model types whose attention the plugin handles (the oscar.models adapter registry) and config fields
 # that mark architectures it refuses.
@@ -69,6 +74,7 @@ class ServeSettings:
     bits: Optional[int] = None
     group_size: Optional[int] = None
     kernels: Optional[str] = None
+    mma: tuple[tuple[str, int], ...] = ()  # OSCAR_MMA, parsed (parse_mma)
 
     @staticmethod
     def from_env(env: Optional[Mapping[str, str]] = None) -> "ServeSettings":
@@ -90,6 +96,7 @@ class ServeSettings:
             bits=_int_env(env, ENV_BITS, None),
             group_size=_int_env(env, ENV_GROUP, None),
             kernels=kernels,
+            mma=parse_mma(env.get(ENV_MMA) or ""),
         )
         if s.sink < 0:
             raise OscarServeError(f"{ENV_SINK}={s.sink} must be >= 0")
@@ -111,6 +118,21 @@ class ServeSettings:
         if self.kernels is not None:
             return self.kernels
         return "triton" if torch.device(device).type == "cuda" else "torch"
+
+
+def parse_mma(text: str) -> tuple[tuple[str, int], ...]:
+    """``OSCAR_MMA`` (``KEY=INT,...``, keys ``MMA_KEYS``) as ``((key, value), ...)``; refuses unknown keys, values
+    that are not positive integers and ``waves`` with ``splits``."""
+    out: dict[str, int] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, _, raw = item.partition("=")
+        if key not in MMA_KEYS or not raw.strip().isdigit() or int(raw) < (0 if key == "carveout" else 1):
+            raise OscarServeError(f"{ENV_MMA} item {item!r} is not valid: use KEY=INT with KEY one of {MMA_KEYS} "
+                                  "and a positive integer (carveout: a percentage)")
+        out[key] = int(raw)
+    if "waves" in out and "splits" in out:
+        raise OscarServeError(f"{ENV_MMA}={text!r} gives both waves and splits; give one")
+    return tuple(out.items())
 
 
 def check_architecture(hf_config: Any) -> None:

@@ -68,13 +68,15 @@ def test_graph_metadata_equals_eager_with_padding():
     loc = torch.tensor([int(r2t[2, 39]), int(r2t[0, 199]), int(r2t[3, 16]), 0, 0])  # two padded entries
     eager = decode_metadata(pool, r2t, req[:3], seq[:3], loc[:3])
     cols = pool.page_columns(r2t).shape[1]
-    bufs = DecodeMeta(req=torch.zeros(8, dtype=torch.int64), col=torch.zeros(8, dtype=torch.int64),
+    bufs = DecodeMeta(req=torch.zeros(8, dtype=torch.int64), win_row=torch.zeros(8, dtype=torch.int32),
+                      col=torch.zeros(8, dtype=torch.int64),
                       sink_len=torch.zeros(8, dtype=torch.int32), recent_len=torch.zeros(8, dtype=torch.int32),
                       int_len=torch.zeros(8, dtype=torch.int32), page_table=torch.zeros(8, cols, dtype=torch.int32))
     graph = decode_metadata(pool, r2t, req, seq, loc, out=bufs)
-    for name in ("req", "col", "sink_len", "recent_len", "int_len", "page_table"):
+    for name in ("req", "win_row", "col", "sink_len", "recent_len", "int_len", "page_table"):
         assert torch.equal(getattr(graph, name)[:3], getattr(eager, name)), name
     assert graph.req[3:].tolist() == [pool.pad_slot] * 2 and graph.int_len[3:].tolist() == [0, 0]
+    assert graph.win_row.dtype == torch.int32 and torch.equal(graph.win_row[:5].long(), graph.req[:5])
     assert eager.int_len.tolist() == [0, 200 - 16 - 32, 0]
     assert eager.sink_len.tolist() == [16, 16, 16] and eager.recent_len.tolist() == [24, 32, 1]
     assert eager.col.tolist() == [16 + (39 - 16) % 32, 16 + (199 - 16) % 32, 16 + 0]
@@ -144,12 +146,11 @@ def test_decode_over_pool_equals_attention_over_cached_rows():
     meta = decode_metadata(pool, r2t, req, seq, torch.tensor([int(r2t[3, 69]), int(r2t[0, 149])]))
     q = torch.randn(2, H, D, generator=gen).to(torch.bfloat16)
     kt, vt = pool.transforms[0]
-    sk, sv = pool.sink_view(0)
-    rk, rv = pool.ring_view(0)
+    segs = _backend(pool, r2t)._window_segments(meta, 0)  # the pool's window buffers, read in place by slot
+    assert segs["recent_k"].data_ptr() == pool.win_k[0].data_ptr() + pool.sink * D * 2  # a view, no copy
+    assert segs["window_rows"] is meta.win_row
     out = paged.decode_attention(q, pool.k_pages[0], pool.v_pages[0], meta.page_table, meta.int_len, kt, vt,
-                                 sink_k=sk[meta.req], sink_v=sv[meta.req], sink_len=meta.sink_len,
-                                 recent_k=rk[meta.req], recent_v=rv[meta.req], recent_len=meta.recent_len,
-                                 sm_scale=D**-0.5, output_frame="original", backend="torch").float()
+                                 sm_scale=D**-0.5, output_frame="original", backend="torch", **segs).float()
     for b, (r, n) in enumerate(((3, 70), (0, 150))):
         ck, cv = pool.cached_rows(0, r2t, r, n)  # [HKV, n, D]
         qb = q[b].float().reshape(HKV, H // HKV, D)
