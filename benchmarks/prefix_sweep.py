@@ -71,9 +71,10 @@ async def _one(engine: Any, ids: list[int], sampling: dict, t0: float) -> dict[s
     async for chunk in gen:
         if first is None:
             first = time.perf_counter() - t0
-        out = chunk.get("output_ids", out)
+        ids = list(chunk.get("output_ids") or [])
+        out = ids if ids[: len(out)] == out else out + ids  # cumulative or incremental streaming
         meta = chunk.get("meta_info", meta)
-    return dict(ttft=first, end=time.perf_counter() - t0, output_ids=list(out), cached=int(meta.get("cached_tokens", 0)))
+    return dict(ttft=first, end=time.perf_counter() - t0, output_ids=out, cached=int(meta.get("cached_tokens", 0)))
 
 
 async def _job(engine: Any, batch: list[list[int]], sampling: dict) -> tuple[float, list[dict[str, Any]]]:
@@ -95,6 +96,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check-hit", action="store_true")
     ap.add_argument("--time-limit", type=float, default=0.0, help="skip the remaining ratios after this many seconds")
+    ap.add_argument("--wait-for", type=Path, default=None, help="after the warm-up, wait until this file exists "
+                    "(two engines started in one run: the second compiles while the first measures)")
+    ap.add_argument("--ready", type=Path, default=None, help="touch this file once the engine is warm")
     ap.add_argument("--engine", nargs="*", default=[], help="more sglang.Engine arguments, KEY=VALUE")
     a = ap.parse_args(argv)
     if a.attention_backend == "oscar":
@@ -125,8 +129,19 @@ def main(argv: list[str]) -> int:
             fh.write(json.dumps(row) + "\n")
 
     try:
-        # warm-up (CUDA graphs are captured at start; this warms the prefill kernels and JIT caches)
-        loop.run_until_complete(_job(engine, prompts(1, min(a.input_len, 2048), 0.0, 12345), sampling))
+        # warm-up (CUDA graphs are captured at start): a prompt, then the same prompt hitting its cached prefix
+        # (the prefill kernels with and without a cached prefix, JIT caches)
+        warm = prompts(1, min(a.input_len, 2048), 0.0, 12345)
+        for _ in range(2):
+            loop.run_until_complete(_job(engine, warm, sampling))
+        base["warm_s"] = round(time.perf_counter() - t_start, 2)
+        if a.ready is not None:
+            a.ready.touch()
+        if a.wait_for is not None:
+            t_wait = time.perf_counter()
+            while not a.wait_for.exists():
+                time.sleep(0.5)
+            base["waited_s"] = round(time.perf_counter() - t_wait, 2)
         if a.check_hit:
             engine.flush_cache()
             (ids,) = prompts(1, a.input_len, 0.99, a.seed + 777)
