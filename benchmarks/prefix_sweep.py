@@ -94,6 +94,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--ratios", default="0,0.25,0.5,0.75,0.99")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab", type=int, default=30000, help="token ids are drawn from [100, vocab)")
     ap.add_argument("--check-hit", action="store_true")
     ap.add_argument("--time-limit", type=float, default=0.0, help="skip the remaining ratios after this many seconds")
     ap.add_argument("--wait-for", type=Path, default=None, help="after the warm-up, wait until this file exists "
@@ -120,7 +121,7 @@ def main(argv: list[str]) -> int:
                 sglang=str(sglang.__version__), **{f"env_{k}": v for k, v in os.environ.items() if k.startswith("OSCAR_")
                                                    and k != "OSCAR_SERVE_ACTIVE"})
     sampling = {"temperature": 0, "max_new_tokens": a.output_len, "ignore_eos": True}
-    loop = asyncio.new_event_loop()
+    loop = engine.loop  # the engine's own loop: its tokenizer manager's tasks (and flush_cache) live there
 
     def write(row: dict[str, Any]) -> None:
         print("PREFIX_ROW " + json.dumps({k: v for k, v in row.items() if "tokens" not in k or k.endswith("_s")
@@ -131,7 +132,7 @@ def main(argv: list[str]) -> int:
     try:
         # warm-up (CUDA graphs are captured at start): a prompt, then the same prompt hitting its cached prefix
         # (the prefill kernels with and without a cached prefix, JIT caches)
-        warm = prompts(1, min(a.input_len, 2048), 0.0, 12345)
+        warm = prompts(1, min(a.input_len, 2048), 0.0, 12345, a.vocab)
         for _ in range(2):
             loop.run_until_complete(_job(engine, warm, sampling))
         base["warm_s"] = round(time.perf_counter() - t_start, 2)
@@ -144,7 +145,7 @@ def main(argv: list[str]) -> int:
             base["waited_s"] = round(time.perf_counter() - t_wait, 2)
         if a.check_hit:
             engine.flush_cache()
-            (ids,) = prompts(1, a.input_len, 0.99, a.seed + 777)
+            (ids,) = prompts(1, a.input_len, 0.99, a.seed + 777, a.vocab)
             _, (cold,) = loop.run_until_complete(_job(engine, [ids], sampling))
             _, (hit,) = loop.run_until_complete(_job(engine, [ids], sampling))
             write(dict(base, kind="check", cold_tokens=cold["output_ids"], hit_tokens=hit["output_ids"],
@@ -155,7 +156,7 @@ def main(argv: list[str]) -> int:
                 write(dict(base, kind="sweep", ratio=ratio, status="skipped (time limit)"))
                 continue
             engine.flush_cache()
-            batch = prompts(a.requests, a.input_len, ratio, a.seed + int(ratio * 1000))
+            batch = prompts(a.requests, a.input_len, ratio, a.seed + int(ratio * 1000), a.vocab)
             job_s, res = loop.run_until_complete(_job(engine, batch, sampling))
             ttft = [r["ttft"] for r in res]
             tokens = a.requests * (a.input_len + a.output_len)
@@ -164,7 +165,6 @@ def main(argv: list[str]) -> int:
                        ttft_p50_s=statistics.median(ttft), ttft_max_s=max(ttft),
                        cached_tokens=sum(r["cached"] for r in res), last_tokens=res[-1]["output_ids"]))
     finally:
-        loop.close()
         engine.shutdown()
     return 0
 

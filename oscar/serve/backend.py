@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from torch.nn.attention.bias import causal_lower_right
 from torch.nn.functional import scaled_dot_product_attention
 
 from oscar import paged
@@ -256,7 +257,10 @@ class OscarAttnBackend(AttentionBackend):
                 pk, pv = self.pool.cached_rows(layer.layer_id, r2t, r, p, ring=not hit)
                 ks = torch.cat([pk.to(q.dtype), ks], dim=1)
                 vs = torch.cat([pv.to(q.dtype), vs], dim=1)
-                mask = torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(p)
+                # query i (position p + i) sees keys 0..p + i: causal aligned to the bottom right, which the flash
+                # and memory-efficient kernels take as a bias object on CUDA (a boolean mask would not reach them)
+                mask = causal_lower_right(n, p + n) if q.is_cuda else \
+                    torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(p)
             gqa = H != Hkv
             if gqa and q.is_cuda:  # the flash / memory-efficient kernels, not the math fallback of enable_gqa
                 ks, vs, gqa = ks.repeat_interleave(H // Hkv, dim=0), vs.repeat_interleave(H // Hkv, dim=0), False
