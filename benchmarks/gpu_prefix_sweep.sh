@@ -38,7 +38,7 @@ ENGINE=(load_format=dummy skip_tokenizer_init=true sampling_backend=pytorch gram
 rm -f /tmp/prefix_go /tmp/prefix_fi_ready
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 timeout "$(left)" python3 benchmarks/prefix_sweep.py "${SWEEP[@]}" --attention-backend flashinfer --tag bf16_flashinfer \
-  --wait-for /tmp/prefix_go --ready /tmp/prefix_fi_ready --time-limit $(( LIMIT - 25 )) \
+  --wait-for /tmp/prefix_go --ready /tmp/prefix_fi_ready --time-limit $(( LIMIT - 45 )) \
   --engine "${ENGINE[@]}" mem_fraction_static=0.45 > "$OUTDIR/logs/prefix_bf16_flashinfer.log" 2>&1 &
 FI=$!
 for _ in $(seq 120); do kill -0 $FI 2>/dev/null || break; grep -q "Memory pool end" "$OUTDIR/logs/prefix_bf16_flashinfer.log" 2>/dev/null && break; sleep 1; done

@@ -80,8 +80,8 @@ def write_png(rows: list[dict[str, Any]], path: Path) -> None:
         pts = sorted((r["ratio"], r["job_tokens_per_s"], r["ttft_mean_s"]) for r in rows
                      if r["tag"] == tag and r.get("status") == "ok")
         if pts:
-            axes[0].plot([100 * p[0] for p in pts], [p[1] / 1e3 for p in pts], marker="o", label=tag)
-            axes[1].plot([100 * p[0] for p in pts], [p[2] for p in pts], marker="o", label=tag)
+            axes[0].plot([100 * p[0] for p in pts], [p[1] / 1e3 for p in pts], marker="o", label=tag or "untagged")
+            axes[1].plot([100 * p[0] for p in pts], [p[2] for p in pts], marker="o", label=tag or "untagged")
     for ax, label in zip(axes, ("job throughput (k tokens/s)", "mean TTFT (s)")):
         ax.set_xlabel("shared prefix (% of each prompt)")
         ax.set_ylabel(label)
