@@ -8,6 +8,8 @@ Without an engine (the pool and backend on SGLang pages of 16 tokens, the torch 
   of the prefix, and its extend output is attention over exactly those rows (float reduction order only).
 - The sink store's rows return when SGLang's own allocator frees the pages, in every way it frees them
   (``free``, ``free_segment``, a deferred free group, ``clear``), through the plugin's hooks: no leak.
+- The match cap leaves the last ``W`` prompt tokens to compute (and is inert without the oscar backend); the
+  sink store exists only with the radix cache on, sized as pool sizing reserves it.
 
 Through SGLang's offline Engine with the radix cache on (tiny random Llama, ``--page-size 16``), a first
 round leaves its prompt in the tree, a second round hits it (the log's ``#cached-token``):
@@ -188,3 +190,28 @@ def test_int2_hits_agree_with_the_embedded_engine_alone(radix_served, tiny_llama
     forced = embedded_forced_logprobs(model, "quarot", quarot, 16, 16, prompts, run["output_ids"])
     check_teacher_forced(run, forced)
     assert "sink store of the prefix cache grew" not in log
+
+
+def test_match_cap_leaves_the_recent_window_to_compute(monkeypatch):
+    from oscar.serve import plugin, state
+
+    monkeypatch.setattr(state, "_STATE", {**_state(16, 48)})
+    state.set_active(True)
+    try:
+        assert plugin.cap_prefix_after(199, None, 200) == 200 - 48  # SGLang's own cap was input_len - 1
+        assert plugin.cap_prefix_after(10, None, 200) == 10  # a tighter cap of SGLang's (logprob_start_len) stays
+        assert plugin.cap_prefix_after(30, None, 40) == 0  # a prompt shorter than the window: no reuse
+    finally:
+        state.set_active(False)
+    assert plugin.cap_prefix_after(199, None, 200) == 199  # inert without --attention-backend oscar
+
+
+def test_sink_store_only_with_the_radix_cache():
+    from oscar.serve.pool import OscarTokenToKVPool, sink_store_pages
+
+    with_radix = _prefix_pool(32, 16)
+    assert len(with_radix._sink_free) == sink_store_pages(4, 32, PAGE) == 2 * 4 * 2
+    assert with_radix.sink_store_nbytes() == 2 * 4 * 2 * HKV * PAGE * D * 2 * 2  # pages x K,V x bf16, one layer
+    off = OscarTokenToKVPool(512, PAGE, torch.bfloat16, HKV, D, 1, "cpu", False, oscar_state=_state(32, 16))
+    off.bind_requests(4)
+    assert off.sink_store_nbytes() == 0 and off.store_sink(torch.zeros(4, 64, dtype=torch.int64), 0, 64) == 0
