@@ -77,6 +77,7 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         self._sink_of_page: dict[int, int] = {}  # SGLang page -> row of the sink store
         self._sink_free: list[int] = []
         self.slot_generation: dict[int, int] = {}  # request slot -> ReqToTokenPool generation its windows hold
+        self._sink_stored: dict[int, tuple] = {}  # request slot -> (generation, sink positions) already stored
         super().__init__(size, page_size, dtype, head_num, head_dim, layer_num, device, enable_memory_saver,
                          *args, **kwargs)
         first = self.start_layer
@@ -229,6 +230,10 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         n = min(self.sink, length // self.page_size * self.page_size)
         if not (self.prefix_cache and self.num_req_slots and n > 0):
             return 0
+        key = (self.slot_generation.get(r), n)
+        if self._sink_stored.get(r) == key:  # this request's sink pages are held already (a later checkpoint):
+            return 0                          # no host sync; a page the tree swapped in is the tree's, stored
+        self._sink_stored[r] = key
         new = [(j, page) for j, page in enumerate(self._sink_pages(req_to_token, r, n)) if page not in self._sink_of_page]
         if not new:
             return 0
@@ -261,6 +266,7 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         self._sink_free.extend(self._sink_of_page.values())
         self._sink_of_page.clear()
         self.slot_generation.clear()
+        self._sink_stored.clear()
 
     def sink_ids(self, req_to_token: torch.Tensor, r: int, n: int) -> torch.Tensor:
         """Sink-store rows of the pages holding positions ``[0, n)`` of request slot ``r`` (a cached prefix

@@ -131,6 +131,7 @@ def test_sink_store_rows_return_with_sglangs_allocator_frees():
     alloc.free(rows[2, :32])
     assert pool.sink_pages_in_use() == 2
     again = alloc.alloc(64)  # the freed pages come back to a new request; its sink is stored again
+    pool.slot_generation[0] = 1  # (its extend recorded the slot's new generation)
     assert pool.store_sink(again[None], 0, 64) == 2 and pool.sink_pages_in_use() == 4
     alloc.clear()  # SGLang's flush_cache
     assert pool.sink_pages_in_use() == 0 and len(pool._sink_free) == total
