@@ -4,6 +4,9 @@
   request's cached prefix as the cache holds it (BF16 sink, dequantized pages, BF16 ring; nothing for a
   first chunk) and the chunk's own rows rounded to BF16 (without a prefix and with a BF16 model, exactly
   SGLang's ``torch_native`` computation); then the rows go to the pool (``OscarTokenToKVPool.write``).
+  A prefix from the radix cache (computed by another request: the request slot changed hands since its
+  windows were written) gets its BF16 sink rows from the pool's sink store and is read quantized past the
+  sink (this slot's ring never held it); the plugin caps a match so that the extend covers the recent window.
 - Decode: write the new row (quantized into its token slot, BF16 into its window column), then attend over
   the three segments with ``oscar.paged.decode_attention``: on CUDA the v9 mma kernel over fragment-order
   pages (or the Triton row kernel for other formats), on a CPU the torch twin. The metadata (window
@@ -29,6 +32,7 @@ from typing import Any, Optional
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from torch.nn.attention.bias import causal_lower_right
 from torch.nn.functional import scaled_dot_product_attention
 
 from oscar import paged
@@ -42,8 +46,10 @@ class _ExtendMeta:
     seq_len: torch.Tensor  # [N] sequence length of the token's request
     starts: list[int]
     lens: list[int]
-    prefix: list[int]  # cached prefix length per request (earlier chunks of the same request)
+    prefix: list[int]  # cached prefix length per request (earlier chunks, or a prefix-cache hit)
     req_slots: list[int]
+    hit: list[bool]  # the prefix was computed by another request (the radix cache): not in this slot's windows
+    sink_ids: list[Optional[torch.Tensor]]  # sink-store rows of a hit's sink pages
 
 
 @dataclass
@@ -154,9 +160,27 @@ class OscarAttnBackend(AttentionBackend):
         pos = (torch.cat([torch.arange(p, p + n, device=dev) for p, n in zip(prefix, lens)]) if lens
                else torch.empty(0, dtype=torch.int64, device=dev))
         counts = torch.tensor(lens, device=dev)
+        slots = [int(r) for r in req.tolist()]
+        hit = self._prefix_hits(slots, prefix)
+        r2t = self.req_to_token_pool.req_to_token
+        sink_ids = [self.pool.sink_ids(r2t, r, min(p, self.pool.sink)) if h and min(p, self.pool.sink) else None
+                    for r, p, h in zip(slots, prefix, hit)]
         return _ExtendMeta(req=torch.repeat_interleave(req, counts), pos=pos,
                            seq_len=torch.repeat_interleave(torch.tensor(seq_lens, device=dev), counts),
-                           starts=starts, lens=lens, prefix=prefix, req_slots=[int(r) for r in req.tolist()])
+                           starts=starts, lens=lens, prefix=prefix, req_slots=slots, hit=hit, sink_ids=sink_ids)
+
+    def _prefix_hits(self, slots: list[int], prefix: list[int]) -> list[bool]:
+        """Which extends start on a prefix this request slot's windows do not hold: the slot changed hands
+        (SGLang's ``ReqToTokenPool.req_generation``) since its windows were written, so the prefix came from
+        the radix tree. A later chunk of the same request keeps its slot and generation. Records the
+        generation each slot's windows now hold."""
+        gens = getattr(self.req_to_token_pool, "req_generation", None)
+        out = []
+        for r, p in zip(slots, prefix):
+            gen = int(gens[r]) if gens is not None else 0
+            out.append(p > 0 and self.pool.slot_generation.get(r) != gen)
+            self.pool.slot_generation[r] = gen
+        return out
 
     # CUDA graphs (decode): fixed buffers, bound outside the capture, filled by ops recorded inside it
 
@@ -242,16 +266,21 @@ class OscarAttnBackend(AttentionBackend):
         vb = v.view(-1, Hkv, d).to(self.pool.window_dtype)
         out = torch.empty_like(q3)
         r2t = self.req_to_token_pool.req_to_token
-        for start, n, p, r in zip(m.starts, m.lens, m.prefix, m.req_slots):
+        for start, n, p, r, hit, ids in zip(m.starts, m.lens, m.prefix, m.req_slots, m.hit, m.sink_ids):
             qs = q3[start : start + n].movedim(0, 1)  # [H, n, d]
             ks = kb[start : start + n].movedim(0, 1).to(q.dtype)
             vs = vb[start : start + n].movedim(0, 1).to(q.dtype)
             mask = None
-            if p > 0:  # an earlier chunk of this request: its rows as the cache holds them
-                pk, pv = self.pool.cached_rows(layer.layer_id, r2t, r, p)
+            if ids is not None:  # a prefix-cache hit: its BF16 sink rows from the sink store
+                self.pool.restore_sink(layer.layer_id, r, ids)
+            if p > 0:  # an earlier chunk of this request, or a cached prefix: its rows as the cache holds them
+                pk, pv = self.pool.cached_rows(layer.layer_id, r2t, r, p, ring=not hit)
                 ks = torch.cat([pk.to(q.dtype), ks], dim=1)
                 vs = torch.cat([pv.to(q.dtype), vs], dim=1)
-                mask = torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(p)
+                # query i (position p + i) sees keys 0..p + i: causal aligned to the bottom right, which the flash
+                # and memory-efficient kernels take as a bias object on CUDA (a boolean mask would not reach them)
+                mask = causal_lower_right(n, p + n) if q.is_cuda else \
+                    torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(p)
             gqa = H != Hkv
             if gqa and q.is_cuda:  # the flash / memory-efficient kernels, not the math fallback of enable_gqa
                 ks, vs, gqa = ks.repeat_interleave(H // Hkv, dim=0), vs.repeat_interleave(H // Hkv, dim=0), False

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 import inspect
 import pkgutil
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -38,14 +39,21 @@ class Seams:
     choices_module: str  # holds ATTENTION_BACKEND_CHOICES and add_attention_backend_choices
     pool_hook: str  # the KVCacheConfigurator method the plugin hooks (AROUND) to put its pool in
     pool_hook_kind: str  # "build" (swap mha_pool_class) or "resolve" (return the class for kind="mha")
+    tree_hooks: tuple[tuple[str, str], ...]  # (tree method, kind): where the radix tree takes a request's pages
 
 
 _KVC = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+_RADIX = "sglang.srt.mem_cache.radix_cache.RadixCache"
 SEAMS = {
-    "0.5.17": Seams("sglang.srt.server_args", f"{_KVC}._build_mha_kv_pool", "build"),
-    "0.5.23": Seams("sglang.srt.arg_groups.choices", f"{_KVC}._resolve_kv_pool_class", "resolve"),
+    "0.5.17": Seams("sglang.srt.server_args", f"{_KVC}._build_mha_kv_pool", "build",
+                    ((f"{_RADIX}.cache_finished_req", "finished"), (f"{_RADIX}.cache_unfinished_req", "unfinished"))),
+    "0.5.23": Seams("sglang.srt.arg_groups.choices", f"{_KVC}._resolve_kv_pool_class", "resolve",
+                    (("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint", "checkpoint"),)),
 }
 _POOL_HOOK_PARAMS = {"build": ["self", "max_total_num_tokens", "mha_pool_class"], "resolve": ["self", "kind", "default"]}
+# the tree hooks read the request and how many of its positions the tree takes (a keyword argument)
+_TREE_HOOK_PARAMS = {"finished": ["self", "req", "is_insert", "kv_len_to_handle"], "unfinished": ["self", "req"],
+                     "checkpoint": ["self", "req", "up_to"]}
 
 _BASE = "sglang.srt.layers.attention.base_attn_backend.AttentionBackend"
 _MHA = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool"
@@ -76,6 +84,18 @@ COMMON: dict[str, Any] = {
     f"{_BASE}.get_cuda_graph_seq_len_fill_value": ["self"],
     f"{_BASE}.forward_extend": ["self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache"],
     f"{_BASE}.forward_decode": ["self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache"],
+    # the radix cache: the sink store's release and clear, the match cap
+    "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids": ["self"],
+    "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.clear": ["self"],
+    "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.free": ["self", "free_index"],
+    "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.clear": ["self"],
+    "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator.get_kvcache": ["self"],
+    "sglang.srt.managers.schedule_batch.Req._compute_max_prefix_len": ["self", "input_len"],
+}
+# attributes set in __init__ that the plugin reads (checked in the constructor's source)
+INIT_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.__init__": ("req_to_token", "req_generation"),
+    "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator.__init__": ("_kvcache",),
 }
 
 # ForwardBatch fields the backend reads
@@ -103,7 +123,25 @@ def signatures(version: str) -> dict[str, Any]:
     s = seams(version)
     return {**COMMON, f"{s.choices_module}.ATTENTION_BACKEND_CHOICES": None,
             f"{s.choices_module}.add_attention_backend_choices": None,
-            s.pool_hook: _POOL_HOOK_PARAMS[s.pool_hook_kind]}
+            s.pool_hook: _POOL_HOOK_PARAMS[s.pool_hook_kind],
+            **{target: _TREE_HOOK_PARAMS[kind] for target, kind in s.tree_hooks}}
+
+
+def _assigned_attributes(fn: ast.AST) -> set[str]:
+    """Names ``x`` of every ``self.x = ...`` / ``self.x: T = ...`` in a function's body."""
+    out = set()
+    for node in ast.walk(fn):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        out |= {t.attr for t in targets if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                and t.value.id == "self"}
+    return out
+
+
+def _missing_attributes(path: str, fn: Optional[ast.AST], names: tuple[str, ...]) -> list[str]:
+    if fn is None:
+        return [f"{path}: missing"]
+    have = _assigned_attributes(fn)
+    return [f"{path}: does not set self.{n}" for n in names if n not in have]
 
 
 def _compare(path: str, got: list[str], expected: list[str]) -> list[str]:
@@ -133,6 +171,12 @@ def check_contract(version: Optional[str] = None) -> list[str]:
             continue
         if expected is not None:
             problems += _compare(path, _params(obj), expected)
+    for path, names in INIT_ATTRIBUTES.items():
+        try:
+            fn: Optional[ast.AST] = ast.parse(textwrap.dedent(inspect.getsource(pkgutil.resolve_name(path))))
+        except (ImportError, AttributeError, OSError, TypeError):
+            fn = None
+        problems += _missing_attributes(path, fn, names)
     # ForwardBatch is a dataclass, ServerArgs a msgspec struct: both list their fields in the constructor
     for cls_path, fields in _CLASSES.items():
         cls = pkgutil.resolve_name(cls_path)
@@ -206,6 +250,9 @@ def check_contract_source(root: str | Path, version: str) -> list[str]:
                 problems.append(f"{path}: not a function in the sources")
                 continue
             problems += _compare(path, _ast_params(node), expected)
+    for path, names in INIT_ATTRIBUTES.items():
+        node, _ = _resolve_source(root, path)
+        problems += _missing_attributes(path, node, names)
     for cls_path, fields in _CLASSES.items():
         node, why = _resolve_source(root, cls_path)
         if not isinstance(node, ast.ClassDef):
@@ -216,5 +263,5 @@ def check_contract_source(root: str | Path, version: str) -> list[str]:
     return problems
 
 
-__all__ = ["COMMON", "FORWARD_BATCH_FIELDS", "SEAMS", "SERVER_ARGS_FIELDS", "SGLANG_VERSION", "SUPPORTED_VERSIONS",
+__all__ = ["COMMON", "FORWARD_BATCH_FIELDS", "INIT_ATTRIBUTES", "SEAMS", "SERVER_ARGS_FIELDS", "SGLANG_VERSION", "SUPPORTED_VERSIONS",
            "Seams", "check_contract", "check_contract_source", "seams", "signatures"]

@@ -12,7 +12,13 @@ SGLang versions of ``oscar.serve.contract.SUPPORTED_VERSIONS``; the state lives 
   ``KVCacheConfigurator._build_mha_kv_pool`` (0.5.17), around (``oscar.serve.contract.SEAMS``);
 - ``DefaultPoolConfigurator._compute_cell_size`` / ``calculate_pool_sizes`` (around): pool sizing from the
   real bytes per token, with the BF16 windows of ``--max-running-requests`` request slots reserved first;
-- ``ModelRunner.load_model`` (after): the value rotation folded into each layer's ``o_proj``.
+- ``ModelRunner.load_model`` (after): the value rotation folded into each layer's ``o_proj``;
+- the radix (prefix) cache (``oscar.serve.contract.Seams.tree_hooks``): before the tree takes a request's
+  pages (0.5.17: ``RadixCache.cache_finished_req`` / ``cache_unfinished_req``; 0.5.23:
+  ``UnifiedRadixCache.checkpoint``) the request's BF16 sink rows go to the pool's sink store; the paged
+  allocator's ``_release_page_ids`` (and ``TokenToKVPoolAllocator.free`` for pages of one token) releases
+  them, ``clear`` empties the store; ``Req._compute_max_prefix_len`` (after) caps a match at
+  ``input_len - OSCAR_RECENT`` so that every request computes its own recent window.
 """
 
 from __future__ import annotations
@@ -41,9 +47,9 @@ def _flag_problems(args: Any) -> list[str]:
         out.append("DP attention is not supported: drop --enable-dp-attention")
     if get("speculative_algorithm"):
         out.append(f"speculative decoding is not supported: drop --speculative-algorithm {get('speculative_algorithm')}")
-    if not get("disable_radix_cache"):
-        out.append("prefix (radix) cache reuse is not supported yet (a cached prefix has no BF16 sink rows left for "
-                   "the next request): add --disable-radix-cache")
+    if not get("disable_radix_cache") and get("radix_cache_backend"):
+        out.append(f"--radix-cache-backend {get('radix_cache_backend')} bypasses the tree hooks that keep the BF16 "
+                   "sink rows of cached prefixes: drop it (SGLang's default radix cache is served)")
     if get("enable_mixed_chunk"):
         out.append("mixed prefill/decode batches are not supported: drop --enable-mixed-chunk")
     if str(get("device") or "cuda") != "cpu" and get("disable_prefill_cuda_graph") is False \
@@ -145,11 +151,19 @@ def compute_cell_size_around(original: Any, conf: Any, kvc: Any, num_layers: int
     cell = bytes_per_token(int(num_layers), int(hkv), int(mc.head_dim), st["bits"], st["group_size"])
     bf16 = int(hkv) * (int(mc.head_dim) + int(mc.v_head_dim)) * int(num_layers) * 2
     reqs = int(kvc.server_args.max_running_requests) + 1
+    sink = st["settings"].sink
+    st["prefix_cache"] = not bool(getattr(kvc.server_args, "disable_radix_cache", True))
     conf._oscar_window_bytes = reqs * window_bytes_per_request(
-        int(num_layers), int(hkv), int(mc.head_dim), st["settings"].sink, st["settings"].recent)
+        int(num_layers), int(hkv), int(mc.head_dim), sink, st["settings"].recent)
+    if st["prefix_cache"]:  # the sink store: BF16 sink pages of twice as many prefixes as request slots
+        from oscar.serve.pool import sink_store_pages
+
+        page = int(getattr(kvc.server_args, "page_size", None) or 1)
+        conf._oscar_window_bytes += sink_store_pages(reqs, sink, page) * page * int(hkv) * int(mc.head_dim) * 2 * 2 \
+            * int(num_layers)
     logger.info("OSCAR pool sizing: %d bytes/token (BF16 would be %d: %.2fx the tokens per byte); BF16 windows "
-                "of %d request slots reserved first: %.3f GB", cell, bf16, bf16 / cell, reqs,
-                conf._oscar_window_bytes / 2**30)
+                "of %d request slots%s reserved first: %.3f GB", cell, bf16, bf16 / cell, reqs,
+                " and the prefix cache's sink store" if st["prefix_cache"] else "", conf._oscar_window_bytes / 2**30)
     return cell
 
 
@@ -177,6 +191,80 @@ def fold_after_load(result: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
         n = fold_model(runner.model, st["rotations"])
         logger.info("OSCAR: value rotation folded into o_proj of %d layers", n)
     return result
+
+
+# -- the radix (prefix) cache ----------------------------------------------------------------------
+
+
+def _oscar_pool(allocator: Any) -> Any:
+    """The OSCAR pool behind a token allocator (None for another pool, or before it is bound)."""
+    try:
+        pool = allocator.get_kvcache()
+    except AttributeError:  # the allocator's own __init__ clears before it holds its pool
+        return None
+    return pool if hasattr(pool, "release_sink_pages") else None
+
+
+def _req_slot(req: Any) -> int:
+    kv = getattr(req, "kv", None)  # 0.5.23 keeps the row in req.kv; 0.5.17 on the request
+    return int(kv.req_pool_idx if kv is not None and hasattr(kv, "req_pool_idx") else req.req_pool_idx)
+
+
+def _store_sink(cache: Any, req: Any, length: int) -> None:
+    pool = _oscar_pool(cache.token_to_kv_pool_allocator)
+    if pool is not None and not getattr(cache, "disable", False):
+        pool.store_sink(cache.req_to_token_pool.req_to_token, _req_slot(req), int(length))
+
+
+def finished_before(cache: Any, req: Any, *args: Any, **kwargs: Any) -> None:
+    """``RadixCache.cache_finished_req`` (0.5.17, before): the request's sink pages into the sink store."""
+    _store_sink(cache, req, kwargs["kv_len_to_handle"])
+
+
+def unfinished_before(cache: Any, req: Any, *args: Any, **kwargs: Any) -> None:
+    """``RadixCache.cache_unfinished_req`` (0.5.17, before): a chunked request's sink pages into the store."""
+    _store_sink(cache, req, len(req.get_fill_ids()))
+
+
+def checkpoint_before(cache: Any, req: Any, *args: Any, **kwargs: Any) -> None:
+    """``UnifiedRadixCache.checkpoint`` (0.5.23, before): the sink pages of ``[0, up_to)`` into the store."""
+    _store_sink(cache, req, kwargs["up_to"])
+
+
+def release_pages_before(allocator: Any, *page_ids: Any, **kwargs: Any) -> None:
+    """``PagedTokenToKVPoolAllocator._release_page_ids`` (before): these pages' sink-store rows are free."""
+    pool = _oscar_pool(allocator)
+    if pool is not None:
+        for ids in page_ids:
+            pool.release_sink_pages(ids)
+
+
+def free_tokens_before(allocator: Any, free_index: Any, *args: Any, **kwargs: Any) -> None:
+    """``TokenToKVPoolAllocator.free`` (before; pages of one token: token slots are pages). Called again for a
+    deferred free group; releasing is idempotent."""
+    release_pages_before(allocator, free_index)
+
+
+def clear_after(result: Any, allocator: Any, *args: Any, **kwargs: Any) -> Any:
+    """The allocator's ``clear`` (after): every page is free, so is the sink store."""
+    pool = _oscar_pool(allocator)
+    if pool is not None:
+        pool.clear_sink_store()
+    return result
+
+
+def cap_prefix_after(result: Any, req: Any, input_len: int, *args: Any, **kwargs: Any) -> Any:
+    """``Req._compute_max_prefix_len`` (after): a match leaves at least ``OSCAR_RECENT`` tokens to compute, so
+    the request's recent window holds its own exact BF16 rows (a cached prefix has no BF16 ring rows)."""
+    if not active():
+        return result
+    from oscar.serve.state import current_state
+
+    try:
+        recent = int(current_state()["settings"].recent)
+    except RuntimeError:  # no pool in this process
+        return result
+    return max(0, min(int(result), int(input_len) - recent))
 
 
 def _attention_modules(model: Any) -> list[Any]:
@@ -231,12 +319,20 @@ def hooks(version: str) -> list[tuple[str, Any, Any]]:
     s = seams(version)
     pool_hook = build_mha_kv_pool_around if s.pool_hook_kind == "build" else resolve_kv_pool_class_around
     conf = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator"
+    alloc = "sglang.srt.mem_cache.allocator"
+    tree = {"finished": finished_before, "unfinished": unfinished_before, "checkpoint": checkpoint_before}
     return [
         ("sglang.srt.server_args.ServerArgs.check_server_args", check_server_args_after, "AFTER"),
         (s.pool_hook, pool_hook, "AROUND"),
         (f"{conf}._compute_cell_size", compute_cell_size_around, "AROUND"),
         (f"{conf}.calculate_pool_sizes", calculate_pool_sizes_around, "AROUND"),
         ("sglang.srt.model_executor.model_runner.ModelRunner.load_model", fold_after_load, "AFTER"),
+        *((target, tree[kind], "BEFORE") for target, kind in s.tree_hooks),
+        (f"{alloc}.paged.PagedTokenToKVPoolAllocator._release_page_ids", release_pages_before, "BEFORE"),
+        (f"{alloc}.token.TokenToKVPoolAllocator.free", free_tokens_before, "BEFORE"),
+        (f"{alloc}.paged.PagedTokenToKVPoolAllocator.clear", clear_after, "AFTER"),
+        (f"{alloc}.token.TokenToKVPoolAllocator.clear", clear_after, "AFTER"),
+        ("sglang.srt.managers.schedule_batch.Req._compute_max_prefix_len", cap_prefix_after, "AFTER"),
     ]
 
 

@@ -29,6 +29,16 @@ Rope-centered keys (an ``auto`` artifact's ``+rope`` heads): a key row at positi
 ``RoPE_p(m)`` (``write`` passes each row's position, ``write_decode`` the decode metadata's ``pos``) and
 ``cached_rows`` adds it back; served by the mma-layout CUDA kernel and the torch twins, refused (naming the
 format) where the pool would use the row-layout Triton kernels.
+
+Prefix (radix) cache: the quantized rows of a cached prefix already sit in its token slots (write-through), so a
+request that hits it reads them through its own ``req_to_token`` row. Its BF16 sink rows lived in the windows of
+the request slot that computed them; they are kept in a **sink store** indexed by SGLang page (``S0 % P == 0``:
+the sink is whole pages): BF16 ``[C, Hkv, P, d]`` per layer and tensor, filled from a request slot's windows when
+the radix tree takes its pages (``store_sink``, a hook before the tree's insert), released when the allocator
+frees the page (``release_sink_pages``, a hook on the allocator), copied into the sink columns of a request
+that hits the prefix (``sink_ids`` / ``restore_sink``). The recent window of a request that hits a prefix
+comes from its own extend: the plugin caps every match at ``input_len - W`` (a hook on the request's
+largest prefix), so the last ``W`` rows are always computed by the request itself.
 """
 
 from __future__ import annotations
@@ -67,6 +77,13 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         self.layout = resolve_layout(layout, self.bits, self.group_size, head_dim, page_size, torch.device(device))
         self.num_req_slots = 0
         self.window_dtype = torch.bfloat16
+        self.prefix_cache = bool(state.get("prefix_cache", False))  # the radix cache is on: keep sink pages
+        self.sink_k: list[torch.Tensor] = []
+        self.sink_v: list[torch.Tensor] = []
+        self._sink_of_page: dict[int, int] = {}  # SGLang page -> row of the sink store
+        self._sink_free: list[int] = []
+        self.slot_generation: dict[int, int] = {}  # request slot -> ReqToTokenPool generation its windows hold
+        self._sink_stored: dict[int, tuple] = {}  # request slot -> (generation, sink positions) already stored
         super().__init__(size, page_size, dtype, head_num, head_dim, layer_num, device, enable_memory_saver,
                          *args, **kwargs)
         first = self.start_layer
@@ -114,6 +131,8 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         self.num_req_slots = num_req_slots
         logger.info("OSCAR KV pool: BF16 windows for %d request slots: %.3f GB", num_req_slots,
                     self.windows_nbytes() / 2**30)
+        if self.prefix_cache and self.sink:
+            self._grow_sink_store(sink_store_pages(num_req_slots, self.sink, self.page_size))
 
     @property
     def pad_slot(self) -> int:
@@ -187,6 +206,100 @@ class OscarTokenToKVPool(MHATokenToKVPool):
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
         self._refuse("move_kv_cache")
 
+    # -- the sink store of the prefix cache -------------------------------------------------------------
+
+    def _grow_sink_store(self, pages: int) -> None:
+        old = len(self._sink_free) + len(self._sink_of_page)
+        if pages <= old:
+            return
+        shape = (pages, self.head_num, self.page_size, self.head_dim)
+        grow = lambda t: torch.cat([t, torch.zeros((pages - old, *shape[1:]), dtype=t.dtype, device=t.device)])  # noqa: E731
+        if old:
+            self.sink_k = [grow(t) for t in self.sink_k]
+            self.sink_v = [grow(t) for t in self.sink_v]
+            logger.warning("OSCAR KV pool: the BF16 sink store of the prefix cache grew from %d to %d pages (%.3f GB; "
+                           "more distinct cached prefixes than 2x the request slots)", old, pages,
+                           self.sink_store_nbytes() / 2**30)
+        else:
+            self.sink_k = [torch.zeros(shape, dtype=self.window_dtype, device=self.device) for _ in range(self.layer_num)]
+            self.sink_v = [torch.zeros(shape, dtype=self.window_dtype, device=self.device) for _ in range(self.layer_num)]
+            logger.info("OSCAR KV pool: BF16 sink store of the prefix cache: %d pages, %.3f GB", pages,
+                        self.sink_store_nbytes() / 2**30)
+        self._sink_free.extend(range(pages - 1, old - 1, -1))
+
+    def sink_store_nbytes(self) -> int:
+        """Bytes of the BF16 sink store (all layers, K and V)."""
+        return sum(t.numel() * t.element_size() for t in (*self.sink_k, *self.sink_v))
+
+    def sink_pages_in_use(self) -> int:
+        """Pages of the sink store that hold a cached prefix's sink."""
+        return len(self._sink_of_page)
+
+    def _sink_pages(self, req_to_token: torch.Tensor, r: int, n: int) -> list[int]:
+        return [int(x) for x in (req_to_token[r, 0:n:self.page_size] // self.page_size).tolist()]
+
+    def store_sink(self, req_to_token: torch.Tensor, r: int, length: int) -> int:
+        """Keep the BF16 sink rows of request slot ``r`` (its first ``length`` positions are computed) for the
+        radix tree, by SGLang page: the whole pages of positions ``[0, min(S0, length))`` that have no entry
+        yet. Returns the number of pages stored."""
+        n = min(self.sink, length // self.page_size * self.page_size)
+        if not (self.prefix_cache and self.num_req_slots and n > 0):
+            return 0
+        key = (self.slot_generation.get(r), n)
+        if self._sink_stored.get(r) == key:  # this request's sink pages are held already (a later checkpoint):
+            return 0                          # no host sync; a page the tree swapped in is the tree's, stored
+        self._sink_stored[r] = key
+        new = [(j, page) for j, page in enumerate(self._sink_pages(req_to_token, r, n)) if page not in self._sink_of_page]
+        if not new:
+            return 0
+        have = len(self._sink_free) + len(self._sink_of_page)
+        if len(self._sink_free) < len(new):
+            self._grow_sink_store(max(2 * have, have + len(new)))
+        rows = [self._sink_free.pop() for _ in new]
+        for (_, page), row in zip(new, rows):
+            self._sink_of_page[page] = row
+        P = self.page_size
+        cols = torch.tensor([j * P + t for j, _ in new for t in range(P)], device=self.device)
+        dst = torch.tensor(rows, device=self.device)
+        for i in range(self.layer_num):
+            for win, store in ((self.win_k[i], self.sink_k[i]), (self.win_v[i], self.sink_v[i])):
+                store[dst] = win[r][:, cols].unflatten(1, (len(new), P)).transpose(0, 1)
+        return len(new)
+
+    def release_sink_pages(self, page_ids: Any) -> None:
+        """The allocator frees ``page_ids`` (SGLang pages): their sink-store rows become free."""
+        if not self._sink_of_page:  # nothing stored: no host sync
+            return
+        ids = page_ids.tolist() if isinstance(page_ids, torch.Tensor) else page_ids
+        for page in ids:
+            row = self._sink_of_page.pop(int(page), None)
+            if row is not None:
+                self._sink_free.append(row)
+
+    def clear_sink_store(self) -> None:
+        """Every page is free again (the allocator was cleared: SGLang's flush_cache)."""
+        self._sink_free.extend(self._sink_of_page.values())
+        self._sink_of_page.clear()
+        self.slot_generation.clear()
+        self._sink_stored.clear()
+
+    def sink_ids(self, req_to_token: torch.Tensor, r: int, n: int) -> torch.Tensor:
+        """Sink-store rows of the pages holding positions ``[0, n)`` of request slot ``r`` (a cached prefix
+        computed by another request); refuses a page the store does not hold."""
+        pages = self._sink_pages(req_to_token, r, n)
+        missing = [p for p in pages if p not in self._sink_of_page]
+        if missing:
+            raise RuntimeError(f"OSCAR KV pool: the sink rows of cached pages {missing[:8]} are not in the sink store "
+                               "(a prefix-cache page reached a request without passing the plugin's tree hooks)")
+        return torch.tensor([self._sink_of_page[p] for p in pages], device=self.device)
+
+    def restore_sink(self, layer_id: int, r: int, ids: torch.Tensor) -> None:
+        """Copy the sink-store rows ``ids`` into the sink columns ``[0, len(ids) * P)`` of request slot ``r``."""
+        i = self._local(layer_id)
+        n = int(ids.numel()) * self.page_size
+        for win, store in ((self.win_k[i], self.sink_k[i]), (self.win_v[i], self.sink_v[i])):
+            win[r, :, :n] = store[ids].transpose(0, 1).flatten(1, 2)
+
     # -- writes ------------------------------------------------------------------------------------
 
     def _local(self, layer_id: int) -> int:
@@ -239,14 +352,15 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         out[: pages.shape[0]].copy_(pages)
         return out[: pages.shape[0]]
 
-    def cached_rows(self, layer_id: int, req_to_token: torch.Tensor, r: int, length: int
+    def cached_rows(self, layer_id: int, req_to_token: torch.Tensor, r: int, length: int, ring: bool = True
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[Hkv, length, d]`` (float32, original frame) of positions ``0..length-1`` of request slot
         ``r`` as the cache holds them: BF16 sink, dequantized pages ``[S0, length - W)`` (rope-centered keys with
-        their offsets added back), BF16 ring."""
+        their offsets added back), BF16 ring. With ``ring=False`` (a cached prefix computed by another request:
+        this slot's ring does not hold it) the pages up to ``length``."""
         i = self._local(layer_id)
         S0, W = self.sink, self.recent
-        n_sink, q_end = min(length, S0), max(S0, length - W)
+        n_sink, q_end = min(length, S0), max(S0, length - W if ring else length)
         parts_k = [self.win_k[i][r, :, :n_sink].float()]
         parts_v = [self.win_v[i][r, :, :n_sink].float()]
         if q_end > S0:
@@ -268,4 +382,10 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
 
 
-__all__ = ["OscarTokenToKVPool"]
+def sink_store_pages(num_req_slots: int, sink: int, page_size: int) -> int:
+    """Pages of the sink store reserved for ``num_req_slots`` request slots: the sinks of twice as many
+    prefixes as slots (the running requests' and as many cached ones); it grows, logged, past that."""
+    return 2 * num_req_slots * (sink // page_size)
+
+
+__all__ = ["OscarTokenToKVPool", "sink_store_pages"]

@@ -13,11 +13,16 @@ DRIVER = Path(__file__).with_name("sgl_driver.py")
 SMOLLM2_DENSE = Path(os.environ.get("OSCAR_CACHE_DIR", Path.home() / ".cache" / "oscar")) / "models" / "smollm2-135m" / "dense"
 
 
-def run_driver(runs: list[dict[str, Any]], tmp: Path, timeout: float = 900) -> tuple[dict[str, Any], str]:
-    """Run `sgl_driver.py` on `runs` in a fresh process; returns (results by run name, its log)."""
+def run_driver(runs: list[dict[str, Any]], tmp: Path, timeout: float | None = None) -> tuple[dict[str, Any], str]:
+    """Run `sgl_driver.py` on `runs` in a fresh process; returns (results by run name, its log). `timeout`
+    defaults to $OSCAR_SERVE_DRIVER_TIMEOUT or 900 s (a loaded shared CPU starts SGLang engines slowly)."""
+    timeout = float(timeout or os.environ.get("OSCAR_SERVE_DRIVER_TIMEOUT", 900))
     spec, out = tmp / "spec.json", tmp / "out.json"
     spec.write_text(json.dumps({"runs": runs}))
-    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
+    # the driver imports the plugin of this checkout (not whichever `oscar` the environment has installed)
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, str(DRIVER), str(spec), str(out)], capture_output=True, text=True,
                           timeout=timeout, env=env)
     log = proc.stdout + proc.stderr

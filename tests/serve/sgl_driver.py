@@ -3,6 +3,8 @@
 Each configuration runs in this one process (SGLang's scheduler subprocesses inherit the ``OSCAR_*``
 variables set for it) so the heavy import happens once. Usage: ``python sgl_driver.py SPEC.json OUT.json``
 with ``SPEC = {"runs": [{"name", "engine_args", "env", "prompts" | "input_ids", "sampling", "generate_args"?}]}``.
+``"rounds": [[ids, ...], ...]`` instead of ``input_ids`` generates each round after the previous one finished
+(so a later round can hit the prefixes an earlier one left in the radix cache); the results concatenate them.
 """
 
 from __future__ import annotations
@@ -31,12 +33,15 @@ def main(spec_path: str, out_path: str) -> int:
         started = time.perf_counter() - t0
         try:
             kwargs = {"sampling_params": run["sampling"]}
-            if "input_ids" in run:
-                kwargs["input_ids"] = run["input_ids"]
-            else:
-                kwargs["prompt"] = run["prompts"]
             kwargs.update(run.get("generate_args", {}))  # e.g. return_logprob, top_logprobs_num
-            outs = engine.generate(**kwargs)
+            if "rounds" in run:
+                outs = [o for ids in run["rounds"] for o in engine.generate(input_ids=ids, **kwargs)]
+            else:
+                if "input_ids" in run:
+                    kwargs["input_ids"] = run["input_ids"]
+                else:
+                    kwargs["prompt"] = run["prompts"]
+                outs = engine.generate(**kwargs)
             results[run["name"]] = {"output_ids": [o["output_ids"] for o in outs],
                                     "text": [o["text"] for o in outs], "start_s": started}
             if kwargs.get("return_logprob"):  # [(logprob, token id, text)] per step; top-k lists per step

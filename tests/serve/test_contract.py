@@ -84,11 +84,21 @@ def test_register_adds_backend_choice_and_hooks():
         "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
         "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes",
         "sglang.srt.model_executor.model_runner.ModelRunner.load_model",
+        # the radix cache: the tree takes a request's pages; the allocator frees and clears them; the match cap
+        "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint",
+        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids",
+        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.clear",
+        "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.free",
+        "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.clear",
+        "sglang.srt.managers.schedule_batch.Req._compute_max_prefix_len",
     }
     # under 0.5.17 the pool hook is the builder (one seam differs; the others are shared)
     targets = {t for t, _, _ in plugin.hooks("0.5.17")}
     assert "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mha_kv_pool" in targets
-    assert len(targets) == len(hooked)
+    # and its tree takes pages in cache_finished_req / cache_unfinished_req (0.5.23: checkpoint)
+    radix = "sglang.srt.mem_cache.radix_cache.RadixCache"
+    assert {f"{radix}.cache_finished_req", f"{radix}.cache_unfinished_req"} <= targets
+    assert len(targets) == len(hooked) + 1
     for target, entries in HookRegistry._hooks.items():
         assert sum(h.__module__ == plugin.__name__ for _, h, _ in entries) <= 1, target
 
@@ -105,7 +115,8 @@ def test_refusals_name_the_flag():
                          kv_cache_dtype="auto", enable_hierarchical_cache=False, disaggregation_mode="null",
                          page_size=1, disable_prefill_cuda_graph=False)
     assert _flag_problems(ok) == []  # chunked prefill and (decode) CUDA graphs are served
-    cases = {"tp_size": (2, "--tp-size 1"), "disable_radix_cache": (False, "--disable-radix-cache"),
+    assert _flag_problems(SimpleNamespace(**{**vars(ok), "disable_radix_cache": False})) == []  # radix cache served
+    cases = {"tp_size": (2, "--tp-size 1"),
              "enable_mixed_chunk": (True, "--enable-mixed-chunk"),
              "speculative_algorithm": ("EAGLE", "--speculative-algorithm"),
              "max_running_requests": (None, "--max-running-requests"),
@@ -114,6 +125,9 @@ def test_refusals_name_the_flag():
     for field, (value, flag) in cases.items():
         problems = _flag_problems(SimpleNamespace(**{**vars(ok), field: value}))
         assert len(problems) == 1 and flag in problems[0], (field, problems)
+    # another tree implementation would bypass the sink store's hooks
+    problems = _flag_problems(SimpleNamespace(**{**vars(ok), "disable_radix_cache": False, "radix_cache_backend": "x"}))
+    assert len(problems) == 1 and "--radix-cache-backend x" in problems[0], problems
     gpu = SimpleNamespace(**{**vars(ok), "device": "cuda", "page_size": 16, "disable_prefill_cuda_graph": True})
     assert _flag_problems(gpu) == []
     for field, value, flag in (("page_size", 1, "--page-size 16"),
