@@ -1002,8 +1002,8 @@ class SimulatedLayer(OscarLayer):
     Memory is not real here: `nbytes` reports the accounting of the method's format.
     """
 
-    _ROW_TENSORS = ("hist_k", "hist_v")
-    _ROW_LISTS = ("hist_len", "sink_len", "recent_len")
+    _ROW_TENSORS = ("hist_k", "hist_v", "fake_k", "fake_v")
+    _ROW_LISTS = ("hist_len", "sink_len", "recent_len", "fake_len")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate a growing BF16 history; TurboQuant builds its per-head quantizers."""
@@ -1014,6 +1014,10 @@ class SimulatedLayer(OscarLayer):
         self.hist_k = torch.zeros(b, hkv, 64, d, dtype=self.spec.store_dtype, device=self.device)
         self.hist_v = torch.zeros_like(self.hist_k)
         self.hist_len = [0] * b
+        # quantize-dequantize images of the history, current for the first `fake_len` tokens of each sequence
+        self.fake_k = torch.zeros(b, hkv, 64, d, dtype=torch.float32, device=self.device)
+        self.fake_v = torch.zeros_like(self.fake_k)
+        self.fake_len = [0] * b
         self.sink_len = [0] * b
         self.recent_len = [0] * b
         if self.spec.kind == "turboquant":
@@ -1101,7 +1105,7 @@ class SimulatedLayer(OscarLayer):
         self._append(key.to(sp.store_dtype), value.to(sp.store_dtype), valid)
         length = max(self.hist_len)
         hk, hv = self.hist_k[:, :, :length], self.hist_v[:, :, :length]
-        kq, vq = self._fake(hk, hv)
+        kq, vq = self._fake_history(length)
         if valid is None:
             chunk_pos = old[:, None] + torch.arange(n, device=self.device)[None, :]
         else:
@@ -1115,9 +1119,14 @@ class SimulatedLayer(OscarLayer):
         seen_ok = (j <= t) & (j < hist_len) & (t >= 0)
         k_q = (j >= start) & (j < k_end[:, :, None])
         v_q = (j >= start) & (j < v_end[:, :, None])
-        keys = torch.cat([hk.float(), kq, hk.float()], dim=2)
-        vals = torch.cat([hv.float(), vq, vq], dim=2)
-        vis = torch.cat([seen_ok & ~k_q & ~v_q, seen_ok & k_q & v_q, seen_ok & ~k_q & v_q], dim=2)
+        if n == 1:  # one query per sequence: each token has one visible version (k_q implies v_q)
+            keys = torch.where(k_q[:, 0, None, :, None], kq, hk.float())
+            vals = torch.where(v_q[:, 0, None, :, None], vq, hv.float())
+            vis = seen_ok
+        else:
+            keys = torch.cat([hk.float(), kq, hk.float()], dim=2)
+            vals = torch.cat([hv.float(), vq, vq], dim=2)
+            vis = torch.cat([seen_ok & ~k_q & ~v_q, seen_ok & k_q & v_q, seen_ok & ~k_q & v_q], dim=2)
         seen = vis.any(dim=-1, keepdim=True)
         vis = vis | ~seen
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -1125,6 +1134,42 @@ class SimulatedLayer(OscarLayer):
         )
         out = out * seen[:, None].to(out.dtype)
         return out.to(query.dtype)
+
+    def _fake_history(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize-dequantize images `[B, Hkv, length, d]` of the history. Each is an exact function of its
+        token (KIVI keys: of their whole block), so they are kept: a decode step (one new token per
+        sequence) computes only the new tokens' images (and a KIVI key block when it completes); anything
+        else recomputes the whole history."""
+        sp = self.spec
+        new = [b for b in range(self.batch) if self.fake_len[b] < self.hist_len[b]]
+        if any(self.hist_len[b] - self.fake_len[b] != 1 for b in new):
+            kq, vq = self._fake(self.hist_k[:, :, :length], self.hist_v[:, :, :length])
+            self.fake_k[:, :, :length], self.fake_v[:, :, :length] = kq, vq
+            self.fake_len = list(self.hist_len)
+            return kq, vq
+        if new:
+            idx = torch.tensor(new, dtype=torch.long, device=self.device)
+            col = torch.tensor([self.hist_len[b] - 1 for b in new], dtype=torch.long, device=self.device)
+            k_new, v_new = self.hist_k[idx, :, col][:, :, None], self.hist_v[idx, :, col][:, :, None]  # [N, Hkv, 1, d]
+            if sp.kind == "turboquant":
+                kq, vq = self._fake(k_new, v_new)
+                self.fake_k[idx, :, col] = kq[:, :, 0]
+            else:
+                from oscar.baselines import kivi_fake_quantize
+
+                _, vq = kivi_fake_quantize(v_new.float(), v_new.float(), sp.bits, sp.group_size, residual=0)
+                g = sp.group_size
+                done = [b for b in new if self.hist_len[b] % g == 0]  # a key block completes
+                if done:
+                    for b in done:
+                        end = self.hist_len[b]
+                        kb, _ = kivi_fake_quantize(self.hist_k[b, :, end - g : end].float(), self.hist_v[b, :, end - g : end].float(),
+                                                   sp.bits, g, residual=0)
+                        self.fake_k[b, :, end - g : end] = kb
+            self.fake_v[idx, :, col] = vq[:, :, 0]
+            for b in new:
+                self.fake_len[b] = self.hist_len[b]
+        return self.fake_k[:, :, :length], self.fake_v[:, :, :length]
 
     def _append(self, kb: torch.Tensor, vb: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
         for b in range(self.batch):
@@ -1134,9 +1179,9 @@ class SimulatedLayer(OscarLayer):
                 continue
             if r + m > self.hist_k.shape[2]:
                 cap = max(r + m, 2 * self.hist_k.shape[2])
-                pad = self.hist_k.new_zeros(self.batch, self.hkv, cap - self.hist_k.shape[2], self.d)
-                self.hist_k = torch.cat([self.hist_k, pad], dim=2)
-                self.hist_v = torch.cat([self.hist_v, pad.clone()], dim=2)
+                for name in self._ROW_TENSORS:
+                    t = getattr(self, name)
+                    setattr(self, name, torch.cat([t, t.new_zeros(self.batch, self.hkv, cap - t.shape[2], self.d)], dim=2))
             self.hist_k[b, :, r : r + m] = k
             self.hist_v[b, :, r : r + m] = v
             self.hist_len[b] = r + m
