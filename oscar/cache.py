@@ -197,6 +197,7 @@ class PagedRows:
         self.pages: list[list[int]] = [[] for _ in range(batch)]
         self.lengths: list[int] = [0] * batch
         self.num_pages = 0
+        self.version = 0  # bumped by every change of the rows (a reader's cached copy is stale once it moves)
 
     def _new_page(self) -> int:
         if self.num_pages == self.codes.shape[0]:
@@ -209,6 +210,7 @@ class PagedRows:
 
     def append(self, b: int, rows: quant.QuantizedRows | quant.ChannelQuantizedRows) -> None:
         """Append quantized rows `[Hkv, m, ...]` to sequence `b` (per-channel rows: whole blocks)."""
+        self.version += 1
         if self.block:
             self._append_blocks(b, rows)  # type: ignore[arg-type]
             return
@@ -226,7 +228,36 @@ class PagedRows:
             self.lengths[b] += take
             done += take
 
+    def append_rows(self, seqs: Sequence[int], rows: quant.QuantizedRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append one quantized row per sequence: `rows` `[len(seqs), Hkv, 1, ...]`, row `i` to sequence
+        `seqs[i]` (distinct), in one indexed write per tensor; returns the rows' (page, offset) index tensors."""
+        if self.block:
+            raise ValueError("per-channel key pages take whole blocks; use append")
+        pages, slots = [], []
+        for b in seqs:
+            slot = self.lengths[b] % self.page_size
+            if slot == 0:
+                self.pages[b].append(self._new_page())
+            pages.append(self.pages[b][-1])
+            slots.append(slot)
+            self.lengths[b] += 1
+        self.version += 1
+        p = torch.tensor(pages, dtype=torch.long, device=self.device)
+        t = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self.codes[p, :, t] = rows.codes[:, :, 0]
+        self.scale[p, :, t] = rows.scale[:, :, 0]
+        self.zero[p, :, t] = rows.zero[:, :, 0]
+        return p, t
+
+    def dequantized_at(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Float32 rows `[len(p), Hkv, 1, d]` dequantized from the stored slots `(page p[i], offset t[i])`
+        (the same elementwise dequantization as `gather_dequantized`)."""
+        rows = quant.QuantizedRows(self.codes[p, :, t][:, :, None], self.scale[p, :, t][:, :, None],
+                                   self.zero[p, :, t][:, :, None], self.bits, self.group_size, self.d)
+        return quant.dequantize(rows)
+
     def _append_blocks(self, b: int, rows: quant.ChannelQuantizedRows) -> None:
+        self.version += 1
         if not isinstance(rows, quant.ChannelQuantizedRows) or rows.block != self.block:
             raise ValueError(f"pages of per-channel blocks of {self.block} tokens take ChannelQuantizedRows of that block")
         for j in range(rows.scale.shape[1]):
@@ -242,6 +273,7 @@ class PagedRows:
     def reserve(self, b: int, m: int) -> torch.Tensor:
         """Allocate the next `m` slots of sequence `b` (new pages as needed); their slot ids
         (`page * page_size + offset`, int64 on the store's device) for a kernel to write into."""
+        self.version += 1
         slots = []
         for _ in range(m):
             slot = self.lengths[b] % self.page_size
@@ -285,6 +317,7 @@ class PagedRows:
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep sequences `rows` (in that order); their pages move into a compact pool, the rest are freed."""
+        self.version += 1
         keep = [list(self.pages[b]) for b in rows]
         used = [p for pages in keep for p in pages]
         index = torch.tensor(used, dtype=torch.long, device=self.device)
@@ -296,6 +329,7 @@ class PagedRows:
 
     def extend(self, other: "PagedRows") -> None:
         """Append the sequences of `other` (same format) after this store's; their pages are copied in."""
+        self.version += 1
         if (other.hkv, other.d, other.bits, other.group_size, other.page_size) != (self.hkv, self.d, self.bits, self.group_size, self.page_size):
             raise ValueError("cannot merge page stores of different formats (heads, head_dim, bits, group or page size)")
         n, m = self.num_pages, other.num_pages
@@ -326,6 +360,7 @@ class OscarLayer(CacheLayerMixin):
         self.rot = rotations
         self.layer_idx = layer_idx
         self.seen = 0  # token slots fed so far, padding included (what transformers calls the length)
+        self._dequantized: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int]]] = None
 
     # -- transformers Cache layer interface -----------------------------------------------------
 
@@ -360,6 +395,7 @@ class OscarLayer(CacheLayerMixin):
             self.k_store = PagedRows(b, hkv, d, sp.bits, sp.group_size, sp.page_size, self.device, block=self.rot.k_block)
             self.v_store = PagedRows(b, hkv, d, sp.bits, sp.group_size, sp.page_size, self.device)
         self.keys = self.values = None
+        self._dequantized = None
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -388,6 +424,7 @@ class OscarLayer(CacheLayerMixin):
         """Drop everything; the next update starts from scratch."""
         self.is_initialized = False
         self.seen = 0
+        self._dequantized = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search is not supported."""
@@ -565,6 +602,9 @@ class OscarLayer(CacheLayerMixin):
         elif n == 1 and sp.kind == "rotated" and (sp.backend == "triton" or sp.paged_decode):
             self._write(kb, vb, valid)
             return self._attend_paged(query, scale)
+        elif n == 1 and sp.kind == "rotated" and (valid is None or bool(valid.all())):
+            self._write(kb, vb, None)  # the decode step's view is the stored state once the token is in
+            return self._attend_stored(query, scale)
         elif n == 1:
             out = self._attend_segments(query, kb, vb, valid, scale, decode_eq, old)
         else:
@@ -642,10 +682,7 @@ class OscarLayer(CacheLayerMixin):
             rot = self.rot
             assert rot is not None
             if any(i > 0 for i in self.int_lengths()):
-                k_rot, svalid = self.k_store.gather_dequantized()
-                v_rot, _ = self.v_store.gather_dequantized()
-                k_rot = self._with_key_offsets_rot(k_rot.to(self.cdt), self._int_positions(svalid))
-                v_rot = v_rot.to(self.cdt)
+                k_rot, v_rot, svalid = self._int_rows()
                 vis = q_ok & svalid[:, None, :]
                 int_parts.append(int_segment(qg, k_rot, v_rot, vis[:, None, None], scale, rot.r_k, rot.mu_k))
             if decode_eq:
@@ -658,8 +695,14 @@ class OscarLayer(CacheLayerMixin):
                     vq = quant.dequantize(self._quantize(torch.cat([self.recent_v, vb], dim=2), "v")).to(self.cdt)
                     int_parts.append(int_segment(qg, kq, vq, vis_q[:, None, None], scale, rot.r_k, rot.mu_k))
 
+        return self._merge(o_bf, lse_bf, int_parts).to(query.dtype)
+
+    def _merge(self, o_bf: torch.Tensor, lse_bf: torch.Tensor,
+               int_parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Log-sum-exp merge of the BF16 segment `(o, lse)` and the INT segments `(o_rot, lse, mass)` into
+        `[B, H, n, d]`, in the folded frame `(o - mu_V) @ R_V` with `fold_values`, else the original frame."""
         parts = []
-        if sp.fold_values:  # every segment in the folded frame (o - mu_V) @ R_V; INT rows already are
+        if self.spec.fold_values:  # every segment in the folded frame (o - mu_V) @ R_V; INT rows already are
             assert self.rot is not None
             o_bf_c = o_bf if self.rot.mu_v is None else o_bf - self.rot.mu_v[None, :, None, None, :]
             parts.append((rotate_per_kv_head(o_bf_c, self.rot.r_v), lse_bf))
@@ -671,7 +714,57 @@ class OscarLayer(CacheLayerMixin):
                 if self.rot.mu_v is not None:  # type: ignore[union-attr]
                     o = o + mass.unsqueeze(-1) * self.rot.mu_v[None, :, None, None, :]  # type: ignore[union-attr]
                 parts.append((o, lse))
-        return ungroup(merge_segments(parts)).to(query.dtype)
+        return ungroup(merge_segments(parts))
+
+    def _attend_stored(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """Decode step (one new token per sequence, already written): the query at position `t` reads the
+        stored state, `[0, S0)` BF16 sink, `[S0, t-W]` INT pages, `(t-W, t]` BF16 recent window, which is the
+        decode-equivalent view of `_attend_segments` without re-quantizing the window each step."""
+        qg = group_queries(query.to(self.cdt), self.hkv)
+        sink_pos, rec_pos, _ = self._positions(None, 0, self.lengths())
+        k_bf = torch.cat([self.sink_k, self.recent_k], dim=2).to(self.cdt)
+        v_bf = torch.cat([self.sink_v, self.recent_v], dim=2).to(self.cdt)
+        vis_bf = (torch.cat([sink_pos, rec_pos], dim=1) >= 0)[:, None, None, None, :]
+        o_bf, lse_bf = segment_attention(qg, k_bf, v_bf, vis_bf, scale)
+        int_parts = []
+        if any(i > 0 for i in self.int_lengths()):
+            rot = self.rot
+            assert rot is not None
+            k_rot, v_rot, svalid = self._int_rows()
+            int_parts.append(int_segment(qg, k_rot, v_rot, svalid[:, None, None, None, :], scale, rot.r_k, rot.mu_k))
+        return self._merge(o_bf, lse_bf, int_parts).to(query.dtype)
+
+    def _int_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dequantized rotated-frame INT keys (rope-centered offsets added) and values `[B, Hkv, L, d]` and
+        their validity `[B, L]`, read from the pages. The dequantized copy is kept while the pages change
+        only by the decode step's demotions (`_write_full_rows` adds those rows to it, dequantized from the
+        pages they went into); any other change of the stores rebuilds it from the pages."""
+        versions = (self.k_store.version, self.v_store.version)
+        if self._dequantized is None or self._dequantized[3] != versions:
+            k_rot, svalid = self.k_store.gather_dequantized()
+            v_rot, _ = self.v_store.gather_dequantized()
+            k_rot = self._with_key_offsets_rot(k_rot.to(self.cdt), self._int_positions(svalid))
+            self._dequantized = (k_rot, v_rot.to(self.cdt), svalid, versions)
+        return self._dequantized[:3]
+
+    def _add_dequantized(self, seqs: list[int], versions: tuple[int, int], kpt: tuple[torch.Tensor, torch.Tensor],
+                         vpt: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Keep the dequantized copy current after `append_rows` put one row of each sequence `seqs` at
+        (page, offset) `kpt` / `vpt`; `versions` are the stores' versions before that append."""
+        m = self._dequantized
+        if m is None or m[3] != versions:
+            return
+        k_rot, v_rot, svalid, _ = m
+        col = torch.tensor([self.k_store.lengths[b] - 1 for b in seqs], dtype=torch.long, device=self.device)
+        if int(col.max()) >= svalid.shape[1]:  # a new page: rebuild at the next read
+            self._dequantized = None
+            return
+        idx = torch.tensor(seqs, dtype=torch.long, device=self.device)
+        k_new = self._with_key_offsets_rot(self.k_store.dequantized_at(*kpt).to(self.cdt), (col + self.spec.sink)[:, None])
+        k_rot[idx, :, col] = k_new[:, :, 0]
+        v_rot[idx, :, col] = self.v_store.dequantized_at(*vpt).to(self.cdt)[:, :, 0]
+        svalid[idx, col] = True
+        self._dequantized = (k_rot, v_rot, svalid, (self.k_store.version, self.v_store.version))
 
     def _attend_paged(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         """Decode step over the stored segments with `oscar.paged.decode_attention` (Triton kernel on
@@ -801,7 +894,10 @@ class OscarLayer(CacheLayerMixin):
         """Store the chunk's real tokens per sequence: fill the sink, then the recent window, demoting
         the oldest recent tokens into the pages when the window overflows."""
         sp = self.spec
+        done = self._write_full_rows(kb, vb) if valid is None and kb.shape[2] == 1 else set()
         for b in range(self.batch):
+            if b in done:
+                continue
             k, v = _real_tokens(kb, vb, valid, b)
             m = k.shape[1]
             if m == 0:
@@ -840,6 +936,30 @@ class OscarLayer(CacheLayerMixin):
             self.recent_k[b, :, :keep] = all_k
             self.recent_v[b, :, :keep] = all_v
             self.recent_len[b] = keep
+
+    def _write_full_rows(self, kb: torch.Tensor, vb: torch.Tensor) -> set[int]:
+        """Decode step, one token per sequence: every sequence whose sink and recent window are full demotes
+        its oldest recent token and takes the new one, all in one quantizer call and one page write per
+        tensor (the same per-token quantizer as one row at a time). Returns the sequences done here."""
+        sp = self.spec
+        if sp.kind != "rotated" or sp.backend != "torch" or self.rot is None or self.rot.k_block or sp.recent < 1:
+            return set()
+        full = [b for b in range(self.batch) if self.sink_len[b] == sp.sink and self.recent_len[b] == sp.recent]
+        if len(full) < 2:
+            return set()
+        idx = torch.tensor(full, dtype=torch.long, device=self.device)
+        old_k, old_v = self.recent_k[idx, :, :1], self.recent_v[idx, :, :1]  # [F, Hkv, 1, d]
+        pos = torch.tensor([sp.sink + self.k_store.lengths[b] for b in full], device=self.device)[:, None]
+        versions = (self.k_store.version, self.v_store.version)
+        kpt = self.k_store.append_rows(full, self._quantize(old_k, "k", pos))
+        vpt = self.v_store.append_rows(full, self._quantize(old_v, "v"))
+        self._add_dequantized(full, versions, kpt, vpt)
+        w = sp.recent
+        for name, new in (("recent_k", kb), ("recent_v", vb)):
+            buf = getattr(self, name)
+            buf[idx, :, : w - 1] = buf[idx, :, 1:w]  # advanced indexing reads a copy first
+            buf[idx, :, w - 1] = new[idx, :, 0]
+        return set(full)
 
     def _demote_triton(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Rows `[Hkv, m, d]` of sequence `b` into the pages with the fused rotate-clip-quantize-pack kernel
@@ -882,8 +1002,8 @@ class SimulatedLayer(OscarLayer):
     Memory is not real here: `nbytes` reports the accounting of the method's format.
     """
 
-    _ROW_TENSORS = ("hist_k", "hist_v")
-    _ROW_LISTS = ("hist_len", "sink_len", "recent_len")
+    _ROW_TENSORS = ("hist_k", "hist_v", "fake_k", "fake_v")
+    _ROW_LISTS = ("hist_len", "sink_len", "recent_len", "fake_len")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate a growing BF16 history; TurboQuant builds its per-head quantizers."""
@@ -894,6 +1014,10 @@ class SimulatedLayer(OscarLayer):
         self.hist_k = torch.zeros(b, hkv, 64, d, dtype=self.spec.store_dtype, device=self.device)
         self.hist_v = torch.zeros_like(self.hist_k)
         self.hist_len = [0] * b
+        # quantize-dequantize images of the history, current for the first `fake_len` tokens of each sequence
+        self.fake_k = torch.zeros(b, hkv, 64, d, dtype=torch.float32, device=self.device)
+        self.fake_v = torch.zeros_like(self.fake_k)
+        self.fake_len = [0] * b
         self.sink_len = [0] * b
         self.recent_len = [0] * b
         if self.spec.kind == "turboquant":
@@ -981,7 +1105,7 @@ class SimulatedLayer(OscarLayer):
         self._append(key.to(sp.store_dtype), value.to(sp.store_dtype), valid)
         length = max(self.hist_len)
         hk, hv = self.hist_k[:, :, :length], self.hist_v[:, :, :length]
-        kq, vq = self._fake(hk, hv)
+        kq, vq = self._fake_history(length)
         if valid is None:
             chunk_pos = old[:, None] + torch.arange(n, device=self.device)[None, :]
         else:
@@ -995,9 +1119,14 @@ class SimulatedLayer(OscarLayer):
         seen_ok = (j <= t) & (j < hist_len) & (t >= 0)
         k_q = (j >= start) & (j < k_end[:, :, None])
         v_q = (j >= start) & (j < v_end[:, :, None])
-        keys = torch.cat([hk.float(), kq, hk.float()], dim=2)
-        vals = torch.cat([hv.float(), vq, vq], dim=2)
-        vis = torch.cat([seen_ok & ~k_q & ~v_q, seen_ok & k_q & v_q, seen_ok & ~k_q & v_q], dim=2)
+        if n == 1:  # one query per sequence: each token has one visible version (k_q implies v_q)
+            keys = torch.where(k_q[:, 0, None, :, None], kq, hk.float())
+            vals = torch.where(v_q[:, 0, None, :, None], vq, hv.float())
+            vis = seen_ok
+        else:
+            keys = torch.cat([hk.float(), kq, hk.float()], dim=2)
+            vals = torch.cat([hv.float(), vq, vq], dim=2)
+            vis = torch.cat([seen_ok & ~k_q & ~v_q, seen_ok & k_q & v_q, seen_ok & ~k_q & v_q], dim=2)
         seen = vis.any(dim=-1, keepdim=True)
         vis = vis | ~seen
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -1005,6 +1134,42 @@ class SimulatedLayer(OscarLayer):
         )
         out = out * seen[:, None].to(out.dtype)
         return out.to(query.dtype)
+
+    def _fake_history(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize-dequantize images `[B, Hkv, length, d]` of the history. Each is an exact function of its
+        token (KIVI keys: of their whole block), so they are kept: a decode step (one new token per
+        sequence) computes only the new tokens' images (and a KIVI key block when it completes); anything
+        else recomputes the whole history."""
+        sp = self.spec
+        new = [b for b in range(self.batch) if self.fake_len[b] < self.hist_len[b]]
+        if any(self.hist_len[b] - self.fake_len[b] != 1 for b in new):
+            kq, vq = self._fake(self.hist_k[:, :, :length], self.hist_v[:, :, :length])
+            self.fake_k[:, :, :length], self.fake_v[:, :, :length] = kq, vq
+            self.fake_len = list(self.hist_len)
+            return kq, vq
+        if new:
+            idx = torch.tensor(new, dtype=torch.long, device=self.device)
+            col = torch.tensor([self.hist_len[b] - 1 for b in new], dtype=torch.long, device=self.device)
+            k_new, v_new = self.hist_k[idx, :, col][:, :, None], self.hist_v[idx, :, col][:, :, None]  # [N, Hkv, 1, d]
+            if sp.kind == "turboquant":
+                kq, vq = self._fake(k_new, v_new)
+                self.fake_k[idx, :, col] = kq[:, :, 0]
+            else:
+                from oscar.baselines import kivi_fake_quantize
+
+                _, vq = kivi_fake_quantize(v_new.float(), v_new.float(), sp.bits, sp.group_size, residual=0)
+                g = sp.group_size
+                done = [b for b in new if self.hist_len[b] % g == 0]  # a key block completes
+                if done:
+                    for b in done:
+                        end = self.hist_len[b]
+                        kb, _ = kivi_fake_quantize(self.hist_k[b, :, end - g : end].float(), self.hist_v[b, :, end - g : end].float(),
+                                                   sp.bits, g, residual=0)
+                        self.fake_k[b, :, end - g : end] = kb
+            self.fake_v[idx, :, col] = vq[:, :, 0]
+            for b in new:
+                self.fake_len[b] = self.hist_len[b]
+        return self.fake_k[:, :, :length], self.fake_v[:, :, :length]
 
     def _append(self, kb: torch.Tensor, vb: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
         for b in range(self.batch):
@@ -1014,9 +1179,9 @@ class SimulatedLayer(OscarLayer):
                 continue
             if r + m > self.hist_k.shape[2]:
                 cap = max(r + m, 2 * self.hist_k.shape[2])
-                pad = self.hist_k.new_zeros(self.batch, self.hkv, cap - self.hist_k.shape[2], self.d)
-                self.hist_k = torch.cat([self.hist_k, pad], dim=2)
-                self.hist_v = torch.cat([self.hist_v, pad.clone()], dim=2)
+                for name in self._ROW_TENSORS:
+                    t = getattr(self, name)
+                    setattr(self, name, torch.cat([t, t.new_zeros(self.batch, self.hkv, cap - t.shape[2], self.d)], dim=2))
             self.hist_k[b, :, r : r + m] = k
             self.hist_v[b, :, r : r + m] = v
             self.hist_len[b] = r + m
