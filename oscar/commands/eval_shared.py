@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(int(flags["threads"]))
     try:
         results = run_cells([cfgs[i] for i in stale], [outs[i] for i in stale], progress=bool(flags["progress"]),
-                            log=lambda line: print(line, file=sys.stderr, flush=True))
+                            log=lambda line: print(line, file=sys.stderr, flush=True), force=bool(flags["force"]))
     except (DataNotAvailable, FileNotFoundError) as exc:
         print(f"oscar eval-shared: {exc}", file=sys.stderr)
         return 2

@@ -210,22 +210,37 @@ def check_group(cfgs: Sequence[Any]) -> None:
 
 
 def run_cells(cfgs: Sequence[Any], out_dirs: Sequence[Path], progress: bool = True,
-              log: Callable[[str], None] = print) -> list[dict]:
+              log: Callable[[str], None] = print, force: bool = False) -> list[dict]:
     """Evaluate the cells `cfgs` (one per method, same model / benchmark / seed) with one shared BF16 prefill per
-    item, streaming each method's records to its cell folder; returns each cell's result."""
+    item, streaming each method's records to its cell folder; returns each cell's result. A cell whose
+    `result.json` has its configuration hash is left as it is (unless `force`)."""
+    from oscar.eval.runner import RESULT_FILE, cell_config_hash
+
+    check_group(cfgs)
+    results: list[Optional[dict]] = []
+    for cfg, d in zip(cfgs, out_dirs):
+        path = Path(d) / RESULT_FILE
+        old = json.loads(path.read_text()) if path.is_file() and not force else None
+        results.append(old if old and old.get("config_hash") == cell_config_hash(cfg) else None)
+    todo = [i for i, r in enumerate(results) if r is None]
+    if todo:
+        fresh = iter(_run_cells([cfgs[i] for i in todo], [Path(out_dirs[i]) for i in todo], progress, log))
+        results = [r if r is not None else next(fresh) for r in results]
+    return results  # type: ignore[return-value]
+
+
+def _run_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log: Callable[[str], None]) -> list[dict]:
     from oscar.eval.runner import (PARTIAL_FILE, _read_partial, cell_config_hash, generation_prompt, grade_generation,
                                    prepare_items, write_cell)
     from oscar.engine import eos_token_ids
     from oscar.models import load_model
 
-    check_group(cfgs)
     start = time.monotonic()
     first = cfgs[0]
     model, tok = load_model(first.model, device=str(first.device) if str(first.device) != "auto" else None)
     runs = [MethodRun.from_config(cfg, model) for cfg in cfgs]
     items, notes = prepare_items(first, tok)
     hashes = [cell_config_hash(cfg) for cfg in cfgs]
-    dirs = [Path(d) for d in out_dirs]
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
     done = [_read_partial(d / PARTIAL_FILE, h) for d, h in zip(dirs, hashes)]
