@@ -426,6 +426,20 @@ class OscarLayer(CacheLayerMixin):
         self.seen = 0
         self._dequantized = None
 
+    def write_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Store the rows `[B, Hkv, n, d]` of a prefill of the same tokens run elsewhere, without attending:
+        the writes that prefill makes here (sink, INT pages, recent window). A serving prefill into an empty
+        cache attends in BF16 for every method, so its rows do not depend on the method (`oscar.eval.shared_prefill`)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != self.batch:
+            raise ValueError(f"batch size changed from {self.batch} to {key_states.shape[0]}; start a new cache")
+        self.seen += key_states.shape[-2]
+        self._store_rows(key_states.to(self.spec.store_dtype), value_states.to(self.spec.store_dtype))
+
+    def _store_rows(self, kb: torch.Tensor, vb: torch.Tensor) -> None:
+        self._write(kb, vb, None)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search is not supported."""
         raise NotImplementedError("the OSCAR cache does not support beam search reordering")
@@ -1171,6 +1185,9 @@ class SimulatedLayer(OscarLayer):
                 self.fake_len[b] = self.hist_len[b]
         return self.fake_k[:, :, :length], self.fake_v[:, :, :length]
 
+    def _store_rows(self, kb: torch.Tensor, vb: torch.Tensor) -> None:
+        self._append(kb, vb, None)
+
     def _append(self, kb: torch.Tensor, vb: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
         for b in range(self.batch):
             k, v = _real_tokens(kb, vb, valid, b)
@@ -1279,6 +1296,9 @@ class WindowLayer(OscarLayer):
             out = self._to_folded_frame(out)
         self._write_window(kb, vb, valid)
         return out.to(query.dtype)
+
+    def _store_rows(self, kb: torch.Tensor, vb: torch.Tensor) -> None:
+        self._write_window(kb, vb, None)
 
     def _write_window(self, kb: torch.Tensor, vb: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
         for b in range(self.batch):

@@ -31,6 +31,9 @@ VERBS: dict[str, tuple[str, str, str]] = {
                  'python -m oscar generate model=smollm2-135m method=int2 prompt="The capital of France is"'),
     "eval": ("oscar.commands.eval", "evaluate one (model, method, benchmark, seed) cell",
              "python -m oscar eval model=smollm2-135m method=oscar benchmark=mmlu benchmark.limit=20 seed=0"),
+    "eval-shared": ("oscar.commands.eval_shared", "evaluate needle cells of several methods with one BF16 prefill per haystack",
+                    "python -m oscar eval-shared model=smollm2-135m method=bf16 benchmark=niah output=/tmp/a -- "
+                    "model=smollm2-135m method=int2 benchmark=niah output=/tmp/b"),
     "fidelity": ("oscar.commands.fidelity", "next-token KL, perplexity and attention diagnostics vs BF16",
                  "python -m oscar fidelity model=smollm2-135m method=quarot windows=2 seq_len=512 attention=false"),
     "aggregate": ("oscar.commands.aggregate", "aggregate cell results into tables",

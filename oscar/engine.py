@@ -300,11 +300,7 @@ class Engine:
         """Token ids of the prompts, the EOS ids (tokenizer and generation config), the pad id and a decoder."""
         tok = self.tokenizer
         encoded = [tok(p, add_special_tokens=True)["input_ids"] for p in prompts]
-        eos = tok.eos_token_id
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        if gen_eos is not None:
-            eos_ids += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
+        eos_ids = eos_token_ids(tok, self.model)
         pad = tok.pad_token_id if tok.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
         return encoded, eos_ids, int(pad), lambda ids: tok.decode(ids, skip_special_tokens=True)
 
@@ -340,6 +336,16 @@ class Engine:
             self.fold_handle = None
 
 
+def eos_token_ids(tokenizer: Any, model: Any) -> list[int]:
+    """The tokens that end a generation: the tokenizer's EOS and the model's generation-config EOS ids."""
+    eos = tokenizer.eos_token_id
+    ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if gen_eos is not None:
+        ids += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
+    return ids
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -369,6 +375,7 @@ __all__ = [
     "artifact_dir",
     "cache_spec",
     "effective_group_size",
+    "eos_token_ids",
     "next_token_kl",
     "perplexity",
     "rotations_from_artifact",

@@ -49,4 +49,5 @@ def test_humaneval_and_niah_tables(tmp_path):
     assert "| int2 | 50.0 [" in md and "2 (running)" in md
     niah = {(r["method"], r["length"]): r for r in rows["niah"]}
     assert niah[("bf16", 8192)]["score"] == 0.5 and niah[("int2", 4096)]["diff_vs_bf16"] == pytest.approx(-0.5)
+    assert (tmp_path / "out" / "niah.png").stat().st_size > 0
     assert accuracy.main(["--results", str(tmp_path / "none"), "--model", "m", "--out-dir", str(tmp_path / "x")]) == 1

@@ -51,6 +51,10 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(int(flags["threads"]))
     if engine_name(cfg) != "embedded":  # a kill of this job must still stop the server (via close below)
         signal.signal(signal.SIGTERM, _raise_exit)
+    if cfg.benchmark.extra.get("shared_prefill", False):  # the procedure of `oscar eval-shared`, for one method
+        from oscar.commands.eval_shared import main as shared
+
+        return shared(argv)
     engine = None
     try:
         engine = build_engine(cfg, log_path=out / "server.log" if engine_name(cfg) != "embedded" else None)

@@ -89,7 +89,8 @@ def make_item(tokenizer: Any, length: int, index: int, num_keys: int, variant: s
     return EvalItem(
         id=f"{variant}/{length}/{index}", prompt=prompt, target=[values[query_index]],
         meta={"length": length, "depths": depths, "num_keys": num_keys,
-              "answer_prefix": ANSWER_PREFIX.format(query=query)},
+              "answer_prefix": ANSWER_PREFIX.format(query=query),
+              "question": TEMPLATE.split("{context}", 1)[1].format(query=query)},  # where the haystack ends
     )
 
 

@@ -311,8 +311,6 @@ def run_cell(cfg: Any, engine: Any, out_dir: Path | None = None, progress: bool 
     """Evaluate one cell with a ready engine and write result.json + items.jsonl; returns the result."""
     from tqdm.auto import tqdm
 
-    from oscar import __version__
-
     out_dir = Path(out_dir) if out_dir else cell_dir(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     chash = cell_config_hash(cfg)
@@ -348,6 +346,16 @@ def run_cell(cfg: Any, engine: Any, out_dir: Path | None = None, progress: bool 
                 if on_batch:
                     on_batch(len(done), len(items))
     bar.close()
+    metrics = engine.perf_metrics() if callable(getattr(engine, "perf_metrics", None)) else {}
+    return write_cell(cfg, out_dir, items, done, notes, chash, start, str(getattr(engine, "device", cfg.device)), metrics)
+
+
+def write_cell(cfg: Any, out_dir: Path, items: list[EvalItem], done: dict[str, dict], notes: list[str], chash: str,
+               start: float, device: str, perf: dict[str, float]) -> dict:
+    """Write a finished cell: `items.jsonl` (records in item order), `result.json` (metrics with intervals, the
+    generation's `perf` metrics, notes, provenance), both atomically; the partial file is removed."""
+    from oscar import __version__
+
     records = []
     for it in items:
         rec = dict(done[it.id])
@@ -364,18 +372,17 @@ def run_cell(cfg: Any, engine: Any, out_dir: Path | None = None, progress: bool 
         notes.append(f"PER-PROCESS MEMORY CAP: {per_process} of {len(records)} items ran generated code without a "
                      "whole-program memory cap (no writable cgroup with memory and pids controllers; each item's "
                      "memory_scope says so)")
-    if callable(getattr(engine, "perf_metrics", None)):  # wall time of this run's generation (a resumed cell: the rest)
-        metrics.update(engine.perf_metrics())
+    metrics.update(perf)  # wall time of this run's generation (a resumed cell: the rest)
     result = {
         "model": cfg.model.name, "method": cfg.method.name, "benchmark": cfg.benchmark.name, "seed": int(cfg.seed),
         "stand_in_for": cfg.benchmark.stand_in_for, "n": len(records),
         "metrics": metrics, "config_hash": chash, "oscar_version": __version__,
-        "git_commit": git_commit(), "hardware": hardware(getattr(engine, "device", cfg.device)),
+        "git_commit": git_commit(), "hardware": hardware(device),
         "wall_s": round(time.monotonic() - start, 3),
         "sampling": _sampling(cfg), "source": cfg.benchmark.source, "notes": notes, "engine": engine_name(cfg),
     }
     atomic_write_text(out_dir / RESULT_FILE, json.dumps(result, indent=2, sort_keys=True) + "\n")
-    partial.unlink(missing_ok=True)
+    (out_dir / PARTIAL_FILE).unlink(missing_ok=True)
     return result
 
 

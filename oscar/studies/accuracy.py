@@ -5,7 +5,7 @@ item-bootstrap intervals, the paired difference to BF16 and the measured bits pe
 
 Reads `results/eval/<model>/<method>/{humaneval,niah}/seed0/` (`result.json` + `items.jsonl`, or the
 `items.partial.jsonl` of a cell still running, marked as partial) and writes `humaneval.{csv,md,png}` and
-`niah.{csv,md}`. Fractions in the CSV (0-1), percent in the Markdown. `bits_per_element` is the mean over
+`niah.{csv,md,png}`. Fractions in the CSV (0-1), percent in the Markdown. `bits_per_element` is the mean over
 items of the bits per cached K/V element measured from each request's cache rows when it finished (prompt
 and completion), so it covers the BF16 windows, the INT pages in use (whole pages) and their scales.
 The paired difference to BF16 resamples problems (the same problems for both methods).
@@ -164,20 +164,34 @@ def niah_markdown(rows: list[dict[str, Any]], header: str) -> str:
 
 def humaneval_figure(rows: list[dict[str, Any]], path: Path) -> None:
     """Bars of pass@1 with their intervals, labelled with the measured bits per element."""
+    labels = [f"{r['method']}\n{r['bits_per_element']:.2f} b\nn={r['n']}" for r in rows]
+    partial = "" if all(r["complete"] for r in rows) else " (partial cells: n problems each)"
+    _bar_figure(rows, "pass_at_1", labels, "HumanEval pass@1 (%)",
+                f"Qwen2.5-Coder-0.5B-Instruct, greedy; 95% item-bootstrap CI{partial}", path)
+
+
+def niah_figure(rows: list[dict[str, Any]], path: Path) -> None:
+    """Bars of the needles retrieved per method and context length, with intervals and measured bits per element."""
+    labels = [f"{r['method']}\n{r['length'] // 1024}k, {r['bits_per_element']:.2f} b\nn={r['n']}" for r in rows]
+    partial = "" if all(r["complete"] for r in rows) else " (partial cells: n needles each)"
+    _bar_figure(rows, "score", labels, "needles retrieved (%)",
+                f"Qwen2.5-Coder-0.5B-Instruct, single needle; 95% item-bootstrap CI{partial}", path)
+
+
+def _bar_figure(rows: list[dict[str, Any]], key: str, labels: list[str], ylabel: str, title: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = plt.subplots(figsize=(max(7, 0.8 * len(rows)), 3.2))
     xs = range(len(rows))
-    means = [100 * r["pass_at_1"] for r in rows]
-    err = [[100 * (r["pass_at_1"] - r["ci_lo"]) for r in rows], [100 * (r["ci_hi"] - r["pass_at_1"]) for r in rows]]
+    means = [100 * r[key] for r in rows]
+    err = [[100 * (r[key] - r["ci_lo"]) for r in rows], [100 * (r["ci_hi"] - r[key]) for r in rows]]
     ax.bar(xs, means, yerr=err, capsize=3, color=["#555555" if r["method"] == "bf16" else "#3b75af" for r in rows])
-    ax.set_xticks(list(xs), [f"{r['method']}\n{r['bits_per_element']:.2f} b\nn={r['n']}" for r in rows], fontsize=8)
-    ax.set_ylabel("HumanEval pass@1 (%)")
-    partial = "" if all(r["complete"] for r in rows) else " (partial cells: n problems each)"
-    ax.set_title(f"Qwen2.5-Coder-0.5B-Instruct, greedy; 95% item-bootstrap CI{partial}", fontsize=9)
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.tmp.png")
@@ -187,7 +201,7 @@ def humaneval_figure(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def write_reports(results: Path, model: str, out_dir: Path, header: str = "") -> dict[str, list[dict[str, Any]]]:
-    """Write humaneval.{csv,md,png} and niah.{csv,md} under `out_dir`; returns the rows."""
+    """Write humaneval.{csv,md,png} and niah.{csv,md,png} under `out_dir`; returns the rows."""
     from oscar.stats import atomic_write_text
 
     he, nh = humaneval_rows(results, model), niah_rows(results, model)
@@ -198,6 +212,7 @@ def write_reports(results: Path, model: str, out_dir: Path, header: str = "") ->
     if nh:
         atomic_write_text(out_dir / "niah.csv", _csv(nh, NIAH_COLUMNS))
         atomic_write_text(out_dir / "niah.md", niah_markdown(nh, header))
+        niah_figure(nh, out_dir / "niah.png")
     return {"humaneval": he, "niah": nh}
 
 

@@ -92,13 +92,26 @@ def spec_windows(spec: str) -> Optional[tuple[int, int]]:
     return int(s0), int(w)
 
 
-def _method_cfg(spec: str, sink: Optional[int], recent: Optional[int], model: str, results_dir: str) -> Any:
+def parse_sets(items: Optional[list[str]]) -> dict[str, list[str]]:
+    """`--set NAME.KEY=VALUE` items -> {method name: ["method.KEY=VALUE", ...]} (Hydra overrides of that method)."""
+    out: dict[str, list[str]] = {}
+    for item in items or []:
+        head, sep, value = item.partition("=")
+        name, dot, key = head.partition(".")
+        if not (sep and dot and name and key):
+            raise ValueError(f"--set {item!r}: expected METHOD.KEY=VALUE, e.g. auto.channel_block=64")
+        out.setdefault(name, []).append(f"method.{key}={value}")
+    return out
+
+
+def _method_cfg(spec: str, sink: Optional[int], recent: Optional[int], model: str, results_dir: str,
+                sets: Optional[dict[str, list[str]]] = None) -> Any:
     from omegaconf import OmegaConf
 
     from oscar.config import compose
 
     name, clip = split_spec(spec)
-    cfg = compose([f"model={model}", f"method={name}", f"results_dir={results_dir}"])
+    cfg = compose([f"model={model}", f"method={name}", f"results_dir={results_dir}"] + list((sets or {}).get(name, [])))
     method = OmegaConf.to_container(cfg.method, resolve=True)
     if clip is not None:
         method["clip"] = clip
@@ -210,11 +223,13 @@ def run(
     log=print,
     on_row=None,
     reference: str = "auto",
+    sets: Optional[dict[str, list[str]]] = None,
 ) -> list[dict[str, Any]]:
     """One row per (model, method): KL over the positions that read quantized history and over all positions,
     with 95% block-bootstrap intervals, the paired difference to ``reference`` (over the positions where both
     read quantized history, same resampled blocks), measured bits per element, PPL, wall time.
-    `on_row(rows)` is called after every row (the command line rewrites its tables each time)."""
+    `on_row(rows)` is called after every row (the command line rewrites its tables each time); `sets` are extra
+    Hydra overrides per method name (`parse_sets`), e.g. auto's `method.channel_block=64`."""
     from oscar.config import compose
     from oscar.data.corpora import eval_sequences
     from oscar.engine import Engine
@@ -232,7 +247,7 @@ def run(
             eng = Engine(model, tok, _method_cfg("bf16", sink, recent, model_name, results_dir)[1])
             refs.append(eng.score(ids[None], mode="decode_equivalent"))
         for spec in methods:
-            cfg, method = _method_cfg(spec, sink, recent, model_name, results_dir)
+            cfg, method = _method_cfg(spec, sink, recent, model_name, results_dir, sets)
             row: dict[str, Any] = {"model": model_name, "method": spec, "kind": str(method.kind), "bits": int(method.bits),
                                    "clip": clip_mode(method)}
             if str(method.kind) in ("rotated", "turboquant"):
@@ -418,6 +433,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--merge", nargs="+", default=None, metavar="CSV", help="only combine earlier runs' CSVs into --out")
     p.add_argument("--note", default="", help="extra sentence for the table header (e.g. what could not be measured)")
     p.add_argument("--reference", default="auto", help="method the paired KL differences are taken against")
+    p.add_argument("--set", nargs="+", default=None, metavar="METHOD.KEY=VALUE",
+                   help="method setting for every row of that method (and its artifact), e.g. auto.channel_block=64")
     args = p.parse_args(argv)
     if "bf16" in args.methods and args.methods[0] != "bf16":
         args.methods.remove("bf16")
@@ -454,7 +471,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = run(
         args.models, args.methods, num_tokens=args.tokens, seq_len=args.seq_len, sink=args.sink, recent=args.recent,
         results_dir=args.results_dir, on_row=lambda rows: write_tables(rows, Path(args.out), command, note),
-        reference=args.reference,
+        reference=args.reference, sets=parse_sets(args.set),
     )
     write_tables(rows, Path(args.out), command, note)
     print(f"wrote {args.out}.csv and {args.out}.md")

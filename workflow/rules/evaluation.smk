@@ -26,6 +26,39 @@ rule eval_cell:
         "$OSCAR_PYTHON -m oscar eval threads={threads} {params.overrides} output={params.outdir} > {log} 2>&1"
 
 
+
+# Needle cells with `benchmark.extra.shared_prefill`: one job per (table, model, benchmark, seed) runs every
+# method's cell with one BF16 prefill per haystack (`oscar eval-shared`); eval_cell does not make these cells.
+for _key, _cells in PLAN.shared_prefill_groups().items():
+    _name = "eval_shared_" + "".join(c if c.isalnum() else "_" for c in _key)
+
+    rule:
+        name:
+            _name
+        input:
+            configs=[c.config_path for c in _cells],
+            artifacts=[f for c in _cells for f in _artifact_input(c)],
+        output:
+            results=[f"{c.result_dir}/result.json" for c in _cells],
+            records=[f"{c.result_dir}/items.jsonl" for c in _cells],
+        log:
+            f"logs/eval_shared/{_key}.log",
+        benchmark:
+            f"results/benchmarks/eval_shared/{_key}.tsv"
+        threads: res("eval", "threads")
+        resources:
+            mem_mb=res("eval", "mem_mb"),
+            runtime=res("eval", "runtime"),
+            gpu=res("eval", "gpu"),
+        conda:
+            "../../envs/oscar.yaml"
+        params:
+            cells=" -- ".join(f"{quoted(c.flags + c.overrides)} output={c.result_dir}" for c in _cells),
+        shell:
+            "$OSCAR_PYTHON -m oscar eval-shared threads={threads} {params.cells} > {log} 2>&1"
+
+    workflow.ruleorder(_name, "eval_cell")
+
 rule fidelity_cell:
     input:
         config="results/config/fidelity/{model}/{method}/{corpus}.yaml",

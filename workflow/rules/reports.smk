@@ -115,6 +115,7 @@ rule accuracy_report:
         png="reports/accuracy/humaneval.png",
         niah_csv="reports/accuracy/niah.csv",
         niah_md="reports/accuracy/niah.md",
+        niah_png="reports/accuracy/niah.png",
     params:
         model=lambda wc: table_plan("humaneval").cells[0].model,
     log:

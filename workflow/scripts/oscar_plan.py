@@ -233,6 +233,20 @@ class Plan:
             found = getattr(self, mapping).get(key)
         return found
 
+    def shared_prefill_groups(self) -> dict[str, list[Cell]]:
+        """Eval cells whose benchmark asks for one shared BF16 prefill per prompt (`benchmark.extra.shared_prefill`),
+        grouped per table, model, benchmark and seed: each group is one job (`oscar eval-shared`). Only tables that
+        mention the setting are planned here."""
+        groups: dict[str, list[Cell]] = {}
+        for name in self.table_names:
+            if "shared_prefill" not in json.dumps(to_dict(self.base.experiment.tables[name])):
+                continue
+            for cell in self.table(name).cells:
+                extra = self._configs[cell.config_path].benchmark.extra
+                if cell.kind == "eval" and bool(extra.get("shared_prefill", False)):
+                    groups.setdefault(f"{name}_{cell.model}_{cell.item}_seed{cell.seed}", []).append(cell)
+        return groups
+
     # ----- composition ---------------------------------------------------------------------------
 
     def _grid(self, table: DictConfig, axis: str) -> list[Any]:

@@ -1,0 +1,304 @@
+"""Long-context generation cells of several methods with one BF16 prefill per prompt (issue 20's needles).
+
+Serving semantics make a prompt's prefill method-independent: a prefill into an empty cache attends in BF16
+(`OscarLayer.attend_and_write` takes its contiguous SDPA path, the simulated KIVI / TurboQuant layers see no
+quantized row while `T = old = 0`), and a method's value fold only changes the frame of the attention output,
+which the folded `o_proj` undoes (`oscar.surgery`). So every method's cache receives the same K/V rows, up to
+float rounding (measured in tests/test_shared_prefill.py). Here the long part of each prompt (the haystack,
+everything before `item.meta["question"]`) runs through the model once, into a BF16 cache that records the
+rows each layer receives; each method's cache is then filled from those rows through its own write path
+(`OscarCache.write_rows`: sink, INT pages, recent window, as its own prefill would), its value fold is applied,
+and the question is fed one token at a time (decode steps), so the question and every answer token read the
+method's quantized haystack, as a request's decode does. Answers are greedy or sampled as `generate` would.
+
+Each method keeps its own cell folder (`result.json`, `items.jsonl`, resumable `items.partial.jsonl`); an
+item whose records every method already holds is skipped, so an interrupted run resumes per item.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from oscar.cache import OscarCache, new_cache, spec_for_model
+from oscar.generate import SamplingParams, cache_kwarg, next_tokens, truncate_at_stop
+
+
+class RecordingCache(OscarCache):
+    """A BF16 cache that also keeps every K/V chunk each layer receives (`rows[layer]`, BF16 as stored)."""
+
+    def __init__(self, model: Any):
+        from oscar.models.adapters import check_supported, layer_windows
+
+        check_supported(model)
+        super().__init__(spec_for_model(model, "bf16"), int(model.config.num_hidden_layers), layer_windows(model))
+        self.rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.layers]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record the chunk, then store it as the BF16 cache does."""
+        dt = self.spec.store_dtype
+        self.rows[layer_idx].append((key_states.to(dt), value_states.to(dt)))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def layer_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, all recorded keys and values `[B, Hkv, T, d]` in order."""
+        return [(torch.cat([k for k, _ in chunks], dim=2), torch.cat([v for _, v in chunks], dim=2))
+                for chunks in self.rows]
+
+
+@dataclass
+class MethodRun:
+    """One method of a shared run: its composed cell configuration, rotations and value fold."""
+
+    cfg: Any
+    rotations: Optional[list] = None
+    fold: bool = False
+    backend: str = "torch"
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cfg: Any, model: Any) -> "MethodRun":
+        """Rotations of `cfg.method` from its artifact (or in code) and the fold `Engine.from_config` applies."""
+        from oscar.engine import artifact_dir, rotations_from_artifact, rotations_in_code
+        from oscar.methods import needs_statistics
+
+        method = cfg.method
+        rotations = None
+        if str(method.kind) == "rotated":
+            rotations = (rotations_from_artifact(artifact_dir(cfg), method, model) if needs_statistics(method)
+                         else rotations_in_code(method, model))
+        return cls(cfg, rotations, fold=str(method.kind) == "rotated", backend=str(cfg.backend))
+
+    def new_cache(self, model: Any) -> OscarCache:
+        """A fresh serving-mode cache of this method (decode steps read it decode-equivalently)."""
+        from oscar.engine import cache_spec
+
+        return new_cache(model, cache_spec(self.cfg.method, model, self.rotations, fold_values=self.fold,
+                                           backend=self.backend))
+
+
+def split_prompt(tokenizer: Any, text: str, question: str) -> tuple[list[int], int]:
+    """Token ids of the rendered prompt and the index of its first question token: the first token that ends
+    after the start of the last occurrence of `question` in `text` (a token across the boundary joins the question)."""
+    at = text.rfind(question)
+    if at < 0 or not question:
+        raise ValueError(f"the question {question[:60]!r} does not occur in the rendered prompt")
+    enc = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
+    split = next((i for i, (_, end) in enumerate(offsets) if end > at), len(ids))
+    if split == 0:
+        raise ValueError("the prompt has no token before its question: nothing to prefill")
+    return ids, split
+
+
+@torch.no_grad()
+def prefill_rows(model: Any, ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Serving prefill of `ids` into a BF16 cache; per layer the K/V rows every method's cache would receive."""
+    from oscar import attention
+
+    attention.enable(model)
+    device = next(model.parameters()).device
+    cache = RecordingCache(model)
+    x = torch.tensor([list(ids)], device=device)
+    model(input_ids=x, position_ids=torch.arange(x.shape[1], device=device)[None], use_cache=True,
+          **{cache_kwarg(model): cache}, **_last_only(model))
+    return cache.layer_rows()
+
+
+def _last_only(model: Any) -> dict:
+    from oscar.generate import _last_logits_only
+
+    return _last_logits_only(model)
+
+
+@torch.no_grad()
+def complete(model: Any, run: MethodRun, ids: Sequence[int], split: int, params: SamplingParams,
+             eos_ids: Sequence[int] = (), decode: Optional[Callable[[list[int]], str]] = None,
+             rows: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None, keep_logits: bool = False) -> dict:
+    """Answer one prompt with `run`'s cache: `ids[:split]` prefilled (its own serving prefill, or `rows` from
+    `prefill_rows` written through the cache's write path), `ids[split:]` fed one token per decode step, then up
+    to `params.max_new_tokens` tokens. Returns `tokens`, `kv_bits_per_element` (the cache after the answer),
+    `steps` and, with `keep_logits`, the float32 logits of every step from the last prompt token on."""
+    from oscar import attention
+
+    device = next(model.parameters()).device
+    kw = cache_kwarg(model)
+    attention.enable(model)
+    cache = run.new_cache(model)
+    handle = None
+    if run.fold:
+        from oscar.surgery import fold_value_rotations
+
+        handle = fold_value_rotations(model, run.rotations)  # type: ignore[arg-type]
+    generator = None
+    if params.temperature > 0:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(int(params.seed))
+    eos = {int(e) for e in eos_ids}
+    out: list[int] = []
+    kept: list[torch.Tensor] = []
+    try:
+        if rows is None:
+            x = torch.tensor([list(ids[:split])], device=device)
+            model(input_ids=x, position_ids=torch.arange(split, device=device)[None], use_cache=True,
+                  **{kw: cache}, **_last_only(model))
+        else:
+            for layer, (k, v) in zip(cache.layers, rows):
+                layer.write_rows(k, v)
+
+        def step(token: int, pos: int) -> torch.Tensor:
+            logits = model(input_ids=torch.tensor([[token]], device=device), position_ids=torch.tensor([[pos]], device=device),
+                           use_cache=True, **{kw: cache}).logits[:, -1, :]
+            if keep_logits:
+                kept.append(logits[0].float().clone())
+            return logits
+
+        for pos in range(split, len(ids)):
+            logits = step(int(ids[pos]), pos)
+        pos = len(ids)
+        for n in range(params.max_new_tokens):
+            t = int(next_tokens(logits, params, generator)[0])
+            if t in eos:
+                break
+            out.append(t)
+            if params.stop and decode is not None and any(s in decode(out) for s in params.stop):
+                break
+            if n == params.max_new_tokens - 1:
+                break
+            logits = step(t, pos)
+            pos += 1
+        bits = float(cache.bits_per_element())
+    finally:
+        if handle is not None:
+            handle.undo()
+    result = {"tokens": out, "kv_bits_per_element": bits, "steps": len(out)}
+    if keep_logits:
+        result["logits"] = torch.stack(kept)
+    return result
+
+
+# ------------------------------------------------------------------------------------------ cells
+
+def _sampling(cfg: Any) -> SamplingParams:
+    b = cfg.benchmark
+    return SamplingParams(int(b.max_new_tokens), float(b.temperature), float(b.top_p), int(b.top_k), int(cfg.seed),
+                          tuple(b.extra.get("stop", []) or ()))
+
+
+def check_group(cfgs: Sequence[Any]) -> None:
+    """Refuse cells that cannot share prefills: another model, benchmark, seed or sampling, or one method twice."""
+    if not cfgs:
+        raise ValueError("eval-shared needs at least one cell")
+    first = cfgs[0]
+    for cfg in cfgs[1:]:
+        for what, a, b in (("model", cfg.model.name, first.model.name), ("benchmark", cfg.benchmark.name, first.benchmark.name),
+                           ("seed", cfg.seed, first.seed), ("sampling", _sampling(cfg), _sampling(first))):
+            if a != b:
+                raise ValueError(f"cells of one shared prefill must agree on the {what}: {a!r} vs {b!r}")
+    names = [str(c.method.name) for c in cfgs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"methods {names} repeat one method; each method is one cell")
+    if first.benchmark.family != "niah":
+        raise ValueError(f"shared prefills serve needle benchmarks (family niah), not {first.benchmark.family!r}")
+
+
+def run_cells(cfgs: Sequence[Any], out_dirs: Sequence[Path], progress: bool = True,
+              log: Callable[[str], None] = print, force: bool = False) -> list[dict]:
+    """Evaluate the cells `cfgs` (one per method, same model / benchmark / seed) with one shared BF16 prefill per
+    item, streaming each method's records to its cell folder; returns each cell's result. A cell whose
+    `result.json` has its configuration hash is left as it is (unless `force`)."""
+    from oscar.eval.runner import RESULT_FILE, cell_config_hash
+
+    check_group(cfgs)
+    results: list[Optional[dict]] = []
+    for cfg, d in zip(cfgs, out_dirs):
+        path = Path(d) / RESULT_FILE
+        old = json.loads(path.read_text()) if path.is_file() and not force else None
+        results.append(old if old and old.get("config_hash") == cell_config_hash(cfg) else None)
+    todo = [i for i, r in enumerate(results) if r is None]
+    if todo:
+        fresh = iter(_run_cells([cfgs[i] for i in todo], [Path(out_dirs[i]) for i in todo], progress, log))
+        results = [r if r is not None else next(fresh) for r in results]
+    return results  # type: ignore[return-value]
+
+
+def _run_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log: Callable[[str], None]) -> list[dict]:
+    from oscar.eval.runner import (PARTIAL_FILE, _read_partial, cell_config_hash, generation_prompt, grade_generation,
+                                   prepare_items, write_cell)
+    from oscar.engine import eos_token_ids
+    from oscar.models import load_model
+
+    start = time.monotonic()
+    first = cfgs[0]
+    model, tok = load_model(first.model, device=str(first.device) if str(first.device) != "auto" else None)
+    runs = [MethodRun.from_config(cfg, model) for cfg in cfgs]
+    items, notes = prepare_items(first, tok)
+    hashes = [cell_config_hash(cfg) for cfg in cfgs]
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+    done = [_read_partial(d / PARTIAL_FILE, h) for d, h in zip(dirs, hashes)]
+    params = _sampling(first)
+    engine_view = SimpleNamespace(tokenizer=tok)  # generation_prompt reads the tokenizer only
+    eos_ids = eos_token_ids(tok, model)
+    decode = lambda t: tok.decode(t, skip_special_tokens=True)  # noqa: E731
+    perf = [{"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_steps": 0} for _ in cfgs]
+    files = [open(d / PARTIAL_FILE, "a", encoding="utf-8") for d in dirs]
+    try:
+        for n, item in enumerate(items):
+            todo = [m for m in range(len(cfgs)) if item.id not in done[m]]
+            if not todo:
+                continue
+            prompt = generation_prompt(engine_view, first, item)
+            if "question" not in item.meta:
+                raise ValueError(f"item {item.id} has no meta['question']: a shared prefill needs to know where the question starts")
+            ids, split = split_prompt(tok, prompt, item.meta["question"])
+            t0 = time.perf_counter()
+            rows = prefill_rows(model, ids[:split])
+            prefill_s = time.perf_counter() - t0
+            for m in todo:
+                t1 = time.perf_counter()
+                res = complete(model, runs[m], ids, split, params, eos_ids, decode, rows=rows)
+                text = truncate_at_stop(decode(res["tokens"]), params.stop)
+                rec = grade_generation(cfgs[m], item, prompt, text)
+                rec.update(kv_bits_per_element=res["kv_bits_per_element"], steps=res["steps"], prompt_tokens=len(ids),
+                           question_tokens=len(ids) - split, _config_hash=hashes[m])
+                files[m].write(json.dumps(rec, default=str) + "\n")
+                files[m].flush()
+                done[m][item.id] = rec
+                p = perf[m]
+                p["prefill_s"] += prefill_s / len(todo)  # the shared prefill, split over the methods that used it
+                p["prefill_tokens"] += split
+                p["decode_s"] += time.perf_counter() - t1
+                p["decode_steps"] += len(ids) - split + res["steps"]
+            if progress:
+                scores = " ".join(f"{cfgs[m].method.name}={done[m][item.id]['score']:.0f}" for m in todo)
+                log(f"[{n + 1}/{len(items)}] {item.id}: {len(ids)} tokens, prefill {prefill_s:.1f}s; {scores}")
+            del rows
+    finally:
+        for fh in files:
+            fh.close()
+    out = []
+    for cfg, d, h, rec, p in zip(cfgs, dirs, hashes, done, perf):
+        metrics = {}
+        if p["decode_steps"]:
+            metrics["perf.decode_ms"] = 1e3 * p["decode_s"] / p["decode_steps"]
+        if p["prefill_tokens"]:
+            metrics["perf.prefill_ms_per_token"] = 1e3 * p["prefill_s"] / p["prefill_tokens"]
+        bits = [r["kv_bits_per_element"] for r in rec.values() if r.get("kv_bits_per_element") is not None]
+        if bits:
+            metrics["mem.kv_bits_per_element"] = sum(bits) / len(bits)
+        cell_notes = notes + [f"shared prefill: one BF16 prefill per haystack for {len(cfgs)} methods "
+                              f"({', '.join(str(c.method.name) for c in cfgs)}); the question and the answer decoded "
+                              "token by token through this method's cache"]
+        out.append(write_cell(cfg, d, items, rec, cell_notes, h, start, str(next(model.parameters()).device), metrics))
+    return out
+
+
+__all__ = ["MethodRun", "RecordingCache", "check_group", "complete", "prefill_rows", "run_cells", "split_prompt"]

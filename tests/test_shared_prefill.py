@@ -1,0 +1,158 @@
+"""One BF16 prefill per haystack shared by every method (`oscar.eval.shared_prefill`) against each method's own
+prefill, on SmolLM2-135M and a 512-token needle item (sink/recent 16/64, so ~90% of the haystack is INT2).
+
+What is exact: the rows a serving prefill writes do not depend on the method's cache (its attention is BF16), so
+with the same weights the shared rows, written through `OscarCache.write_rows`, leave every cache in the state
+its own prefill leaves, bit for bit (BF16 segments, INT codes and scales, KIVI's history), and the question and
+answer steps then give identical logits (same inputs, same arithmetic). What is not: a rotated method folds R_V
+into `o_proj`, which changes the float rounding of its own prefill's hidden states; the rows then differ by
+rounding (measured here: at most one code step in under 1% of the INT code bytes, 0.95% worst layer), and INT2
+amplifies a code step into logit differences of several nats at single positions, so those are not compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from oscar import quant
+from oscar.config import compose
+from oscar.eval.shared_prefill import MethodRun, complete, prefill_rows, split_prompt
+from oscar.generate import SamplingParams, cache_kwarg
+
+NIAH = ["model=smollm2-135m", "benchmark=niah", "benchmark.context_lengths=[512]", "benchmark.extra.samples_per_length=1",
+        "benchmark.max_new_tokens=4"]
+WINDOWS = ["method.clip=none", "method.sink=16", "method.recent=64"]
+
+
+def _cfg(method: str, *extra: str):
+    rotated = method in ("int2", "quarot")
+    return compose(NIAH + [f"method={method}"] + (WINDOWS if rotated else []) + list(extra))
+
+
+@pytest.fixture(scope="module")
+def needle(smollm2, single_thread):
+    from oscar.eval.runner import generation_prompt, prepare_items
+
+    model, tok, _ = smollm2
+    cfg = _cfg("bf16")
+    item = prepare_items(cfg, tok)[0][0]
+    prompt = generation_prompt(SimpleNamespace(tokenizer=tok), cfg, item)
+    ids, split = split_prompt(tok, prompt, item.meta["question"])
+    return ids, split, prefill_rows(model, ids[:split])
+
+
+def _own_prefill(model, run: MethodRun, ids, split):
+    from oscar.surgery import fold_value_rotations
+
+    cache = run.new_cache(model)
+    handle = fold_value_rotations(model, run.rotations) if run.fold else None
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids[:split]]), position_ids=torch.arange(split)[None], use_cache=True,
+                  **{cache_kwarg(model): cache})
+    finally:
+        if handle is not None:
+            handle.undo()
+    return cache
+
+
+def _shared(model, run: MethodRun, rows):
+    cache = run.new_cache(model)
+    for layer, (k, v) in zip(cache.layers, rows):
+        layer.write_rows(k, v)
+    return cache
+
+
+def _state(layer) -> list[torch.Tensor]:
+    if hasattr(layer, "hist_k"):  # KIVI / TurboQuant simulation: the BF16 history
+        return [layer.hist_k[:, :, : max(layer.hist_len)], layer.hist_v[:, :, : max(layer.hist_len)]]
+    out = [layer.sink_k, layer.sink_v, layer.recent_k, layer.recent_v]
+    if layer.spec.kind == "rotated":
+        out += [s.codes for s in (layer.k_store, layer.v_store)] + [s.scale for s in (layer.k_store, layer.v_store)]
+    return out
+
+
+def test_the_question_starts_after_the_haystack(smollm2, needle) -> None:
+    _, tok, _ = smollm2
+    ids, split, rows = needle
+    assert tok.decode(ids[split:]).lstrip().startswith("What are all the special magic numbers")
+    assert 350 < split < len(ids) - 20
+    assert all(k.shape[2] == split and v.shape == k.shape for k, v in rows)
+
+
+@pytest.mark.parametrize("method", ["bf16", "int2", "kivi2", "quarot-unfolded"])
+def test_shared_rows_leave_the_cache_as_its_own_prefill_does_and_answer_alike(smollm2, needle, method) -> None:
+    model, tok, _ = smollm2
+    ids, split, rows = needle
+    run = MethodRun.from_config(_cfg(method.split("-")[0]), model)
+    if method.endswith("unfolded"):  # the value fold is the only float difference between the two prefills
+        run = dataclasses.replace(run, fold=False)
+    own, shared = _own_prefill(model, run, ids, split), _shared(model, run, rows)
+    assert [layer.lengths() for layer in own.layers] == [layer.lengths() for layer in shared.layers]
+    for a, b in zip(own.layers, shared.layers):
+        assert all(torch.equal(x, y) for x, y in zip(_state(a), _state(b)))
+    params = SamplingParams(max_new_tokens=2)
+    alone = complete(model, run, ids, split, params, keep_logits=True)
+    together = complete(model, run, ids, split, params, rows=rows, keep_logits=True)
+    assert together["tokens"] == alone["tokens"]
+    assert torch.equal(together["logits"], alone["logits"])
+    assert together["kv_bits_per_element"] == alone["kv_bits_per_element"]
+    if method != "bf16":
+        assert together["kv_bits_per_element"] < 8  # the haystack is held quantized
+
+
+def test_a_folded_rotation_changes_the_rows_by_rounding_only(smollm2, needle) -> None:
+    model, _, _ = smollm2
+    ids, split, rows = needle
+    run = MethodRun.from_config(_cfg("quarot"), model)
+    assert run.fold
+    own, shared = _own_prefill(model, run, ids, split), _shared(model, run, rows)
+    for a, b in zip(own.layers, shared.layers):
+        for sa, sb in zip((a.k_store, a.v_store), (b.k_store, b.v_store)):
+            assert sa.lengths == sb.lengths
+            ca, cb = (quant.unpack_codes(s.codes, 2, s.group_size).int() for s in (sa, sb))
+            assert int((ca - cb).abs().max()) <= 1  # measured: 1
+            assert float((ca != cb).float().mean()) < 0.01  # measured worst layer: 0.4% of codes
+        for x, y in zip((a.recent_k, a.recent_v), (b.recent_k, b.recent_v)):
+            rel = float((x.float() - y.float()).norm() / y.float().norm())
+            assert rel < 0.02  # measured worst layer: see the module docstring
+
+
+def test_cells_share_the_prefill_stream_their_records_and_resume(smollm2, tmp_path, single_thread) -> None:
+    from oscar.eval.runner import ITEMS_FILE, PARTIAL_FILE, RESULT_FILE
+    from oscar.eval.shared_prefill import run_cells
+
+    short = ["benchmark.context_lengths=[256]", "benchmark.extra.samples_per_length=2", "benchmark.max_new_tokens=2"]
+    cfgs = [_cfg(m, *short) for m in ("bf16", "int2")]
+    dirs = [tmp_path / "bf16", tmp_path / "int2"]
+    lines: list[str] = []
+    run_cells(cfgs, dirs, log=lines.append)
+    assert len(lines) == 2  # one shared prefill per item
+    results = [json.loads((d / RESULT_FILE).read_text()) for d in dirs]
+    assert [r["n"] for r in results] == [2, 2] and all(not (d / PARTIAL_FILE).exists() for d in dirs)
+    assert any("shared prefill" in note for note in results[1]["notes"])
+    records = [json.loads(x) for x in (dirs[1] / ITEMS_FILE).read_text().splitlines()]
+    assert all(r["kv_bits_per_element"] < 16 and r["question_tokens"] > 10 for r in records)
+    # an interrupted int2 cell keeps its first record; the finished bf16 cell is left as it is
+    (dirs[1] / PARTIAL_FILE).write_text(json.dumps({**records[0], "_config_hash": results[1]["config_hash"]}) + "\n")
+    (dirs[1] / RESULT_FILE).unlink()
+    lines.clear()
+    again = run_cells(cfgs, dirs, log=lines.append)
+    assert len(lines) == 1 and "int2=" in lines[0] and "bf16=" not in lines[0]  # item 2, int2 only
+    assert again[1]["n"] == 2
+
+
+def test_cells_of_other_models_or_one_method_twice_are_refused() -> None:
+    from oscar.eval.shared_prefill import check_group
+
+    with pytest.raises(ValueError, match="seed"):
+        check_group([_cfg("bf16"), _cfg("int2", "seed=1")])
+    with pytest.raises(ValueError, match="repeat"):
+        check_group([_cfg("bf16"), _cfg("bf16")])
+    with pytest.raises(ValueError, match="niah"):
+        check_group([compose(["model=smollm2-135m", "method=bf16", "benchmark=humaneval"])])
