@@ -1115,6 +1115,15 @@ class SimulatedLayer(OscarLayer):
         (BF16 / quantized key and value) that the method would hold for that query."""
         sp = self.spec
         n = query.shape[2]
+        if valid is None and n > 1 and sp.mode == "serving" and not any(self.hist_len):
+            # an empty cache's serving prefill sees no quantized token: one SDPA call over the chunk, exactly as
+            # transformers' own SDPA attention over a plain cache (as `OscarLayer._attend_bf16_contiguous`)
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            self._append(key.to(sp.store_dtype), value.to(sp.store_dtype), None)
+            keys, values = self.hist_k[:, :, :n].to(query.dtype), self.hist_v[:, :, :n].to(query.dtype)
+            out, _ = sdpa_attention_forward(module, query, keys, values, None, scaling=scale)
+            return out.transpose(1, 2)
         old = torch.tensor(self.hist_len, device=self.device)
         self._append(key.to(sp.store_dtype), value.to(sp.store_dtype), valid)
         length = max(self.hist_len)
