@@ -208,6 +208,7 @@ def generate_continuous(
     max_batch: int = 8,
     on_done: Optional[Callable[[int, list[int], dict], None]] = None,
     stats: Optional[dict] = None,
+    prefill: Optional[Callable[[list[int]], tuple[Any, torch.Tensor]]] = None,
 ) -> list[list[int]]:
     """`generate_tokens` with continuous batching: up to `max_batch` requests decode together, one forward
     pass per step; a request that ends (EOS, stop string, budget) leaves the batch at once and waiting
@@ -248,20 +249,23 @@ def generate_continuous(
         free = max_batch - len(active)
         if queue and free and (not active or free >= min(refill_at, len(queue))):
             new = [queue.popleft() for _ in range(min(free, len(queue)))]
-            ids, mask = left_pad([prompts[i] for i in new], pad_token_id, device)
-            pos = positions_from_mask(mask)
-            fresh = make_cache()
             t0 = time.perf_counter()
-            lg = model(input_ids=ids, attention_mask=mask if bool((mask == 0).any()) else None, position_ids=pos,
-                       use_cache=True, **{kw: fresh}, **last_only).logits[:, -1, :]
+            if prefill is None:
+                ids, mask = left_pad([prompts[i] for i in new], pad_token_id, device)
+                fresh = make_cache()
+                lg = model(input_ids=ids, attention_mask=mask if bool((mask == 0).any()) else None,
+                           position_ids=positions_from_mask(mask), use_cache=True, **{kw: fresh}, **last_only).logits[:, -1, :]
+            else:
+                fresh, lg = prefill(new)
             _sync(device)
             perf["prefill_s"] += time.perf_counter() - t0
-            perf["prefill_tokens"] += int(mask.sum())
+            perf["prefill_tokens"] += sum(len(prompts[i]) for i in new)
+            pos_next = torch.tensor([[len(prompts[i])] for i in new], dtype=torch.long, device=device)
             if cache is None:
-                cache, logits, next_pos = fresh, lg, pos[:, -1:] + 1
+                cache, logits, next_pos = fresh, lg, pos_next
             else:
                 cache.batch_extend(fresh)
-                logits, next_pos = torch.cat([logits, lg]), torch.cat([next_pos, pos[:, -1:] + 1])
+                logits, next_pos = torch.cat([logits, lg]), torch.cat([next_pos, pos_next])
             active += new
             if params.temperature > 0:
                 for i in new:

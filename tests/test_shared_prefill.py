@@ -156,3 +156,85 @@ def test_cells_of_other_models_or_one_method_twice_are_refused() -> None:
         check_group([_cfg("bf16"), _cfg("bf16")])
     with pytest.raises(ValueError, match="niah"):
         check_group([compose(["model=smollm2-135m", "method=bf16", "benchmark=humaneval"])])
+
+
+# ------------------------------------------------------------------ generated cells: the continuous stream
+
+HUMANEVAL = ["model=smollm2-135m", "benchmark=humaneval", "benchmark.limit=3", "benchmark.max_new_tokens=12",
+             "benchmark.temperature=0.0", "+benchmark.extra.continuous=true", "+benchmark.extra.answer_start=function"]
+
+
+def _he(method: str, *extra: str):
+    rotated = method in ("int2", "quarot")
+    return compose(HUMANEVAL + [f"method={method}"] + (WINDOWS if rotated else []) + list(extra))
+
+
+def test_a_stream_fed_shared_rows_generates_what_its_own_prefill_does(smollm2, single_thread) -> None:
+    """Each joining request alone (max_batch=1: the same [1, T] prefill shapes either way), so the two paths do the
+    same arithmetic: the tokens are equal. The prompts (~150 tokens) are longer than the 16/64 windows, so
+    every answer token reads INT2 rows."""
+    from oscar.eval.runner import generation_prompt, prepare_items
+    from oscar.eval.shared_prefill import filled_cache, prefill_prompt
+    from oscar.generate import generate_continuous
+
+    model, tok, _ = smollm2
+    cfg = _he("int2")
+    items = prepare_items(cfg, tok)[0]
+    ids = [tok(generation_prompt(SimpleNamespace(tokenizer=tok), cfg, it), add_special_tokens=True)["input_ids"]
+           for it in items]
+    assert all(len(x) > 80 for x in ids)
+    run = MethodRun.from_config(cfg, model)
+    store = [prefill_prompt(model, x) for x in ids]
+    params = SamplingParams(max_new_tokens=12)
+
+    def fill(group):
+        caches = [filled_cache(model, run, store[j][0]) for j in group]
+        for extra in caches[1:]:
+            caches[0].batch_extend(extra)
+        return caches[0], torch.cat([store[j][1] for j in group])
+
+    from oscar import attention
+
+    attention.enable(model)
+    seen: dict[str, list[float]] = {"own": [], "shared": []}
+    with torch.no_grad():
+        own = generate_continuous(model, ids, params, lambda: run.new_cache(model), max_batch=1,
+                                  on_done=lambda i, t, info: seen["own"].append(info["kv_bits_per_element"]))
+        shared = generate_continuous(model, ids, params, lambda: run.new_cache(model), max_batch=1, prefill=fill,
+                                     on_done=lambda i, t, info: seen["shared"].append(info["kv_bits_per_element"]))
+    assert shared == own and all(len(t) > 0 for t in own)
+    assert seen["shared"] == seen["own"] and max(seen["own"]) < 12  # most of the history is held in INT2
+
+
+def test_generated_cells_share_one_prefill_per_prompt_and_resume(tmp_path, single_thread) -> None:
+    from oscar.eval.runner import ITEMS_FILE, PARTIAL_FILE, RESULT_FILE, cell_config_hash
+    from oscar.eval.shared_prefill import run_cells
+
+    cfgs = [_he(m, "benchmark.batch_size=2", "+benchmark.extra.shared_prefill=true") for m in ("bf16", "int2")]
+    # one prefill per prompt shared by a stream gives the cell's own outputs: the same cell (hash) as without it
+    assert cell_config_hash(cfgs[1]) == cell_config_hash(_he("int2"))
+    dirs = [tmp_path / "bf16", tmp_path / "int2"]
+    lines: list[str] = []
+    run_cells(cfgs, dirs, log=lines.append)
+    assert sum(line.startswith("shared prefill: 3/3 prompts") for line in lines) == 1
+    results = [json.loads((d / RESULT_FILE).read_text()) for d in dirs]
+    assert [r["n"] for r in results] == [3, 3] and all(not (d / PARTIAL_FILE).exists() for d in dirs)
+    assert any("shared prefill" in note for note in results[1]["notes"])
+    assert results[1]["metrics"]["perf.batch_occupancy"] > 1
+    records = [json.loads(x) for x in (dirs[1] / ITEMS_FILE).read_text().splitlines()]
+    assert all(r["kv_bits_per_element"] < 16 and 0 < r["steps"] <= 12 and "status" in r for r in records)
+    # an interrupted int2 cell keeps two records: one prompt is prefilled again, for int2 alone
+    (dirs[1] / PARTIAL_FILE).write_text("".join(json.dumps({**r, "_config_hash": results[1]["config_hash"]}) + "\n"
+                                                for r in records[:2]))
+    (dirs[1] / RESULT_FILE).unlink()
+    lines.clear()
+    again = run_cells(cfgs, dirs, log=lines.append)
+    assert lines[0].startswith("shared prefill: 1/1 prompts") and lines[1].startswith("int2: 1 items")
+    assert again[1]["n"] == 3 and again[0] == results[0]
+
+
+def test_a_stream_without_continuous_batching_is_refused() -> None:
+    from oscar.eval.shared_prefill import check_group
+
+    with pytest.raises(ValueError, match="continuous=False"):
+        check_group([compose(["model=smollm2-135m", "method=bf16", "benchmark=humaneval"])])

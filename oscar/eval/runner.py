@@ -41,6 +41,10 @@ def cell_config_hash(cfg: Any) -> str:
 
     bench = OmegaConf.to_container(cfg.benchmark, resolve=True)
     bench.pop("batch_size", None)  # batching does not change the outputs
+    from oscar.eval.shared_prefill import shares_outputs
+
+    if shares_outputs(cfg.benchmark):  # nor does one prefill per prompt shared by the methods of a stream
+        (bench.get("extra") or {}).pop("shared_prefill", None)
     part = {"model": OmegaConf.to_container(cfg.model, resolve=True),
             "method": OmegaConf.to_container(cfg.method, resolve=True), "benchmark": bench,
             "calibration": OmegaConf.to_container(cfg.calibration, resolve=True), "seed": int(cfg.seed)}

@@ -1,4 +1,4 @@
-"""Long-context generation cells of several methods with one BF16 prefill per prompt (issue 20's needles).
+"""Generation cells of several methods with one BF16 prefill per prompt (issue 20's needles and HumanEval).
 
 Serving semantics make a prompt's prefill method-independent: a prefill into an empty cache attends in BF16
 (`OscarLayer.attend_and_write` takes its contiguous SDPA path, the simulated KIVI / TurboQuant layers see no
@@ -10,6 +10,13 @@ rows each layer receives; each method's cache is then filled from those rows thr
 (`OscarCache.write_rows`: sink, INT pages, recent window, as its own prefill would), its value fold is applied,
 and the question is fed one token at a time (decode steps), so the question and every answer token read the
 method's quantized haystack, as a request's decode does. Answers are greedy or sampled as `generate` would.
+
+Generated benchmarks with continuous batching (HumanEval, MATH: `benchmark.extra.continuous=true`) share the
+whole prompt instead: each prompt is prefilled once (rows and last-position logits kept in memory), and each
+method then runs its own continuous batch (`generate_continuous`) whose joining requests get caches filled from
+those rows in place of a prefill pass. Those outputs are the cell's own up to float rounding (as a change of
+batch is), so `benchmark.extra.shared_prefill` is not part of such a cell's configuration hash; with M methods
+the prefill work (most of a HumanEval cell on CPU) is done once instead of M times.
 
 Each method keeps its own cell folder (`result.json`, `items.jsonl`, resumable `items.partial.jsonl`); an
 item whose records every method already holds is skipped, so an interrupted run resumes per item.
@@ -101,15 +108,31 @@ def split_prompt(tokenizer: Any, text: str, question: str) -> tuple[list[int], i
 @torch.no_grad()
 def prefill_rows(model: Any, ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Serving prefill of `ids` into a BF16 cache; per layer the K/V rows every method's cache would receive."""
+    return prefill_prompt(model, ids)[0]
+
+
+@torch.no_grad()
+def prefill_prompt(model: Any, ids: Sequence[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """`prefill_rows` and the logits of the last prompt position `[1, vocab]` (what the first answer token is
+    drawn from, the same for every method)."""
     from oscar import attention
 
     attention.enable(model)
     device = next(model.parameters()).device
     cache = RecordingCache(model)
     x = torch.tensor([list(ids)], device=device)
-    model(input_ids=x, position_ids=torch.arange(x.shape[1], device=device)[None], use_cache=True,
-          **{cache_kwarg(model): cache}, **_last_only(model))
-    return cache.layer_rows()
+    logits = model(input_ids=x, position_ids=torch.arange(x.shape[1], device=device)[None], use_cache=True,
+                   **{cache_kwarg(model): cache}, **_last_only(model)).logits[:, -1, :]
+    return cache.layer_rows(), logits
+
+
+def filled_cache(model: Any, run: "MethodRun", rows: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> OscarCache:
+    """A fresh cache of `run`'s method holding one request's prefill `rows`, written through its own write path
+    (sink, INT pages, recent window, as its own prefill would)."""
+    cache = run.new_cache(model)
+    for layer, (k, v) in zip(cache.layers, rows):
+        layer.write_rows(k, v)
+    return cache
 
 
 def _last_only(model: Any) -> dict:
@@ -150,8 +173,7 @@ def complete(model: Any, run: MethodRun, ids: Sequence[int], split: int, params:
             model(input_ids=x, position_ids=torch.arange(split, device=device)[None], use_cache=True,
                   **{kw: cache}, **_last_only(model))
         else:
-            for layer, (k, v) in zip(cache.layers, rows):
-                layer.write_rows(k, v)
+            cache = filled_cache(model, run, rows)
 
         def step(token: int, pos: int) -> torch.Tensor:
             logits = model(input_ids=torch.tensor([[token]], device=device), position_ids=torch.tensor([[pos]], device=device),
@@ -205,8 +227,22 @@ def check_group(cfgs: Sequence[Any]) -> None:
     names = [str(c.method.name) for c in cfgs]
     if len(set(names)) != len(names):
         raise ValueError(f"methods {names} repeat one method; each method is one cell")
-    if first.benchmark.family != "niah":
-        raise ValueError(f"shared prefills serve needle benchmarks (family niah), not {first.benchmark.family!r}")
+    family = first.benchmark.family
+    if family != "niah" and not (family in STREAM_FAMILIES and first.benchmark.extra.get("continuous", False)):
+        raise ValueError(f"shared prefills serve needle benchmarks (family niah) and generated benchmarks with "
+                         f"continuous batching (families {', '.join(STREAM_FAMILIES)} with benchmark.extra.continuous="
+                         f"true), not {first.benchmark.name!r} (family {family!r}, continuous="
+                         f"{bool(first.benchmark.extra.get('continuous', False))})")
+
+
+STREAM_FAMILIES = ("code", "math")  # generated answers, graded per item
+
+
+def shares_outputs(benchmark: Any) -> bool:
+    """Whether a shared prefill gives the outputs of the cell's own run, up to float rounding (so it is not part
+    of the cell's configuration hash): true for the continuous-batching stream, whose requests are prefilled as
+    a whole; false for needles, whose question is decoded token by token after the shared haystack."""
+    return str(benchmark.get("family")) != "niah"
 
 
 def run_cells(cfgs: Sequence[Any], out_dirs: Sequence[Path], progress: bool = True,
@@ -224,7 +260,8 @@ def run_cells(cfgs: Sequence[Any], out_dirs: Sequence[Path], progress: bool = Tr
         results.append(old if old and old.get("config_hash") == cell_config_hash(cfg) else None)
     todo = [i for i, r in enumerate(results) if r is None]
     if todo:
-        fresh = iter(_run_cells([cfgs[i] for i in todo], [Path(out_dirs[i]) for i in todo], progress, log))
+        runner = _run_cells if cfgs[0].benchmark.family == "niah" else _run_stream_cells
+        fresh = iter(runner([cfgs[i] for i in todo], [Path(out_dirs[i]) for i in todo], progress, log))
         results = [r if r is not None else next(fresh) for r in results]
     return results  # type: ignore[return-value]
 
@@ -301,4 +338,102 @@ def _run_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log: Calla
     return out
 
 
-__all__ = ["MethodRun", "RecordingCache", "check_group", "complete", "prefill_rows", "run_cells", "split_prompt"]
+def _run_stream_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log: Callable[[str], None]) -> list[dict]:
+    """Generated cells (HumanEval, MATH) of several methods: every prompt still needed by some method is prefilled
+    once into a BF16 cache (`prefill_prompt`, one request at a time, kept in memory: rows and last logits), then each
+    method in turn generates all its remaining items with continuous batching (`generate_continuous`,
+    `benchmark.batch_size` requests per decode step) whose joining requests get caches filled from those rows
+    instead of a prefill pass. Records stream to each method's `items.partial.jsonl` as requests end."""
+    from oscar.eval.runner import (PARTIAL_FILE, _read_partial, cell_config_hash, generation_prompt, grade_generation,
+                                   prepare_items, write_cell)
+    from oscar.engine import eos_token_ids
+    from oscar.generate import generate_continuous
+    from oscar.models import load_model
+
+    start = time.monotonic()
+    first = cfgs[0]
+    model, tok = load_model(first.model, device=str(first.device) if str(first.device) != "auto" else None)
+    runs = [MethodRun.from_config(cfg, model) for cfg in cfgs]
+    items, notes = prepare_items(first, tok)
+    hashes = [cell_config_hash(cfg) for cfg in cfgs]
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+    done = [_read_partial(d / PARTIAL_FILE, h) for d, h in zip(dirs, hashes)]
+    params = _sampling(first)
+    engine_view = SimpleNamespace(tokenizer=tok)
+    prompts = [generation_prompt(engine_view, first, item) for item in items]
+    encoded = [list(tok(p, add_special_tokens=True)["input_ids"]) for p in prompts]  # as Engine._encode
+    eos_ids = eos_token_ids(tok, model)
+    pad = int(tok.pad_token_id if tok.pad_token_id is not None else (eos_ids[0] if eos_ids else 0))
+    decode = lambda t: tok.decode(t, skip_special_tokens=True)  # noqa: E731
+    need = [i for i, item in enumerate(items) if any(item.id not in d for d in done)]
+    store: dict[int, tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = {}
+    t0 = time.perf_counter()
+    for n, i in enumerate(need):
+        store[i] = prefill_prompt(model, encoded[i])
+        if progress and ((n + 1) % 16 == 0 or n + 1 == len(need)):
+            log(f"shared prefill: {n + 1}/{len(need)} prompts, {time.perf_counter() - t0:.0f}s")
+    prefill_s = time.perf_counter() - t0
+    users = {i: sum(items[i].id not in d for d in done) for i in need}
+    perf: list[dict] = [{} for _ in cfgs]
+    for m, (cfg, run, d, h) in enumerate(zip(cfgs, runs, dirs, hashes)):
+        todo = [i for i in need if items[i].id not in done[m]]
+        if not todo:
+            continue
+        handle = None
+        if run.fold:
+            from oscar.surgery import fold_value_rotations
+
+            handle = fold_value_rotations(model, run.rotations)  # type: ignore[arg-type]
+
+        def fill(group: list[int], run: MethodRun = run, todo: list[int] = todo) -> tuple[OscarCache, torch.Tensor]:
+            caches = [filled_cache(model, run, store[todo[j]][0]) for j in group]
+            for extra in caches[1:]:
+                caches[0].batch_extend(extra)
+            return caches[0], torch.cat([store[todo[j]][1] for j in group])
+
+        with open(d / PARTIAL_FILE, "a", encoding="utf-8") as fh:
+            def finished(j: int, ids: list[int], info: dict, m: int = m, todo: list[int] = todo, fh: Any = fh) -> None:
+                item = items[todo[j]]
+                rec = grade_generation(cfgs[m], item, prompts[todo[j]], truncate_at_stop(decode(ids), params.stop))
+                rec.update({k: v for k, v in info.items() if k in ("kv_bits_per_element", "steps")})
+                rec["_config_hash"] = hashes[m]
+                fh.write(json.dumps(rec, default=str) + "\n")
+                fh.flush()
+                done[m][item.id] = rec
+
+            stats: dict = {}
+            t1 = time.perf_counter()
+            try:
+                with torch.no_grad():
+                    generate_continuous(model, [encoded[i] for i in todo], params, lambda: run.new_cache(model), eos_ids,
+                                        pad, decode, max_batch=max(1, int(cfg.benchmark.batch_size)), on_done=finished,
+                                        stats=stats, prefill=fill)
+            finally:
+                if handle is not None:
+                    handle.undo()
+        ok = [bool(r.get("correct")) for r in done[m].values()]
+        if progress:
+            log(f"{cfg.method.name}: {len(todo)} items in {time.perf_counter() - t1:.0f}s, "
+                f"pass {sum(ok)}/{len(ok)}")
+        share = sum(prefill_s * len(encoded[i]) / sum(len(encoded[k]) for k in need) / users[i] for i in todo)
+        perf[m] = {"prefill_s": share, "prefill_tokens": sum(len(encoded[i]) for i in todo), **stats}
+    out = []
+    for cfg, d, h, rec, p in zip(cfgs, dirs, hashes, done, perf):
+        metrics = {}
+        if p.get("decode_steps"):
+            metrics["perf.decode_ms"] = 1e3 * p["decode_s"] / p["decode_steps"]
+            metrics["perf.batch_occupancy"] = p["row_steps"] / p["decode_steps"]
+        if p.get("prefill_tokens"):
+            metrics["perf.prefill_ms_per_token"] = 1e3 * p["prefill_s"] / p["prefill_tokens"]
+        bits = [r["kv_bits_per_element"] for r in rec.values() if r.get("kv_bits_per_element") is not None]
+        if bits:
+            metrics["mem.kv_bits_per_element"] = sum(bits) / len(bits)
+        cell_notes = notes + [f"shared prefill: one BF16 prefill per prompt for {len(cfgs)} methods "
+                              f"({', '.join(str(c.method.name) for c in cfgs)}); each method's requests then joined "
+                              "its continuous batch with a cache filled from those rows"]
+        out.append(write_cell(cfg, d, items, rec, cell_notes, h, start, str(next(model.parameters()).device), metrics))
+    return out
+
+
+__all__ = ["MethodRun", "RecordingCache", "STREAM_FAMILIES", "check_group", "complete", "filled_cache", "prefill_prompt", "prefill_rows", "run_cells", "split_prompt"]
