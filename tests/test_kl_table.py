@@ -69,6 +69,18 @@ def test_tables_lead_with_quantized_history_and_state_the_goal(tmp_path):
     write_tables(rows, tmp_path / "kl4", "cmd", "note")
     assert "| kivi2 | 5.00 | 0.0350 | auto at 4.60 bits: 0.0120 | +0.0200 [+0.0100, +0.0300] | met |" in (tmp_path / "kl4.md").read_text()
     assert (tmp_path / "kl.csv").read_text().startswith("model,method")
+    # a window variant measured against kivi2 (its row holds variant minus kivi2): the paired difference is
+    # read from it, sign turned; a miss on points whose interval includes 0 is a tie, one that excludes it a miss
+    rows[1]["bits_per_element"] = 3.9
+    tie = {**variant, "kl_past_window": 0.036, "diff_ref": "kivi2", "diff_past": 0.001, "diff_past_lo": -0.003,
+           "diff_past_hi": 0.004}
+    write_tables([*rows, tie], tmp_path / "kl5", "cmd", "note")
+    md5 = (tmp_path / "kl5.md").read_text()
+    assert "0 of 1 methods met; tied within the paired interval against kivi2." in md5
+    assert ("| kivi2 | 3.90 | 0.0350 | auto@64/128 at 3.70 bits: 0.0360 | -0.0010 [-0.0040, +0.0030] | tie: 0.0010 "
+            "nats (1.03x) higher on points, the paired interval includes 0 |") in md5
+    write_tables([*rows, {**tie, "diff_past_lo": 0.0005}], tmp_path / "kl6", "cmd", "note")
+    assert "| -0.0010 [-0.0040, -0.0005] | missed by 0.0010 nats (1.03x) |" in (tmp_path / "kl6.md").read_text()
 
 
 def test_method_specs_carry_a_clip_policy():

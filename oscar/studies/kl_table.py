@@ -323,22 +323,37 @@ def _num(r: Any, key: str) -> Optional[float]:
     return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
 
 
+def _paired(other: Any, cand: Any) -> Optional[tuple[float, float, float]]:
+    """KL(other) - KL(cand), paired, with its interval, from whichever of the two rows was measured against the
+    other (`diff_ref`); None when neither was."""
+    def num(r: Any, k: str) -> Optional[float]:
+        v = r.get(k)
+        return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+    if str(other.get("diff_ref")) == str(cand["method"]) and num(other, "diff_past") is not None:
+        return num(other, "diff_past"), num(other, "diff_past_lo"), num(other, "diff_past_hi")  # type: ignore[return-value]
+    if str(cand.get("diff_ref")) == str(other["method"]) and num(cand, "diff_past") is not None:
+        return -num(cand, "diff_past"), -num(cand, "diff_past_hi"), -num(cand, "diff_past_lo")  # type: ignore[operator]
+    return None
+
+
 def goal_lines(part: Any, candidate: str = "auto") -> list[str]:
     """Whether the ``candidate`` family (``auto`` and its window variants ``auto@S/W``) is at least as good as
     every other 2-bit method at no more bits per element: for each other method, the candidate row with the
     lowest KL over quantized-history positions among those holding no more bits per element than it.
-    Says by how much each comparison misses (KL, bits) and gives the paired interval where the winning
-    row is the paired reference (``candidate`` may name a window variant, e.g. ``auto@64/128``: the family is
-    ``auto``, the paired reference that row)."""
+    Says by how much each comparison misses (KL, bits) and gives the paired difference (other minus the
+    candidate row) where one of the two rows was measured against the other; a miss on points whose paired
+    interval includes 0 is reported as a tie (``candidate`` may name a window variant, e.g. ``auto@64/128``:
+    its family, ``auto``, is what is searched)."""
     ok = part[(part["status"] == "ok") & (part["kind"] != "bf16")]
     if "bits_per_element" not in ok:
         return []
-    reference, candidate = candidate, re.split(r"[:@]", candidate)[0]  # the paired reference may be a window variant
+    candidate = re.split(r"[:@]", candidate)[0]  # a window variant names its family
     is_cand = ok["method"].astype(str).str.split(r"[:@]").str[0] == candidate
     cands, others = ok[is_cand], ok[~is_cand & (ok["bits"] == 2)]
     if cands.empty or others.empty:
         return []
-    rows, met, missed = [], 0, []
+    rows, met, missed, tied = [], 0, [], []
     for _, o in others.sort_values("kl_past_window").iterrows():
         fit = cands[cands["bits_per_element"] <= o["bits_per_element"] + 1e-9]
         if fit.empty:
@@ -350,15 +365,24 @@ def goal_lines(part: Any, candidate: str = "auto") -> list[str]:
         c = fit.loc[fit["kl_past_window"].idxmin()]
         good = c["kl_past_window"] <= o["kl_past_window"]
         met += int(good)
+        diff = _paired(o, c)
+        paired = "-" if diff is None else "{:+.4f} [{:+.4f}, {:+.4f}]".format(*diff)
+        verdict = "met"
         if not good:
-            missed.append(str(o["method"]))
-        paired = _ci(o, "diff_past", "diff_past_lo", "diff_past_hi", signed=True) if c["method"] == reference else "-"
-        verdict = "met" if good else f"missed by {c['kl_past_window'] - o['kl_past_window']:.4f} nats ({c['kl_past_window'] / o['kl_past_window']:.2f}x)"
+            by = f"{c['kl_past_window'] - o['kl_past_window']:.4f} nats ({c['kl_past_window'] / o['kl_past_window']:.2f}x)"
+            if diff is not None and diff[1] <= 0 <= diff[2]:
+                tied.append(str(o["method"]))
+                verdict = f"tie: {by} higher on points, the paired interval includes 0"
+            else:
+                missed.append(str(o["method"]))
+                verdict = f"missed by {by}"
         rows.append(f"| {o['method']} | {o['bits_per_element']:.2f} | {o['kl_past_window']:.4f} | {c['method']} at "
                     f"{c['bits_per_element']:.2f} bits: {c['kl_past_window']:.4f} | {paired} | {verdict} |")
     head = (f"Goal for {candidate} (KL <= every other 2-bit method at no more bits per element): "
-            + ("met against all " if not missed else "") + f"{met} of {len(others)} methods"
-            + (f" met; missed against {', '.join(missed)}." if missed else "."))
+            + ("met against all " if not missed and not tied else "") + f"{met} of {len(others)} methods"
+            + (" met" if missed or tied else "")
+            + (f"; tied within the paired interval against {', '.join(tied)}" if tied else "")
+            + (f"; missed against {', '.join(missed)}" if missed else "") + ".")
     return [head, "", f"| other method | its bits/element | its KL | best {candidate} row at no more bits | other minus {candidate}, "
             "paired [95% CI] | verdict |", "|---|---|---|---|---|---|", *rows]
 
