@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from oscar.studies.kl_table import mean_ci, write_tables
@@ -115,3 +116,22 @@ def test_paired_differences_fill_in_as_soon_as_the_reference_exists():
     assert rows[0]["diff_from"] == 320 and abs(rows[0]["diff_past"] - 0.05) < 1e-6  # float32 rounding of a + 0.05
     assert (rows[0]["diff_past"], rows[0]["diff_past_lo"], rows[0]["diff_past_hi"]) == mean_ci([k[320:].double() - a[320:].double() for k, a in zip(kivi, auto)])
     assert "diff_past" not in rows[1]
+
+
+def test_merged_runs_keep_the_latest_row_and_can_label_an_artifacts_rows(tmp_path):
+    import pandas as pd
+
+    from oscar.studies.kl_table import merge_rows
+
+    base = {"model": "m", "kind": "rotated", "bits": 2, "status": "ok", "kl_past_window": 0.05, "bits_per_element": 4.0}
+    pd.DataFrame([{**base, "method": "auto"}, {**base, "method": "kivi2", "kind": "kivi", "kl_past_window": 0.04,
+                   "diff_ref": "auto"}]).to_csv(tmp_path / "a.csv", index=False)
+    pd.DataFrame([{**base, "method": "auto@0/160", "kl_past_window": 0.03, "diff_ref": "kivi2"},
+                  {**base, "method": "kivi2", "kind": "kivi", "kl_past_window": 0.041}]).to_csv(tmp_path / "b.csv", index=False)
+    rows = merge_rows([str(tmp_path / "a.csv"), f"{tmp_path / 'b.csv'}::auto=auto+ch32"])
+    by = {r["method"]: r for r in rows}
+    assert sorted(by) == ["auto", "auto+ch32@0/160", "kivi2"]
+    assert by["kivi2"]["kl_past_window"] == 0.041  # the later run's row
+    assert by["auto+ch32@0/160"]["diff_ref"] == "kivi2"
+    with pytest.raises(ValueError, match="PATH::OLD=NEW"):
+        merge_rows([f"{tmp_path / 'b.csv'}::auto"])

@@ -344,12 +344,13 @@ def goal_lines(part: Any, candidate: str = "auto") -> list[str]:
     Says by how much each comparison misses (KL, bits) and gives the paired difference (other minus the
     candidate row) where one of the two rows was measured against the other; a miss on points whose paired
     interval includes 0 is reported as a tie (``candidate`` may name a window variant, e.g. ``auto@64/128``:
-    its family, ``auto``, is what is searched)."""
+    its family, ``auto``, is what is searched; so is ``auto+ch32@0/160``, a row label for an artifact made with
+    other settings, e.g. `--set auto.channel_block=32`, given when runs are merged: `--merge CSV::auto=auto+ch32`)."""
     ok = part[(part["status"] == "ok") & (part["kind"] != "bf16")]
     if "bits_per_element" not in ok:
         return []
-    candidate = re.split(r"[:@]", candidate)[0]  # a window variant names its family
-    is_cand = ok["method"].astype(str).str.split(r"[:@]").str[0] == candidate
+    candidate = re.split(r"[:@+]", candidate)[0]  # a window variant (`@S0/W`) or a labelled artifact (`+label`) names its family
+    is_cand = ok["method"].astype(str).str.split(r"[:@+]").str[0] == candidate
     cands, others = ok[is_cand], ok[~is_cand & (ok["bits"] == 2)]
     if cands.empty or others.empty:
         return []
@@ -442,6 +443,30 @@ def write_tables(rows: list[dict[str, Any]], out: Path, command: str, note: str)
     atomic_write_text(out.parent / (out.name + ".md"), "\n".join(lines) + "\n")
 
 
+def merge_rows(entries: list[str]) -> list[dict]:
+    """The rows of several runs' CSVs, in order; a later run's row replaces an earlier one of the same model and
+    method. An entry `PATH::OLD=NEW` renames method family OLD to NEW in that file's rows (window suffixes kept:
+    `auto@0/160` becomes `auto+ch32@0/160` under `::auto=auto+ch32`; paired references `diff_ref` too), so rows of
+    an artifact made with other settings stay apart from the default one."""
+    import pandas as pd
+
+    merged: dict[tuple[str, str], dict] = {}
+    for entry in entries:
+        path, _, rename = entry.partition("::")
+        old, eq, new = rename.partition("=")
+        if rename and (not eq or not old or not new):
+            raise ValueError(f"--merge {entry!r}: a rename is PATH::OLD=NEW (e.g. kl.csv::auto=auto+ch32)")
+        for row in pd.read_csv(path).to_dict("records"):
+            if rename:
+                for key in ("method", "diff_ref"):
+                    name = row.get(key)
+                    if isinstance(name, str) and re.split(r"[:@]", name)[0] == old:
+                        row[key] = new + name[len(old):]
+            merged.pop((str(row["model"]), str(row["method"])), None)
+            merged[(str(row["model"]), str(row["method"]))] = row
+    return list(merged.values())
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Command line entry point."""
     p = argparse.ArgumentParser(prog="python -m oscar.studies.kl_table", description=__doc__.split("\n\n")[0])
@@ -454,7 +479,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--results-dir", default="results", help="where calibration artifacts live (<dir>/calibration/...)")
     p.add_argument("--out", default="reports/methods/kl_ppl", help="output path without suffix (.csv and .md)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--merge", nargs="+", default=None, metavar="CSV", help="only combine earlier runs' CSVs into --out")
+    p.add_argument("--merge", nargs="+", default=None, metavar="CSV",
+                   help="only combine earlier runs' CSVs into --out (a later row replaces an earlier one of the same "
+                        "model and method; CSV::OLD=NEW renames a method family, e.g. kl.csv::auto=auto+ch32)")
     p.add_argument("--note", default="", help="extra sentence for the table header (e.g. what could not be measured)")
     p.add_argument("--reference", default="auto", help="method the paired KL differences are taken against")
     p.add_argument("--set", nargs="+", default=None, metavar="METHOD.KEY=VALUE",
@@ -487,8 +514,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         import pandas as pd
 
         command = f"python -m oscar.studies.kl_table --merge {' '.join(args.merge)} --out {args.out}"
-        frames = [pd.read_csv(path) for path in args.merge]
-        rows = pd.concat(frames, ignore_index=True).to_dict("records")
+        try:
+            rows = merge_rows(args.merge)
+        except (OSError, ValueError) as exc:
+            p.error(str(exc))
         write_tables(rows, Path(args.out), command, note)
         print(f"wrote {args.out}.csv and {args.out}.md")
         return 0
