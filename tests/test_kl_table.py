@@ -133,5 +133,14 @@ def test_merged_runs_keep_the_latest_row_and_can_label_an_artifacts_rows(tmp_pat
     assert sorted(by) == ["auto", "auto+ch32@0/160", "kivi2"]
     assert by["kivi2"]["kl_past_window"] == 0.041  # the later run's row
     assert by["auto+ch32@0/160"]["diff_ref"] == "kivi2"
+    assert [r["method"] for r in rows] == ["auto", "kivi2", "auto+ch32@0/160"]  # a replaced row keeps its place
+    # two references in one model's rows: each paired cell names its own
+    for r in rows:
+        r.update(ppl=20.0, clip="fit")
+    rows[1].update(diff_ref="auto", diff_past=0.01, diff_past_lo=0.0, diff_past_hi=0.02)
+    rows[2].update(diff_past=-0.01, diff_past_lo=-0.02, diff_past_hi=0.001)
+    write_tables(rows, tmp_path / "mixed", "cmd", "note")
+    md = (tmp_path / "mixed.md").read_text()
+    assert "KL minus the named reference, paired" in md and "| -0.0100 [-0.0200, +0.0010] vs kivi2 |" in md
     with pytest.raises(ValueError, match="PATH::OLD=NEW"):
         merge_rows([f"{tmp_path / 'b.csv'}::auto"])

@@ -417,7 +417,9 @@ def write_tables(rows: list[dict[str, Any]], out: Path, command: str, note: str)
     atomic_write_text(out.parent / (out.name + ".csv"), df.to_csv(index=False))  # not with_suffix: "qwen2.5-..." has dots
     lines = ["# Next-token KL to the BF16 cache and perplexity, decode-equivalent teacher forcing", "", note, "", f"Command: `{command}`", ""]
     for model, part in df.groupby("model", sort=False):
-        ref = next((str(x) for x in part.get("diff_ref", pd.Series(dtype=object)).dropna()), "auto")
+        refs = list(dict.fromkeys(str(x) for x in part.get("diff_ref", pd.Series(dtype=object)).dropna()))
+        mixed = len(refs) > 1  # merged runs measured against different references: each cell names its own
+        ref = "the named reference" if mixed else (refs[0] if refs else "auto")
         lines += [f"## {model}", "",
                   "| method | clip | sink/recent | windows x tokens | bits/element (measured) | KL, positions reading quantized "
                   f"history [95% CI] | KL, all positions [95% CI] | KL minus {ref}, paired [95% CI] | PPL |",
@@ -432,11 +434,14 @@ def write_tables(rows: list[dict[str, Any]], out: Path, command: str, note: str)
             bpe = _num(r, "bits_per_element")
             nwin, ntok = _num(r, "windows"), _num(r, "tokens")
             size = f"{int(nwin)} x {int(ntok) // int(nwin)}" if nwin and ntok else "-"
+            diff = _ci(r, 'diff_past', 'diff_past_lo', 'diff_past_hi', signed=True)
+            if mixed and diff != "-":
+                diff += f" vs {r['diff_ref']}"
             lines.append(f"| {r['method']} | {r.get('clip', '')} | {win} | {size} | {'-' if bpe is None else f'{bpe:.2f}'} | "
                          f"{_ci(r, 'kl_past_window', 'kl_past_lo', 'kl_past_hi')} | {_ci(r, 'kl', 'kl_lo', 'kl_hi')} | "
-                         f"{_ci(r, 'diff_past', 'diff_past_lo', 'diff_past_hi', signed=True)} | {r['ppl']:.3f} |")
+                         f"{diff} | {r['ppl']:.3f} |")
         lines.append("")
-        goal = goal_lines(part.reset_index(drop=True), ref)
+        goal = goal_lines(part.reset_index(drop=True), "auto")
         if goal:
             lines += goal + [""]
     lines += edge_lines(df)
@@ -462,8 +467,7 @@ def merge_rows(entries: list[str]) -> list[dict]:
                     name = row.get(key)
                     if isinstance(name, str) and re.split(r"[:@]", name)[0] == old:
                         row[key] = new + name[len(old):]
-            merged.pop((str(row["model"]), str(row["method"])), None)
-            merged[(str(row["model"]), str(row["method"]))] = row
+            merged[(str(row["model"]), str(row["method"]))] = row  # a replaced row keeps its place
     return list(merged.values())
 
 
