@@ -124,7 +124,7 @@ def test_a_folded_rotation_changes_the_rows_by_rounding_only(smollm2, needle) ->
 
 
 def test_cells_share_the_prefill_stream_their_records_and_resume(smollm2, tmp_path, single_thread) -> None:
-    from oscar.eval.runner import ITEMS_FILE, PARTIAL_FILE, RESULT_FILE
+    from oscar.eval.runner import ITEMS_FILE, KEPT_FILE, PARTIAL_FILE, RESULT_FILE
     from oscar.eval.shared_prefill import run_cells
 
     short = ["benchmark.context_lengths=[256]", "benchmark.extra.samples_per_length=2", "benchmark.max_new_tokens=2"]
@@ -141,6 +141,7 @@ def test_cells_share_the_prefill_stream_their_records_and_resume(smollm2, tmp_pa
     # an interrupted int2 cell keeps its first record; the finished bf16 cell is left as it is
     (dirs[1] / PARTIAL_FILE).write_text(json.dumps({**records[0], "_config_hash": results[1]["config_hash"]}) + "\n")
     (dirs[1] / RESULT_FILE).unlink()
+    (dirs[1] / KEPT_FILE).unlink()  # an interrupted cell has not kept its records yet
     lines.clear()
     again = run_cells(cfgs, dirs, log=lines.append)
     assert len(lines) == 1 and "int2=" in lines[0] and "bf16=" not in lines[0]  # item 2, int2 only
@@ -207,7 +208,7 @@ def test_a_stream_fed_shared_rows_generates_what_its_own_prefill_does(smollm2, s
 
 
 def test_generated_cells_share_one_prefill_per_prompt_and_resume(tmp_path, single_thread) -> None:
-    from oscar.eval.runner import ITEMS_FILE, PARTIAL_FILE, RESULT_FILE, cell_config_hash
+    from oscar.eval.runner import ITEMS_FILE, KEPT_FILE, PARTIAL_FILE, RESULT_FILE, cell_config_hash
     from oscar.eval.shared_prefill import run_cells
 
     cfgs = [_he(m, "benchmark.batch_size=2", "+benchmark.extra.shared_prefill=true") for m in ("bf16", "int2")]
@@ -227,10 +228,20 @@ def test_generated_cells_share_one_prefill_per_prompt_and_resume(tmp_path, singl
     (dirs[1] / PARTIAL_FILE).write_text("".join(json.dumps({**r, "_config_hash": results[1]["config_hash"]}) + "\n"
                                                 for r in records[:2]))
     (dirs[1] / RESULT_FILE).unlink()
+    (dirs[1] / KEPT_FILE).unlink()  # an interrupted cell has not kept its records yet
     lines.clear()
     again = run_cells(cfgs, dirs, log=lines.append)
     assert lines[0].startswith("shared prefill: 1/1 prompts") and lines[1].startswith("int2: 1 items")
     assert again[1]["n"] == 3 and again[0] == results[0]
+    # the workflow deletes a job's declared outputs before rerunning it: the finished cells come back from the
+    # records they kept, with nothing recomputed
+    before = [(d / ITEMS_FILE).read_text() for d in dirs]
+    for d in dirs:
+        (d / ITEMS_FILE).unlink()
+        (d / RESULT_FILE).unlink()
+    lines.clear()
+    run_cells(cfgs, dirs, log=lines.append)
+    assert lines == [] and [(d / ITEMS_FILE).read_text() for d in dirs] == before
 
 
 def test_a_stream_without_continuous_batching_is_refused() -> None:

@@ -40,6 +40,10 @@ def main(argv: list[str]) -> int:
         print(f"oscar eval: {out} is up to date (force=true reruns it)", file=sys.stderr)
         print(json.dumps(previous["metrics"], sort_keys=True))
         return 0
+    if flags["force"]:  # recompute every item, not only what a finished run did not keep
+        from oscar.eval.runner import KEPT_FILE
+
+        (out / KEPT_FILE).unlink(missing_ok=True)
     import signal
 
     import torch

@@ -23,6 +23,10 @@ from oscar.files import atomic_write_text
 RESULT_FILE = "result.json"
 ITEMS_FILE = "items.jsonl"
 PARTIAL_FILE = "items.partial.jsonl"
+# A finished cell's records with their configuration hash, outside the workflow's declared outputs: Snakemake
+# deletes a job's outputs before it runs the job again (a shared-prefill job rerun for one missing cell deletes
+# the finished cells' items.jsonl / result.json), and the cell then resumes from these instead of recomputing.
+KEPT_FILE = "items.kept.jsonl"
 
 
 def cell_dir(cfg: Any) -> Path:
@@ -101,16 +105,19 @@ def hardware(device: str) -> dict:
 
 
 def _read_partial(path: Path, chash: str) -> dict[str, dict]:
+    """The records of this configuration (`chash`) a cell already holds: those kept by a finished run of it
+    (`KEPT_FILE`, beside `path`), then the partial file `path` of a run that was interrupted."""
     done: dict[str, dict] = {}
-    if not path.is_file():
-        return done
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a line cut by an interruption
-        if rec.get("_config_hash") == chash:
-            done[rec["id"]] = rec
+    for source in (path.parent / KEPT_FILE, path):
+        if not source.is_file():
+            continue
+        for line in source.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a line cut by an interruption
+            if rec.get("_config_hash") == chash:
+                done[rec["id"]] = rec
     return done
 
 
@@ -357,7 +364,8 @@ def run_cell(cfg: Any, engine: Any, out_dir: Path | None = None, progress: bool 
 def write_cell(cfg: Any, out_dir: Path, items: list[EvalItem], done: dict[str, dict], notes: list[str], chash: str,
                start: float, device: str, perf: dict[str, float]) -> dict:
     """Write a finished cell: `items.jsonl` (records in item order), `result.json` (metrics with intervals, the
-    generation's `perf` metrics, notes, provenance), both atomically; the partial file is removed."""
+    generation's `perf` metrics, notes, provenance), both atomically, and `KEPT_FILE` (the records with their
+    configuration hash, for a rerun whose outputs were deleted); the partial file is removed."""
     from oscar import __version__
 
     records = []
@@ -385,6 +393,8 @@ def write_cell(cfg: Any, out_dir: Path, items: list[EvalItem], done: dict[str, d
         "wall_s": round(time.monotonic() - start, 3),
         "sampling": _sampling(cfg), "source": cfg.benchmark.source, "notes": notes, "engine": engine_name(cfg),
     }
+    atomic_write_text(out_dir / KEPT_FILE, "".join(json.dumps({**done[it.id], "_config_hash": chash}, default=str) + "\n"
+                                                   for it in items))
     atomic_write_text(out_dir / RESULT_FILE, json.dumps(result, indent=2, sort_keys=True) + "\n")
     (out_dir / PARTIAL_FILE).unlink(missing_ok=True)
     return result

@@ -250,12 +250,14 @@ def run_cells(cfgs: Sequence[Any], out_dirs: Sequence[Path], progress: bool = Tr
     """Evaluate the cells `cfgs` (one per method, same model / benchmark / seed) with one shared BF16 prefill per
     item, streaming each method's records to its cell folder; returns each cell's result. A cell whose
     `result.json` has its configuration hash is left as it is (unless `force`)."""
-    from oscar.eval.runner import RESULT_FILE, cell_config_hash
+    from oscar.eval.runner import KEPT_FILE, RESULT_FILE, cell_config_hash
 
     check_group(cfgs)
     results: list[Optional[dict]] = []
     for cfg, d in zip(cfgs, out_dirs):
         path = Path(d) / RESULT_FILE
+        if force:  # recompute every item, not only what a finished run did not keep
+            (Path(d) / KEPT_FILE).unlink(missing_ok=True)
         old = json.loads(path.read_text()) if path.is_file() and not force else None
         results.append(old if old and old.get("config_hash") == cell_config_hash(cfg) else None)
     todo = [i for i, r in enumerate(results) if r is None]
