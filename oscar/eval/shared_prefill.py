@@ -345,7 +345,8 @@ def _run_stream_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log
     once into a BF16 cache (`prefill_prompt`, one request at a time, kept in memory: rows and last logits), then each
     method in turn generates all its remaining items with continuous batching (`generate_continuous`,
     `benchmark.batch_size` requests per decode step) whose joining requests get caches filled from those rows
-    instead of a prefill pass. Records stream to each method's `items.partial.jsonl` as requests end."""
+    instead of a prefill pass. Records stream to each method's `items.partial.jsonl` as requests end, and each
+    method's cell is written as soon as its stream ends."""
     from oscar.eval.runner import (PARTIAL_FILE, _read_partial, cell_config_hash, generation_prompt, grade_generation,
                                    prepare_items, write_cell)
     from oscar.engine import eos_token_ids
@@ -377,10 +378,28 @@ def _run_stream_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log
             log(f"shared prefill: {n + 1}/{len(need)} prompts, {time.perf_counter() - t0:.0f}s")
     prefill_s = time.perf_counter() - t0
     users = {i: sum(items[i].id not in d for d in done) for i in need}
-    perf: list[dict] = [{} for _ in cfgs]
+    device = str(next(model.parameters()).device)
+
+    def finish(m: int, p: dict) -> dict:  # a method's cell is written as soon as its stream ends
+        metrics = {}
+        if p.get("decode_steps"):
+            metrics["perf.decode_ms"] = 1e3 * p["decode_s"] / p["decode_steps"]
+            metrics["perf.batch_occupancy"] = p["row_steps"] / p["decode_steps"]
+        if p.get("prefill_tokens"):
+            metrics["perf.prefill_ms_per_token"] = 1e3 * p["prefill_s"] / p["prefill_tokens"]
+        bits = [r["kv_bits_per_element"] for r in done[m].values() if r.get("kv_bits_per_element") is not None]
+        if bits:
+            metrics["mem.kv_bits_per_element"] = sum(bits) / len(bits)
+        cell_notes = notes + [f"shared prefill: one BF16 prefill per prompt for {len(cfgs)} methods "
+                              f"({', '.join(str(c.method.name) for c in cfgs)}); each method's requests then joined "
+                              "its continuous batch with a cache filled from those rows"]
+        return write_cell(cfgs[m], dirs[m], items, done[m], cell_notes, hashes[m], start, device, metrics)
+
+    out = []
     for m, (cfg, run, d, h) in enumerate(zip(cfgs, runs, dirs, hashes)):
         todo = [i for i in need if items[i].id not in done[m]]
         if not todo:
+            out.append(finish(m, {}))
             continue
         handle = None
         if run.fold:
@@ -419,22 +438,7 @@ def _run_stream_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log
             log(f"{cfg.method.name}: {len(todo)} items in {time.perf_counter() - t1:.0f}s, "
                 f"pass {sum(ok)}/{len(ok)}")
         share = sum(prefill_s * len(encoded[i]) / sum(len(encoded[k]) for k in need) / users[i] for i in todo)
-        perf[m] = {"prefill_s": share, "prefill_tokens": sum(len(encoded[i]) for i in todo), **stats}
-    out = []
-    for cfg, d, h, rec, p in zip(cfgs, dirs, hashes, done, perf):
-        metrics = {}
-        if p.get("decode_steps"):
-            metrics["perf.decode_ms"] = 1e3 * p["decode_s"] / p["decode_steps"]
-            metrics["perf.batch_occupancy"] = p["row_steps"] / p["decode_steps"]
-        if p.get("prefill_tokens"):
-            metrics["perf.prefill_ms_per_token"] = 1e3 * p["prefill_s"] / p["prefill_tokens"]
-        bits = [r["kv_bits_per_element"] for r in rec.values() if r.get("kv_bits_per_element") is not None]
-        if bits:
-            metrics["mem.kv_bits_per_element"] = sum(bits) / len(bits)
-        cell_notes = notes + [f"shared prefill: one BF16 prefill per prompt for {len(cfgs)} methods "
-                              f"({', '.join(str(c.method.name) for c in cfgs)}); each method's requests then joined "
-                              "its continuous batch with a cache filled from those rows"]
-        out.append(write_cell(cfg, d, items, rec, cell_notes, h, start, str(next(model.parameters()).device), metrics))
+        out.append(finish(m, {"prefill_s": share, "prefill_tokens": sum(len(encoded[i]) for i in todo), **stats}))
     return out
 
 
