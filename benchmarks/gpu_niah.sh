@@ -89,7 +89,11 @@ run_cells() {  # NIAH_DEVICE (cuda), NIAH_THREADS (8): the CPU dry run of this l
   export PYTHONPATH="$w:$acc/p00/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
   local root=$acc/eval
   mapfile -t args < <(cells "$acc/p00/results" "$root" "${NIAH_DEVICE:-cuda}")
-  (cd "$w" && python3 -m oscar eval-shared threads="${NIAH_THREADS:-8}" "${args[@]}") 2>&1 | grep --line-buffered -v -E "FutureWarning|return forward_call"
+  # NIAH_LIMIT_S ends the cells in time to pack what is done (items.partial.jsonl; a second run resumes per item)
+  local rc=0
+  (cd "$w" && timeout "${NIAH_LIMIT_S:-540}" python3 -m oscar eval-shared threads="${NIAH_THREADS:-8}" "${args[@]}") 2>&1 |
+    grep --line-buffered -v -E "FutureWarning|return forward_call" || rc=$?
+  echo "eval-shared exit status $rc"
   tar -czf "$out/niah_cells.tgz" -C "$root" .
   echo "cells: $(tar -tzf "$out/niah_cells.tgz" | grep -c 'items.jsonl$') items.jsonl in $out/niah_cells.tgz"
 }
