@@ -12,11 +12,19 @@
 # travels in pieces over back-to-back calls of one warm machine (it is released after ~30 s idle):
 #   here:   bash benchmarks/gpu_niah.sh pack /work/main/.dev/niah     (-> p00: site packages + tree + calibration +
 #           the first GGUF piece; p01..p08: 54 MiB pieces; pNN/NAME.part in order concatenate to the GGUF)
-#   device, one call per piece, in order (each carries one path and moves it out of the carried folder):
-#           carry [".dev/niah/pNN"], command: mkdir -p .dev/niah_acc && mv .dev/niah/pNN .dev/niah_acc/
-#   device, with the last piece:  ... && bash .dev/niah_acc/p00/tree/benchmarks/gpu_niah.sh run .dev/niah_acc
+#   device, one call per piece, in order, each within the machine's 30 s idle release of the last:
+#           carry [".dev/niah/pNN"], command: mkdir -p /tmp/niah_acc && mv .dev/niah/pNN /tmp/niah_acc/
+#           (/tmp, not the repo copy: ignored folders there that a call does not carry were gone at the next
+#           call, measured 2026-12-02; /tmp kept its files; a warm piece call cost 4-10 s of lease)
+#   device, with the last piece:  ... && bash /tmp/niah_acc/p00/tree/benchmarks/gpu_niah.sh run /tmp/niah_acc
 #           (assembles and checks the GGUF's sha256, runs the four cells, writes $OUT/niah_cells.tgz and
-#           $OUT/niah_gpu.log with a UNIX time stamp on every line: the per-item wall time).
+#           $OUT/niah_gpu.log with a UNIX time stamp on every line: the per-item wall time). NIAH_LIMIT_S ends
+#           the cells in time to pack what is done; `run` again resumes per item on a warm machine.
+#   RESUME_DIR=<root holding MODEL/METHOD/niah/seed0/items.partial.jsonl> at `pack` time sends the items already
+#   done (a partial run's niah_cells.tgz, unpacked), so a fresh machine only runs the rest.
+# Measured on one H200 (2026-12-02, torch backend, fp32 model): prefill 0.1 s per 4k and 0.3 s per 8k haystack,
+# but 25 s (4k) and 28.5 s (8k) wall per item for the four methods: the rest (filling each method's cache from the
+# rows, ~50 decode steps per method through it) dominates; not profiled yet.
 set -euo pipefail
 MODEL=qwen2.5-coder-0.5b
 METHODS=(bf16 int2 kivi2 auto)
@@ -42,9 +50,16 @@ print(gguf_path(compose(['model=$MODEL']).model) or '')")
     [ -f "$calib/$m/meta.json" ] || { echo "no calibration artifact $calib/$m (CALIB_DIR=.../calibration/$MODEL)" >&2; exit 2; }
   done
   rm -rf "$dest" && mkdir -p "$dest/p00/tree" "$dest/p00/results/calibration/$MODEL"
-  # pure-Python packages the GPU image lacks (KINDS.md list): Hydra, OmegaConf, antlr4, gguf, the essays
+  if [ -n "${RESUME_DIR:-}" ]; then
+    for m in "${METHODS[@]}"; do
+      local part=$RESUME_DIR/$MODEL/$m/niah/seed0/items.partial.jsonl
+      [ -f "$part" ] && mkdir -p "$dest/p00/resume/$MODEL/$m/niah/seed0" && cp "$part" "$dest/p00/resume/$MODEL/$m/niah/seed0/"
+    done
+  fi
+  # pure-Python packages the GPU image lacks (KINDS.md list): Hydra, OmegaConf, antlr4, gguf, the essays, the
+  # needle words
   python -m pip install -q --no-deps --no-compile --target "$dest/p00/site" -c envs/constraints.txt \
-    hydra-core omegaconf antlr4-python3-runtime==4.9.3 gguf needlehaystack==0.1.0
+    hydra-core omegaconf antlr4-python3-runtime==4.9.3 gguf needlehaystack==0.1.0 wonderwords
   git ls-files -co --exclude-standard oscar conf kernels benchmarks pyproject.toml | tar -cf - -T - | tar -xf - -C "$dest/p00/tree"
   cp -r "$calib/auto" "$calib/int2" "$dest/p00/results/calibration/$MODEL/"
   local size off=0 i=0 n
@@ -88,6 +103,7 @@ run_cells() {  # NIAH_DEVICE (cuda), NIAH_THREADS (8): the CPU dry run of this l
   rm -rf "$w" && cp -r "$acc/p00/tree" "$w" && rm -rf "$w/oscar/kernels" && cp -r "$w/kernels" "$w/oscar/kernels"
   export PYTHONPATH="$w:$acc/p00/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
   local root=$acc/eval
+  [ -d "$root" ] || [ ! -d "$acc/p00/resume" ] || cp -r "$acc/p00/resume" "$root"
   mapfile -t args < <(cells "$acc/p00/results" "$root" "${NIAH_DEVICE:-cuda}")
   # NIAH_LIMIT_S ends the cells in time to pack what is done (items.partial.jsonl; a second run resumes per item)
   local rc=0
@@ -95,7 +111,8 @@ run_cells() {  # NIAH_DEVICE (cuda), NIAH_THREADS (8): the CPU dry run of this l
     grep --line-buffered -v -E "FutureWarning|return forward_call" || rc=$?
   echo "eval-shared exit status $rc"
   tar -czf "$out/niah_cells.tgz" -C "$root" .
-  echo "cells: $(tar -tzf "$out/niah_cells.tgz" | grep -c 'items.jsonl$') items.jsonl in $out/niah_cells.tgz"
+  echo "cells: $(tar -tzf "$out/niah_cells.tgz" | grep -c 'items.jsonl$') finished, $(tar -tzf "$out/niah_cells.tgz" |
+    grep -c 'items.partial.jsonl$') partial in $out/niah_cells.tgz"
 }
 
 case "${1:-}" in
