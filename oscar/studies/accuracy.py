@@ -200,11 +200,13 @@ def _bar_figure(rows: list[dict[str, Any]], key: str, labels: list[str], ylabel:
     tmp.replace(path)
 
 
-def write_reports(results: Path, model: str, out_dir: Path, header: str = "") -> dict[str, list[dict[str, Any]]]:
-    """Write humaneval.{csv,md,png} and niah.{csv,md,png} under `out_dir`; returns the rows."""
+def write_reports(results: Path, model: str, out_dir: Path, header: str = "",
+                  only: Optional[str] = None) -> dict[str, list[dict[str, Any]]]:
+    """Write humaneval.{csv,md,png} and niah.{csv,md,png} under `out_dir` (`only`: one of the two); returns the rows."""
     from oscar.stats import atomic_write_text
 
-    he, nh = humaneval_rows(results, model), niah_rows(results, model)
+    he = humaneval_rows(results, model) if only in (None, "humaneval") else []
+    nh = niah_rows(results, model) if only in (None, "niah") else []
     if he:
         atomic_write_text(out_dir / "humaneval.csv", _csv(he, HUMANEVAL_COLUMNS))
         atomic_write_text(out_dir / "humaneval.md", humaneval_markdown(he, header))
@@ -222,8 +224,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
     parser.add_argument("--out-dir", default="reports/accuracy")
     parser.add_argument("--header", default="", help="Markdown text above the tables (hardware, command)")
+    parser.add_argument("--only", choices=["humaneval", "niah"], default=None,
+                        help="write one of the two reports (each has its own header)")
     args = parser.parse_args(argv)
-    rows = write_reports(Path(args.results), args.model, Path(args.out_dir), args.header)
+    rows = write_reports(Path(args.results), args.model, Path(args.out_dir), args.header, args.only)
     if not rows["humaneval"] and not rows["niah"]:
         print(f"no humaneval or niah cells under {args.results}/eval/{args.model}/")
         return 1
