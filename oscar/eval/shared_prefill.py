@@ -268,9 +268,11 @@ def run_cells(cfgs: Sequence[Any], out_dirs: Sequence[Path], progress: bool = Tr
     return results  # type: ignore[return-value]
 
 
-def _run_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log: Callable[[str], None]) -> list[dict]:
-    from oscar.eval.runner import (PARTIAL_FILE, _read_partial, cell_config_hash, generation_prompt, grade_generation,
-                                   prepare_items, write_cell)
+def _setup(cfgs: Sequence[Any], dirs: list[Path]) -> tuple:
+    """What both kinds of shared run start from: the start time, the first cell, the model and tokenizer, each
+    method's `MethodRun`, the items and notes, each cell's hash and the records it already holds, the sampling,
+    a tokenizer view for `generation_prompt`, the EOS ids and a decoder."""
+    from oscar.eval.runner import PARTIAL_FILE, _read_partial, cell_config_hash, prepare_items
     from oscar.engine import eos_token_ids
     from oscar.models import load_model
 
@@ -283,10 +285,16 @@ def _run_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log: Calla
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
     done = [_read_partial(d / PARTIAL_FILE, h) for d, h in zip(dirs, hashes)]
-    params = _sampling(first)
     engine_view = SimpleNamespace(tokenizer=tok)  # generation_prompt reads the tokenizer only
-    eos_ids = eos_token_ids(tok, model)
     decode = lambda t: tok.decode(t, skip_special_tokens=True)  # noqa: E731
+    return (start, first, model, tok, runs, items, notes, hashes, done, _sampling(first), engine_view,
+            eos_token_ids(tok, model), decode)
+
+
+def _run_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log: Callable[[str], None]) -> list[dict]:
+    from oscar.eval.runner import PARTIAL_FILE, generation_prompt, grade_generation, write_cell
+
+    start, first, model, tok, runs, items, notes, hashes, done, params, engine_view, eos_ids, decode = _setup(cfgs, dirs)
     perf = [{"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_steps": 0} for _ in cfgs]
     files = [open(d / PARTIAL_FILE, "a", encoding="utf-8") for d in dirs]
     try:
@@ -347,28 +355,13 @@ def _run_stream_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log
     `benchmark.batch_size` requests per decode step) whose joining requests get caches filled from those rows
     instead of a prefill pass. Records stream to each method's `items.partial.jsonl` as requests end, and each
     method's cell is written as soon as its stream ends."""
-    from oscar.eval.runner import (PARTIAL_FILE, _read_partial, cell_config_hash, generation_prompt, grade_generation,
-                                   prepare_items, write_cell)
-    from oscar.engine import eos_token_ids
+    from oscar.eval.runner import PARTIAL_FILE, generation_prompt, grade_generation, write_cell
     from oscar.generate import generate_continuous
-    from oscar.models import load_model
 
-    start = time.monotonic()
-    first = cfgs[0]
-    model, tok = load_model(first.model, device=str(first.device) if str(first.device) != "auto" else None)
-    runs = [MethodRun.from_config(cfg, model) for cfg in cfgs]
-    items, notes = prepare_items(first, tok)
-    hashes = [cell_config_hash(cfg) for cfg in cfgs]
-    for d in dirs:
-        d.mkdir(parents=True, exist_ok=True)
-    done = [_read_partial(d / PARTIAL_FILE, h) for d, h in zip(dirs, hashes)]
-    params = _sampling(first)
-    engine_view = SimpleNamespace(tokenizer=tok)
+    start, first, model, tok, runs, items, notes, hashes, done, params, engine_view, eos_ids, decode = _setup(cfgs, dirs)
     prompts = [generation_prompt(engine_view, first, item) for item in items]
     encoded = [list(tok(p, add_special_tokens=True)["input_ids"]) for p in prompts]  # as Engine._encode
-    eos_ids = eos_token_ids(tok, model)
     pad = int(tok.pad_token_id if tok.pad_token_id is not None else (eos_ids[0] if eos_ids else 0))
-    decode = lambda t: tok.decode(t, skip_special_tokens=True)  # noqa: E731
     need = [i for i, item in enumerate(items) if any(item.id not in d for d in done)]
     store: dict[int, tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = {}
     t0 = time.perf_counter()
