@@ -175,7 +175,7 @@ def test_a_stream_fed_shared_rows_generates_what_its_own_prefill_does(smollm2, s
     same arithmetic: the tokens are equal. The prompts (~150 tokens) are longer than the 16/64 windows, so
     every answer token reads INT2 rows."""
     from oscar.eval.runner import generation_prompt, prepare_items
-    from oscar.eval.shared_prefill import filled_cache, prefill_prompt
+    from oscar.eval.shared_prefill import filled_batch, prefill_prompt
     from oscar.generate import generate_continuous
 
     model, tok, _ = smollm2
@@ -189,10 +189,7 @@ def test_a_stream_fed_shared_rows_generates_what_its_own_prefill_does(smollm2, s
     params = SamplingParams(max_new_tokens=12)
 
     def fill(group):
-        caches = [filled_cache(model, run, store[j][0]) for j in group]
-        for extra in caches[1:]:
-            caches[0].batch_extend(extra)
-        return caches[0], torch.cat([store[j][1] for j in group])
+        return filled_batch(model, run, [store[j] for j in group])
 
     from oscar import attention
 

@@ -135,6 +135,15 @@ def filled_cache(model: Any, run: "MethodRun", rows: Sequence[tuple[torch.Tensor
     return cache
 
 
+def filled_batch(model: Any, run: "MethodRun", prefills: Sequence[tuple[list, torch.Tensor]]) -> tuple[OscarCache, torch.Tensor]:
+    """A joining group for `generate_continuous`'s `prefill` hook: one cache holding each `prefill_prompt` result
+    of `prefills` as a row (in order, merged with `batch_extend`) and their last logits `[len(prefills), vocab]`."""
+    caches = [filled_cache(model, run, rows) for rows, _ in prefills]
+    for extra in caches[1:]:
+        caches[0].batch_extend(extra)
+    return caches[0], torch.cat([logits for _, logits in prefills])
+
+
 def _last_only(model: Any) -> dict:
     from oscar.generate import _last_logits_only
 
@@ -370,7 +379,8 @@ def _run_stream_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log
         if progress and ((n + 1) % 16 == 0 or n + 1 == len(need)):
             log(f"shared prefill: {n + 1}/{len(need)} prompts, {time.perf_counter() - t0:.0f}s")
     prefill_s = time.perf_counter() - t0
-    users = {i: sum(items[i].id not in d for d in done) for i in need}
+    users = {i: sum(items[i].id not in d for d in done) for i in need}  # methods sharing each prefill
+    need_tokens = sum(len(encoded[i]) for i in need)
     device = str(next(model.parameters()).device)
 
     def finish(m: int, p: dict) -> dict:  # a method's cell is written as soon as its stream ends
@@ -401,10 +411,7 @@ def _run_stream_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log
             handle = fold_value_rotations(model, run.rotations)  # type: ignore[arg-type]
 
         def fill(group: list[int], run: MethodRun = run, todo: list[int] = todo) -> tuple[OscarCache, torch.Tensor]:
-            caches = [filled_cache(model, run, store[todo[j]][0]) for j in group]
-            for extra in caches[1:]:
-                caches[0].batch_extend(extra)
-            return caches[0], torch.cat([store[todo[j]][1] for j in group])
+            return filled_batch(model, run, [store[todo[j]] for j in group])
 
         with open(d / PARTIAL_FILE, "a", encoding="utf-8") as fh:
             def finished(j: int, ids: list[int], info: dict, m: int = m, todo: list[int] = todo, fh: Any = fh) -> None:
@@ -430,9 +437,9 @@ def _run_stream_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log
         if progress:
             log(f"{cfg.method.name}: {len(todo)} items in {time.perf_counter() - t1:.0f}s, "
                 f"pass {sum(ok)}/{len(ok)}")
-        share = sum(prefill_s * len(encoded[i]) / sum(len(encoded[k]) for k in need) / users[i] for i in todo)
+        share = sum(prefill_s * len(encoded[i]) / need_tokens / users[i] for i in todo)
         out.append(finish(m, {"prefill_s": share, "prefill_tokens": sum(len(encoded[i]) for i in todo), **stats}))
     return out
 
 
-__all__ = ["MethodRun", "RecordingCache", "STREAM_FAMILIES", "check_group", "complete", "filled_cache", "prefill_prompt", "prefill_rows", "run_cells", "split_prompt"]
+__all__ = ["MethodRun", "RecordingCache", "STREAM_FAMILIES", "check_group", "complete", "filled_batch", "filled_cache", "prefill_prompt", "prefill_rows", "run_cells", "split_prompt"]
