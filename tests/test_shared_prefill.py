@@ -153,8 +153,15 @@ def test_cells_of_other_models_or_one_method_twice_are_refused() -> None:
 
     with pytest.raises(ValueError, match="seed"):
         check_group([_cfg("bf16"), _cfg("int2", "seed=1")])
-    with pytest.raises(ValueError, match="repeat"):
+    with pytest.raises(ValueError, match="repeat one method configuration"):
         check_group([_cfg("bf16"), _cfg("bf16")])
+    # the same method with other windows is another cell, labelled by its windows
+    from oscar.eval.shared_prefill import cell_labels
+
+    pair = [_cfg("int2"), _cfg("int2", "method.recent=96")]
+    check_group(pair)
+    assert cell_labels(pair) == [f"int2@{pair[0].method.sink}/{pair[0].method.recent}", f"int2@{pair[1].method.sink}/96"]
+    assert cell_labels([_cfg("bf16"), pair[0]]) == ["bf16", "int2"]
     with pytest.raises(ValueError, match="niah"):
         check_group([compose(["model=smollm2-135m", "method=bf16", "benchmark=humaneval"])])
 

@@ -233,15 +233,26 @@ def check_group(cfgs: Sequence[Any]) -> None:
                            ("seed", cfg.seed, first.seed), ("sampling", _sampling(cfg), _sampling(first))):
             if a != b:
                 raise ValueError(f"cells of one shared prefill must agree on the {what}: {a!r} vs {b!r}")
-    names = [str(c.method.name) for c in cfgs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"methods {names} repeat one method; each method is one cell")
+    from omegaconf import OmegaConf
+
+    methods = [json.dumps(OmegaConf.to_container(c.method, resolve=True), sort_keys=True, default=str) for c in cfgs]
+    if len(set(methods)) != len(methods):
+        labels = cell_labels(cfgs)
+        raise ValueError(f"cells {labels} repeat one method configuration; each method configuration is one cell "
+                         "(the same method with other windows or options is another cell)")
     family = first.benchmark.family
     if family != "niah" and not (family in STREAM_FAMILIES and first.benchmark.extra.get("continuous", False)):
         raise ValueError(f"shared prefills serve needle benchmarks (family niah) and generated benchmarks with "
                          f"continuous batching (families {', '.join(STREAM_FAMILIES)} with benchmark.extra.continuous="
                          f"true), not {first.benchmark.name!r} (family {family!r}, continuous="
                          f"{bool(first.benchmark.extra.get('continuous', False))})")
+
+
+def cell_labels(cfgs: Sequence[Any]) -> list[str]:
+    """Each cell's method name, with its sink/recent windows where several cells share the name (`auto@16/96`)."""
+    names = [str(c.method.name) for c in cfgs]
+    return [f"{n}@{c.method.get('sink')}/{c.method.get('recent')}" if names.count(n) > 1 else n
+            for n, c in zip(names, cfgs)]
 
 
 STREAM_FAMILIES = ("code", "math")  # generated answers, graded per item
@@ -304,6 +315,7 @@ def _run_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log: Calla
     from oscar.eval.runner import PARTIAL_FILE, generation_prompt, grade_generation, write_cell
 
     start, first, model, tok, runs, items, notes, hashes, done, params, engine_view, eos_ids, decode = _setup(cfgs, dirs)
+    labels = cell_labels(cfgs)
     perf = [{"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_steps": 0} for _ in cfgs]
     files = [open(d / PARTIAL_FILE, "a", encoding="utf-8") for d in dirs]
     try:
@@ -334,7 +346,7 @@ def _run_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log: Calla
                 p["decode_s"] += time.perf_counter() - t1
                 p["decode_steps"] += len(ids) - split + res["steps"]
             if progress:
-                scores = " ".join(f"{cfgs[m].method.name}={done[m][item.id]['score']:.0f}" for m in todo)
+                scores = " ".join(f"{labels[m]}={done[m][item.id]['score']:.0f}" for m in todo)
                 log(f"[{n + 1}/{len(items)}] {item.id}: {len(ids)} tokens, prefill {prefill_s:.1f}s; {scores}")
             del rows
     finally:
@@ -351,7 +363,7 @@ def _run_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log: Calla
         if bits:
             metrics["mem.kv_bits_per_element"] = sum(bits) / len(bits)
         cell_notes = notes + [f"shared prefill: one BF16 prefill per haystack for {len(cfgs)} methods "
-                              f"({', '.join(str(c.method.name) for c in cfgs)}); the question and the answer decoded "
+                              f"({', '.join(labels)}); the question and the answer decoded "
                               "token by token through this method's cache"]
         out.append(write_cell(cfg, d, items, rec, cell_notes, h, start, str(next(model.parameters()).device), metrics))
     return out
@@ -368,6 +380,7 @@ def _run_stream_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log
     from oscar.generate import generate_continuous
 
     start, first, model, tok, runs, items, notes, hashes, done, params, engine_view, eos_ids, decode = _setup(cfgs, dirs)
+    labels = cell_labels(cfgs)
     prompts = [generation_prompt(engine_view, first, item) for item in items]
     encoded = [list(tok(p, add_special_tokens=True)["input_ids"]) for p in prompts]  # as Engine._encode
     pad = int(tok.pad_token_id if tok.pad_token_id is not None else (eos_ids[0] if eos_ids else 0))
@@ -394,7 +407,7 @@ def _run_stream_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log
         if bits:
             metrics["mem.kv_bits_per_element"] = sum(bits) / len(bits)
         cell_notes = notes + [f"shared prefill: one BF16 prefill per prompt for {len(cfgs)} methods "
-                              f"({', '.join(str(c.method.name) for c in cfgs)}); each method's requests then joined "
+                              f"({', '.join(labels)}); each method's requests then joined "
                               "its continuous batch with a cache filled from those rows"]
         return write_cell(cfgs[m], dirs[m], items, done[m], cell_notes, hashes[m], start, device, metrics)
 
@@ -435,11 +448,11 @@ def _run_stream_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log
                     handle.undo()
         ok = [bool(r.get("correct")) for r in done[m].values()]
         if progress:
-            log(f"{cfg.method.name}: {len(todo)} items in {time.perf_counter() - t1:.0f}s, "
+            log(f"{labels[m]}: {len(todo)} items in {time.perf_counter() - t1:.0f}s, "
                 f"pass {sum(ok)}/{len(ok)}")
         share = sum(prefill_s * len(encoded[i]) / need_tokens / users[i] for i in todo)
         out.append(finish(m, {"prefill_s": share, "prefill_tokens": sum(len(encoded[i]) for i in todo), **stats}))
     return out
 
 
-__all__ = ["MethodRun", "RecordingCache", "STREAM_FAMILIES", "check_group", "complete", "filled_batch", "filled_cache", "prefill_prompt", "prefill_rows", "run_cells", "split_prompt"]
+__all__ = ["MethodRun", "RecordingCache", "STREAM_FAMILIES", "cell_labels", "check_group", "complete", "filled_batch", "filled_cache", "prefill_prompt", "prefill_rows", "run_cells", "split_prompt"]
