@@ -34,6 +34,11 @@
 # cache from the rows, ~50 decode steps per method through it) dominates; not profiled yet.
 set -euo pipefail
 MODEL=qwen2.5-coder-0.5b
+# `run ACC` takes the table and its cells from what `pack` wrote (before the table's arguments are set up)
+if [ "${1:-}" = run ] && [ -f "${2:-}/p00/table.env" ]; then
+  # shellcheck disable=SC1091
+  source "$2/p00/table.env"
+fi
 TABLE=${TABLE:-niah}
 case "$TABLE" in
   niah)
@@ -106,8 +111,6 @@ print(gguf_path(compose(['model=$MODEL']).model) or '')")
 run() {  # ACC: the folder the pieces were moved to (on the GPU machine); every output line time-stamped
   local out=${OUT:-$PWD/gpu_out}
   mkdir -p "$out"
-  # shellcheck disable=SC1091
-  [ -f "$1/p00/table.env" ] && source "$1/p00/table.env"
   run_cells "$@" 2>&1 | while IFS= read -r l; do printf '%s %s\n' "$(date +%s.%N)" "$l"; done | tee "$out/${TABLE}_gpu.log"
 }
 

@@ -51,3 +51,27 @@ def test_humaneval_and_niah_tables(tmp_path):
     assert niah[("bf16", 8192)]["score"] == 0.5 and niah[("int2", 4096)]["diff_vs_bf16"] == pytest.approx(-0.5)
     assert (tmp_path / "out" / "niah.png").stat().st_size > 0
     assert accuracy.main(["--results", str(tmp_path / "none"), "--model", "m", "--out-dir", str(tmp_path / "x")]) == 1
+
+
+def test_humaneval_versus_another_cell_and_agreement_with_another_run(tmp_path):
+    ids = [f"HumanEval/{i}" for i in range(8)]
+    gpu, cpu = tmp_path / "gpu", tmp_path / "cpu"
+    _cell(gpu, "bf16", "humaneval", [{"id": i, "correct": True, "prediction": "a"} for i in ids])
+    _cell(gpu, "kivi2", "humaneval", [{"id": i, "correct": k < 6, "prediction": "k"} for k, i in enumerate(ids)])
+    _cell(gpu, "auto@16x96", "humaneval", [{"id": i, "correct": k < 4, "prediction": "w"} for k, i in enumerate(ids)])
+    # the other run holds bf16 on six problems, one with another verdict and completion, and no window variant
+    _cell(cpu, "bf16", "humaneval", [{"id": i, "correct": k != 0, "prediction": "a" if k else "b"}
+                                     for k, i in enumerate(ids[:6])])
+    rows = accuracy.write_reports(gpu, "m", tmp_path / "out", only="humaneval", versus=["kivi2"], agree_with=cpu)
+    he = {r["method"]: r for r in rows["humaneval"]}
+    assert he["auto@16x96"]["diff_vs_kivi2"] == pytest.approx(-0.25)  # 4/8 against 6/8 on the same problems
+    assert he["auto@16x96"]["diff_vs_kivi2_lo"] <= -0.25 <= he["auto@16x96"]["diff_vs_kivi2_hi"]
+    assert "diff_vs_kivi2" not in he["kivi2"] and he["bf16"]["diff_vs_kivi2"] == pytest.approx(0.25)
+    assert (he["bf16"]["n_common"], he["bf16"]["agree_pass"], he["bf16"]["agree_prediction"]) == (6, 5, 5)
+    assert "n_common" not in he["auto@16x96"]  # no cell of that name in the other run
+    md = (tmp_path / "out" / "humaneval.md").read_text()
+    assert "paired diff to kivi2" in md and "| 5 / 5 of 6 |" in md and "(reference)" in md
+    with open(tmp_path / "out" / "humaneval.csv") as fh:
+        assert {"diff_vs_kivi2", "diff_vs_kivi2_lo", "agree_pass"} <= set(next(csv.DictReader(fh)))
+    assert accuracy.main(["--results", str(gpu), "--model", "m", "--out-dir", str(tmp_path / "x"),
+                          "--only", "humaneval", "--versus", "int4"]) == 2  # names the cells there

@@ -9,6 +9,11 @@ Reads `results/eval/<model>/<method>/{humaneval,niah}/seed0/` (`result.json` + `
 items of the bits per cached K/V element measured from each request's cache rows when it finished (prompt
 and completion), so it covers the BF16 windows, the INT pages in use (whole pages) and their scales.
 The paired difference to BF16 resamples problems (the same problems for both methods).
+
+HumanEval options: `--versus METHOD` (repeatable) adds the paired difference of every row to that row's method
+(columns `diff_vs_<METHOD>`, `_lo`, `_hi`), e.g. a window variant against KIVI-2; `--agree-with ROOT` compares each
+cell with the cell of the same name under another results root (another engine or device) on the problems both
+hold: `agree_pass` problems with the same verdict, `agree_prediction` with the same completion, `n_common`.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import argparse
 import json
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from oscar.eval.runner import ITEMS_FILE, PARTIAL_FILE, RESULT_FILE
 from oscar.eval.stats import bootstrap_mean_ci, paired_bootstrap
@@ -72,11 +77,16 @@ def _row(method: str, values: dict[str, float], ref: Optional[dict[str, float]],
     return row
 
 
-def humaneval_rows(results: Path, model: str) -> list[dict[str, Any]]:
-    """One row per method with a HumanEval cell (finished or partial)."""
+def humaneval_rows(results: Path, model: str, versus: Sequence[str] = (),
+                   agree_with: Optional[Path] = None) -> list[dict[str, Any]]:
+    """One row per method with a HumanEval cell (finished or partial); `versus` and `agree_with` as the module says."""
     root = results / "eval" / model
     cells = {m: read_cell(root / m / "humaneval" / "seed0") for m in _methods(root, "humaneval")}
     cells = {m: c for m, c in cells.items() if c}
+    missing = [v for v in versus if v not in cells]
+    if missing:
+        raise ValueError(f"--versus {', '.join(missing)}: no HumanEval cell of that name under {root}; "
+                         f"cells there: {', '.join(cells) or 'none'}")
     ref = None
     if "bf16" in cells:
         ref = {r["id"]: float(bool(r.get("correct"))) for r in cells["bf16"][1]}
@@ -88,8 +98,27 @@ def humaneval_rows(results: Path, model: str) -> list[dict[str, Any]]:
         row["pass_at_1"] = row.pop("_mean")
         row["wall_s"] = None if result is None else result.get("wall_s")
         row["hardware"] = None if result is None else (result.get("hardware") or {}).get("cpu")
+        for other in versus:
+            if other == method:
+                continue
+            theirs = {r["id"]: float(bool(r.get("correct"))) for r in cells[other][1] if r["id"] in values}
+            d = paired_bootstrap({(k, 0): values[k] for k in theirs}, {(k, 0): v for k, v in theirs.items()})
+            row.update({f"diff_vs_{other}": d["diff"], f"diff_vs_{other}_lo": d["lo"], f"diff_vs_{other}_hi": d["hi"]})
+        if agree_with is not None:
+            row.update(_agreement(records, read_cell(agree_with / "eval" / model / method / "humaneval" / "seed0")))
         rows.append(row)
     return rows
+
+
+def _agreement(records: list[dict], other: Optional[tuple[Optional[dict], list[dict]]]) -> dict[str, Any]:
+    """Problems where another run of the same cell gave the same verdict / the same completion."""
+    if not other:
+        return {}
+    theirs = {r["id"]: r for r in other[1]}
+    common = [r for r in records if r["id"] in theirs]
+    return {"n_common": len(common),
+            "agree_pass": sum(bool(r.get("correct")) == bool(theirs[r["id"]].get("correct")) for r in common),
+            "agree_prediction": sum(r.get("prediction") == theirs[r["id"]].get("prediction") for r in common)}
 
 
 def niah_rows(results: Path, model: str) -> list[dict[str, Any]]:
@@ -142,13 +171,28 @@ def _diff(r: dict[str, Any]) -> str:
     return f"{_pct(r['diff_vs_bf16'], True)} [{_pct(r['diff_ci_lo'], True)}, {_pct(r['diff_ci_hi'], True)}]"
 
 
-def humaneval_markdown(rows: list[dict[str, Any]], header: str) -> str:
-    lines = [header, "", "| method | pass@1 (%) [95% CI] | bits / element | n | paired diff to BF16 (pts) [95% CI] |",
-             "|---|---|---|---|---|"]
+def _versus(r: dict[str, Any], other: str) -> str:
+    if r["method"] == other:
+        return "(reference)"
+    if r.get(f"diff_vs_{other}") is None:
+        return "-"
+    return (f"{_pct(r[f'diff_vs_{other}'], True)} [{_pct(r[f'diff_vs_{other}_lo'], True)}, "
+            f"{_pct(r[f'diff_vs_{other}_hi'], True)}]")
+
+
+def humaneval_markdown(rows: list[dict[str, Any]], header: str, versus: Sequence[str] = ()) -> str:
+    agree = any("n_common" in r for r in rows)
+    head = ["method", "pass@1 (%) [95% CI]", "bits / element", "n", "paired diff to BF16 (pts) [95% CI]"]
+    head += [f"paired diff to {v} (pts) [95% CI]" for v in versus]
+    head += ["same verdict / same completion as the other run"] if agree else []
+    lines = [header, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         n = f"{r['n']}" + ("" if r["complete"] else " (running)")
-        lines.append(f"| {r['method']} | {_pct(r['pass_at_1'])} [{_pct(r['ci_lo'])}, {_pct(r['ci_hi'])}] | "
-                     f"{r['bits_per_element']:.2f} | {n} | {_diff(r)} |")
+        cells = [r["method"], f"{_pct(r['pass_at_1'])} [{_pct(r['ci_lo'])}, {_pct(r['ci_hi'])}]",
+                 f"{r['bits_per_element']:.2f}", n, _diff(r)] + [_versus(r, v) for v in versus]
+        if agree:
+            cells.append(f"{r['agree_pass']} / {r['agree_prediction']} of {r['n_common']}" if "n_common" in r else "-")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -200,16 +244,18 @@ def _bar_figure(rows: list[dict[str, Any]], key: str, labels: list[str], ylabel:
     tmp.replace(path)
 
 
-def write_reports(results: Path, model: str, out_dir: Path, header: str = "",
-                  only: Optional[str] = None) -> dict[str, list[dict[str, Any]]]:
+def write_reports(results: Path, model: str, out_dir: Path, header: str = "", only: Optional[str] = None,
+                  versus: Sequence[str] = (), agree_with: Optional[Path] = None) -> dict[str, list[dict[str, Any]]]:
     """Write humaneval.{csv,md,png} and niah.{csv,md,png} under `out_dir` (`only`: one of the two); returns the rows."""
     from oscar.stats import atomic_write_text
 
-    he = humaneval_rows(results, model) if only in (None, "humaneval") else []
+    he = humaneval_rows(results, model, versus, agree_with) if only in (None, "humaneval") else []
     nh = niah_rows(results, model) if only in (None, "niah") else []
     if he:
-        atomic_write_text(out_dir / "humaneval.csv", _csv(he, HUMANEVAL_COLUMNS))
-        atomic_write_text(out_dir / "humaneval.md", humaneval_markdown(he, header))
+        columns = HUMANEVAL_COLUMNS + [f"diff_vs_{v}{s}" for v in versus for s in ("", "_lo", "_hi")]
+        columns += ["n_common", "agree_pass", "agree_prediction"] if agree_with is not None else []
+        atomic_write_text(out_dir / "humaneval.csv", _csv(he, columns))
+        atomic_write_text(out_dir / "humaneval.md", humaneval_markdown(he, header, versus))
         humaneval_figure(he, out_dir / "humaneval.png")
     if nh:
         atomic_write_text(out_dir / "niah.csv", _csv(nh, NIAH_COLUMNS))
@@ -226,14 +272,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--header", default="", help="Markdown text above the tables (hardware, command)")
     parser.add_argument("--only", choices=["humaneval", "niah"], default=None,
                         help="write one of the two reports (each has its own header)")
+    parser.add_argument("--versus", action="append", default=[], metavar="METHOD",
+                        help="HumanEval: also the paired difference of every row to this cell (repeatable)")
+    parser.add_argument("--agree-with", default=None, metavar="ROOT",
+                        help="HumanEval: compare each cell with the cell of the same name under this results root")
     args = parser.parse_args(argv)
-    rows = write_reports(Path(args.results), args.model, Path(args.out_dir), args.header, args.only)
+    try:
+        rows = write_reports(Path(args.results), args.model, Path(args.out_dir), args.header, args.only, args.versus,
+                             Path(args.agree_with) if args.agree_with else None)
+    except ValueError as exc:
+        print(f"oscar.studies.accuracy: {exc}")
+        return 2
     if not rows["humaneval"] and not rows["niah"]:
         print(f"no humaneval or niah cells under {args.results}/eval/{args.model}/")
         return 1
     for name, part in rows.items():
         if part:
-            print((humaneval_markdown if name == "humaneval" else niah_markdown)(part, f"## {name}"))
+            print(humaneval_markdown(part, f"## {name}", args.versus) if name == "humaneval"
+                  else niah_markdown(part, f"## {name}"))
     return 0
 
 
