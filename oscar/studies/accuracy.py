@@ -163,21 +163,15 @@ def _pct(x: Any, signed: bool = False) -> str:
     return f"{100 * x:+.1f}" if signed else f"{100 * x:.1f}"
 
 
-def _diff(r: dict[str, Any]) -> str:
-    if r["method"] == "bf16":
-        return "(reference)"
-    if r.get("diff_vs_bf16") is None:
-        return "-"
-    return f"{_pct(r['diff_vs_bf16'], True)} [{_pct(r['diff_ci_lo'], True)}, {_pct(r['diff_ci_hi'], True)}]"
-
-
-def _versus(r: dict[str, Any], other: str) -> str:
+def _diff(r: dict[str, Any], other: str = "bf16") -> str:
+    """`r`'s paired difference to `other` as Markdown (the BF16 columns keep their `diff_ci_*` names)."""
     if r["method"] == other:
         return "(reference)"
-    if r.get(f"diff_vs_{other}") is None:
+    key = f"diff_vs_{other}"
+    lo, hi = ("diff_ci_lo", "diff_ci_hi") if other == "bf16" else (f"{key}_lo", f"{key}_hi")
+    if r.get(key) is None:
         return "-"
-    return (f"{_pct(r[f'diff_vs_{other}'], True)} [{_pct(r[f'diff_vs_{other}_lo'], True)}, "
-            f"{_pct(r[f'diff_vs_{other}_hi'], True)}]")
+    return f"{_pct(r[key], True)} [{_pct(r[lo], True)}, {_pct(r[hi], True)}]"
 
 
 def humaneval_markdown(rows: list[dict[str, Any]], header: str, versus: Sequence[str] = ()) -> str:
@@ -189,7 +183,7 @@ def humaneval_markdown(rows: list[dict[str, Any]], header: str, versus: Sequence
     for r in rows:
         n = f"{r['n']}" + ("" if r["complete"] else " (running)")
         cells = [r["method"], f"{_pct(r['pass_at_1'])} [{_pct(r['ci_lo'])}, {_pct(r['ci_hi'])}]",
-                 f"{r['bits_per_element']:.2f}", n, _diff(r)] + [_versus(r, v) for v in versus]
+                 f"{r['bits_per_element']:.2f}", n, _diff(r)] + [_diff(r, v) for v in versus]
         if agree:
             cells.append(f"{r['agree_pass']} / {r['agree_prediction']} of {r['n_common']}" if "n_common" in r else "-")
         lines.append("| " + " | ".join(cells) + " |")
