@@ -4,7 +4,7 @@ Usage (repo root on the GPU machine, after `source benchmarks/_gpu_copy.sh`):
     python3 benchmarks/bench_decode_mma.py OUTDIR [shapes=sweep|table] [variants=JSON;JSON...]
 
 Random codes are valid in both layouts, so the same inputs time both paths. Each timing replays a CUDA
-graph over input sets several times the L2 (oscar.kernel_bench.time_calls); per shape it
+graph over input sets several times the L2 (oscar.bench.kernel_bench.time_calls); per shape it
 writes one row per variant to OUTDIR/decode_mma_<shapes>.csv and prints a table of the best variant.
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from oscar.files import atomic_write_csv
-from oscar.kernel_bench import DEFAULTS, bench_int2, bench_sdpa, copy_bandwidth
+from oscar.core.files import atomic_write_csv
+from oscar.bench.kernel_bench import DEFAULTS, bench_int2, bench_sdpa, copy_bandwidth
 from oscar.kernels.decode_mma import default_num_splits  # noqa: F401  (variants name their waves)
 
 SHAPES = {

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from oscar.files import atomic_write_csv, atomic_write_text
-from oscar.kernel_bench import DEFAULTS, bench_int2, bench_sdpa, check_against_twin, copy_bandwidth
+from oscar.core.files import atomic_write_csv, atomic_write_text
+from oscar.bench.kernel_bench import DEFAULTS, bench_int2, bench_sdpa, check_against_twin, copy_bandwidth
 
 SHAPES = {
     "table": [(d, b, t) for d in (128, 64) for t in (32768, 131072, 4096) for b in (1, 8, 32, 128)],

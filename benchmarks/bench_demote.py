@@ -15,8 +15,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from oscar.files import atomic_write_csv
-from oscar.kernel_bench import time_calls
+from oscar.core.files import atomic_write_csv
+from oscar.bench.kernel_bench import time_calls
 
 HKV, W, PS = 8, 256, 64
 
@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     from oscar.kernels.quantize import rotate_quantize_pack_pair
-    from oscar.paged import QuantPages
+    from oscar.cache.paged import QuantPages
 
     out = Path(argv[0])
     g = torch.Generator(device="cuda").manual_seed(1)

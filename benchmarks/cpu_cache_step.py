@@ -20,10 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oscar.attention import take_pending  # noqa: E402
-from oscar.cache import CacheSpec, LayerRotations, OscarLayer, SimulatedLayer  # noqa: E402
-from oscar.files import atomic_write_csv  # noqa: E402
-from oscar.rotation import random_orthogonal  # noqa: E402
+from oscar.cache.attention import take_pending  # noqa: E402
+from oscar.cache.torch_cache import CacheSpec, LayerRotations, OscarLayer, SimulatedLayer  # noqa: E402
+from oscar.core.files import atomic_write_csv  # noqa: E402
+from oscar.core.rotation import random_orthogonal  # noqa: E402
 
 B, H, HKV, D = 64, 14, 2, 64
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SGLang serving on the GPU: SGLang's own one-batch benchmark (dummy Qwen3-8B weights, CUDA graphs) with the
-# BF16 backends and with the oscar plugin (python -m oscar.serve.bench), one process per backend and setting.
+# BF16 backends and with the oscar plugin (python -m oscar.bench.sglang_one_batch), one process per backend and setting.
 #   bash benchmarks/gpu_serving.sh            (repo root, on the GPU machine; the bundle at $BUNDLE)
 #   e.g. run(command="cd .dev/s6a && BUNDLE=$PWD/../sglang-gpu SKIP_CHECKS=1 bash benchmarks/gpu_serving.sh",
 #            carry=[".dev/s6a", ".dev/sglang-gpu"]) with this tree copied to .dev/s6a (+ _site)
@@ -11,9 +11,9 @@
 #      --flag=value: more SGLang flags
 #      SKIP_CHECKS=1: skip the contract print and benchmarks/serve_gpu_check.py (device time)
 #      --oscar-synthetic=BxN,... rows timed on a synthetic state (SGLang's own slot allocation, random valid pool
-#      contents, no prefill forward: oscar/serve/synthetic.py); --oscar-profile=BxN,... the decode step under
+#      contents, no prefill forward: oscar/bench/sglang_synthetic.py); --oscar-profile=BxN,... the decode step under
 #      torch.profiler (graph replays and eager steps) into $OUT/profile_rows.jsonl
-# Rows go to $OUT/serving_rows.jsonl (python -m oscar.serve.bench), logs to $OUT/logs/NAME.log;
+# Rows go to $OUT/serving_rows.jsonl (python -m oscar.bench.sglang_one_batch), logs to $OUT/logs/NAME.log;
 # benchmarks/serving_report.py turns the rows into reports/serving/decode.{csv,md,png} and profile.{csv,md}.
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -61,7 +61,7 @@ run() { # NAME TIMEOUT BACKEND SHAPES [OSCAR_X=V | --flag=v ...]
   inputs=$(echo "$shapes" | tr ',' '\n' | cut -dx -f2 | sort -un | tr '\n' ' ')
   echo "== $name: backend=$backend shapes=$shapes $* (t=$(( $(date +%s) - T0 )) s)"
   # shellcheck disable=SC2086
-  env "${envs[@]}" timeout "$limit" python3 -m oscar.serve.bench "${COMMON[@]}" --attention-backend "$backend" \
+  env "${envs[@]}" timeout "$limit" python3 -m oscar.bench.sglang_one_batch "${COMMON[@]}" --attention-backend "$backend" \
     --batch-size $batches --input-len $inputs --oscar-shapes "$shapes" "${extra[@]}" \
     --oscar-out "$OUTDIR/serving_rows.jsonl" --oscar-profile-out "$OUTDIR/profile_rows.jsonl" --oscar-tag "$name" \
     > "$OUTDIR/logs/$name.log" 2>&1

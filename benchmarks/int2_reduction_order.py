@@ -29,7 +29,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "serve")]
 from serve_helpers import SMOLLM2_DENSE, embedded_forced_logprobs, embedded_greedy, run_driver, save_in_code_artifact  # noqa: E402
 from test_engine_smollm2 import NEW_TOKENS, RECENT, SINK, TEXTS  # noqa: E402
 
-from oscar.files import atomic_write_csv, atomic_write_text  # noqa: E402
+from oscar.core.files import atomic_write_csv, atomic_write_text  # noqa: E402
 
 
 def _ulp_perturb(model, seed: int) -> None:

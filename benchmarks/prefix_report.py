@@ -73,7 +73,7 @@ def write_png(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from oscar.files import atomic_write
+    from oscar.core.files import atomic_write
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for tag in sorted({r["tag"] for r in rows}):
@@ -97,7 +97,7 @@ def write_png(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from oscar.files import atomic_write_csv, atomic_write_text
+    from oscar.core.files import atomic_write_csv, atomic_write_text
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rows", nargs="+", type=Path)

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from oscar.kernel_bench import DEFAULTS, _int2_inputs
+from oscar.bench.kernel_bench import DEFAULTS, _int2_inputs
 from oscar.kernels.decode_attention import paged_decode_attention
 
 

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from oscar.files import atomic_write, atomic_write_csv as _write_csv, atomic_write_text as _write_atomic
+from oscar.core.files import atomic_write, atomic_write_csv as _write_csv, atomic_write_text as _write_atomic
 
 COLUMNS = {  # output column -> variant of bench_decode_v10.py
     "int2": {"layout": "mma"},

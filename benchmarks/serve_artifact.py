@@ -3,7 +3,7 @@
     python benchmarks/serve_artifact.py CONFIG_DIR OUT_DIR [--rotation random|identity] [--bits 2] [--mu]
 
 With random weights there is nothing to calibrate; a dense seeded orthogonal ``[Hkv, d, d]`` rotation per
-(layer, KV head) costs the kernels exactly what a calibrated ``U.H.P`` costs (as ``oscar.throughput``'s
+(layer, KV head) costs the kernels exactly what a calibrated ``U.H.P`` costs (as ``oscar.bench.throughput``'s
 timing rotations), and ``--mu`` adds key/value means (the centering terms the kernels also pay for).
 ``identity`` makes the quantization-free path exact (the correctness check while the windows cover the
 sequence). One group per row (``group_size = head_dim``: the mma layout). Plain torch + safetensors: runs
@@ -21,8 +21,8 @@ import torch
 def main(argv: list[str]) -> int:
     from transformers import AutoConfig
 
-    from oscar.artifact import CalibrationArtifact, build_meta, config_hash_of, model_config_fields, save_artifact
-    from oscar.rotation import random_orthogonal
+    from oscar.core.artifact import CalibrationArtifact, build_meta, config_hash_of, model_config_fields, save_artifact
+    from oscar.core.rotation import random_orthogonal
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config")

@@ -6,7 +6,7 @@ Builds an ``OscarTokenToKVPool`` on CUDA (16-token pages, the fragment-order lay
 backend does (``write`` for the prefill rows through the fused Triton writer, then decode steps through
 ``decode_metadata`` + ``write_decode``, the metadata built into fixed buffers as under CUDA graphs and the last
 step captured and replayed in a CUDA graph), and compares the backend's attention call (the v9 kernel over the
-gathered windows, both output frames, random rotations with means) with ``oscar.paged.decode_attention_torch`` on
+gathered windows, both output frames, random rotations with means) with ``oscar.cache.paged.decode_attention_torch`` on
 the same pages and windows. With plain keys (mean-centered), with rope-centered keys (a pre-RoPE mean ``m`` per
 head: the writers take each row's position, the kernel adds ``q . RoPE_p(m)`` at ``int_pos0 = S0``), and with
 rope-centered keys in SmolLM2-135M's geometry (3 KV heads of 3 query heads, padded to 4 for the kernel; d 64).
@@ -27,9 +27,9 @@ import torch
 def check(rope: bool, device: str = "cuda", heads: tuple[int, int, int] = (8, 32, 128)) -> dict:
     """One pool (plain or rope-centered keys): the relative error of both output frames against the twin
     (``device="cpu"``: the twin through the same calls, eager: a smoke test of the script without a GPU)."""
-    from oscar import paged
-    from oscar.cache import LayerRotations
-    from oscar.rope import RopeSpec
+    from oscar.cache import paged
+    from oscar.cache.torch_cache import LayerRotations
+    from oscar.core.rope import RopeSpec
     from oscar.serve.backend import DecodeMeta, decode_metadata
     from oscar.serve.pool import OscarTokenToKVPool
     from oscar.serve.settings import ServeSettings
@@ -113,7 +113,7 @@ def check(rope: bool, device: str = "cuda", heads: tuple[int, int, int] = (8, 32
 
 
 def main(argv: list[str]) -> int:
-    from oscar.files import atomic_write_text
+    from oscar.core.files import atomic_write_text
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None)

@@ -14,8 +14,8 @@ and the oscar plugin's entry point, all with CUDA graphs for decode, pages of 16
 - ``oscar_auto`` (with ``--auto-artifact``: rope-centered keys where auto chose them) and ``oscar_quarot``
   (Hadamard, built in code), BF16 model (SGLang's CUDA RMSNorm has no float32), both engines: INT2, sink 16,
   recent 16; greedy with the top-256 log-probabilities
-  at each step. The embedded engine (``oscar.engine``, same artifact, value rotation folded, torch path on
-  the GPU) is forced along SGLang's tokens (``oscar.generate.forced_logprobs``): ``check_teacher_forced``
+  at each step. The embedded engine (``oscar.models.engine``, same artifact, value rotation folded, torch path on
+  the GPU) is forced along SGLang's tokens (``oscar.models.generate.forced_logprobs``): ``check_teacher_forced``
   (tests/serve/serve_helpers.py: every reported log-probability within ``INT2_LOGPROB_TOL``, the median
   within ``INT2_MEDIAN_TOL``, SGLang's token the embedded argmax where the top-2 margin exceeds twice the
   tolerance), next-token agreement (SGLang's token = the embedded argmax; and each engine's INT2 argmax =
@@ -90,7 +90,7 @@ def engine_main(spec_path: str, out_path: str) -> int:
     """Run SGLang's offline Engine for each run of the spec (one process: the plugin loads through its entry point)."""
     import sglang
 
-    from oscar.files import atomic_write_json
+    from oscar.core.files import atomic_write_json
 
     spec = json.loads(Path(spec_path).read_text())
     results = {}
@@ -124,7 +124,7 @@ def engine_main(spec_path: str, out_path: str) -> int:
 
 
 def start_engines(name: str, runs: list[dict], out: Path) -> subprocess.Popen:
-    from oscar.files import atomic_write_json
+    from oscar.core.files import atomic_write_json
 
     spec = out / f"{name}_spec.json"
     atomic_write_json(spec, {"runs": runs})
@@ -253,8 +253,8 @@ def compare_eval(served_dir: Path, embedded_dir: Path) -> dict:
 def embedded_forced(model: Any, method: str, artifact: Any, sink: int, recent: int, prompts: list, forced: list,
                     overrides: tuple = ()) -> list:
     from oscar.config import compose
-    from oscar.engine import Engine, rotations_from_artifact
-    from oscar.generate import forced_logprobs
+    from oscar.models.engine import Engine, rotations_from_artifact
+    from oscar.models.generate import forced_logprobs
 
     cfg = compose([f"method={method}", *overrides, f"method.sink={sink}", f"method.recent={recent}"])
     rots = None if artifact is None else rotations_from_artifact(artifact, cfg.method, model)
@@ -290,7 +290,7 @@ def main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from oscar.config import compose
-    from oscar.files import atomic_write_json, atomic_write_text
+    from oscar.core.files import atomic_write_json, atomic_write_text
     from oscar.models import load_model
     from oscar.serve.client import model_path
     from serve_helpers import save_in_code_artifact
@@ -375,7 +375,7 @@ def main(argv: list[str]) -> int:
 
 def merge_eval(out: Path, served: Path, embedded: Path) -> int:
     """The eval cell's comparison added to ``out/gpu_correctness.{json,md}`` (the cell runs beside the engines)."""
-    from oscar.files import atomic_write_json, atomic_write_text
+    from oscar.core.files import atomic_write_json, atomic_write_text
 
     report = json.loads((out / "gpu_correctness.json").read_text())
     if (served / "result.json").exists() and (embedded / "result.json").exists():

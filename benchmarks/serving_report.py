@@ -5,7 +5,7 @@
 One CSV row per (cache, backend, mode, batch, context) with ``decode_ms`` (median ms per decode step, SGLang's
 ``bench_one_batch`` timing), ``prefill_s``, ``cuda_graph``, ``radix``, ``status`` (ok | capacity: over the pool's
 tokens by ``bench_one_batch``'s rule | oom | failed), ``mode`` (real: prefill forward then decode; synthetic: the
-decode steps on a synthetic state, ``oscar.serve.synthetic``), the job's decode tokens/s, the server's token
+decode steps on a synthetic state, ``oscar.bench.sglang_synthetic``), the job's decode tokens/s, the server's token
 capacity and the largest batch of that context it holds. The markdown adds the grid (OSCAR against the best
 BF16 backend of the same mode and shape), the issue's target ratios, the real-vs-synthetic cross-check, the
 greedy-token agreement of the real rows (seeded prompts: rows of one shape share them); ``--profile`` (default:
@@ -184,7 +184,7 @@ def write_png(rows: list[dict[str, Any]], path: Path, context: int = 100000) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from oscar.stats import atomic_write
+    from oscar.core.stats import atomic_write
 
     series = sorted({(r["cache"], r["backend"], r.get("tag", "")) for r in rows})
     colour = {key: f"C{i}" for i, key in enumerate(series)}
@@ -238,7 +238,7 @@ def track(out: Path, table: list[dict[str, Any]], uri: str, root: Path = Path(".
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
 
-    from oscar import tracking
+    from oscar.eval import tracking
 
     commit = tracking.git_commit(root)
     name = tracking.experiment_name("serving", "decode")
@@ -274,7 +274,7 @@ def profile_parts(p: dict[str, Any], mode: str) -> dict[str, dict[str, float]]:
     """GPU ms and kernels per step of each part of one profiled step kind (graph | eager): the plugin's labelled
     calls kept, the rest re-classified by name with today's ``kernel_category`` (from the per-kernel list, which
     covers the whole step when the step has at most 25 kernel names; the remainder goes to ``unlisted``)."""
-    from oscar.serve.synthetic import kernel_category
+    from oscar.bench.sglang_synthetic import kernel_category
 
     parts: dict[str, dict[str, float]] = {}
     for k in p.get(f"top_{mode}") or []:
@@ -290,17 +290,17 @@ def profile_parts(p: dict[str, Any], mode: str) -> dict[str, dict[str, float]]:
 
 def write_profile(profiles: list[dict[str, Any]], out: Path) -> list[str]:
     """profile.csv (one row per profiled shape, step kind and part) and profile.md; returns the markdown lines."""
-    from oscar.files import atomic_write_csv, atomic_write_text
-    from oscar.serve.synthetic import kernel_category
+    from oscar.core.files import atomic_write_csv, atomic_write_text
+    from oscar.bench.sglang_synthetic import kernel_category
 
     rows, md = [], ["# The decode step under torch.profiler (GPU ms per part of one step)", "",
-                    "`python -m oscar.serve.bench --oscar-profile BxN`: on the synthetic state, 2 warm-up + 5 timed "
+                    "`python -m oscar.bench.sglang_one_batch --oscar-profile BxN`: on the synthetic state, 2 warm-up + 5 timed "
                     "steps (`wall_ms`, median), then 5 steps under `torch.profiler` (CPU + CUDA), first as SGLang's "
                     "CUDA-graph replay (`graph`), then eager with the decode graph runner set aside (`eager`: the "
                     "plugin's calls are labelled, `oscar.*`, and a kernel is attributed to the label around its "
                     "launch). `gpu_ms`: the sum of the step's kernel times; `wall - gpu`: the GPU idle between them "
                     "(launch gaps; in eager mode the host's Python). Other parts by kernel name "
-                    "(`oscar.serve.synthetic.CATEGORIES`).", ""]
+                    "(`oscar.bench.sglang_synthetic.CATEGORIES`).", ""]
     for p in profiles:
         if p.get("status") != "ok":
             md += [f"- {p['tag']} batch {p['batch']} context {p['context']}: {p.get('status')}", ""]
@@ -331,7 +331,7 @@ def write_profile(profiles: list[dict[str, Any]], out: Path) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    from oscar.stats import atomic_write_text
+    from oscar.core.stats import atomic_write_text
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rows", nargs="+", type=Path)
@@ -353,7 +353,7 @@ def main(argv: list[str]) -> int:
     atomic_write_text(a.out / "decode.csv", buf.getvalue())
     dev = sorted({str(r.get("device")) for r in rows})
     md = [f"# SGLang serving: decode step and prefill ({', '.join(dev)})", "",
-          "SGLang 0.5.17 `bench_one_batch` timing (`python -m oscar.serve.bench`: SGLang's `load_model`, "
+          "SGLang 0.5.17 `bench_one_batch` timing (`python -m oscar.bench.sglang_one_batch`: SGLang's `load_model`, "
           "`latency_test_run_once` and decode step, plugin loaded), `--load-format dummy` Qwen3-8B (bundle config), "
           "CUDA graphs on (decode; one graph per batch size of the rows), `--mem-fraction-static 0.85`, "
           "`--max-running-requests 64`, `--disable-radix-cache`, output 16 tokens, median decode step. OSCAR: INT2, "
@@ -361,7 +361,7 @@ def main(argv: list[str]) -> int:
           "seeded random dense rotations with means (the kernel work of a calibrated artifact). Rows `real`: "
           "prefill forward, then 15 timed decode steps (`bench_one_batch`); rows `synthetic`: the same decode "
           "steps on a synthetic state (SGLang's own allocator and `req_to_token` hold the batch's slots, the pool "
-          "holds random valid data, no prefill forward: `oscar/serve/synthetic.py`), so that every (batch, context) "
+          "holds random valid data, no prefill forward: `oscar/bench/sglang_synthetic.py`), so that every (batch, context) "
           "that fits in the pool is measured; `capacity`: over the server's token capacity by `bench_one_batch`'s "
           "rule (batch > capacity // (context + 16)). Reproduce:", "", "```", REPRODUCE, "```", ""]
     tg = targets(rows)

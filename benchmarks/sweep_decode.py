@@ -21,8 +21,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from oscar.files import atomic_write_csv, atomic_write_text
-from oscar.kernel_bench import bench_int2, bench_sdpa, copy_bandwidth, time_calls
+from oscar.core.files import atomic_write_csv, atomic_write_text
+from oscar.bench.kernel_bench import bench_int2, bench_sdpa, copy_bandwidth, time_calls
 
 HQ, HKV = 32, 8
 # (head_dim, batch, context) in priority order
@@ -53,7 +53,7 @@ def profile_breakdown(l2: int) -> list[dict[str, Any]]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from oscar.kernel_bench import _int2_inputs
+    from oscar.bench.kernel_bench import _int2_inputs
     from oscar.kernels.decode_attention import paged_decode_attention
 
     out = []
@@ -119,7 +119,7 @@ def sweep_quantize(l2: int) -> list[dict[str, Any]]:
     import torch
 
     from oscar.kernels.quantize import rotate_quantize_pack_pair
-    from oscar.paged import QuantPages
+    from oscar.cache.paged import QuantPages
 
     g = torch.Generator(device="cuda").manual_seed(1)
     out = []

@@ -3,13 +3,13 @@
     python3 benchmarks/sweep_served_mma.py OUTDIR [batches=32,1,51] [context=100000] [reps=20]
 
 (repo root on the GPU machine, after `source benchmarks/_gpu_copy.sh`.) For each batch: the inputs of
-``oscar.kernel_bench`` (random INT2 codes in the mma layouts, shuffled page tables, sink 64 + recent 256 BF16
+``oscar.bench.kernel_bench`` (random INT2 codes in the mma layouts, shuffled page tables, sink 64 + recent 256 BF16
 windows), then
 
-- correctness: every variant against the float32 twin (``oscar.paged.decode_attention_torch``, first 4 sequences)
+- correctness: every variant against the float32 twin (``oscar.cache.paged.decode_attention_torch``, first 4 sequences)
   and the v9 served launch (all sequences), and the windows read in place by row (``window_rows``, per-slot buffers
   of B + 1 rows in reversed order) against the same twin;
-- timing: CUDA-graph replays (``oscar.kernel_bench.time_calls``), GB/s on the kernel's bytes.
+- timing: CUDA-graph replays (``oscar.bench.kernel_bench.time_calls``), GB/s on the kernel's bytes.
 
 Variants are launches of the same kernel (``OSCAR_MMA`` keys: warps, stages, min_blocks, waves); the first is the
 served v9 launch (8 warps, 4 stages, 2 CTAs per SM, ``default_num_splits``). Writes OUTDIR/mma_sweep.csv and
@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from oscar.files import atomic_write_csv, atomic_write_text
-from oscar.kernel_bench import DEFAULTS, _int2_inputs, copy_bandwidth, time_calls
+from oscar.core.files import atomic_write_csv, atomic_write_text
+from oscar.bench.kernel_bench import DEFAULTS, _int2_inputs, copy_bandwidth, time_calls
 from oscar.kernels.decode_attention import paged_decode_attention
 from oscar.kernels.decode_mma import default_num_splits
-from oscar.paged import QuantPages, decode_attention_torch
+from oscar.cache.paged import QuantPages, decode_attention_torch
 
 # (warps, stages, min_blocks, waves): waves None = default_num_splits' own (1 below 64 pairs, 2 from there)
 VARIANTS = [(8, 4, 2, None), (8, 4, 2, 4.0), (8, 4, 2, 8.0), (8, 6, 2, None), (8, 6, 2, 4.0),

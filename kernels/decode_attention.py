@@ -42,7 +42,7 @@ Word path (v7; d=64 INT2, several groups per row, ``planes=False``), three or fo
    BF16 partials, cast to the query dtype.
 
 Every partial is a normalized output and its log-sum-exp (base 2). The torch twin is
-``oscar.paged.decode_attention_torch`` (float32 dequantize-then-attend).
+``oscar.cache.paged.decode_attention_torch`` (float32 dequantize-then-attend).
 """
 
 from __future__ import annotations
@@ -973,9 +973,9 @@ def paged_decode_attention(
     rope_pos0: Union[int, torch.Tensor, None] = None, rope_blocks: int = 8, mma_carveout: Optional[int] = None,
     window_rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Triton decode attention of one query per sequence; same contract as ``oscar.paged.decode_attention_torch``.
+    """Triton decode attention of one query per sequence; same contract as ``oscar.cache.paged.decode_attention_torch``.
 
-    ``layout="mma"``: K and V pages are in ``oscar.quant``'s fragment-order layouts (``mma_k``/``mma_v``);
+    ``layout="mma"``: K and V pages are in ``oscar.core.quant``'s fragment-order layouts (``mma_k``/``mma_v``);
     the call goes to the CUDA kernel of ``oscar.kernels.decode_mma`` (INT2, one group per row, d 64/128;
     ``num_splits``, ``mma_warps``, ``mma_stages`` and ``mma_min_blocks`` tune it; the Triton options do not apply).
     Rope-centered keys (``rope_mu`` ``[Hkv, d]``, ``rope_freq``, ``rope_scaling``, ``rope_pos0``: position of each

@@ -1,6 +1,6 @@
 """Paged INT2/INT4 decode attention on pages in tensor-core fragment order (CUDA, one launch per call).
 
-The pages are in the ``mma_k`` / ``mma_v`` layouts that ``oscar.quant`` defines (``mma_token_map``):
+The pages are in the ``mma_k`` / ``mma_v`` layouts that ``oscar.core.quant`` defines (``mma_token_map``):
 each lane of a warp loads the codes of its ``mma.sync`` operands with one 8- or 16-byte load per 16
 tokens and turns them into fp16 registers with one ``lop3`` and one ``fma`` per two codes; no shared
 memory on the way. One launch does everything (``decode_mma.cu``): ``num_splits`` CTAs per sequence and
@@ -10,7 +10,7 @@ log-sum-exp merge with the change of frame done by the last CTA of each (sequenc
 ticket; the counter is reset by that CTA, so the grid is fixed and the call can be captured in a CUDA graph).
 
 Compiled at first use by NVRTC (``torch.cuda._utils``); CUDA only. The torch twin is
-``oscar.paged.decode_attention_torch`` on the same pages.
+``oscar.cache.paged.decode_attention_torch`` on the same pages.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 One program quantizes `BLOCK_T` rows of one KV head: `x = (row - mu) @ R`, percentile clip with
 `torch.quantile` linear semantics, per-group asymmetric INT-b codes from the bf16-rounded scale
 and zero, planar packing within each group, and stores codes, scale and zero at the row's slot
-(`page * page_size + offset`). The torch twin is `oscar.paged.rotate_quantize_pack_torch`, which
-calls `oscar.quant`; with no rotation the codes match it bit for bit (IEEE divisions,
+(`page * page_size + offset`). The torch twin is `oscar.cache.paged.rotate_quantize_pack_torch`, which
+calls `oscar.core.quant`; with no rotation the codes match it bit for bit (IEEE divisions,
 `tl.math.div_rn`); with a rotation the float32 matrix product sums in another order than torch's,
 so a few codes at rounding boundaries may differ by one (on the GPU the product runs as 3xTF32,
 ``rot_precision="tf32x3"``, about float32 accuracy; ``"ieee"`` is exact float32 FMA but spills).
@@ -130,7 +130,7 @@ def _rotate_quantize_kernel(
         # (the top for rho > 1/2: about D * (1 - rho) steps of two warp reductions), removing one
         # element per step (the first index among equal values), so ties count like torch.quantile's sort
         a = tl.abs(x)
-        pos = tl.load(rho_ptr + h).to(tl.float32) * (D - 1)  # float32 product, as oscar.quant
+        pos = tl.load(rho_ptr + h).to(tl.float32) * (D - 1)  # float32 product, as oscar.core.quant
         lo_f = tl.floor(pos)
         w = pos - lo_f
         lo = lo_f.to(tl.int32)
@@ -154,7 +154,7 @@ def _rotate_quantize_kernel(
         # k-th smallest |x| by a radix select on the float bits (non-negative floats order like
         # their bit patterns): fast on the GPU and in the interpreter, unlike a full sort.
         abits = tl.abs(x).to(tl.int32, bitcast=True)
-        pos = tl.load(rho_ptr + h).to(tl.float32) * (D - 1)  # float32 product, as oscar.quant
+        pos = tl.load(rho_ptr + h).to(tl.float32) * (D - 1)  # float32 product, as oscar.core.quant
         lo_f = tl.floor(pos)
         w = pos - lo_f
         lo = lo_f.to(tl.int32)
@@ -217,7 +217,7 @@ def _rotate_quantize_kernel(
     page = slot // PAGE_SIZE
     off = slot % PAGE_SIZE
     bcols = tl.arange(0, D // PER)
-    if MMA:  # fragment-order pages (oscar.quant.mma_token_map): the row's bytes go to its token's places
+    if MMA:  # fragment-order pages (oscar.core.quant.mma_token_map): the row's bytes go to its token's places
         tb = off % 16
         boff = tl.load(bidx_ptr + tb[:, None] * (D // PER) + bcols[None, :], mask=rmask[:, None], other=0)
         c_off = page[:, None] * stride_cp + h * stride_ch + (off - tb)[:, None] * stride_cs + boff
@@ -236,7 +236,7 @@ _MMA_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 def _mma_tables(mma_map: tuple[torch.Tensor, torch.Tensor], d: int, dev: torch.device,
                 bits: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """(byte_index int32 [16, d*bits/8], channel permutation [d]) of a fragment-order layout given by its token map
-    (``oscar.quant.mma_token_map``: channel order [16, d], byte index [16, d*bits/8]): the permutation puts the
+    (``oscar.core.quant.mma_token_map``: channel order [16, d], byte index [16, d*bits/8]): the permutation puts the
     channels of token byte k, slot s at planar position k + (d*bits/8) s, so the planar packing of the permuted
     row is the token's bytes in order."""
     order, byte_index = mma_map
@@ -383,7 +383,7 @@ def rotate_quantize_pack(
     choosing row `x[n, :, src_index[n]]` (demotion out of a recent window). `slots` `[N]` int
     (`page * page_size + offset`). `codes` `[P, Hkv, page_size, d*bits//8]` uint8, `scale`/`zero`
     `[P, Hkv, page_size, d//G]` bf16. `R` `[Hkv, d, d]`, `mu` `[Hkv, d]`, `rho` `[Hkv]` optional.
-    `mma_map`: the token map of a fragment-order page layout (`oscar.quant.mma_token_map`) to store in.
+    `mma_map`: the token map of a fragment-order page layout (`oscar.core.quant.mma_token_map`) to store in.
     """
     args = _kernel_args(x, slots, codes, scale, zero, bits, group_size, R, mu, rho, src_index, mma_map)
     _launch(args, None, slots, src_index, block_t, num_warps, rot_precision, radix4, row_path, row_warps)
@@ -412,7 +412,7 @@ def rotate_quantize_pack_pair(
 ) -> None:
     """K and V rows into their pools in one launch (same slots); pages are ``(codes, scale, zero)``,
     transforms ``(R, mu, rho)``. Both tensors need the same shapes, strides and transform kinds.
-    ``*_mma_map``: the token map of a fragment-order page layout (``oscar.quant.mma_token_map``); the codes
+    ``*_mma_map``: the token map of a fragment-order page layout (``oscar.core.quant.mma_token_map``); the codes
     are then stored in that layout (the rotation runs with the layout's channel permutation folded in)."""
     a = _kernel_args(xk, slots, *k_pages, bits, group_size, *k_transform, src_index, k_mma_map)
     b = _kernel_args(xv, slots, *v_pages, bits, group_size, *v_transform, src_index, v_mma_map)

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
-from oscar.files import atomic_write_text
+from oscar.core.files import atomic_write_text
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -51,7 +51,7 @@ class MethodConfig:
     key_target: str = "query"  # query (C_Q) | raw (K^T K)
     value_target: str = "output"  # output (C_S) | raw (V^T V)
     center: bool = False  # subtract calibrated per-(layer, head) means before rotation
-    rope_center: bool = True  # auto: also try rope-centered key candidates (oscar.rope) where the model's RoPE is known
+    rope_center: bool = True  # auto: also try rope-centered key candidates (oscar.core.rope) where the model's RoPE is known
     channel_block: int = 0  # auto: also try per-channel keys over blocks of this many tokens (0 = off; divides page_size)
     bits: int = 2
     group_size: int = 128

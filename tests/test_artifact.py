@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from oscar.artifact import ArtifactCorrupt, ArtifactMismatch, CalibrationArtifact, build_meta, load_artifact, save_artifact
-from oscar.rotation import random_orthogonal
+from oscar.core.artifact import ArtifactCorrupt, ArtifactMismatch, CalibrationArtifact, build_meta, load_artifact, save_artifact
+from oscar.core.rotation import random_orthogonal
 
 L, HKV, D = 2, 2, 16
 OSCAR = {"name": "oscar", "key_rotation": "uhp", "value_rotation": "uhp", "key_target": "query",
@@ -77,12 +77,12 @@ def test_engine_refuses_a_stale_artifact(saved):
     from omegaconf import OmegaConf
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from oscar.engine import rotations_from_artifact
+    from oscar.models.engine import rotations_from_artifact
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=HKV * D * 2, intermediate_size=32, num_hidden_layers=L,
                                          num_attention_heads=4, num_key_value_heads=HKV, max_position_embeddings=64))
     meta = json.loads((saved / "meta.json").read_text())
-    from oscar.artifact import config_hash_of, meta_digest
+    from oscar.core.artifact import config_hash_of, meta_digest
 
     meta["model"]["config_hash"] = config_hash_of(model)
     meta["meta_sha256"] = meta_digest(meta)
@@ -141,7 +141,7 @@ def test_a_damaged_artifact_is_refused_like_a_mismatched_one(saved):
 def test_atomic_writes_get_the_mode_of_any_file_the_user_makes(tmp_path):
     import os
 
-    from oscar.stats import atomic_write_text
+    from oscar.core.stats import atomic_write_text
 
     atomic_write_text(tmp_path / "qwen2.5-coder.md", "x\n")  # mkstemp alone would leave 0600
     mask = os.umask(0)

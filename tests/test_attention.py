@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar.attention import (
+from oscar.cache.attention import (
     group_queries,
     int_segment,
     merge_segments,
@@ -14,7 +14,7 @@ from oscar.attention import (
     segment_attention,
     ungroup,
 )
-from oscar.rotation import random_orthogonal
+from oscar.core.rotation import random_orthogonal
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -82,7 +82,7 @@ def test_mask_passes_padding_through_and_drops_full_masks() -> None:
 def test_oscar_attention_without_cache_matches_sdpa() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from oscar.attention import enable
+    from oscar.cache.attention import enable
 
     torch.manual_seed(3)
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)

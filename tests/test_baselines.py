@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from oscar.baselines import (
+from oscar.core.baselines import (
     TurboQuantizer,
     gaussian_mse,
     kivi_dequantize,
@@ -17,8 +17,8 @@ from oscar.baselines import (
     lloyd_max_gaussian,
     turboquant_bits_per_element,
 )
-from oscar.quant import fake_quantize, unpack_codes
-from oscar.rotation import random_orthogonal
+from oscar.core.quant import fake_quantize, unpack_codes
+from oscar.core.rotation import random_orthogonal
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")

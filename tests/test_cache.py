@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from oscar import quant
-from oscar.attention import enable
-from oscar.cache import CacheSpec, LayerRotations, OscarLayer, new_cache, spec_for_model
-from oscar.rotation import random_orthogonal
+from oscar.core import quant
+from oscar.cache.attention import enable
+from oscar.cache.torch_cache import CacheSpec, LayerRotations, OscarLayer, new_cache, spec_for_model
+from oscar.core.rotation import random_orthogonal
 
 torch.set_num_threads(2)
 
@@ -172,7 +172,7 @@ def _layer_harness(spec: CacheSpec, hkv: int = 2, d: int = 16) -> tuple[OscarLay
 
 
 def _step(layer: OscarLayer, module, q, k, v, valid=None, scale=0.25):
-    from oscar.attention import take_pending
+    from oscar.cache.attention import take_pending
 
     layer.update(k, v)
     take_pending(k)
@@ -295,9 +295,9 @@ def test_errors_name_the_bad_value(llama) -> None:
 
 @pytest.mark.parametrize("fold", [False, True])
 def test_paged_decode_path_equals_the_segment_path(fold: bool) -> None:
-    """Decode steps through oscar.paged.decode_attention (the path of the Triton kernel) against the
+    """Decode steps through oscar.cache.paged.decode_attention (the path of the Triton kernel) against the
     vectorized LSE-merge path, with folding, centering and clipping, after a padded prefill."""
-    from oscar.surgery import fold_value_rotations
+    from oscar.models.surgery import fold_value_rotations
 
     model = tiny_llama(dtype=torch.float64)
     enable(model)

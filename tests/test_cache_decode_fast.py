@@ -11,9 +11,9 @@ import copy
 import pytest
 import torch
 
-from oscar.attention import take_pending
-from oscar.cache import CacheSpec, LayerRotations, OscarLayer, SimulatedLayer
-from oscar.rotation import random_orthogonal
+from oscar.cache.attention import take_pending
+from oscar.cache.torch_cache import CacheSpec, LayerRotations, OscarLayer, SimulatedLayer
+from oscar.core.rotation import random_orthogonal
 
 H, HKV, D = 4, 2, 32
 

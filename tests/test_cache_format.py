@@ -1,4 +1,4 @@
-"""One cache-format value (oscar.cache_format.CacheFormat) for the embedded engine, the throughput profile and
+"""One cache-format value (oscar.cache.formats.CacheFormat) for the embedded engine, the throughput profile and
 the SGLang settings: each consumer's object carries exactly the format's fields, and the byte accounting
 the SGLang pool uses is the bytes the profile's device cache allocates per token."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from oscar import throughput as tp
-from oscar.cache_format import CacheFormat
+from oscar.bench import throughput as tp
+from oscar.cache.formats import CacheFormat
 from oscar.config import compose
-from oscar.engine import cache_spec
+from oscar.models.engine import cache_spec
 from oscar.serve.settings import ServeSettings, bytes_per_token, window_bytes_per_request
 
 FIELDS = ("bits", "group_size", "sink", "recent")
@@ -52,8 +52,8 @@ def test_serving_format_and_its_bytes_are_the_profile_cache_allocation():
     layers, hkv, d = 2, 2, 64
     assert bytes_per_token(layers, hkv, d, 2, 32) == fmt.bytes_per_token(layers, hkv, d)
     assert window_bytes_per_request(layers, hkv, d, 4, 8) == fmt.window_bytes(layers, hkv, d)
-    from oscar import device_cache as dc
-    from oscar import paged
+    from oscar.cache import device_cache as dc
+    from oscar.cache import paged
 
     ident = paged.HeadTransform(torch.eye(d).expand(hkv, d, d).contiguous(), None, None)
     cache = dc.DeviceOscarCache(num_layers=layers, batch=1, num_kv_heads=hkv, head_dim=d, bits=2, group_size=32,

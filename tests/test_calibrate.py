@@ -9,18 +9,18 @@ import random
 import pytest
 import torch
 
-from oscar.artifact import ArtifactMismatch, load_artifact
+from oscar.core.artifact import ArtifactMismatch, load_artifact
 from oscar.commands import calibrate as calibrate_cmd
 from oscar.commands.calibrate import run_calibrate
 from oscar.commands.clip import run_clip
 from oscar.commands.dump import run_dump
 from oscar.commands.rotations import run_rotations
 from oscar.config import ConfigError, compose
-from oscar.methods import CalibrationMissing
+from oscar.core.methods import CalibrationMissing
 from oscar.models import load_model
 from oscar.models.tiny import save_random_model
-from oscar.rotation import bit_reversal, hadamard
-from oscar.stats import CalibrationStats
+from oscar.core.rotation import bit_reversal, hadamard
+from oscar.core.stats import CalibrationStats
 
 WORDS = "alpha beta gamma delta key value query cache token rotate quantize group head layer model text".split()
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from oscar.calibration import (
+from oscar.core.calibration import (
     ArtifactMismatch,
     CalibrationArtifact,
     CalibrationStats,
@@ -31,8 +31,8 @@ from oscar.calibration import (
     target_matrix,
     token_hash,
 )
-from oscar.quant import dequantize, quantize
-from oscar.rotation import build_rotation, eigenbasis, random_orthogonal
+from oscar.core.quant import dequantize, quantize
+from oscar.core.rotation import build_rotation, eigenbasis, random_orthogonal
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar.capture import CAPTURE_IMPL, capturing, group_by_kv_head, run_captured
+from oscar.models.capture import CAPTURE_IMPL, capturing, group_by_kv_head, run_captured
 from oscar.models import get_adapter, load_model
 from oscar.models.tiny import save_random_model, tiny_model_cfg
-from oscar.stats import CalibrationStats
+from oscar.core.stats import CalibrationStats
 
 FAMILIES = {
     "llama": dict(num_heads=4, num_kv_heads=2, head_dim=64),  # GQA 2

@@ -1,4 +1,4 @@
-"""Per-channel keys (the "channel" key format, `oscar.quant.quantize_channels`): the format, `auto`'s candidate
+"""Per-channel keys (the "channel" key format, `oscar.core.quant.quantize_channels`): the format, `auto`'s candidate
 and its artifact round trip, the torch cache paths against the dequantize-then-attend twin, and the refusal on
 the paged/kernel paths."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar import quant
-from oscar.cache import CacheSpec, LayerRotations
-from oscar.rotation import random_orthogonal
-from oscar.stats import CalibrationStats
+from oscar.core import quant
+from oscar.cache.torch_cache import CacheSpec, LayerRotations
+from oscar.core.rotation import random_orthogonal
+from oscar.core.stats import CalibrationStats
 
 torch.set_num_threads(2)
 
@@ -63,9 +63,9 @@ def _stats_with_keys(keys: torch.Tensor, heads: int = 2) -> CalibrationStats:
 
 
 def test_auto_picks_per_channel_keys_when_they_distort_less_and_the_artifact_keeps_them(tmp_path) -> None:
-    from oscar.artifact import load_artifact, save_artifact
-    from oscar.calibration import build_artifact
-    from oscar.engine import layer_rotations
+    from oscar.core.artifact import load_artifact, save_artifact
+    from oscar.core.calibration import build_artifact
+    from oscar.models.engine import layer_rotations
 
     st = _stats_with_keys(_drifting_keys(1, 256, 16, seed=3))
     method = {"name": "auto", "key_rotation": "auto", "value_rotation": "auto", "clip": "fit", "channel_block": 16}
@@ -84,7 +84,7 @@ def test_auto_picks_per_channel_keys_when_they_distort_less_and_the_artifact_kee
 
 
 def test_auto_keeps_per_token_keys_where_they_distort_less() -> None:
-    from oscar.calibration import build_artifact
+    from oscar.core.calibration import build_artifact
 
     # one large direction that moves from token to token: the U.H.P candidates make it group-constant,
     # per-channel blocks see it in every channel
@@ -144,7 +144,7 @@ def test_cache_pages_hold_whole_key_blocks_and_decoding_reads_them_like_the_twin
 def _llama_with(block: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from oscar.attention import enable
+    from oscar.cache.attention import enable
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -155,7 +155,7 @@ def _llama_with(block: int):
 
 
 def test_decode_equivalent_prefill_equals_step_by_step_decoding_with_per_channel_keys() -> None:
-    from oscar.cache import new_cache, spec_for_model
+    from oscar.cache.torch_cache import new_cache, spec_for_model
 
     model, rots = _llama_with(4)
     ids = torch.randint(0, 96, (2, 31), generator=torch.Generator().manual_seed(3))
@@ -180,9 +180,9 @@ def test_decode_equivalent_prefill_equals_step_by_step_decoding_with_per_channel
 
 
 def test_paged_paths_refuse_per_channel_keys_naming_the_setting() -> None:
-    from oscar.cache import new_cache, spec_for_model
+    from oscar.cache.torch_cache import new_cache, spec_for_model
     from oscar.serve.settings import head_transforms as serve_transforms
-    from oscar.throughput import head_transforms
+    from oscar.bench.throughput import head_transforms
 
     model, rots = _llama_with(4)
     with pytest.raises(NotImplementedError, match=r"layer 0: per-channel keys .*method.channel_block=0"):

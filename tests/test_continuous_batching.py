@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar.attention import enable
-from oscar.cache import new_cache, spec_for_model
-from oscar.generate import SamplingParams, generate_continuous, generate_tokens
+from oscar.cache.attention import enable
+from oscar.cache.torch_cache import new_cache, spec_for_model
+from oscar.models.generate import SamplingParams, generate_continuous, generate_tokens
 
 from test_cache import random_rotations, tiny_llama
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar.baselines import TurboQuantizer, kivi_fake_quantize
-from oscar.quant import dequantize, percentile_clip, quantize, rotate_clip_quantize
-from oscar.rotation import build_rotation
-from oscar.stats import CalibrationStats, attention_output
+from oscar.core.baselines import TurboQuantizer, kivi_fake_quantize
+from oscar.core.quant import dequantize, percentile_clip, quantize, rotate_clip_quantize
+from oscar.core.rotation import build_rotation
+from oscar.core.stats import CalibrationStats, attention_output
 
 pytestmark = [
     pytest.mark.gpu,

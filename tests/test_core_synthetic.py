@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar.clipfit import measured_distortion
-from oscar.rotation import build_rotation, random_orthogonal
-from oscar.synthetic import STUDY_ROTATIONS, attention_like_sample, rotation_study
+from oscar.core.clipfit import measured_distortion
+from oscar.core.rotation import build_rotation, random_orthogonal
+from oscar.core.synthetic import STUDY_ROTATIONS, attention_like_sample, rotation_study
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")

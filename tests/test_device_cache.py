@@ -1,4 +1,4 @@
-"""Device-resident decode caches (oscar.device_cache) against the host-driven cache, on tiny random Qwen3
+"""Device-resident decode caches (oscar.cache.device_cache) against the host-driven cache, on tiny random Qwen3
 models in BF16 (the dtype the caches store): same greedy tokens, logits within bf16 rounding, no host
 synchronisation in a Triton-backend step (what a CUDA graph needs)."""
 
@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from oscar import device_cache as dc
-from oscar import paged
-from oscar import throughput as tp
-from oscar.cache import LayerRotations
-from oscar.cache_format import CacheFormat
-from oscar.rotation import random_orthogonal
+from oscar.cache import device_cache as dc
+from oscar.cache import paged
+from oscar.bench import throughput as tp
+from oscar.cache.torch_cache import LayerRotations
+from oscar.cache.formats import CacheFormat
+from oscar.core.rotation import random_orthogonal
 
 LAYERS, HEADS, HKV, D = 2, 4, 2, 64
 # Logits of these models stay under 8 in magnitude, where one bf16 step is 1/32: the two paths store the
@@ -30,7 +30,7 @@ def model():
 
 
 def rotations(center: bool, rope=None) -> list[LayerRotations]:
-    """Per-layer rotations; ``rope`` (an `oscar.rope.RopeSpec`): head 0 of each layer rope-centered as well."""
+    """Per-layer rotations; ``rope`` (an `oscar.core.rope.RopeSpec`): head 0 of each layer rope-centered as well."""
     g = torch.Generator().manual_seed(0)
     out = []
     for layer in range(LAYERS):

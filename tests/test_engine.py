@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from oscar.config import compose
-from oscar.engine import Engine, cache_spec, next_token_kl, perplexity, rotations_in_code
+from oscar.models.engine import Engine, cache_spec, next_token_kl, perplexity, rotations_in_code
 
 
 def method(name: str, **overrides):
@@ -96,7 +96,7 @@ def test_rotated_int2_methods_beat_naive_int2_by_a_wide_margin(smollm2, tmp_path
     from oscar.commands.dump import run_dump
     from oscar.commands.rotations import load_stats, run_rotations
     from oscar.data.corpora import eval_sequences
-    from oscar.engine import artifact_dir, rotations_from_artifact
+    from oscar.models.engine import artifact_dir, rotations_from_artifact
 
     model, tok, _ = smollm2
     small_cal = ["calibration.num_tokens=1024", "calibration.seq_len=512", "calibration.holdout_tokens=512", f"results_dir={tmp_path}"]

@@ -15,7 +15,7 @@ def tiny():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from oscar.config import compose
-    from oscar.engine import Engine, rotations_in_code
+    from oscar.models.engine import Engine, rotations_in_code
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -28,7 +28,7 @@ def tiny():
 
 
 def test_fake_quantize_identity_matches_quant_round_trip():
-    from oscar import quant
+    from oscar.core import quant
 
     x = torch.randn(2, 10, 64)
     eye = torch.eye(64).expand(2, 64, 64)

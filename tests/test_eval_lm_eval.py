@@ -14,7 +14,7 @@ def tiny_engine():
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from oscar.config import compose
-    from oscar.engine import Engine
+    from oscar.models.engine import Engine
     from oscar.models.loading import dense_dir
 
     cfg = compose(["model=smollm2-135m", "method=quarot", "method.clip=paper", "method.sink=2", "method.recent=4"])

@@ -180,10 +180,10 @@ def test_paired_bootstrap_uses_only_common_pairs():
 # ------------------------------------------------------------------------------------------- verb
 
 def test_eval_verb_end_to_end_with_fake_engine(tmp_path, monkeypatch, capsys):
-    import oscar.engine
+    import oscar.models.engine
     from oscar.cli import main
 
-    monkeypatch.setattr(oscar.engine.Engine, "from_config", classmethod(lambda cls, cfg: FakeEngine(lambda p: "\\boxed{239}")))
+    monkeypatch.setattr(oscar.models.engine.Engine, "from_config", classmethod(lambda cls, cfg: FakeEngine(lambda p: "\\boxed{239}")))
     argv = ["eval", "model=smollm2-135m", "method=quarot", "benchmark=champ", "benchmark.limit=2", "seed=1",
             f"results_dir={tmp_path}", "progress=false"]
     assert main(argv) == 0

@@ -1,4 +1,4 @@
-"""The one atomic writer (`oscar.files`): modes, no partial files, used everywhere; and the GPU benchmark's
+"""The one atomic writer (`oscar.core.files`): modes, no partial files, used everywhere; and the GPU benchmark's
 entry path importing nothing the bare GPU machine lacks (omegaconf, hydra)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from oscar.files import atomic_write, atomic_write_bytes, atomic_write_csv, atomic_write_json, atomic_write_text
+from oscar.core.files import atomic_write, atomic_write_bytes, atomic_write_csv, atomic_write_json, atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,7 +57,7 @@ def test_a_failing_writer_leaves_the_old_file_and_no_temp(tmp_path):
 
 
 def test_reports_and_benchmarks_write_through_the_helper(tmp_path, umask_022):
-    from oscar import kernel_bench, throughput_report
+    from oscar.bench import kernel_bench, throughput_report
 
     throughput_report.write_csv(tmp_path / "grid.csv", [{"model": "m", "batch": 1}])
     assert _mode(tmp_path / "grid.csv") == 0o644
@@ -88,7 +88,7 @@ def test_bench_kernels_runs_without_omegaconf(tmp_path):
             import omegaconf
         except ModuleNotFoundError as exc:
             print("blocker:", exc)
-        import oscar.files, oscar.kernel_bench, oscar.paged, oscar.throughput_report
+        import oscar.core.files, oscar.bench.kernel_bench, oscar.cache.paged, oscar.bench.throughput_report
         from oscar.cli import main
         print("bogus rc", main(["bench-kernels", "bogus=1"]))
         print("run rc", main(["bench-kernels", "output={out}"]))

@@ -1,4 +1,4 @@
-"""The fused decode step (oscar.fused_step) against the transformers forward on tiny random models of every
+"""The fused decode step (oscar.models.fused_step) against the transformers forward on tiny random models of every
 family that has one, through the static BF16 cache and the paged OSCAR cache (torch twins), on the CPU.
 
 Tolerance: in float32 both paths run the same operations on the same values; only the fused GEMMs ([q;k;v]
@@ -13,13 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar import device_cache as dc
-from oscar import throughput as tp
-from oscar.cache import LayerRotations
-from oscar.cache_format import CacheFormat
-from oscar.fused_step import FusedDecoder, fused_decoder
+from oscar.cache import device_cache as dc
+from oscar.bench import throughput as tp
+from oscar.cache.torch_cache import LayerRotations
+from oscar.cache.formats import CacheFormat
+from oscar.models.fused_step import FusedDecoder, fused_decoder
 from oscar.models.adapters import UnsupportedModel
-from oscar.rotation import random_orthogonal
+from oscar.core.rotation import random_orthogonal
 
 LAYERS, HEADS, HKV, D = 2, 4, 2, 64
 REL_TOL = 1e-4

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar.attention import enable
-from oscar.cache import new_cache, spec_for_model
-from oscar.generate import SamplingParams, filter_logits, forced_logprobs, generate_tokens, truncate_at_stop
+from oscar.cache.attention import enable
+from oscar.cache.torch_cache import new_cache, spec_for_model
+from oscar.models.generate import SamplingParams, filter_logits, forced_logprobs, generate_tokens, truncate_at_stop
 
 from test_cache import random_rotations, tiny_llama
 

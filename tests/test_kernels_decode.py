@@ -17,7 +17,7 @@ import torch
 if not torch.cuda.is_available():  # CPU: interpret; set before any Triton kernel module is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from oscar.paged import HeadTransform, QuantPages, decode_attention, rotate_quantize_pack  # noqa: E402
+from oscar.cache.paged import HeadTransform, QuantPages, decode_attention, rotate_quantize_pack  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 REL_TOL = 1.5e-2
@@ -180,7 +180,7 @@ def test_decode_within_quantization_bound_of_full_precision(device):
     q, kp, vp, pt, il, seg, kt, vt, dense_k, dense_v = sc
     _, out = _run_both(device, sc)
     sm = 1 / math.sqrt(d)
-    from oscar.paged import gather_dequantize
+    from oscar.cache.paged import gather_dequantize
 
     for b in range(2):
         n = int(il[b])

@@ -1,4 +1,4 @@
-"""Fragment-order page layout (oscar.quant "mma_k"/"mma_v") and the CUDA decode kernel that reads it.
+"""Fragment-order page layout (oscar.core.quant "mma_k"/"mma_v") and the CUDA decode kernel that reads it.
 
 CPU: the layout contract (pack/unpack exact, every byte owned by one token, the torch writer and reader
 of an mma pool equal to the row pool's bit for bit). CUDA: the kernel against the float32
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar import quant
-from oscar.paged import HeadTransform, PagedKVPool, QuantPages, decode_attention, decode_attention_torch, \
+from oscar.core import quant
+from oscar.cache.paged import HeadTransform, PagedKVPool, QuantPages, decode_attention, decode_attention_torch, \
     gather_dequantize, rotate_quantize_pack
 
 REL_TOL = 1.5e-2

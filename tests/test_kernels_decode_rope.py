@@ -14,9 +14,9 @@ import math
 import pytest
 import torch
 
-from oscar.paged import HeadTransform, PagedKVPool, decode_attention, decode_attention_torch, gather_dequantize, \
+from oscar.cache.paged import HeadTransform, PagedKVPool, decode_attention, decode_attention_torch, gather_dequantize, \
     rope_offsets
-from oscar.rope import RopeSpec
+from oscar.core.rope import RopeSpec
 
 REL_TOL = 1.5e-2
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]

@@ -10,8 +10,8 @@ import torch
 if not torch.cuda.is_available():  # CPU: interpret; set before any Triton kernel module is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from oscar import quant  # noqa: E402
-from oscar.paged import HeadTransform, QuantPages, rotate_quantize_pack  # noqa: E402
+from oscar.core import quant  # noqa: E402
+from oscar.cache.paged import HeadTransform, QuantPages, rotate_quantize_pack  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -123,7 +123,7 @@ def test_quantize_kernel_rejects_bad_shapes():
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_kv_demotion_matches_twin(device):
     """K and V demoted in one launch equal the torch twin (no rotation: bit-exact)."""
-    from oscar.paged import rotate_quantize_pack_kv
+    from oscar.cache.paged import rotate_quantize_pack_kv
 
     gen = torch.Generator().manual_seed(9)
     B, hkv, W, d, ps = 6, 2, 8, 128, 4

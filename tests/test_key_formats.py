@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from oscar.clipfit import measured_distortion
-from oscar.stats import CalibrationStats
+from oscar.core.clipfit import measured_distortion
+from oscar.core.stats import CalibrationStats
 from oscar.studies.key_formats import key_rows, write_report
 
 

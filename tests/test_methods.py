@@ -9,7 +9,7 @@ import torch
 
 from oscar.commands._stage import single_thread
 from oscar.config import compose
-from oscar.methods import (
+from oscar.core.methods import (
     CalibrationMissing,
     MethodError,
     auto_choices_rows,
@@ -23,9 +23,9 @@ from oscar.methods import (
     validate_method,
     write_auto_choices,
 )
-from oscar.clipfit import measured_distortion
-from oscar.rotation import bit_reversal, block_hadamard, build_rotation, hadamard
-from oscar.stats import CalibrationStats
+from oscar.core.clipfit import measured_distortion
+from oscar.core.rotation import bit_reversal, block_hadamard, build_rotation, hadamard
+from oscar.core.stats import CalibrationStats
 
 ALL_METHODS = ["bf16", "int2", "quarot", "saw_int4", "turboquant", "kivi2", "oscar", "oscar_center", "oscar_hp",
                "oscar_raw", "oscar_up", "oscar_uh", "auto"]

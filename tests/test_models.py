@@ -71,7 +71,7 @@ def test_head_dim_rule(d, ok):
 
 
 def test_head_dim_rule_matches_the_rotation_core():
-    from oscar.rotation import is_hadamard_order
+    from oscar.core.rotation import is_hadamard_order
 
     assert all(is_supported_head_dim(d) == is_hadamard_order(d) for d in range(2, 600))
 

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from oscar.capture import run_captured
+from oscar.models.capture import run_captured
 from oscar.config import compose
 from oscar.data.corpora import eval_sequences
 from oscar.models import get_adapter
 from oscar.models.loading import DENSE_STAMP, dense_dir, gguf_path
-from oscar.stats import CalibrationStats
+from oscar.core.stats import CalibrationStats
 
 pytestmark = pytest.mark.model
 

@@ -52,7 +52,7 @@ def snapshot(tmp_path_factory):
 
 def test_a_conf_file_alone_adds_a_model_of_a_supported_family(snapshot, tmp_path):
     from oscar.commands.calibrate import run_calibrate
-    from oscar.engine import Engine, next_token_kl
+    from oscar.models.engine import Engine, next_token_kl
 
     snap, corpus = snapshot
     conf = _conf_tree(tmp_path, _conf_text(snap))

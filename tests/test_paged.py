@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from oscar import quant
-from oscar.paged import HeadTransform, PagedKVPool, decode_attention_torch, rotate_quantize_pack_torch, QuantPages
+from oscar.core import quant
+from oscar.cache.paged import HeadTransform, PagedKVPool, decode_attention_torch, rotate_quantize_pack_torch, QuantPages
 
 
 def _orth(h: int, d: int, gen: torch.Generator) -> torch.Tensor:
@@ -149,7 +149,7 @@ def test_rotate_quantize_pack_torch_rejects_mismatched_rows():
 def test_query_heads_padded_to_an_mma_gqa_ratio_keep_the_real_heads(rep, padded):
     """SmolLM2's 9 query / 3 KV heads go to the mma kernel as 12 (zero queries appended per KV head); the real
     heads' outputs are those of the unpadded call (each query head attends on its own: the same float ops)."""
-    from oscar.paged import pad_query_heads
+    from oscar.cache.paged import pad_query_heads
 
     gen = torch.Generator().manual_seed(5)
     B, hkv, d, ps = 2, 3, 64, 4

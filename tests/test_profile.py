@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from oscar import throughput as tp
-from oscar import throughput_report as report
-from oscar import throughput_run as profile_run
+from oscar.bench import throughput as tp
+from oscar.bench import throughput_report as report
+from oscar.bench import throughput_run as profile_run
 from oscar.commands import profile
 
 GB = 1e9
@@ -107,7 +107,7 @@ def test_points_over_the_budget_are_marked_oom_and_the_fit_search_finds_the_edge
     s.reps = 1
     family, dims = s.architecture("tiny-qwen3", cfg)
     model = tp.build_random_model(tp.architecture_config(family, dims), device="cpu", dtype=torch.bfloat16)
-    from oscar import device_cache as dc
+    from oscar.cache import device_cache as dc
     from oscar.config import compose
 
     dc.enable(model)

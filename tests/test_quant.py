@@ -1,4 +1,4 @@
-"""Tests of the quantized storage format (oscar.quant): clipping, codes, packing, accounting."""
+"""Tests of the quantized storage format (oscar.core.quant): clipping, codes, packing, accounting."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from oscar.quant import (
+from oscar.core.quant import (
     bits_per_element,
     bits_per_element_of,
     dequantize,

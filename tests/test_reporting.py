@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from oscar.eval.runner import cell_config_hash
 
-from oscar.reporting import (
+from oscar.eval.reporting import (
     ReportError,
     TablePlan,
     aggregate,
@@ -242,7 +242,7 @@ def test_report_files_are_readable_by_others(eval_plan, tmp_path):
     old = os.umask(0o022)
     try:
         render_figure(plan, summary, tmp_path / "fig.png", root=tmp_path)
-        from oscar.files import atomic_write_text
+        from oscar.core.files import atomic_write_text
 
         atomic_write_text(tmp_path / "t.md", render_markdown(plan, summary))
     finally:

@@ -1,4 +1,4 @@
-"""Rope-centered keys (`oscar.rope`): the RoPE twin against transformers, the statistics, `auto`'s candidate,
+"""Rope-centered keys (`oscar.core.rope`): the RoPE twin against transformers, the statistics, `auto`'s candidate,
 the artifact round trip and the cache paths that subtract `RoPE_p(m)` on write and add it back on read."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from oscar import quant
-from oscar.attention import enable
-from oscar.cache import CacheSpec, LayerRotations, new_cache, spec_for_model
-from oscar.rope import RopeSpec
-from oscar.rotation import random_orthogonal
-from oscar.stats import CalibrationStats
+from oscar.core import quant
+from oscar.cache.attention import enable
+from oscar.cache.torch_cache import CacheSpec, LayerRotations, new_cache, spec_for_model
+from oscar.core.rope import RopeSpec
+from oscar.core.rotation import random_orthogonal
+from oscar.core.stats import CalibrationStats
 
 torch.set_num_threads(2)
 
@@ -161,9 +161,9 @@ def test_rope_centering_removes_a_rotating_key_bias_exactly() -> None:
 
 
 def test_auto_picks_rope_centering_for_a_biased_key_head_and_the_artifact_keeps_it(tmp_path) -> None:
-    from oscar.artifact import load_artifact, save_artifact
-    from oscar.calibration import build_artifact
-    from oscar.engine import layer_rotations
+    from oscar.core.artifact import load_artifact, save_artifact
+    from oscar.core.calibration import build_artifact
+    from oscar.models.engine import layer_rotations
 
     d, hkv, heads, n = 16, 1, 2, 512
     spec = RopeSpec(1.0 / (10000.0 ** (torch.arange(0, 8, dtype=torch.float64) / 8)), 1.0, head_dim=d)
@@ -195,7 +195,7 @@ def test_auto_picks_rope_centering_for_a_biased_key_head_and_the_artifact_keeps_
 
 
 def test_paged_decode_with_rope_centered_keys_equals_the_segment_path(qwen) -> None:
-    """Decode steps through oscar.paged (the kernels' twin: pages, q . RoPE_p(m) added to the logits at
+    """Decode steps through oscar.cache.paged (the kernels' twin: pages, q . RoPE_p(m) added to the logits at
     int_pos0 = sink) give the logits of the host cache's own segment path on the same stored rows."""
     from oscar.models.adapters import key_rope
 
@@ -215,7 +215,7 @@ def test_paged_decode_with_rope_centered_keys_equals_the_segment_path(qwen) -> N
 
 def test_kernel_transforms_carry_rope_centered_keys(qwen) -> None:
     from oscar.models.adapters import key_rope
-    from oscar.throughput import head_transforms
+    from oscar.bench.throughput import head_transforms
 
     spec, _ = key_rope(qwen, 0, positions=64)
     rots = _rope_rotations(qwen, spec)

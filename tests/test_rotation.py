@@ -1,11 +1,11 @@
-"""Tests of oscar.rotation in float64: orthogonality, Lemma 1, the group property of P, Theorem 1."""
+"""Tests of oscar.core.rotation in float64: orthogonality, Lemma 1, the group property of P, Theorem 1."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from oscar.rotation import (
+from oscar.core.rotation import (
     ROTATION_KINDS,
     bit_reversal,
     bit_reversal_indices,

@@ -22,9 +22,9 @@ from oscar.serve.settings import (
 def tiny(tmp_path_factory):
     from transformers import AutoConfig
 
-    from oscar.artifact import config_hash_of, model_config_fields, save_artifact
+    from oscar.core.artifact import config_hash_of, model_config_fields, save_artifact
     from oscar.config import compose
-    from oscar.methods import in_code_artifact
+    from oscar.core.methods import in_code_artifact
     from oscar.models.tiny import save_random_model
 
     root = tmp_path_factory.mktemp("serve_settings")

@@ -19,10 +19,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from oscar import quant
+from oscar.core import quant
 from oscar.config import compose
 from oscar.eval.shared_prefill import MethodRun, complete, prefill_rows, split_prompt
-from oscar.generate import SamplingParams, cache_kwarg
+from oscar.models.generate import SamplingParams, cache_kwarg
 
 NIAH = ["model=smollm2-135m", "benchmark=niah", "benchmark.context_lengths=[512]", "benchmark.extra.samples_per_length=1",
         "benchmark.max_new_tokens=4"]
@@ -47,7 +47,7 @@ def needle(smollm2, single_thread):
 
 
 def _own_prefill(model, run: MethodRun, ids, split):
-    from oscar.surgery import fold_value_rotations
+    from oscar.models.surgery import fold_value_rotations
 
     cache = run.new_cache(model)
     handle = fold_value_rotations(model, run.rotations) if run.fold else None
@@ -183,7 +183,7 @@ def test_a_stream_fed_shared_rows_generates_what_its_own_prefill_does(smollm2, s
     every answer token reads INT2 rows."""
     from oscar.eval.runner import generation_prompt, prepare_items
     from oscar.eval.shared_prefill import filled_batch, prefill_prompt
-    from oscar.generate import generate_continuous
+    from oscar.models.generate import generate_continuous
 
     model, tok, _ = smollm2
     cfg = _he("int2")
@@ -198,7 +198,7 @@ def test_a_stream_fed_shared_rows_generates_what_its_own_prefill_does(smollm2, s
     def fill(group):
         return filled_batch(model, run, [store[j] for j in group])
 
-    from oscar import attention
+    from oscar.cache import attention
 
     attention.enable(model)
     seen: dict[str, list[float]] = {"own": [], "shared": []}

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar.attention import enable
-from oscar.cache import WindowLayer, new_cache, spec_for_model
+from oscar.cache.attention import enable
+from oscar.cache.torch_cache import WindowLayer, new_cache, spec_for_model
 from oscar.models import UnsupportedModel, check_supported, layer_windows
 from oscar.models.tiny import tiny_config
 
@@ -115,7 +115,7 @@ def test_simulated_baselines_and_folded_values_with_window_layers(gemma):
     from omegaconf import OmegaConf
 
     from oscar.config import compose
-    from oscar.engine import Engine
+    from oscar.models.engine import Engine
 
     ids = torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(4))
     ref = Engine(gemma, None, compose(["method=bf16"]).method).score(ids, mode="decode_equivalent")

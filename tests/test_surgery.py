@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from oscar.attention import enable
-from oscar.cache import new_cache, spec_for_model
-from oscar.rotation import random_orthogonal
-from oscar.surgery import fold_value_rotations, folded_weight
+from oscar.cache.attention import enable
+from oscar.cache.torch_cache import new_cache, spec_for_model
+from oscar.core.rotation import random_orthogonal
+from oscar.models.surgery import fold_value_rotations, folded_weight
 
 from test_cache import random_rotations, tiny_llama
 

@@ -7,8 +7,8 @@ import warnings
 
 import pytest
 
-from oscar.reporting import TablePlan
-from oscar.tracking import experiment_name, metric_names, mirror_table
+from oscar.eval.reporting import TablePlan
+from oscar.eval.tracking import experiment_name, metric_names, mirror_table
 from test_reporting import make_eval_plan
 
 mlflow = pytest.importorskip("mlflow")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from oscar.reporting import ReportError, TablePlan, aggregate, write_csv
+from oscar.eval.reporting import ReportError, TablePlan, aggregate, write_csv
 
 
 def main(argv: list[str]) -> int:

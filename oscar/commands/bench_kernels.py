@@ -1,7 +1,7 @@
 """`python -m oscar bench-kernels [output=CSV] [key=value ...]`: time the GPU kernels against BF16 SDPA.
 
-Keys and defaults: `oscar.kernel_bench.DEFAULTS` (head_dims, batches, contexts, layout=mma|rows, parts, ...);
-what is timed and written: `oscar.kernel_bench`.
+Keys and defaults: `oscar.bench.kernel_bench.DEFAULTS` (head_dims, batches, contexts, layout=mma|rows, parts, ...);
+what is timed and written: `oscar.bench.kernel_bench`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any
 
-from oscar.kernel_bench import DEFAULTS, run
+from oscar.bench.kernel_bench import DEFAULTS, run
 
 
 def _parse(argv: list[str]) -> dict[str, Any]:

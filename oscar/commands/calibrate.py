@@ -23,7 +23,7 @@ def run_calibrate(cfg: Any, *, force: bool = False, out: Path | None = None) -> 
     from oscar.commands.clip import run_clip
     from oscar.commands.dump import run_dump
     from oscar.commands.rotations import load_stats, run_rotations
-    from oscar.methods import needs_statistics, validate_method
+    from oscar.core.methods import needs_statistics, validate_method
 
     validate_method(cfg.method)
     results = []
@@ -39,10 +39,10 @@ def run_calibrate(cfg: Any, *, force: bool = False, out: Path | None = None) -> 
 
 
 def write_choices(artifact: Path, prefix: Path, title: str, note: str = "") -> tuple[Path, Path]:
-    """Tables of an `auto` artifact's per-(layer, head) choices (`oscar.methods.write_auto_choices`)."""
+    """Tables of an `auto` artifact's per-(layer, head) choices (`oscar.core.methods.write_auto_choices`)."""
     import json
 
-    from oscar.methods import write_auto_choices
+    from oscar.core.methods import write_auto_choices
 
     meta = json.loads((Path(artifact) / "meta.json").read_text())
     return write_auto_choices(meta, prefix, title, note)

@@ -27,9 +27,9 @@ from oscar.commands._stage import (
 
 def run_clip(cfg: Any, *, force: bool = False, out: Path | None = None, stats: Any = None, rotations: Path | None = None) -> StageResult:
     """Stage `clip` for a composed configuration."""
-    from oscar.artifact import load_artifact, save_artifact
+    from oscar.core.artifact import load_artifact, save_artifact
     from oscar.commands.rotations import load_stats
-    from oscar.methods import CalibrationMissing, clip_mode, fit_clip
+    from oscar.core.methods import CalibrationMissing, clip_mode, fit_clip
 
     t0 = time.perf_counter()
     target = Path(out) if out is not None else artifact_dir(cfg)
@@ -51,10 +51,10 @@ def run_clip(cfg: Any, *, force: bool = False, out: Path | None = None, stats: A
     clip = clip_mode(cfg.method)
     if stats is None and clip == "fit":
         stats = load_stats(cfg)
-    import oscar.calibration
+    import oscar.core.calibration
 
     steps = Progress(f"clip {cfg.model.name}/{cfg.method.name} (layer, side)", 2 * art.num_layers)
-    with single_thread(), count_calls(steps, oscar.calibration, ("fit_layer_clip",)):
+    with single_thread(), count_calls(steps, oscar.core.calibration, ("fit_layer_clip",)):
         art = fit_clip(
             art, cfg.method, stats=stats,
             clip_grid_k=list(cfg.calibration.clip_grid_k), clip_grid_v=list(cfg.calibration.clip_grid_v),

@@ -1,7 +1,7 @@
 """`python -m oscar dump [overrides] [force=true]`: run calibration text, write statistics.
 
 Writes `<results_dir>/stats/<model>/<calibration>/` (or `output=`): `stats.safetensors` +
-`stats.json` (`oscar.stats.CalibrationStats`): float64 sums C_Q/C_S/C_K/C_V per (layer, KV head)
+`stats.json` (`oscar.core.stats.CalibrationStats`): float64 sums C_Q/C_S/C_K/C_V per (layer, KV head)
 over the calibration windows, plus up to `calibration.holdout_tokens` raw key/value rows per
 (layer, head) from held-back windows (never part of the sums) for clip fitting and `auto`.
 With `calibration.sample_rows > 0`, also `samples.safetensors`: the first `sample_rows` tokens of
@@ -43,7 +43,7 @@ class RowSampler:
         """Write `layers.{l}.{Q,K,V,S}` to a safetensors file atomically."""
         from safetensors.torch import save_file
 
-        from oscar.stats import atomic_write
+        from oscar.core.stats import atomic_write
 
         tensors = {f"layers.{l}.{n}": t.contiguous() for l, d in sorted(self.rows.items()) for n, t in d.items()}
         atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
@@ -53,12 +53,12 @@ def collect_statistics(
     model: Any, tokenizer: Any, cal_cfg: Any, *, progress: bool = True, sampler: RowSampler | None = None
 ) -> Any:
     """Capture the model on the calibration windows (sums) and held-back windows (sample rows)."""
-    from oscar.artifact import model_config_fields, model_config_hash
-    from oscar.capture import run_captured
+    from oscar.core.artifact import model_config_fields, model_config_hash
+    from oscar.models.capture import run_captured
     from oscar.data.corpora import calibration_splits
     from oscar.models import model_dims
     from oscar.models.adapters import key_rope, layer_windows
-    from oscar.stats import CalibrationStats
+    from oscar.core.stats import CalibrationStats
 
     dims = model_dims(model)
     splits = calibration_splits(tokenizer, cal_cfg)

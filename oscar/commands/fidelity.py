@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
     from omegaconf import OmegaConf
 
     from oscar.eval.runner import git_commit, hardware
-    from oscar.files import atomic_write_text
+    from oscar.core.files import atomic_write_text
 
     try:
         flags, overrides = pop_flags(argv, FLAGS)
@@ -81,8 +81,8 @@ def main(argv: list[str]) -> int:
     import torch
 
     from oscar.data.corpora import eval_sequences
-    from oscar.engine import Engine, artifact_dir, effective_group_size, rotations_from_artifact, rotations_in_code
-    from oscar.methods import needs_statistics
+    from oscar.models.engine import Engine, artifact_dir, effective_group_size, rotations_from_artifact, rotations_in_code
+    from oscar.core.methods import needs_statistics
     from oscar.eval.fidelity import attention_fidelity, model_fidelity
     from oscar.models import load_model
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from oscar.files import atomic_write_text
+from oscar.core.files import atomic_write_text
 
 FLAGS: dict[str, Any] = {
     "prompt": "",
@@ -54,7 +54,7 @@ def main(argv: list[str]) -> int:
     """Compose the configuration, build the engine, generate, print (and optionally write) completions."""
     from oscar.config import compose
     from oscar.commands._stage import pop_flags
-    from oscar.engine import Engine
+    from oscar.models.engine import Engine
 
     try:
         flags, overrides = pop_flags(argv, FLAGS)

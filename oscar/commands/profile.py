@@ -4,8 +4,8 @@ Random-weight models of real architectures (the `models` of the experiment, size
 `experiment.extra.profile.architectures`) decode end to end on CUDA (embeddings, every layer, LM
 head, sampling), each step captured in one CUDA graph, with the static BF16 cache (torch SDPA; cuDNN
 or flash and the GQA layout, whichever is fastest in the same run) and the paged OSCAR formats of the
-experiment's `methods` through the project's kernels (`oscar.device_cache`). Every cache runs the
-fused, compiled decode step (`oscar.fused_step`); the caches of `hf_caches=` (default `bf16`) also run
+experiment's `methods` through the project's kernels (`oscar.cache.device_cache`). Every cache runs the
+fused, compiled decode step (`oscar.models.fused_step`); the caches of `hf_caches=` (default `bf16`) also run
 the transformers forward ("HF eager + graph"), a second, labelled baseline. `layout=` `auto` (default:
 INT2 with one group per row in the fragment-order pages read by the v9 CUDA kernel, other formats in row
 pages read by the Triton kernel), `rows` or `mma`; each row records its layout, kernel and step path.
@@ -22,7 +22,7 @@ Writes under `output_dir` (default reports/throughput): `grid.csv`, `check.csv`,
 rows into MLflow when tracking is enabled and mlflow is installed. `report_only=true` rebuilds the
 Markdown, the figure and the MLflow runs from the CSVs; `tiny=true` runs every part on a tiny
 architecture (on the CPU: eager timing, no kernel split, the fused step uncompiled), which is what the
-tests do. The measuring lives in `oscar.throughput_run`, the report in `oscar.throughput_report`.
+tests do. The measuring lives in `oscar.bench.throughput_run`, the report in `oscar.bench.throughput_report`.
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from oscar.throughput_run import FLAGS
+from oscar.bench.throughput_run import FLAGS
 
 
 def main(argv: list[str]) -> int:
     """Compose the configuration, measure (unless ``report_only``), write the report, mirror to MLflow."""
-    from oscar import throughput_report as report
+    from oscar.bench import throughput_report as report
     from oscar.commands._stage import pop_flags
     from oscar.config import compose
-    from oscar.throughput_run import Settings, run
+    from oscar.bench.throughput_run import Settings, run
 
     try:
         flags, overrides = pop_flags(argv, FLAGS)

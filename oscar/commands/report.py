@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from oscar.files import atomic_write_text
-from oscar.reporting import (
+from oscar.core.files import atomic_write_text
+from oscar.eval.reporting import (
     ReportError,
     TablePlan,
     render_csv,
@@ -72,7 +72,7 @@ def _render(plan: TablePlan, args: argparse.Namespace) -> None:
 
 
 def _track(plan: TablePlan, args: argparse.Namespace) -> None:
-    from oscar.tracking import mirror_table, write_receipt
+    from oscar.eval.tracking import mirror_table, write_receipt
 
     uri = args.uri
     if uri is None:

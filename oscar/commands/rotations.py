@@ -28,8 +28,8 @@ from oscar.commands._stage import (
 
 def load_stats(cfg: Any, path: Path | None = None) -> Any:
     """The `dump` statistics of a configuration, refusing missing or stale ones with the fix."""
-    from oscar.methods import CalibrationMissing
-    from oscar.stats import CalibrationStats
+    from oscar.core.methods import CalibrationMissing
+    from oscar.core.stats import CalibrationStats
 
     src = Path(path) if path is not None else stats_dir(cfg)
     if not (src / "stats.json").is_file():
@@ -55,7 +55,7 @@ def model_geometry(cfg: Any, stats: Any) -> dict[str, Any]:
             "config_hash": meta.get("config_hash", ""),
         }
     from oscar.models import load_model
-    from oscar.artifact import config_hash_of
+    from oscar.core.artifact import config_hash_of
 
     model, _ = load_model(cfg.model, device="cpu")
     fields = config_hash_of(model)
@@ -72,8 +72,8 @@ def calibration_meta(stats: Any) -> dict[str, Any]:
 
 def run_rotations(cfg: Any, *, force: bool = False, out: Path | None = None, stats: Any = None) -> StageResult:
     """Stage `rotations` for a composed configuration."""
-    from oscar.artifact import save_artifact
-    from oscar.methods import build_rotations, needs_statistics
+    from oscar.core.artifact import save_artifact
+    from oscar.core.methods import build_rotations, needs_statistics
 
     t0 = time.perf_counter()
     target = Path(out) if out is not None else rotations_dir(cfg)
@@ -83,10 +83,10 @@ def run_rotations(cfg: Any, *, force: bool = False, out: Path | None = None, sta
     if stats is None and needs_statistics(cfg.method):
         stats = load_stats(cfg)
     geom = model_geometry(cfg, stats)
-    import oscar.calibration
+    import oscar.core.calibration
 
     steps = Progress(f"rotations {cfg.model.name}/{cfg.method.name} (layer, side)", 2 * int(geom["num_layers"]))
-    with single_thread(), count_calls(steps, oscar.calibration, ("select_layer", "layer_rotations")):
+    with single_thread(), count_calls(steps, oscar.core.calibration, ("select_layer", "layer_rotations")):
         art = build_rotations(
             cfg.method,
             num_layers=geom["num_layers"], num_kv_heads=geom["num_kv_heads"], head_dim=geom["head_dim"],

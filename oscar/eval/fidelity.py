@@ -12,7 +12,7 @@ For each mode: next-token KL(BF16 || method) per position (mean with a block-boo
 perplexity of both models on the window text.
 
 Attention level, from the queries/keys/values captured per layer during a BF16 forward
-(`oscar.capture`) and the method's rotations and quantizer (no cache): raw K and V MSE,
+(`oscar.models.capture`) and the method's rotations and quantizer (no cache): raw K and V MSE,
 QKᵀ logit MSE, S·V MSE (BF16 attention probabilities times quantized values) — paper Fig. 2 — and the
 attention-distribution KL per layer as a function of context length (query position) — Fig. 3.
 These quantize every key and value (no sink/recent windows) to expose the quantizer alone.
@@ -37,7 +37,7 @@ def fake_quantize(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | 
 
     `x_hat = Q((x - mu) @ R) @ R.T + mu`, one rotation, mean and clip ratio per KV head.
     """
-    from oscar import quant
+    from oscar.core import quant
 
     x = x.float()
     mu = mean.float()[:, None, :] if mean is not None else torch.zeros_like(x[:, :1, :])
@@ -133,7 +133,7 @@ class AttentionFidelitySink:
 def attention_fidelity(model: Any, windows: list[torch.Tensor], rotations: Sequence[Any], bits: int,
                        group_size: int, progress: str | None = None) -> list[dict]:
     """Per-layer attention-level errors of a method's quantizer on BF16 activations of `windows`."""
-    from oscar.capture import run_captured
+    from oscar.models.capture import run_captured
 
     sink = AttentionFidelitySink(rotations, bits, group_size, position_buckets(max(int(w.numel()) for w in windows)))
     run_captured(model, windows, sink, progress=progress)
@@ -145,7 +145,7 @@ def attention_fidelity(model: Any, windows: list[torch.Tensor], rotations: Seque
 @torch.no_grad()
 def serving_logits(engine: Any, ids: torch.Tensor, prefill: int) -> torch.Tensor:
     """Logits `[T, V]` for a window: prefill `prefill` tokens, then decode the rest one token at a time."""
-    from oscar.generate import cache_kwarg
+    from oscar.models.generate import cache_kwarg
 
     ids = ids.view(1, -1).to(engine.device)
     t = ids.shape[1]

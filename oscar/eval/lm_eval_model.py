@@ -19,7 +19,7 @@ from lm_eval.models.huggingface import HFLM
 
 @register_model("oscar")
 class OscarLM(HFLM):
-    """HFLM over an `oscar.engine.Engine` (model + KV-cache method)."""
+    """HFLM over an `oscar.models.engine.Engine` (model + KV-cache method)."""
 
     def __init__(self, model: str = "smollm2-135m", method: str = "oscar", score_mode: str = "serving",
                  overrides: str = "", engine: Any = None, **kwargs: Any) -> None:
@@ -30,7 +30,7 @@ class OscarLM(HFLM):
             raise ValueError(f"score_mode={score_mode!r}; valid: {', '.join(MODES)}")
         if engine is None:
             from oscar.config import compose
-            from oscar.engine import Engine
+            from oscar.models.engine import Engine
 
             cfg = compose([f"model={model}", f"method={method}", *overrides.split()])
             engine = Engine.from_config(cfg)
@@ -49,7 +49,7 @@ class OscarLM(HFLM):
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str],
                         **generation_kwargs: Any) -> torch.Tensor:
         """Continue left-padded `context` rows; returns `[B, ctx + new]` token ids like HFLM."""
-        from oscar.generate import SamplingParams, generate_tokens
+        from oscar.models.generate import SamplingParams, generate_tokens
 
         mask = generation_kwargs.pop("attention_mask", None)
         rows = []

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 from oscar.eval.items import EvalItem, prompt_hash, select
 from oscar.eval.prompts import render
 from oscar.eval.registry import load_items
-from oscar.files import atomic_write_text
+from oscar.core.files import atomic_write_text
 
 RESULT_FILE = "result.json"
 ITEMS_FILE = "items.jsonl"
@@ -64,13 +64,13 @@ def engine_name(cfg: Any) -> str:
 
 
 def build_engine(cfg: Any, log_path: Path | None = None) -> Any:
-    """The cell's engine: `oscar.engine.Engine` in this process, or (`engine=sglang`) an SGLang server with
+    """The cell's engine: `oscar.models.engine.Engine` in this process, or (`engine=sglang`) an SGLang server with
     the oscar plugin (`oscar.serve.client.SGLangEngine`; stop it with `close()`)."""
     if engine_name(cfg) == "sglang":
         from oscar.serve.client import SGLangEngine
 
         return SGLangEngine(cfg, log_path=log_path)
-    from oscar.engine import Engine
+    from oscar.models.engine import Engine
 
     return Engine.from_config(cfg)
 

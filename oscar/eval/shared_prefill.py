@@ -3,7 +3,7 @@
 Serving semantics make a prompt's prefill method-independent: a prefill into an empty cache attends in BF16
 (`OscarLayer.attend_and_write` takes its contiguous SDPA path, the simulated KIVI / TurboQuant layers see no
 quantized row while `T = old = 0`), and a method's value fold only changes the frame of the attention output,
-which the folded `o_proj` undoes (`oscar.surgery`). So every method's cache receives the same K/V rows, up to
+which the folded `o_proj` undoes (`oscar.models.surgery`). So every method's cache receives the same K/V rows, up to
 float rounding (measured in tests/test_shared_prefill.py). Here the long part of each prompt (the haystack,
 everything before `item.meta["question"]`) runs through the model once, into a BF16 cache that records the
 rows each layer receives; each method's cache is then filled from those rows through its own write path
@@ -33,8 +33,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from oscar.cache import OscarCache, new_cache, spec_for_model
-from oscar.generate import SamplingParams, cache_kwarg, next_tokens, truncate_at_stop
+from oscar.cache.torch_cache import OscarCache, new_cache, spec_for_model
+from oscar.models.generate import SamplingParams, cache_kwarg, next_tokens, truncate_at_stop
 
 
 class RecordingCache(OscarCache):
@@ -73,8 +73,8 @@ class MethodRun:
     @classmethod
     def from_config(cls, cfg: Any, model: Any) -> "MethodRun":
         """Rotations of `cfg.method` from its artifact (or in code) and the fold `Engine.from_config` applies."""
-        from oscar.engine import artifact_dir, rotations_from_artifact, rotations_in_code
-        from oscar.methods import needs_statistics
+        from oscar.models.engine import artifact_dir, rotations_from_artifact, rotations_in_code
+        from oscar.core.methods import needs_statistics
 
         method = cfg.method
         rotations = None
@@ -85,7 +85,7 @@ class MethodRun:
 
     def new_cache(self, model: Any) -> OscarCache:
         """A fresh serving-mode cache of this method (decode steps read it decode-equivalently)."""
-        from oscar.engine import cache_spec
+        from oscar.models.engine import cache_spec
 
         return new_cache(model, cache_spec(self.cfg.method, model, self.rotations, fold_values=self.fold,
                                            backend=self.backend))
@@ -115,7 +115,7 @@ def prefill_rows(model: Any, ids: Sequence[int]) -> list[tuple[torch.Tensor, tor
 def prefill_prompt(model: Any, ids: Sequence[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """`prefill_rows` and the logits of the last prompt position `[1, vocab]` (what the first answer token is
     drawn from, the same for every method)."""
-    from oscar import attention
+    from oscar.cache import attention
 
     attention.enable(model)
     device = next(model.parameters()).device
@@ -145,7 +145,7 @@ def filled_batch(model: Any, run: "MethodRun", prefills: Sequence[tuple[list, to
 
 
 def _last_only(model: Any) -> dict:
-    from oscar.generate import _last_logits_only
+    from oscar.models.generate import _last_logits_only
 
     return _last_logits_only(model)
 
@@ -158,7 +158,7 @@ def complete(model: Any, run: MethodRun, ids: Sequence[int], split: int, params:
     `prefill_rows` written through the cache's write path), `ids[split:]` fed one token per decode step, then up
     to `params.max_new_tokens` tokens. Returns `tokens`, `kv_bits_per_element` (the cache after the answer),
     `steps` and, with `keep_logits`, the float32 logits of every step from the last prompt token on."""
-    from oscar import attention
+    from oscar.cache import attention
 
     device = next(model.parameters()).device
     kw = cache_kwarg(model)
@@ -166,7 +166,7 @@ def complete(model: Any, run: MethodRun, ids: Sequence[int], split: int, params:
     cache = run.new_cache(model)
     handle = None
     if run.fold:
-        from oscar.surgery import fold_value_rotations
+        from oscar.models.surgery import fold_value_rotations
 
         handle = fold_value_rotations(model, run.rotations)  # type: ignore[arg-type]
     generator = None
@@ -293,7 +293,7 @@ def _setup(cfgs: Sequence[Any], dirs: list[Path]) -> tuple:
     method's `MethodRun`, the items and notes, each cell's hash and the records it already holds, the sampling,
     a tokenizer view for `generation_prompt`, the EOS ids and a decoder."""
     from oscar.eval.runner import PARTIAL_FILE, _read_partial, cell_config_hash, prepare_items
-    from oscar.engine import eos_token_ids
+    from oscar.models.engine import eos_token_ids
     from oscar.models import load_model
 
     start = time.monotonic()
@@ -377,7 +377,7 @@ def _run_stream_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log
     instead of a prefill pass. Records stream to each method's `items.partial.jsonl` as requests end, and each
     method's cell is written as soon as its stream ends."""
     from oscar.eval.runner import PARTIAL_FILE, generation_prompt, grade_generation, write_cell
-    from oscar.generate import generate_continuous
+    from oscar.models.generate import generate_continuous
 
     start, first, model, tok, runs, items, notes, hashes, done, params, engine_view, eos_ids, decode = _setup(cfgs, dirs)
     labels = cell_labels(cfgs)
@@ -419,7 +419,7 @@ def _run_stream_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log
             continue
         handle = None
         if run.fold:
-            from oscar.surgery import fold_value_rotations
+            from oscar.models.surgery import fold_value_rotations
 
             handle = fold_value_rotations(model, run.rotations)  # type: ignore[arg-type]
 

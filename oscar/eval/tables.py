@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     text = render_markdown(eval_rows(Path(args.results), args.model), fidelity_rows(Path(args.results), args.model))
     if args.out:
-        from oscar.files import atomic_write_text
+        from oscar.core.files import atomic_write_text
 
         atomic_write_text(Path(args.out), text)
     print(text)

@@ -50,7 +50,7 @@ class ModelAdapter:
     qk_norm: bool = False  # per-head RMSNorm on q and k, applied before RoPE
     rope: str = "full"  # full | partial (config.partial_rotary_factor of each head rotated)
     notes: str = ""
-    # the fused decode step (oscar.fused_step): dense MLP with gate/up/down projections, plain RMSNorm
+    # the fused decode step (oscar.models.fused_step): dense MLP with gate/up/down projections, plain RMSNorm
     fused_step: bool = False
     mlp_attr: str = "mlp"
     gate_proj: str = "gate_proj"
@@ -241,20 +241,20 @@ def _rotary_module(model: nn.Module) -> nn.Module | None:
 
 
 def key_rope(model: nn.Module, layer: int, positions: int = 2048) -> tuple[object | None, str]:
-    """The rotate-half RoPE (`oscar.rope.RopeSpec`) that layer `layer` applies to its keys, or (None, why).
+    """The rotate-half RoPE (`oscar.core.rope.RopeSpec`) that layer `layer` applies to its keys, or (None, why).
 
     Read from the model's rotary embedding (`inv_freq` and `attention_scaling`, per layer type where
     the model has several) and accepted only if it reproduces, within float32 rounding, the `cos`/`sin`
     the model computes for positions `0..positions-1` and the model's own `apply_rotary_pos_emb` on a
     random key: a RoPE variant this cannot express (dynamic scaling, interleaved pairs, ...) is
-    reported, not guessed. Rope-centered keys (`oscar.rope`) need it.
+    reported, not guessed. Rope-centered keys (`oscar.core.rope`) need it.
     """
     import inspect
     import sys
 
     import torch
 
-    from oscar.rope import RopeSpec
+    from oscar.core.rope import RopeSpec
 
     rot = _rotary_module(model)
     if rot is None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from oscar.files import atomic_write
+from oscar.core.files import atomic_write
 from oscar.models.loading import (
     dense_dir,
     gguf_path,

@@ -8,7 +8,7 @@
   windows were written) gets its BF16 sink rows from the pool's sink store and is read quantized past the
   sink (this slot's ring never held it); the plugin caps a match so that the extend covers the recent window.
 - Decode: write the new row (quantized into its token slot, BF16 into its window column), then attend over
-  the three segments with ``oscar.paged.decode_attention``: on CUDA the v9 mma kernel over fragment-order
+  the three segments with ``oscar.cache.paged.decode_attention``: on CUDA the v9 mma kernel over fragment-order
   pages (or the Triton row kernel for other formats), on a CPU the torch twin. The metadata (window
   columns, segment lengths, the page table) is computed on the device from ``seq_lens`` and
   ``req_pool_indices`` with no host sync, into fixed buffers under CUDA graphs
@@ -35,7 +35,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.functional import scaled_dot_product_attention
 
-from oscar import paged
+from oscar.cache import paged
 from oscar.serve.state import current_state
 
 

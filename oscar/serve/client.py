@@ -38,8 +38,8 @@ def model_path(model_cfg: Any) -> str:
 def _in_code_artifact(cfg: Any, path: str, out: Path) -> Path:
     from transformers import AutoConfig
 
-    from oscar.artifact import config_hash_of, model_config_fields, save_artifact
-    from oscar.methods import in_code_artifact
+    from oscar.core.artifact import config_hash_of, model_config_fields, save_artifact
+    from oscar.core.methods import in_code_artifact
 
     hf = AutoConfig.from_pretrained(path)
     f = model_config_fields(hf)
@@ -64,7 +64,7 @@ class SGLangEngine:
     def __init__(self, cfg: Any, log_path: Optional[Path] = None) -> None:
         from transformers import AutoTokenizer
 
-        from oscar.engine import artifact_dir, effective_group_size
+        from oscar.models.engine import artifact_dir, effective_group_size
 
         e = cfg.engine
         kind = str(cfg.method.kind)
@@ -91,7 +91,7 @@ class SGLangEngine:
         if kind == "bf16":
             args += ["--attention-backend", "torch_native"]
         else:
-            from oscar.methods import needs_statistics
+            from oscar.core.methods import needs_statistics
 
             if needs_statistics(cfg.method):  # the clip policy decides too (clip=fit needs statistics)
                 art = artifact_dir(cfg)
@@ -137,7 +137,7 @@ class SGLangEngine:
                       batch_size: int = 1) -> list[tuple[float, bool]]:
         """Sum of log-probabilities of each continuation after its context, and whether it is greedy; one
         batched ``/generate`` request (prefill only) with input-token log-probabilities."""
-        from oscar.engine import Engine
+        from oscar.models.engine import Engine
 
         if mode != "serving":
             raise ValueError(f"engine=sglang scores with the serving semantics only (score_mode=serving); got {mode!r}. "

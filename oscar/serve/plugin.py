@@ -285,7 +285,7 @@ def fold_model(model: Any, rotations: list[Any]) -> int:
     """Fold each layer's ``R_V`` / ``mu_V`` into its ``o_proj`` in place (tensor-parallel rank 0 of 1)."""
     import torch
 
-    from oscar.surgery import folded_bias, folded_weight
+    from oscar.models.surgery import folded_bias, folded_weight
 
     attns = _attention_modules(model)
     if len(attns) != len(rotations):

@@ -1,18 +1,18 @@
 """The OSCAR KV pool for SGLang: packed INT pages of SGLang's page size plus BF16 sink and recent windows per request.
 
-Layout (``oscar.paged``'s format; SGLang's pages are the pages): per layer, K and V each hold
-``oscar.paged.QuantPages`` with ``codes`` uint8 ``[size/P + 1, Hkv, P, d*bits/8]`` and BF16 ``scale``/``zero``
+Layout (``oscar.cache.paged``'s format; SGLang's pages are the pages): per layer, K and V each hold
+``oscar.cache.paged.QuantPages`` with ``codes`` uint8 ``[size/P + 1, Hkv, P, d*bits/8]`` and BF16 ``scale``/``zero``
 ``[size/P + 1, Hkv, P, d/G]`` for SGLang's ``--page-size`` ``P``; token slot ``loc`` (SGLang's
 ``out_cache_loc``, from SGLang's own allocator) is token ``loc % P`` of page ``loc // P``. On CUDA, INT2 with
 one group per row goes to the fragment-order layouts ``mma_k``/``mma_v`` read by the v9 decode kernel
 (``oscar.kernels.decode_mma``, pages of 16k tokens); other formats and the CPU use token rows
-(``oscar.device_cache.resolve_layout``). The BF16 windows are per request slot (SGLang's ``req_pool_idx``), one
+(``oscar.cache.device_cache.resolve_layout``). The BF16 windows are per request slot (SGLang's ``req_pool_idx``), one
 buffer per layer and tensor ``[R + 1, Hkv, S0 + W, d]``: the sink (positions ``0..S0-1``) in columns
 ``0..S0-1`` and a ring (position ``p >= S0`` at column ``S0 + (p - S0) % W``); slot ``R`` takes the rows of
-the padded entries of a CUDA-graph batch. BF16 whatever the model dtype (as ``oscar.cache``), in the
+the padded entries of a CUDA-graph batch. BF16 whatever the model dtype (as ``oscar.cache.torch_cache``), in the
 original frame; rows are rounded to BF16 once, as they arrive.
 
-Window convention (as ``oscar.cache``): for a sequence of length ``L`` the sink holds ``[0, min(L, S0))``,
+Window convention (as ``oscar.cache.torch_cache``): for a sequence of length ``L`` the sink holds ``[0, min(L, S0))``,
 the quantized pages ``[S0, L - W)`` and the ring ``[max(S0, L - W), L)``. The sink is a whole number of
 pages (``S0 % P == 0``), so quantized token ``t`` (position ``S0 + t``) is token ``t % P`` of the page
 ``req_to_token[r, S0 + t] // P``: the kernel's page table is every ``P``-th column of SGLang's
@@ -49,7 +49,7 @@ from typing import Any, Optional
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-from oscar import paged
+from oscar.cache import paged
 from oscar.serve.settings import (ENV_ARTIFACT, ENV_KERNELS, OscarServeError, ServeSettings, bytes_per_token,
                                   head_transforms, window_bytes_per_request)
 from oscar.serve.state import current_state
@@ -63,7 +63,7 @@ class OscarTokenToKVPool(MHATokenToKVPool):
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int,
                  layer_num: int, device: str, enable_memory_saver: bool, *args: Any,
                  oscar_state: Optional[dict] = None, oscar_layout: str = "auto", **kwargs: Any) -> None:
-        from oscar.device_cache import resolve_layout
+        from oscar.cache.device_cache import resolve_layout
 
         state = oscar_state if oscar_state is not None else current_state()
         self.settings: ServeSettings = state["settings"]

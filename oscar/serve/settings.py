@@ -10,7 +10,7 @@ environment variables (inherited by SGLang's scheduler processes):
 ``OSCAR_RECENT``          BF16 recent window per request (default 256, at least 1)
 ``OSCAR_BITS``            2 or 4; must equal the artifact's bits (default: the artifact's)
 ``OSCAR_GROUP_SIZE``      quantization group; must equal the artifact's (default: the artifact's)
-``OSCAR_KERNELS``         ``torch`` (the twins in ``oscar.paged``) or ``triton``; default ``triton``
+``OSCAR_KERNELS``         ``torch`` (the twins in ``oscar.cache.paged``) or ``triton``; default ``triton``
                           on CUDA, ``torch`` elsewhere
 ``OSCAR_MMA``             launch of the mma decode kernel, ``KEY=INT,...`` with keys ``warps`` (2, 4, 8),
                           ``stages``, ``min_blocks``, ``carveout``, ``waves`` (split-K waves of CTAs) or
@@ -107,9 +107,9 @@ class ServeSettings:
         return s
 
     def cache_format(self, bits: int, group_size: int) -> Any:
-        """The `oscar.cache_format.CacheFormat` this server stores (``bits`` and ``group_size`` resolved from
+        """The `oscar.cache.formats.CacheFormat` this server stores (``bits`` and ``group_size`` resolved from
         the artifact by `load_rotations`): the same value the embedded engine and the profile use."""
-        from oscar.cache_format import CacheFormat
+        from oscar.cache.formats import CacheFormat
 
         return CacheFormat.serving(sink=self.sink, recent=self.recent, bits=bits, group_size=group_size)
 
@@ -164,7 +164,7 @@ def check_architecture(hf_config: Any) -> None:
             f"--attention-backend oscar does not support sliding-window attention (sliding_window="
             f"{getattr(cfg, 'sliding_window', None)} in the config of model_type {model_type!r})"
         )
-    from oscar.artifact import model_config_fields
+    from oscar.core.artifact import model_config_fields
 
     try:
         check_head_dim(int(model_config_fields(cfg)["head_dim"]))
@@ -179,8 +179,8 @@ def load_rotations(settings: ServeSettings, hf_config: Any) -> tuple[list[Any], 
     ``auto`` artifacts (per-head rotations and targets, centering ``mu_K``/``mu_V``, rope-centered keys) are
     served; the pool refuses rope-centered keys where its kernels do not take token positions
     (`oscar.serve.pool.OscarTokenToKVPool`). Per-channel keys (``method.channel_block > 0``) are refused here."""
-    from oscar.artifact import ArtifactMismatch, load_artifact
-    from oscar.engine import layer_rotations
+    from oscar.core.artifact import ArtifactMismatch, load_artifact
+    from oscar.models.engine import layer_rotations
 
     cfg = getattr(hf_config, "text_config", None) or hf_config
     path = settings.artifact
@@ -209,15 +209,15 @@ def validate(settings: ServeSettings, hf_config: Any) -> tuple[list[Any], int, i
 
 
 def head_transforms(rot: Any, device: Any) -> tuple[Any, Any]:
-    """``oscar.paged.HeadTransform`` for K and V of one layer's ``LayerRotations`` (float32 on ``device``);
+    """``oscar.cache.paged.HeadTransform`` for K and V of one layer's ``LayerRotations`` (float32 on ``device``);
     clip ratios only where some are below 1, as in the embedded cache."""
     return rot.paged_transforms("OSCAR KV pool", device)
 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bits: int, group_size: int) -> int:
     """Pool bytes per token (all layers, K and V): packed codes plus BF16 scale and zero per group
-    (`oscar.cache_format.CacheFormat.bytes_per_token`)."""
-    from oscar.cache_format import CacheFormat
+    (`oscar.cache.formats.CacheFormat.bytes_per_token`)."""
+    from oscar.cache.formats import CacheFormat
 
     return CacheFormat.serving(sink=0, recent=1, bits=bits, group_size=group_size).bytes_per_token(
         num_layers, num_kv_heads, head_dim)
@@ -226,8 +226,8 @@ def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bits: int
 def window_bytes_per_request(num_layers: int, num_kv_heads: int, head_dim: int, sink: int, recent: int,
                              itemsize: int = 2) -> int:
     """BF16 sink + recent window bytes of one request slot (all layers, K and V)
-    (`oscar.cache_format.CacheFormat.window_bytes`)."""
-    from oscar.cache_format import CacheFormat
+    (`oscar.cache.formats.CacheFormat.window_bytes`)."""
+    from oscar.cache.formats import CacheFormat
 
     return CacheFormat(name="window", sink=sink, recent=recent).window_bytes(num_layers, num_kv_heads, head_dim, itemsize)
 

@@ -5,11 +5,11 @@
 
 For every (layer, KV head) it compares, on the held-back calibration key rows (consecutive tokens, the
 rows `auto` selects on) and with the same metric (`C_Q / n_Q`: the mean squared logit error
-`oscar.clipfit.measured_distortion`):
+`oscar.core.clipfit.measured_distortion`):
 
 - `auto`: the distortion of the candidate `auto` chose (its artifact's `choices`, per-token groups of
   `G` channels after its rotation, centering and fitted clip);
-- `kivi<T>`: KIVI's keys (`oscar.baselines.kivi_fake_quantize`, per channel over blocks of T consecutive
+- `kivi<T>`: KIVI's keys (`oscar.core.baselines.kivi_fake_quantize`, per channel over blocks of T consecutive
   tokens, no clip, no rotation): T=32 as in KIVI-2 (3 key bits per element), T=64 (2.5, as many as
   per-token groups of 64 channels).
 
@@ -34,8 +34,8 @@ import torch
 def key_rows(stats: Any, auto_meta: dict[str, Any], *, kivi_groups: tuple[int, ...] = (32, 64), bits: int = 2) -> list[dict[str, Any]]:
     """One row per (layer, KV head): auto's chosen key distortion and KIVI per-channel key distortion for each
     token block size in `kivi_groups` (`kivi<G>`, and `kivi<G>_over_auto`)."""
-    from oscar.baselines import kivi_fake_quantize
-    from oscar.clipfit import candidate_label, weighted_distortion
+    from oscar.core.baselines import kivi_fake_quantize
+    from oscar.core.clipfit import candidate_label, weighted_distortion
 
     choices = {(int(c["layer"]), int(c["head"])): c for c in auto_meta.get("choices", [])}
     if not choices:
@@ -72,7 +72,7 @@ def write_report(rows: list[dict[str, Any]], out: Path, *, model: str, group_siz
     import csv
     import io
 
-    from oscar.stats import atomic_write_text
+    from oscar.core.stats import atomic_write_text
 
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
@@ -112,7 +112,7 @@ def write_report(rows: list[dict[str, Any]], out: Path, *, model: str, group_siz
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Command line entry point."""
-    from oscar.stats import CalibrationStats
+    from oscar.core.stats import CalibrationStats
 
     p = argparse.ArgumentParser(prog="python -m oscar.studies.key_formats", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)

@@ -71,7 +71,7 @@ def mean_ci(per_window: list[torch.Tensor]) -> tuple[float, float, float]:
 
 def split_spec(spec: str) -> tuple[str, Optional[str]]:
     """`name[:clip][@S0/W]` -> (method name, clip policy or None); refuses an unknown policy or malformed windows."""
-    from oscar.methods import CLIP_MODES
+    from oscar.core.methods import CLIP_MODES
 
     head, _, windows = spec.partition("@")
     name, _, clip = head.partition(":")
@@ -145,8 +145,8 @@ def _rotations(cfg: Any, method: Any, model: Any) -> Any:
     """Per-layer cache state of a rotated method: in code when its clip policy needs no statistics, else
     from its artifact (fitted under `method.clip=fit`); a `:none` variant of a calibrated method reads the
     artifact and sets every clip ratio to 1."""
-    from oscar.engine import artifact_dir, rotations_from_artifact, rotations_in_code
-    from oscar.methods import clip_mode, needs_statistics
+    from oscar.models.engine import artifact_dir, rotations_from_artifact, rotations_in_code
+    from oscar.core.methods import clip_mode, needs_statistics
 
     if not needs_statistics(method):
         return rotations_in_code(method, model)
@@ -165,8 +165,8 @@ def _rotations(cfg: Any, method: Any, model: Any) -> Any:
 
 def clip_edges(cfg: Any, method: Any) -> Optional[dict[str, Any]]:
     """Grid-edge counts of a fitted artifact (`meta.clip.edges`), with the grid ends; None when not fitted."""
-    from oscar.engine import artifact_dir
-    from oscar.methods import clip_mode
+    from oscar.models.engine import artifact_dir
+    from oscar.core.methods import clip_mode
 
     path = artifact_dir(cfg) / "meta.json"
     if clip_mode(method) != "fit" or not path.is_file():
@@ -182,7 +182,7 @@ def score_and_bits(eng: Any, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
     """Decode-equivalent logits of one window and the bits per cached K/V element the cache holds after it
     (`OscarCache.bits_per_element`: BF16 windows, INT pages with their scale/zero, page slack; the accounting
     of the format for the simulated KIVI / TurboQuant caches)."""
-    from oscar.generate import cache_kwarg
+    from oscar.models.generate import cache_kwarg
 
     cache = eng.new_cache("decode_equivalent")
     out = eng.model(input_ids=ids.to(eng.device), use_cache=True, **{cache_kwarg(eng.model): cache})
@@ -232,8 +232,8 @@ def run(
     Hydra overrides per method name (`parse_sets`), e.g. auto's `method.channel_block=64`."""
     from oscar.config import compose
     from oscar.data.corpora import eval_sequences
-    from oscar.engine import Engine
-    from oscar.methods import clip_mode
+    from oscar.models.engine import Engine
+    from oscar.core.methods import clip_mode
     from oscar.models import load_model
 
     rows: list[dict[str, Any]] = []
@@ -411,7 +411,7 @@ def write_tables(rows: list[dict[str, Any]], out: Path, command: str, note: str)
     """`<out>.csv` and `<out>.md` (atomic writes)."""
     import pandas as pd
 
-    from oscar.stats import atomic_write_text
+    from oscar.core.stats import atomic_write_text
 
     df = pd.DataFrame(rows)
     atomic_write_text(out.parent / (out.name + ".csv"), df.to_csv(index=False))  # not with_suffix: "qwen2.5-..." has dots

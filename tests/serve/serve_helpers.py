@@ -38,9 +38,9 @@ def save_in_code_artifact(model_dir: Path, method: str, out: Path) -> Path:
     (`fit`) these methods fit their clip on calibration statistics like every other row."""
     from transformers import AutoConfig
 
-    from oscar.artifact import config_hash_of, model_config_fields, save_artifact
+    from oscar.core.artifact import config_hash_of, model_config_fields, save_artifact
     from oscar.config import compose
-    from oscar.methods import in_code_artifact
+    from oscar.core.methods import in_code_artifact
 
     hf = AutoConfig.from_pretrained(str(model_dir))
     f = model_config_fields(hf)
@@ -53,10 +53,10 @@ def save_in_code_artifact(model_dir: Path, method: str, out: Path) -> Path:
 
 def embedded_greedy(model: Any, method: str, artifact: Path, sink: int, recent: int, prompts: list[list[int]],
                     max_new_tokens: int) -> list[list[int]]:
-    """Greedy tokens of the embedded engine (oscar.engine, value rotation folded) for each prompt alone."""
+    """Greedy tokens of the embedded engine (oscar.models.engine, value rotation folded) for each prompt alone."""
     from oscar.config import compose
-    from oscar.engine import Engine, rotations_from_artifact
-    from oscar.generate import SamplingParams, generate_tokens
+    from oscar.models.engine import Engine, rotations_from_artifact
+    from oscar.models.generate import SamplingParams, generate_tokens
 
     cfg = compose([f"method={method}", "method.clip=paper", f"method.sink={sink}", f"method.recent={recent}"])
     rotations = rotations_from_artifact(artifact, cfg.method, model)
@@ -78,11 +78,11 @@ def embedded_forced_logprobs(model: Any, method: str, artifact: Path, sink: int,
                              prompts: list[list[int]], forced: list[list[int]],
                              overrides: tuple[str, ...] = ("method.clip=paper",)) -> list[Any]:
     """Teacher-forced next-token log-probabilities of the embedded engine (value rotation folded) along
-    `forced` (`oscar.generate.forced_logprobs`: the decode path, through the quantized cache); `overrides`:
+    `forced` (`oscar.models.generate.forced_logprobs`: the decode path, through the quantized cache); `overrides`:
     method settings the artifact was made with (default: the unclipped in-code artifacts)."""
     from oscar.config import compose
-    from oscar.engine import Engine, rotations_from_artifact
-    from oscar.generate import forced_logprobs
+    from oscar.models.engine import Engine, rotations_from_artifact
+    from oscar.models.generate import forced_logprobs
 
     cfg = compose([f"method={method}", *overrides, f"method.sink={sink}", f"method.recent={recent}"])
     engine = Engine(model, None, cfg.method, rotations_from_artifact(artifact, cfg.method, model), fold_values=True)

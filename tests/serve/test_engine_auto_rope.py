@@ -6,7 +6,7 @@ Qwen2.5-Coder): ``auto`` (``python -m oscar calibrate method=auto``, 128 tokens)
 (``center_k == "rope"``) for some heads, centering and per-head targets for others. Served with INT2 (S0=4,
 W=8; and on 16-token pages with the prompt prefilled in chunks of 16, so that the later chunks attend over
 the dequantized prefix with its offsets added back), teacher-forced along SGLang's own greedy tokens, the
-embedded engine (``oscar.engine``, same artifact, value rotation folded) gives the same log-probabilities
+embedded engine (``oscar.models.engine``, same artifact, value rotation folded) gives the same log-probabilities
 within ``INT2_LOGPROB_TOL`` (median within ``INT2_MEDIAN_TOL``), the cross-engine tolerances of
 docs/DESIGN.md "Cross-engine exactness": both subtract the same ``RoPE_p(m)`` from the same BF16-rounded rows
 and quantize with the same twins; the float32 forwards differ in reduction order only.

@@ -4,7 +4,7 @@
   greedy tokens equal SGLang's own ``torch_native`` backend token for token (exact: same SDPA on the same
   BF16 rows; the identity fold changes no weight bit).
 - INT2 (quarot artifact, S0=8, W=16, float32 model): teacher-forced against the embedded engine
-  (``oscar.engine``, value rotation folded) along SGLang's own greedy tokens, the log-probabilities agree
+  (``oscar.models.engine``, value rotation folded) along SGLang's own greedy tokens, the log-probabilities agree
   within ``INT2_LOGPROB_TOL`` at every step (median within ``INT2_MEDIAN_TOL``) and SGLang's token is the
   embedded argmax wherever the top-2 margin exceeds twice that; the quantized segment is reached both at
   prefill (prompts of 37-66 tokens) and by demotion during decode. Both engines quantize the same BF16-rounded rows with the same torch

@@ -6,7 +6,7 @@
 - The same with chunked prefill (chunks of 16 tokens): the later chunks attend over the earlier chunks'
   cached rows; still token for token (BF16 windows: the same SDPA over the same rows).
 - INT2 settings (quarot artifact, S0=4, W=8, float32 model): teacher-forced along SGLang's greedy tokens,
-  the embedded engine (``oscar.engine`` with the same artifact, value rotation folded) gives the same
+  the embedded engine (``oscar.models.engine`` with the same artifact, value rotation folded) gives the same
   log-probabilities within ``INT2_LOGPROB_TOL`` and the same token wherever its top-2 margin exceeds twice
   that (``check_teacher_forced``). Both quantize the same BF16-rounded rows with the same twins and attend
   over the same segments; the remaining differences are float32 reduction orders (SGLang's fused qkv/MLP),

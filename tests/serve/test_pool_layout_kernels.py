@@ -1,4 +1,4 @@
-"""The plugin's pool layout (``oscar.paged`` pages of one token, SGLang token slots as page indices, scattered
+"""The plugin's pool layout (``oscar.cache.paged`` pages of one token, SGLang token slots as page indices, scattered
 like SGLang's allocator hands them out) read by the Triton decode kernel: interpreted on CPU
 (``TRITON_INTERPRET=1``, set by tests/conftest.py without a GPU), compared with the torch twin that the CPU
 plugin uses. Same tolerance as tests/test_kernels_decode.py (1.5e-2 relative): both dequantize the same codes and differ
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from oscar import paged
+from oscar.cache import paged
 
 pytest.importorskip("triton")
 

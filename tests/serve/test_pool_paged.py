@@ -19,8 +19,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from oscar import paged
-from oscar.cache import LayerRotations
+from oscar.cache import paged
+from oscar.cache.torch_cache import LayerRotations
 from oscar.serve.settings import ServeSettings
 
 HKV, H, D, PAGE = 2, 4, 64, 16

@@ -25,8 +25,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from oscar.cache import LayerRotations
-from oscar.rope import RopeSpec
+from oscar.cache.torch_cache import LayerRotations
+from oscar.core.rope import RopeSpec
 from oscar.serve.settings import OscarServeError, ServeSettings
 from test_pool_paged import _Mode, _backend, write_history  # the engine-less helpers of the paged pool tests
 
@@ -70,7 +70,7 @@ def _rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _twin_rows(pool, k: torch.Tensor, first: int, last: int) -> torch.Tensor:
     """Keys ``[Hkv, last - first, d]`` at positions ``first..last-1`` through the twin writer and reader on their own
     (offsets subtracted at those positions, quantized, dequantized, unrotated, offsets added back)."""
-    from oscar import paged
+    from oscar.cache import paged
 
     kt = pool.transforms[0][0]
     n = last - first
@@ -173,6 +173,6 @@ def test_per_channel_keys_are_refused_naming_channel_block(monkeypatch):
     from oscar.serve import settings
 
     art = SimpleNamespace(num_layers=2, key_block=lambda layer: 64 if layer == 1 else 0)
-    monkeypatch.setattr("oscar.artifact.load_artifact", lambda *a, **k: art)
+    monkeypatch.setattr("oscar.core.artifact.load_artifact", lambda *a, **k: art)
     with pytest.raises(OscarServeError, match=r"per-channel keys in layers \[1\].*method.channel_block=0"):
         settings.load_rotations(ServeSettings(artifact=Path(__file__).parent), SimpleNamespace())

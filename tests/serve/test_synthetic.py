@@ -1,4 +1,4 @@
-"""The synthetic-state decode timing of ``python -m oscar.serve.bench`` and its profile parsing (CPU).
+"""The synthetic-state decode timing of ``python -m oscar.bench.sglang_one_batch`` and its profile parsing (CPU).
 
 - ``fill_pool`` leaves every slot of the OSCAR pool valid (codes over all byte values, scales in range,
   ``zero = -1.5 * scale`` exactly as bf16 rounds it, finite BF16 windows), so a dequantized row is bounded
@@ -17,8 +17,8 @@ import pytest
 import torch
 from test_pool_paged import _pool
 
-from oscar import paged
-from oscar.serve import synthetic as sy
+from oscar.cache import paged
+from oscar.bench import sglang_synthetic as sy
 
 
 def test_fill_pool_gives_valid_oscar_pages_and_windows():
@@ -55,8 +55,8 @@ def test_attribute_kernels_by_launch_range_then_name():
     def x(name, cat, ts, dur, pid=1, tid=7, **args):
         return dict(ph="X", name=name, cat=cat, ts=ts, dur=dur, pid=pid, tid=tid, args=args)
 
-    events = [x("oscar.attention", "user_annotation", 100, 50), x("oscar.write", "user_annotation", 10, 20),
-              x("oscar.attention", "gpu_user_annotation", 0, 1000, pid=0, tid=3),  # GPU-side copy: not a range
+    events = [x("oscar.cache.attention", "user_annotation", 100, 50), x("oscar.write", "user_annotation", 10, 20),
+              x("oscar.cache.attention", "gpu_user_annotation", 0, 1000, pid=0, tid=3),  # GPU-side copy: not a range
               x("cudaLaunchKernel", "cuda_runtime", 120, 2, correlation=1),
               x("cudaLaunchKernel", "cuda_runtime", 15, 2, correlation=2),
               x("cudaLaunchKernel", "cuda_runtime", 300, 2, correlation=3),
@@ -65,11 +65,11 @@ def test_attribute_kernels_by_launch_range_then_name():
               x("nvjet_tst_128x64", "kernel", 460, 40, pid=0, tid=3, correlation=3),
               x("Memset (Device)", "gpu_memset", 500, 4, pid=0, tid=3)]
     got = sy.attribute_kernels({"traceEvents": events})
-    assert [(k["name"], k["part"]) for k in got] == [("elementwise_kernel<copy>", "oscar.attention"),
+    assert [(k["name"], k["part"]) for k in got] == [("elementwise_kernel<copy>", "oscar.cache.attention"),
                                                      ("elementwise_kernel<copy>", "oscar.write"),
                                                      ("nvjet_tst_128x64", "gemm"), ("Memset (Device)", "copy_index")]
     parts = sy.summarize(got, steps=2)
-    assert parts["oscar.attention"] == {"ms": 0.015, "kernels": 0.5} and parts["gemm"]["ms"] == 0.02
+    assert parts["oscar.cache.attention"] == {"ms": 0.015, "kernels": 0.5} and parts["gemm"]["ms"] == 0.02
     assert sy.top_kernels(got, 2)[0] == dict(name="nvjet_tst_128x64", part="gemm", ms=0.02, calls=0.5)
     assert sy.kernel_category("flashinfer::norm::FusedAddRMSNormKernel") == "norm" and sy.kernel_category("zzz") == "other"
     assert sy.kernel_category("flashinfer::BatchPrefillWithPagedKVCacheKernel") == "attention"
@@ -96,7 +96,7 @@ def test_label_ranges_wraps_the_plugin_calls_and_restores_them():
 
 
 def test_bench_shapes_parse_and_refuse_bad_ones():
-    from oscar.serve.bench import _shapes
+    from oscar.bench.sglang_one_batch import _shapes
 
     assert _shapes("1x30000, 51x100000,") == [(1, 30000), (51, 100000)] and _shapes("") == []
     for bad in ("1x", "0x100", "8*100", "ax1"):

@@ -4,7 +4,7 @@ KIVI (Liu et al., 2024), as simulated here on a whole `[..., T, d]` key/value te
 
 - Keys are quantized per channel: the quantized prefix is cut into blocks of `G` consecutive
   tokens and every channel of a block gets its own asymmetric min/max scale and zero (the
-  same arithmetic as `oscar.quant`, applied with tokens as the group axis).
+  same arithmetic as `oscar.core.quant`, applied with tokens as the group axis).
 - Values are quantized per token, in groups of `G` consecutive channels.
 - A full-precision residual window keeps the most recent tokens: values keep the last
   `residual` tokens; keys keep the last `residual` tokens plus the incomplete block before them,
@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import torch
 
-from oscar.quant import (
+from oscar.core.quant import (
     SUPPORTED_BITS,
     QuantizedRows,
     dequantize,
@@ -33,7 +33,7 @@ from oscar.quant import (
     quantize,
     unpack_codes,
 )
-from oscar.rotation import random_orthogonal
+from oscar.core.rotation import random_orthogonal
 
 # ---------------------------------------------------------------------------------------------
 # KIVI

@@ -1,6 +1,6 @@
 """Device-resident decode caches that a CUDA graph can capture: static BF16 and paged OSCAR INT2/INT4.
 
-`oscar.cache.OscarCache` keeps page lists and segment lengths on the host and loops over the
+`oscar.cache.torch_cache.OscarCache` keeps page lists and segment lengths on the host and loops over the
 sequences of a batch, so a decode step cannot be captured in a CUDA graph. The caches here keep
 everything a step reads or writes on the device, with shapes fixed when the cache is built:
 
@@ -8,15 +8,15 @@ everything a step reads or writes on the device, with shapes fixed when the cach
   ``pos`` and attends over the first ``span`` positions with torch SDPA (the query heads of a KV
   head become the query rows: no mask, no KV copy; the SDPA backend is the caller's choice).
 - `DeviceOscarCache`: the three segments of docs/DESIGN.md (BF16 sink ``[B, Hkv, S0, d]``, packed
-  pages through `oscar.paged` in the row or the fragment-order (mma) page layout, BF16 recent window
+  pages through `oscar.cache.paged` in the row or the fragment-order (mma) page layout, BF16 recent window
   ``[B, Hkv, W, d]`` as a ring). Each sequence owns a fixed-capacity page table row (``[B, M]`` int32
   on the device, pages disjoint); one extra page takes the writes of sequences that have nothing to
   demote. Every index of a step (sink slot, ring slot, demotion slot, segment lengths) is computed on
   the device from the position vector ``pos``, and the demotion is one
-  `oscar.paged.rotate_quantize_pack_kv` launch for the whole batch, so the step has no host
+  `oscar.cache.paged.rotate_quantize_pack_kv` launch for the whole batch, so the step has no host
   synchronisation and no data-dependent shapes.
 
-Window convention (the same as `oscar.cache`): query ``t`` sees ``[0, S0)`` in BF16, ``[S0, t-W]``
+Window convention (the same as `oscar.cache.torch_cache`): query ``t`` sees ``[0, S0)`` in BF16, ``[S0, t-W]``
 quantized and ``(t-W, t]`` in BF16; the step demotes the ring's oldest row (token ``t-W``) before
 the new token takes its slot.
 
@@ -35,8 +35,9 @@ from typing import Any, Optional, Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from oscar import paged, quant
-from oscar.attention import plain_causal_attention, set_pending, take_pending
+from oscar.cache import paged
+from oscar.core import quant
+from oscar.cache.attention import plain_causal_attention, set_pending, take_pending
 
 ATTN_IMPLEMENTATION = "oscar_device"
 
@@ -230,7 +231,7 @@ LAYOUTS = ("auto", "rows", "mma")
 
 
 def mma_supported(bits: int, group_size: int, head_dim: int, page_size: int) -> bool:
-    """Whether the fragment-order (mma) page layout covers this format (`oscar.quant.check_mma_layout`)."""
+    """Whether the fragment-order (mma) page layout covers this format (`oscar.core.quant.check_mma_layout`)."""
     try:
         quant.check_mma_layout(bits, group_size, head_dim, page_size)
     except ValueError:
@@ -252,14 +253,14 @@ def resolve_layout(layout: str, bits: int, group_size: int, head_dim: int, page_
 
 
 class DeviceOscarCache(DeviceCache):
-    """BF16 sink + packed INT pages (`oscar.paged`) + BF16 recent ring, all indices on the device.
+    """BF16 sink + packed INT pages (`oscar.cache.paged`) + BF16 recent ring, all indices on the device.
 
-    ``transforms`` is one ``(kt, vt)`` pair of `oscar.paged.HeadTransform` per layer (float32 on the
+    ``transforms`` is one ``(kt, vt)`` pair of `oscar.cache.paged.HeadTransform` per layer (float32 on the
     device). ``quant_capacity`` is the number of quantized tokens a sequence can hold; the page table
     gets ``ceil(quant_capacity / page_size)`` pages per sequence (``shuffle_pages``: a seeded
     permutation of the pool instead of consecutive pages, for tests of the indirection).
 
-    ``layout``: ``"mma"`` stores K/V pages in the fragment-order layouts ``mma_k``/``mma_v`` of `oscar.quant`
+    ``layout``: ``"mma"`` stores K/V pages in the fragment-order layouts ``mma_k``/``mma_v`` of `oscar.core.quant`
     (demotion through the Triton writer that stores that layout, attention through the v9/v10 CUDA kernel
     `oscar.kernels.decode_mma`; INT2 or INT4 with one group per row, head_dim 64/128, pages of 16k tokens);
     ``"rows"`` the token-row layout (v8 Triton kernel; any format); ``"auto"`` (default) resolves to
@@ -328,7 +329,7 @@ class DeviceOscarCache(DeviceCache):
 
     def import_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keys/values ``[B, Hkv, L, d]`` (original frame) of a prompt into the three segments (the
-        middle quantized through `oscar.paged.rotate_quantize_pack_kv`); then ``set_length(L)``."""
+        middle quantized through `oscar.cache.paged.rotate_quantize_pack_kv`); then ``set_length(L)``."""
         B, _, L, _ = k.shape
         S0, W = self.sink, self.recent
         if L + 1 > self.capacity:
@@ -475,7 +476,7 @@ def decode_step(model: torch.nn.Module, cache: DeviceCache, tokens: torch.Tensor
     ``tokens`` ``[B]`` int64 (each sequence's last token, at position ``cache.pos``). Returns
     ``(next_tokens [B], logits [B, V])``. With ``advance=False`` the cache positions stay (the step
     then rewrites the same slots when repeated: the timing mode). ``forward``: a fused step
-    (`oscar.fused_step.FusedDecoder`, ``forward(cache, tokens) -> logits``) in place of the model's
+    (`oscar.models.fused_step.FusedDecoder`, ``forward(cache, tokens) -> logits``) in place of the model's
     transformers forward.
     """
     cache.prepare()

@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import pandas as pd
 
-from oscar.files import atomic_write, atomic_write_text
+from oscar.core.files import atomic_write, atomic_write_text
 
 # Aliases tried, in order, when a table asks for a metric a result does not name exactly.
 METRIC_ALIASES: dict[str, tuple[str, ...]] = {

@@ -2,7 +2,7 @@
 timing, a per-step breakdown (GEMM / attention / quantize+demote / other) and the correctness check
 of the device path against the host-driven cache.
 
-Used by `python -m oscar profile` (measuring in `oscar.throughput_run`); the functions take plain arguments so
+Used by `python -m oscar profile` (measuring in `oscar.bench.throughput_run`); the functions take plain arguments so
 tests can drive them on the CPU with tiny models.
 """
 
@@ -16,9 +16,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from oscar import device_cache as dc
-from oscar import paged
-from oscar.cache_format import CacheFormat
+from oscar.cache import device_cache as dc
+from oscar.cache import paged
+from oscar.cache.formats import CacheFormat
 
 CACHES = ("bf16", "oscar", "saw_int4")
 
@@ -72,14 +72,14 @@ def geometry(model: Any) -> tuple[int, int, int, int]:
 
 @dataclass
 class TimedCache:
-    """A cache the profile times: its storage format (`oscar.cache_format.CacheFormat`, the value the
+    """A cache the profile times: its storage format (`oscar.cache.formats.CacheFormat`, the value the
     engine and the SGLang settings use too), the per-layer kernel transforms of a quantized format, the
     page layout and a note on where the rotations came from."""
 
     format: CacheFormat
     transforms: Optional[list[tuple[paged.HeadTransform, paged.HeadTransform]]] = None
     note: str = ""
-    layout: str = "auto"  # page layout of a paged format: auto | rows | mma (oscar.device_cache.resolve_layout)
+    layout: str = "auto"  # page layout of a paged format: auto | rows | mma (oscar.cache.device_cache.resolve_layout)
 
     name = property(lambda self: self.format.name)
     bits = property(lambda self: self.format.bits)
@@ -95,7 +95,7 @@ class TimedCache:
 
 
 def head_transforms(rotations: Sequence[Any]) -> list[tuple[paged.HeadTransform, paged.HeadTransform]]:
-    """`oscar.cache.LayerRotations` -> per-layer (K, V) `HeadTransform`s (clip ratios only where < 1)."""
+    """`oscar.cache.torch_cache.LayerRotations` -> per-layer (K, V) `HeadTransform`s (clip ratios only where < 1)."""
     return [r.paged_transforms(f"layer {layer}") for layer, r in enumerate(rotations)]
 
 
@@ -104,10 +104,10 @@ def timing_rotations(method_cfg: Any, model: Any, seed: int = 0) -> tuple[list[A
     for calibrated methods a seeded random orthogonal matrix per (layer, head) of the same shape (a
     dense ``[Hkv, d, d]`` rotation, the same kernel work as ``U.H.P``), with the method's fixed clip
     ratios. Returns the rotations and a note saying which."""
-    from oscar.cache import LayerRotations
-    from oscar.engine import rotations_in_code
-    from oscar.methods import needs_statistics
-    from oscar.rotation import random_orthogonal
+    from oscar.cache.torch_cache import LayerRotations
+    from oscar.models.engine import rotations_in_code
+    from oscar.core.methods import needs_statistics
+    from oscar.core.rotation import random_orthogonal
 
     if not needs_statistics(method_cfg):
         return rotations_in_code(method_cfg, model), f"{method_cfg.name}: rotations built in code"
@@ -166,10 +166,10 @@ def kernel_label(cache: dc.DeviceCache) -> str:
 
 
 def reference_decode(model: Any, prompt: torch.Tensor, fmt: TimedCache, steps: int, rotations: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy decode through the host-driven `oscar.cache.OscarCache` (torch backend): tokens ``[B, steps]``
+    """Greedy decode through the host-driven `oscar.cache.torch_cache.OscarCache` (torch backend): tokens ``[B, steps]``
     and the logits of each step ``[B, steps, V]`` (step 0 = the prompt's last position)."""
-    from oscar import attention
-    from oscar.cache import new_cache
+    from oscar.cache import attention
+    from oscar.cache.torch_cache import new_cache
 
     attention.enable(model)
     cache = new_cache(model, fmt.format.cache_spec(list(rotations) if fmt.transforms is not None else None))
@@ -191,7 +191,7 @@ def device_decode(model: Any, prompt: torch.Tensor, cache: dc.DeviceCache, steps
     graph when ``graph``): tokens ``[B, steps]`` and logits ``[B, steps, V]`` as `reference_decode`.
     ``forced`` ``[B, >= steps - 1]``: feed these tokens instead of the path's own (teacher forcing, so
     two paths can be compared step by step on the same history). ``forward``: the fused step
-    (`oscar.fused_step.FusedDecoder`) in place of the transformers forward."""
+    (`oscar.models.fused_step.FusedDecoder`) in place of the transformers forward."""
     dc.enable(model)
     toks, logits = [], []
     with torch.no_grad():
@@ -265,7 +265,7 @@ def kernels_against_twins(model: Any, prompt: torch.Tensor, fmt: TimedCache, dev
 def teacher_forced_kl(model: Any, prompt: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Per-step KL(BF16 || cache) of ``logits`` ``[B, n, V]`` against a plain full forward of
     ``prompt + tokens`` (the BF16 reference on the same token path)."""
-    from oscar import attention
+    from oscar.cache import attention
 
     attention.enable(model)
     seq = torch.cat([prompt, tokens[:, :-1].to(prompt.device)], dim=1)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from oscar.files import atomic_write, atomic_write_csv as write_csv, atomic_write_text
+from oscar.core.files import atomic_write, atomic_write_csv as write_csv, atomic_write_text
 
 
 def read_csv(path: Path) -> list[dict[str, Any]]:
@@ -121,7 +121,7 @@ def analyse(out: Path) -> dict[str, Any]:
     for r in grid:  # bandwidth floor of each point: weights read once + the cache allocation read once
         m = env.get("models", {}).get(r["model"], {})
         if r.get("status") == "ok" and r.get("floor_share") not in (None, ""):
-            r["floor_fraction"] = float(r["floor_share"])  # recorded by the run (oscar.throughput_run.byte_floor)
+            r["floor_fraction"] = float(r["floor_share"])  # recorded by the run (oscar.bench.throughput_run.byte_floor)
         elif r.get("status") == "ok" and m and r.get("kv_bytes") and not math.isnan(bw):
             floor = (m["weight_bytes_read_per_step"] + float(r["kv_bytes"])) / bw * 1e6
             r["floor_us"] = floor
@@ -184,7 +184,7 @@ def analyse(out: Path) -> dict[str, Any]:
             f = fmts.get(r["cache"], {})
             acc = math.nan
             if f.get("bits", 16) < 16:
-                from oscar.quant import bits_per_element
+                from oscar.core.quant import bits_per_element
 
                 acc = bits_per_element(int(r["context"]), int(f["head_dim"]), int(f["bits"]), int(f["group_size"]),
                                        int(f["sink"]), int(f["recent"])) / 8
@@ -304,7 +304,7 @@ def markdown(res: dict[str, Any]) -> str:
     if kernels:
         lines.append("- Page layout and attention kernel of each quantized cache (the name in parentheses in every "
                      "table): " + "; ".join(f"`{k}`: {v}" for k, v in kernels.items()) + ". `mma` pages are the "
-                     "fragment-order layouts `mma_k`/`mma_v` of `oscar.quant` (v9 CUDA kernel, `kernels/decode_mma.cu`); "
+                     "fragment-order layouts `mma_k`/`mma_v` of `oscar.core.quant` (v9 CUDA kernel, `kernels/decode_mma.cu`); "
                      "`rows` pages the token-row layout (v8 Triton kernel).")
     lines.append("")
     check = read_csv(Path(env.get("_out", ".")) / "check.csv") if env.get("_out") else []
@@ -377,7 +377,7 @@ def markdown(res: dict[str, Any]) -> str:
     if res["bytes"]:
         lines += ["## KV bytes per element (from the allocations, batch 1)", "",
                   "Measured: bytes the cache allocated / (layers x 2 x KV heads x head_dim x context); includes the "
-                  "capacity for the timed steps and page rounding. Accounting: `oscar.quant.bits_per_element` / 8.", ""]
+                  "capacity for the timed steps and page rounding. Accounting: `oscar.core.quant.bits_per_element` / 8.", ""]
         lines += _table(["model", "cache", "context", "measured bytes", "measured bits", "accounting bits"],
                         [[b["model"], cl(b["model"], b["cache"]), b["context"], b["measured"], 8 * float(b["measured"]),
                           8 * b["accounting"]] for b in res["bytes"]])
@@ -389,7 +389,7 @@ def markdown(res: dict[str, Any]) -> str:
                   "(the copy bandwidth counts read + write traffic, so a read-only stream can pass 1.0). `other` = step "
                   "minus GEMM, attention and quantize+demote kernels: the remaining kernels (norms, RoPE, activations, "
                   "cache writes, segment indices, sampling) and the gaps between graph nodes (step minus all kernels). "
-                  "`path`: `compiled` = the fused, compiled step (`oscar.fused_step`), `hf` = the transformers forward "
+                  "`path`: `compiled` = the fused, compiled step (`oscar.models.fused_step`), `hf` = the transformers forward "
                   "in one CUDA graph.", ""]
         lines += _table(["cache", "path", "batch", "context", "status", "step", "floor", "floor/step", "GEMM",
                          "attention", "quant+demote", "other", "other: kernels", "other: gaps", "quant %", "tokens/s",
@@ -494,7 +494,7 @@ def track(out: Path, uri: str, experiment: str = "throughput", root: Path = Path
     from mlflow.entities import Metric, Param, RunTag
     from mlflow.tracking import MlflowClient
 
-    from oscar import tracking
+    from oscar.eval import tracking
 
     res = analyse(out)
     commit = tracking.git_commit(root)

@@ -1,6 +1,6 @@
 """SGLang's own one-batch benchmark (``sglang.benchmark.one_batch``) with the oscar plugin loaded.
 
-    python -m oscar.serve.bench --model-path M --load-format dummy --attention-backend oscar --page-size 16 \
+    python -m oscar.bench.sglang_one_batch --model-path M --load-format dummy --attention-backend oscar --page-size 16 \
         --batch-size 1 8 --input-len 4096 30000 --output-len 16 ... --oscar-out rows.jsonl [--oscar-tag T]
 
 SGLang's ``bench_one_batch`` neither loads plugins nor runs ``ServerArgs.check_server_args`` (only its
@@ -12,7 +12,7 @@ JSON line in ``--oscar-out``: ``cache``, ``backend``, ``batch``, ``context``, ``
 capacity and the greedy tokens of the first request (the inputs are seeded, so two backends get the same
 prompts: the GPU correctness check compares them).
 
-``--oscar-synthetic BATCHxCONTEXT,...`` adds rows timed on a synthetic state (``oscar.serve.synthetic``:
+``--oscar-synthetic BATCHxCONTEXT,...`` adds rows timed on a synthetic state (``oscar.bench.sglang_synthetic``:
 SGLang's own allocation of the batch's slots, random valid pool contents, no prefill forward; ``mode``
 ``synthetic``, ``prefill_s`` empty) and ``--oscar-profile BATCHxCONTEXT,...`` profiles the decode step there
 (``torch.profiler``: CUDA-graph replays and eager steps, GPU time per part of the step) into
@@ -67,7 +67,7 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 
 def _synthetic_batch(runner: Any, bs: int, il: int, seed: int) -> Any:
     """A ScheduleBatch of ``bs`` requests of ``il`` tokens whose slots SGLang's allocator and req_to_token
-    hold, as after a prefill, without the prefill forward (``oscar.serve.synthetic``)."""
+    hold, as after a prefill, without the prefill forward (``oscar.bench.sglang_synthetic``)."""
     import numpy as np
     from sglang.benchmark import one_batch as ob
 
@@ -103,7 +103,7 @@ def _synthetic_row(runner: Any, row: dict[str, Any], bs: int, il: int, ol: int) 
     import numpy as np
     import torch
 
-    from oscar.serve.synthetic import fits
+    from oscar.bench.sglang_synthetic import fits
 
     if not fits(int(row["max_total_num_tokens"]), bs, il, ol):
         return dict(row, status="capacity")
@@ -131,7 +131,7 @@ def _profile(runner: Any, bs: int, il: int, ol: int, steps: int = 5) -> dict[str
     GPU ms per part of the step and the wall ms per step of each."""
     import torch
 
-    from oscar.serve import synthetic as sy
+    from oscar.bench import sglang_synthetic as sy
 
     if not sy.fits(int(runner.torch_runner.max_total_num_tokens), bs, il, 4 + 4 * steps):
         return dict(status="capacity")
@@ -168,7 +168,7 @@ def _profiled_steps(runner: Any, batch: Any, ids: Any, steps: int, attn_backend:
     import numpy as np
     from torch.profiler import ProfilerActivity, profile
 
-    from oscar.serve import synthetic as sy
+    from oscar.bench import sglang_synthetic as sy
 
     _, ids = _decode_steps(runner, batch, ids, 2)
     wall, ids = _decode_steps(runner, batch, ids, steps)
@@ -263,7 +263,7 @@ def main(argv: list[str]) -> int:
     synth = _shapes(args.oscar_synthetic)
     prof = _shapes(args.oscar_profile)
     if synth or prof:
-        from oscar.serve.synthetic import fill_pool
+        from oscar.bench.sglang_synthetic import fill_pool
 
         t0 = time.perf_counter()
         kind = fill_pool(runner.torch_runner.token_to_kv_pool, seed=args.oscar_seed)

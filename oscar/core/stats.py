@@ -8,7 +8,7 @@ and processes merge by adding):
 - `C_S[h] = sum o o^T` over the attention outputs `o = softmax(q k^T) v` of those same query
   heads (per head, before `o_proj`), `m_S[h] = sum o`, `n_S[h]` rows.
 - `C_K[h] = sum k k^T`, `m_K[h] = sum k`, `n_K[h]` rows; `C_V`, `m_V`, `n_V` likewise for values.
-- Optional, where the model's RoPE is known (`oscar.rope`): `C_Kpre`, `m_Kpre`, `n_Kpre`, the same sums
+- Optional, where the model's RoPE is known (`oscar.core.rope`): `C_Kpre`, `m_Kpre`, `n_Kpre`, the same sums
   over the pre-RoPE keys (post-RoPE keys turned back to position 0), for rope-centered key candidates.
 
 Normalized views: second moment `C / n`, mean `m / n`, covariance `C / n - (m / n)(m / n)^T`.
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from oscar.files import atomic_write, atomic_write_text  # noqa: F401 - re-exported (oscar.stats.atomic_write_text)
+from oscar.core.files import atomic_write, atomic_write_text  # noqa: F401 - re-exported (oscar.core.stats.atomic_write_text)
 
 STATS_FORMAT_VERSION = 1
 SECOND_MOMENTS = ("C_Q", "C_S", "C_K", "C_V")

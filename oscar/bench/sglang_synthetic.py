@@ -1,4 +1,4 @@
-"""Synthetic-state decode timing and the decode-step profile of ``python -m oscar.serve.bench``.
+"""Synthetic-state decode timing and the decode-step profile of ``python -m oscar.bench.sglang_one_batch``.
 
 Real prefill of 32 x 100k tokens of an 8B model takes minutes, so the decode grid of the serving table is
 timed on a *synthetic state*, the same for every row and every backend:
@@ -18,7 +18,7 @@ cross-check it in the same process.
 
 The profile helpers turn a ``torch.profiler`` chrome trace into GPU time per part of the step: kernels
 launched inside the ranges ``label_ranges`` wraps around the plugin's calls (``oscar.write``,
-``oscar.windows``: the gather of the batch's sink/ring rows, ``oscar.attention``, ``oscar.fold``,
+``oscar.windows``: the gather of the batch's sink/ring rows, ``oscar.cache.attention``, ``oscar.fold``,
 ``oscar.metadata``) are attributed to them through the trace's
 launch/kernel correlation ids; the others by kernel name (``kernel_category``).
 """
@@ -63,7 +63,7 @@ def fits(capacity: int, batch: int, context: int, output_len: int) -> bool:
 
 # -- profile ---------------------------------------------------------------------------------------
 
-LABELS = ("oscar.metadata", "oscar.write", "oscar.windows", "oscar.attention", "oscar.fold")
+LABELS = ("oscar.metadata", "oscar.write", "oscar.windows", "oscar.cache.attention", "oscar.fold")
 # by kernel name, first match wins (lower case)
 CATEGORIES = (
     ("norm", r"norm"),
@@ -112,7 +112,7 @@ def label_ranges(backend: Any) -> Iterator[None]:
     for name, label in methods.items():
         setattr(backend, name, wrap(saved[name], label))
     pool.write_decode = wrap(saved_write, "oscar.write")
-    backend_mod.paged.decode_attention = wrap(saved_attn, "oscar.attention")
+    backend_mod.paged.decode_attention = wrap(saved_attn, "oscar.cache.attention")
     try:
         yield
     finally:

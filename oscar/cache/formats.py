@@ -2,8 +2,8 @@
 
 A method's configuration is translated into a `CacheFormat` in one place (`CacheFormat.from_method`;
 the SGLang settings build theirs with `CacheFormat.serving` from the environment and the artifact), and
-every consumer derives its own object from that value: the embedded engine's `oscar.cache.CacheSpec`
-(`CacheFormat.cache_spec`), the device caches of the throughput profile (`oscar.throughput.TimedCache`)
+every consumer derives its own object from that value: the embedded engine's `oscar.cache.torch_cache.CacheSpec`
+(`CacheFormat.cache_spec`), the device caches of the throughput profile (`oscar.bench.throughput.TimedCache`)
 and the SGLang KV pool's byte accounting (`bytes_per_token`, `window_bytes`). The value holds only the
 storage format (kind, bits, effective group, BF16 windows, page size, seed); rotations and run-time
 choices (attention mode, kernels backend, page layout) stay with their consumer.
@@ -34,7 +34,7 @@ class CacheFormat:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"cache kind {self.kind!r} is not valid; choose one of {', '.join(KINDS)}")
-        from oscar.quant import SUPPORTED_BITS
+        from oscar.core.quant import SUPPORTED_BITS
 
         if self.kind != "bf16" and self.bits not in SUPPORTED_BITS:
             raise ValueError(f"bits={self.bits} is not supported for a {self.kind} cache; valid values are {SUPPORTED_BITS}")
@@ -49,7 +49,7 @@ class CacheFormat:
     @staticmethod
     def from_method(method_cfg: Any, head_dim: int) -> "CacheFormat":
         """The format of a method configuration (``conf/method/*.yaml``) on a model of ``head_dim``."""
-        from oscar.methods import effective_group_size
+        from oscar.core.methods import effective_group_size
 
         kind, name = str(method_cfg.kind), str(method_cfg.name)
         if kind == "bf16":
@@ -74,10 +74,10 @@ class CacheFormat:
                            recent=int(recent))
 
     def cache_spec(self, layers: Optional[Sequence[Any]] = None, **runtime: Any) -> Any:
-        """The embedded engine's `oscar.cache.CacheSpec` of this format; ``layers`` the per-layer
+        """The embedded engine's `oscar.cache.torch_cache.CacheSpec` of this format; ``layers`` the per-layer
         `LayerRotations` of a rotated cache, ``runtime`` the spec's run-time fields (mode, backend,
         fold_values, ...)."""
-        from oscar.cache import CacheSpec
+        from oscar.cache.torch_cache import CacheSpec
 
         if self.kind == "bf16":
             return CacheSpec(kind="bf16", **{k: v for k, v in runtime.items() if k == "mode"})

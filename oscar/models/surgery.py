@@ -5,7 +5,7 @@ The INT segment accumulates centered values in the rotated frame (`o_rot = sum p
 `o_proj` absorbs both: with row vectors `o_proj(o) = o @ W.T + b` and, since the attention
 weights of a query sum to 1, `o = x @ R_V.T + mu_V` with `x = (o - mu_V) @ R_V`, so
 `o_proj(o) = x @ (W R_V).T + (b + W mu_V)` per query head. After folding the attention returns
-`x` for every segment (`CacheSpec.fold_values`, `oscar.paged` `output_frame="rotated"`): the mean is
+`x` for every segment (`CacheSpec.fold_values`, `oscar.cache.paged` `output_frame="rotated"`): the mean is
 added back once, through the bias. Query head `h` uses the tensors of KV head `h // (H / Hkv)`.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from oscar.cache import LayerRotations
+from oscar.cache.torch_cache import LayerRotations
 
 
 @dataclass

@@ -12,7 +12,7 @@ Sequences of a batch keep their own lengths: padding tokens (from a 2D attention
 stored, so a left-padded row behaves exactly like the same prompt alone.
 
 The cache is a `transformers.Cache`; attention goes through the registered attention function
-"oscar" (`oscar.attention`), which calls `OscarLayer.attend_and_write`.
+"oscar" (`oscar.cache.attention`), which calls `OscarLayer.attend_and_write`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any, Optional, Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from oscar import quant
-from oscar.attention import (
+from oscar.core import quant
+from oscar.cache.attention import (
     group_queries,
     int_segment,
     merge_segments,
@@ -66,8 +66,8 @@ class LayerRotations:
     rho_k: Optional[torch.Tensor] = None  # [Hkv]
     rho_v: Optional[torch.Tensor] = None  # [Hkv]
     rope_k: Optional[torch.Tensor] = None  # [Hkv, d] pre-RoPE key means of rope-centered heads (zero rows elsewhere)
-    rope: Any = None  # oscar.rope.RopeSpec of the layer's keys, with rope_k
-    k_block: int = 0  # >0: keys quantized per channel over blocks of k_block tokens (oscar.quant.quantize_channels)
+    rope: Any = None  # oscar.core.rope.RopeSpec of the layer's keys, with rope_k
+    k_block: int = 0  # >0: keys quantized per channel over blocks of k_block tokens (oscar.core.quant.quantize_channels)
 
     def __post_init__(self) -> None:
         if (self.rope_k is None) != (self.rope is None):
@@ -85,13 +85,13 @@ class LayerRotations:
                               mv(self.rope_k), self.rope, self.k_block)
 
     def paged_transforms(self, where: str, device: Optional[torch.device] = None) -> tuple[Any, Any]:
-        """K and V `oscar.paged.HeadTransform`s (float32, on `device` or where the rotations are) for the
+        """K and V `oscar.cache.paged.HeadTransform`s (float32, on `device` or where the rotations are) for the
         paged/Triton/CUDA kernels; clip ratios only where some are below 1 (reads ignore them).
 
         Rope-centered keys carry the pre-RoPE means and the layer's RoPE (`rope_mu`, `rope_freq`, `rope_scaling`):
         the writers then need the rows' positions and decode the position of the first quantized token.
         """
-        from oscar import paged
+        from oscar.cache import paged
 
         self.check_channel_keys(where)
         if self.rope_k is not None and self.rope.head_dim != self.r_k.shape[-1]:
@@ -124,7 +124,7 @@ class LayerRotations:
 
     def key_offsets(self, positions: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
         """`RoPE_p(rope_k[h])` `[B, Hkv, L, d]` for token positions `[B, L]` (-1: empty slot, zero offset),
-        or None when no key head of the layer is rope-centered (`oscar.rope`)."""
+        or None when no key head of the layer is rope-centered (`oscar.core.rope`)."""
         if self.rope_k is None:
             return None
         return self.rope.offsets(self.rope_k, positions, dtype=dtype)
@@ -147,9 +147,9 @@ class CacheSpec:
     recent: int = 256
     page_size: int = 64
     layers: list[LayerRotations] = field(default_factory=list)
-    fold_values: bool = False  # True: o_proj carries R_V and mu_V (oscar.surgery); attention returns (o - mu_V) @ R_V
-    backend: str = "torch"  # torch | triton: decode steps through oscar.paged.decode_attention(backend="triton")
-    paged_decode: bool = False  # decode steps through oscar.paged.decode_attention even on the torch backend
+    fold_values: bool = False  # True: o_proj carries R_V and mu_V (oscar.models.surgery); attention returns (o - mu_V) @ R_V
+    backend: str = "torch"  # torch | triton: decode steps through oscar.cache.paged.decode_attention(backend="triton")
+    paged_decode: bool = False  # decode steps through oscar.cache.paged.decode_attention even on the torch backend
     mode: str = "serving"  # serving | decode_equivalent
     store_dtype: torch.dtype = torch.bfloat16
     seed: int = 0  # turboquant: seeds of the per-(layer, head) random rotations
@@ -178,7 +178,7 @@ class PagedRows:
     """Packed INT rows of one tensor (K or V) in fixed-size pages: `codes` `[P, Hkv, page, d*b/8]`,
     `scale`/`zero` `[P, Hkv, page, d/G]`, plus one page list per sequence (the page table).
 
-    `block > 0` (per-channel keys, `oscar.quant.quantize_channels`): the same code bytes per slot, and
+    `block > 0` (per-channel keys, `oscar.core.quant.quantize_channels`): the same code bytes per slot, and
     `scale`/`zero` `[P, Hkv, page/block, d]`, one pair per block of `block` slots and channel; `block`
     divides `page_size`, rows arrive in whole blocks, so a block never straddles two pages."""
 
@@ -284,8 +284,8 @@ class PagedRows:
         return torch.tensor(slots, dtype=torch.int64, device=self.device)
 
     def quant_pages(self) -> Any:
-        """The pages as an `oscar.paged.QuantPages` view (same tensors: kernels write through it)."""
-        from oscar import paged
+        """The pages as an `oscar.cache.paged.QuantPages` view (same tensors: kernels write through it)."""
+        from oscar.cache import paged
 
         return paged.QuantPages(self.codes, self.scale, self.zero, self.bits, self.group_size)
 
@@ -781,9 +781,9 @@ class OscarLayer(CacheLayerMixin):
         self._dequantized = (k_rot, v_rot, svalid, (self.k_store.version, self.v_store.version))
 
     def _attend_paged(self, query: torch.Tensor, scale: float) -> torch.Tensor:
-        """Decode step over the stored segments with `oscar.paged.decode_attention` (Triton kernel on
+        """Decode step over the stored segments with `oscar.cache.paged.decode_attention` (Triton kernel on
         `backend="triton"`); the new token is already written."""
-        from oscar import paged
+        from oscar.cache import paged
 
         sp = self.spec
         kt, vt = self._head_transforms()
@@ -978,7 +978,7 @@ class OscarLayer(CacheLayerMixin):
     def _demote_triton(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Rows `[Hkv, m, d]` of sequence `b` into the pages with the fused rotate-clip-quantize-pack kernel
         (K and V in one launch), at slots reserved in both stores."""
-        from oscar import paged
+        from oscar.cache import paged
 
         first = self.spec.sink + self.k_store.lengths[b]  # INT row j of a sequence is token sink + j
         slots = self.k_store.reserve(b, k.shape[1])
@@ -991,7 +991,7 @@ class OscarLayer(CacheLayerMixin):
                                                                                device=self.device))
 
     def _head_transforms(self) -> tuple[Any, Any]:
-        """K and V `oscar.paged.HeadTransform`s of this layer's rotations, for the paged kernels."""
+        """K and V `oscar.cache.paged.HeadTransform`s of this layer's rotations, for the paged kernels."""
         assert self.rot is not None
         return self.rot.paged_transforms(f"layer {self.layer_idx}")
 
@@ -1011,7 +1011,7 @@ class SimulatedLayer(OscarLayer):
 
     Boundaries for a query at position `t` (`T = t + 1` tokens): TurboQuant quantizes tokens
     `[S0, T - W)` per token; KIVI quantizes values `[0, T - R)` per token and keys in whole blocks of
-    `G` tokens `[0, ((T - R) // G) * G)` per channel (`oscar.baselines.kivi_split`). Both are exact
+    `G` tokens `[0, ((T - R) // G) * G)` per channel (`oscar.core.baselines.kivi_split`). Both are exact
     functions of the token (or its block), so decode steps and decode-equivalent chunks agree.
     Memory is not real here: `nbytes` reports the accounting of the method's format.
     """
@@ -1035,7 +1035,7 @@ class SimulatedLayer(OscarLayer):
         self.sink_len = [0] * b
         self.recent_len = [0] * b
         if self.spec.kind == "turboquant":
-            from oscar.baselines import TurboQuantizer
+            from oscar.core.baselines import TurboQuantizer
 
             base = int(self.spec.seed) * 1_000_003 + self.layer_idx * hkv * 2
             self.tq_k = [TurboQuantizer(d, self.spec.bits, seed=base + 2 * h) for h in range(hkv)]
@@ -1069,11 +1069,11 @@ class SimulatedLayer(OscarLayer):
         """Accounting bits per element for one sequence of `n` tokens."""
         sp = self.spec
         if sp.kind == "turboquant":
-            from oscar.baselines import turboquant_bits_per_element
+            from oscar.core.baselines import turboquant_bits_per_element
 
             n_q = max(0, n - sp.sink - sp.recent)
             return (n_q * turboquant_bits_per_element(self.d, sp.bits) + (n - n_q) * 16) / n
-        from oscar.baselines import kivi_split
+        from oscar.core.baselines import kivi_split
 
         n_k, n_v = kivi_split(n, sp.group_size, sp.recent)
         g = sp.group_size
@@ -1097,7 +1097,7 @@ class SimulatedLayer(OscarLayer):
             kq = torch.stack([self.tq_k[h].fake_quantize(k[:, h].float()) for h in range(self.hkv)], dim=1)
             vq = torch.stack([self.tq_v[h].fake_quantize(v[:, h].float()) for h in range(self.hkv)], dim=1)
             return kq, vq
-        from oscar.baselines import kivi_fake_quantize
+        from oscar.core.baselines import kivi_fake_quantize
 
         kq, vq = kivi_fake_quantize(k.float(), v.float(), sp.bits, sp.group_size, residual=0)
         return kq, vq  # keys of an incomplete last block stay full precision (never visible as quantized)
@@ -1178,7 +1178,7 @@ class SimulatedLayer(OscarLayer):
                 kq, vq = self._fake(k_new, v_new)
                 self.fake_k[idx, :, col] = kq[:, :, 0]
             else:
-                from oscar.baselines import kivi_fake_quantize
+                from oscar.core.baselines import kivi_fake_quantize
 
                 _, vq = kivi_fake_quantize(v_new.float(), v_new.float(), sp.bits, sp.group_size, residual=0)
                 g = sp.group_size
@@ -1394,7 +1394,7 @@ def new_cache(model: Any, spec: CacheSpec) -> OscarCache:
     if impl != "oscar":
         raise ValueError(
             f"the model's attention implementation is {impl!r}; the OSCAR cache needs 'oscar' "
-            "(call oscar.attention.enable(model) first)"
+            "(call oscar.cache.attention.enable(model) first)"
         )
     from oscar.models.adapters import check_supported, layer_windows
 
@@ -1403,7 +1403,7 @@ def new_cache(model: Any, spec: CacheSpec) -> OscarCache:
 
 
 def expected_bits(spec: CacheSpec, num_tokens: int, head_dim: int) -> float:
-    """Accounting bits/element for one sequence (`oscar.quant.bits_per_element`, pages full)."""
+    """Accounting bits/element for one sequence (`oscar.core.quant.bits_per_element`, pages full)."""
     if spec.kind == "bf16":
         return 16.0
     return quant.bits_per_element(num_tokens, head_dim, spec.bits, spec.group_size, spec.sink, spec.recent)

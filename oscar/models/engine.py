@@ -14,10 +14,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from oscar import attention
-from oscar.cache import CacheSpec, LayerRotations, OscarCache, new_cache
-from oscar.generate import SamplingParams, cache_kwarg, generate_continuous, generate_tokens, positions_from_mask, truncate_at_stop
-from oscar.methods import clip_mode, needs_statistics
+from oscar.cache import attention
+from oscar.cache.torch_cache import CacheSpec, LayerRotations, OscarCache, new_cache
+from oscar.models.generate import SamplingParams, cache_kwarg, generate_continuous, generate_tokens, positions_from_mask, truncate_at_stop
+from oscar.core.methods import clip_mode, needs_statistics
 
 SUPPORTED_METHOD_KINDS = ("bf16", "rotated", "kivi", "turboquant")
 
@@ -37,7 +37,7 @@ def _geometry(model: Any) -> tuple[int, int, int, int]:
 
 def effective_group_size(method_cfg: Any, head_dim: int) -> int:
     """`min(method.group_size, head_dim)` (docs/DESIGN.md, "Effective group size")."""
-    from oscar.methods import effective_group_size as impl
+    from oscar.core.methods import effective_group_size as impl
 
     return int(impl(method_cfg, head_dim))
 
@@ -72,7 +72,7 @@ def layer_rotations(artifact: Any) -> list[LayerRotations]:
 
 def rotations_in_code(method_cfg: Any, model: Any) -> list[LayerRotations]:
     """Per-layer rotations of a method that needs no calibration (identity, H, block H, random ...)."""
-    from oscar.methods import in_code_artifact
+    from oscar.core.methods import in_code_artifact
 
     layers, _, hkv, d = _geometry(model)
     return layer_rotations(in_code_artifact(method_cfg, num_layers=layers, num_kv_heads=hkv, head_dim=d))
@@ -81,7 +81,7 @@ def rotations_in_code(method_cfg: Any, model: Any) -> list[LayerRotations]:
 def rotations_from_artifact(path: Path, method_cfg: Any, model: Any) -> list[LayerRotations]:
     """Per-layer rotations, means and clip ratios from a calibration artifact directory (checked
     against the model's geometry, group size, bits and the method settings it was made with)."""
-    from oscar.artifact import load_artifact
+    from oscar.core.artifact import load_artifact
 
     _, _, _, d = _geometry(model)
     if not (path / "rotations.safetensors").exists():
@@ -103,9 +103,9 @@ def cache_spec(
     fold_values: bool = False,
     backend: str = "torch",
 ) -> CacheSpec:
-    """The cache configuration of a method on a model: its `oscar.cache_format.CacheFormat` (the one
+    """The cache configuration of a method on a model: its `oscar.cache.formats.CacheFormat` (the one
     translation of a method into a storage format) with this engine's rotations and run-time choices."""
-    from oscar.cache_format import CacheFormat
+    from oscar.cache.formats import CacheFormat
 
     kind = str(method_cfg.kind)
     if kind not in SUPPORTED_METHOD_KINDS:
@@ -149,7 +149,7 @@ class Engine:
         self.fold_handle = None
         self.fold_values = bool(fold_values and self.kind == "rotated")
         if self.fold_values:
-            from oscar.surgery import fold_value_rotations
+            from oscar.models.surgery import fold_value_rotations
 
             self.fold_handle = fold_value_rotations(model, rotations)  # type: ignore[arg-type]
         self.device = next(model.parameters()).device
@@ -277,7 +277,7 @@ class Engine:
         seed: int = 0,
         stop: Optional[Sequence[str]] = None,
     ) -> list[str]:
-        """Complete each prompt with continuous batching (`oscar.generate.generate_continuous`: up to
+        """Complete each prompt with continuous batching (`oscar.models.generate.generate_continuous`: up to
         `max_batch` requests per decode step, finished ones replaced by waiting ones); `on_done(i, text,
         info)` is called as prompt `i` finishes (`info["kv_bits_per_element"]`: its cache rows, measured)."""
         params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop or ()))

@@ -14,8 +14,8 @@ from typing import Sequence
 
 import torch
 
-from oscar.clipfit import fit_clip_ratio, measured_distortion
-from oscar.rotation import build_rotation, random_orthogonal
+from oscar.core.clipfit import fit_clip_ratio, measured_distortion
+from oscar.core.rotation import build_rotation, random_orthogonal
 
 #: (label, rotation kind, target) of the key rotations compared in the study
 STUDY_ROTATIONS = (
@@ -77,7 +77,7 @@ def rotation_study(
     """Relative logit distortion `E[(q . (k_hat - k))^2] / E[(q . k)^2]` of each rotation.
 
     The first half of the rows calibrates (`C_Q`, `C_K`, the clip ratio on the grid), the second
-    half is held out for the measurement, with the real quantizer (`oscar.clipfit`).
+    half is held out for the measurement, with the real quantizer (`oscar.core.clipfit`).
     """
     n = q.shape[0] // 2
     if n < 2:

@@ -1,7 +1,7 @@
 """Attention over the OSCAR cache's three segments, registered as the transformers attention "oscar".
 
 The model's attention modules call `cache.update(k, v, layer)` and then the registered attention
-function. `oscar.cache.OscarLayer.update` only records the new keys and values; the function here
+function. `oscar.cache.torch_cache.OscarLayer.update` only records the new keys and values; the function here
 takes that record and lets the layer attend and write (`OscarLayer.attend_and_write`), so the cache
 sees the padding mask and the mode (serving or decode-equivalent) before it stores anything.
 
@@ -29,7 +29,7 @@ def set_pending(layer: Any, key: torch.Tensor, value: torch.Tensor) -> None:
         _PENDING.record = None
         raise RuntimeError(
             "an OSCAR cache layer was updated twice without an attention call in between: the model's "
-            f"attention implementation must be {ATTN_IMPLEMENTATION!r} (oscar.attention.enable(model))"
+            f"attention implementation must be {ATTN_IMPLEMENTATION!r} (oscar.cache.attention.enable(model))"
         )
     _PENDING.record = (layer, key, value)
 
@@ -172,7 +172,7 @@ def oscar_attention_forward(
     if (window is not None) != bool(getattr(layer, "is_sliding", False)):
         raise ValueError(
             f"layer {getattr(module, 'layer_idx', '?')}: the model's attention has sliding_window={window} but the cache "
-            f"layer is {type(layer).__name__}; build the cache with oscar.cache.new_cache(model, spec)"
+            f"layer is {type(layer).__name__}; build the cache with oscar.cache.torch_cache.new_cache(model, spec)"
         )
     n = query.shape[2]
     valid = None

@@ -41,7 +41,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from oscar import quant
+from oscar.core import quant
 
 Backend = str
 _BACKENDS = ("torch", "triton")
@@ -56,7 +56,7 @@ def _check_backend(backend: Backend) -> None:
 class HeadTransform:
     """Per-KV-head transform of one tensor before quantization: ``clip((x - mu - RoPE_p(rope_mu)) @ R, rho)``.
 
-    Rope-centered keys (``oscar.rope``): ``rope_mu`` holds the pre-RoPE means ``m`` (zero rows for heads
+    Rope-centered keys (``oscar.core.rope``): ``rope_mu`` holds the pre-RoPE means ``m`` (zero rows for heads
     that are not centered) and ``rope_freq``/``rope_scaling`` the layer's rotate-half RoPE; a row at
     position ``p`` is stored minus ``RoPE_p(m)``, and decode adds ``q . RoPE_p(m)`` back to its logit.
     """
@@ -94,7 +94,7 @@ class HeadTransform:
 
 def rope_offsets(t: HeadTransform, positions: torch.Tensor) -> torch.Tensor:
     """``RoPE_p(t.rope_mu[h])`` float32 ``[*positions.shape, Hkv, d]`` at token ``positions`` (rotate-half RoPE,
-    angles in float64, as ``oscar.rope.RopeSpec.offsets``)."""
+    angles in float64, as ``oscar.core.rope.RopeSpec.offsets``)."""
     assert t.rope_mu is not None and t.rope_freq is not None
     m = t.rope_mu.to(positions.device, torch.float64)
     h, d = t.rope_freq.numel(), m.shape[-1]
@@ -126,7 +126,7 @@ class QuantPages:
     zero: torch.Tensor  # bf16 [P, Hkv, page_size, d//G]
     bits: int
     group_size: int
-    layout: str = "rows"  # "rows" (token rows, planar packing) or "mma_k"/"mma_v" (oscar.quant, fragment order)
+    layout: str = "rows"  # "rows" (token rows, planar packing) or "mma_k"/"mma_v" (oscar.core.quant, fragment order)
 
     def __post_init__(self) -> None:
         if self.layout not in quant.LAYOUTS:
@@ -529,7 +529,7 @@ class PagedKVPool:
                  device: Union[str, torch.device] = "cpu", layout: str = "rows") -> None:
         quant.check_format(bits, group_size, head_dim)
         if layout not in ("rows", "mma"):
-            raise ValueError(f"layout={layout!r} is not valid; choose 'rows' or 'mma' (fragment order, oscar.quant)")
+            raise ValueError(f"layout={layout!r} is not valid; choose 'rows' or 'mma' (fragment order, oscar.core.quant)")
         k_layout, v_layout = ("rows", "rows") if layout == "rows" else ("mma_k", "mma_v")
         if page_size <= 0 or page_size & (page_size - 1):
             raise ValueError(f"page_size={page_size} must be a power of two")

@@ -3,7 +3,7 @@
 A method (`conf/method/*.yaml`) is a cache configuration. Methods without calibration (`bf16`,
 `int2`, `quarot`, `saw_int4`, `turboquant`, `kivi2`) get their rotations built in code from the
 seed; `oscar*` and `auto` need calibration statistics (`python -m oscar dump`). The numerical
-work is the math core's (`oscar.calibration.build_artifact`); this module validates the method,
+work is the math core's (`oscar.core.calibration.build_artifact`); this module validates the method,
 applies the effective group size, and turns a method into an artifact in two steps that match
 the pipeline stages: `rotations` (eigenbases and candidates, clip ratios left at 1) and `clip`
 (per-head clip fits on held-back rows for `clip: fit`, or the fixed ratios).
@@ -16,8 +16,8 @@ from typing import Any, Mapping
 
 import torch
 
-from oscar.clipfit import candidate_label, center_suffix
-from oscar.rotation import ROTATION_KINDS, NEEDS_COVARIANCE
+from oscar.core.clipfit import candidate_label, center_suffix
+from oscar.core.rotation import ROTATION_KINDS, NEEDS_COVARIANCE
 
 METHOD_KINDS = ("bf16", "rotated", "kivi", "turboquant")
 ROTATION_CHOICES = (*ROTATION_KINDS, "auto")
@@ -144,7 +144,7 @@ def build_rotations(
     `auto` selects each head's candidate with its own fitted clip ratio (the selection is defined
     under real clipped quantization), so its ratios are already final here.
     """
-    from oscar.calibration import build_artifact
+    from oscar.core.calibration import build_artifact
 
     validate_method(method_cfg)
     if needs_statistics(method_cfg) and stats is None:
@@ -173,7 +173,7 @@ def build_rotations(
 
 def fit_clip(artifact: Any, method_cfg: Any, *, stats: Any = None, clip_grid_k: Any, clip_grid_v: Any) -> Any:
     """Stage `clip`: set each head's clip ratios on a rotations artifact (fit, fixed or none)."""
-    from oscar.calibration import fit_layer_clip
+    from oscar.core.calibration import fit_layer_clip
 
     validate_method(method_cfg)
     clip = clip_mode(method_cfg)
@@ -304,7 +304,7 @@ def write_auto_choices(artifact_meta: dict[str, Any], prefix: str | Path, title:
     import math
     from collections import Counter
 
-    from oscar.stats import atomic_write_text
+    from oscar.core.stats import atomic_write_text
 
     rows = auto_choices_rows(artifact_meta)
     if not rows:

@@ -2,7 +2,7 @@
 
 Distortion of one (layer, KV head). Let `X` be `n` held-back key rows (or value rows), `R` the
 rotation, `mu` the mean subtracted before rotating (zero when not centering), and
-`Y = X_hat_rot - (X - mu) R` the error of the *real* quantizer (`oscar.quant.rotate_clip_quantize`
+`Y = X_hat_rot - (X - mu) R` the error of the *real* quantizer (`oscar.core.quant.rotate_clip_quantize`
 then `dequantize`, float32 rotation as in the cache) in the rotated frame. With the metric
 `C` (a second moment, normalized by its count):
 
@@ -31,7 +31,7 @@ Candidate rotation targets (each `U.H.P` of the target's eigenbasis, plus plain 
   on the basis the statistics were collected in, and it is invariant to rescaling `M` or `D`.
 - `hadamard`: `H.P` without any eigenbasis.
 
-Per-channel keys (`block > 0`, the "channel" key format, KIVI-style: `oscar.quant.quantize_channels`):
+Per-channel keys (`block > 0`, the "channel" key format, KIVI-style: `oscar.core.quant.quantize_channels`):
 each channel is quantized over blocks of `T` consecutive tokens, so a channel's offset and scale live in
 its own zero point and scale; what a per-token group cannot absorb (channels of very different spread, an
 offset per channel) costs it nothing. Its candidates (`CHANNEL_TARGETS`) rotate by the identity (the
@@ -42,7 +42,7 @@ The key format is one per layer (`select_layer`: the format whose per-head best 
 total), since a layer's key pages have one layout.
 
 Each target comes with and without centering (`center`: `False`, `True` = subtract the constant mean).
-Keys have a third mode where the model's RoPE is known (`oscar.rope`, statistics with pre-RoPE sums):
+Keys have a third mode where the model's RoPE is known (`oscar.core.rope`, statistics with pre-RoPE sums):
 `center="rope"` subtracts `RoPE_p(m)`, the pre-RoPE key mean `m` turned to each row's position `p`
 (exact for a `k_proj` bias, which a constant post-RoPE mean cannot remove), and its `raw` target is
 `mean_p RoPE_p Cov_pre RoPE_p^T` over the calibration positions; `geomean` uses that as its data moment.
@@ -55,10 +55,10 @@ from typing import Sequence
 
 import torch
 
-from oscar.quant import ClipRatio, dequantize, dequantize_channels, quantize_channels, rotate_clip_quantize
-from oscar.rope import RopeSpec
-from oscar.rotation import bit_reversal, build_rotation, eigenbasis, hadamard
-from oscar.stats import CalibrationStats
+from oscar.core.quant import ClipRatio, dequantize, dequantize_channels, quantize_channels, rotate_clip_quantize
+from oscar.core.rope import RopeSpec
+from oscar.core.rotation import bit_reversal, build_rotation, eigenbasis, hadamard
+from oscar.core.stats import CalibrationStats
 
 KEY_TARGETS = ("query", "raw", "geomean", "hadamard")
 CHANNEL_TARGETS = ("identity", "raw")  # per-channel key candidates (module doc)
@@ -415,7 +415,7 @@ def layer_rotations(
 ) -> dict[str, torch.Tensor | None]:
     """Rotations of one layer and side for a named kind: `R` `[Hkv, d, d]`, `mu` `[Hkv, d]`, `eig` or None.
 
-    `kind` is an `oscar.rotation` kind (`raw_uhp` forces the `raw` target). Kinds with an
+    `kind` is an `oscar.core.rotation` kind (`raw_uhp` forces the `raw` target). Kinds with an
     eigenbasis, and centering, need `stats`. `target` defaults to `query` (keys) / `output`
     (values); `geomean` is accepted too.
     """

@@ -18,7 +18,7 @@ H200. `FusedDecoder` runs the same computation with
   family whose modules do not compute what this step computes is refused at load time (checked
   numerically on the model's own modules), not approximated.
 
-The step is capturable in one CUDA graph (`oscar.device_cache.GraphedDecoder` with ``forward=``).
+The step is capturable in one CUDA graph (`oscar.cache.device_cache.GraphedDecoder` with ``forward=``).
 Without compilation (``compile=False``, the CPU tests) the same functions run eagerly.
 """
 
@@ -114,7 +114,7 @@ class FusedDecoder:
     ``compile``: ``True`` compiles the layer bodies with `torch.compile` (``backend``, default inductor;
     static shapes, one compilation per batch size); ``False`` runs them eagerly (same arithmetic).
     Calling the decoder runs one step: ``decoder(cache, tokens) -> logits [B, V]`` (the cache's
-    ``prepare()`` must have run, as in `oscar.device_cache.decode_step`).
+    ``prepare()`` must have run, as in `oscar.cache.device_cache.decode_step`).
     """
 
     def __init__(self, model: torch.nn.Module, *, compile: bool = True, backend: str = "inductor") -> None:

@@ -4,7 +4,7 @@ a CUDA graph and timed, its kernels split by category), the largest batch that f
 correctness check, and the run that writes the CSV files.
 
 Every point records which decode step it ran (column ``step_path``): ``compiled``, the fused step of
-`oscar.fused_step` (fused QKV and gate/up GEMMs, the layer bodies compiled around the cache call, one
+`oscar.models.fused_step` (fused QKV and gate/up GEMMs, the layer bodies compiled around the cache call, one
 CUDA graph), the default for every cache; ``hf``, the transformers forward in one CUDA graph ("HF eager +
 graph"), kept as a second, labelled baseline for the caches of ``hf_caches`` (default BF16). The largest
 batch that fits is probed with eager HF steps (no compilation per probed batch size; the activations of
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from oscar.fused_step import FusedDecoder
+from oscar.models.fused_step import FusedDecoder
 
 FLAGS: dict[str, Any] = {
     "parts": "check,grid,fit,job",
@@ -54,8 +54,8 @@ STEP_PATHS = ("compiled", "fused", "hf")  # fused: the fused step uncompiled (co
 # files
 
 
-from oscar.files import atomic_write_csv as write_csv, atomic_write_text as write_atomic  # noqa: E402
-from oscar.throughput_report import read_csv  # noqa: E402
+from oscar.core.files import atomic_write_csv as write_csv, atomic_write_text as write_atomic  # noqa: E402
+from oscar.bench.throughput_report import read_csv  # noqa: E402
 
 
 def _ints(text: str) -> list[int]:
@@ -190,7 +190,7 @@ def pick_bf16_attention(cache: Any, batch: int, heads: int, d: int, machine: Mac
     import torch
     from torch.nn.attention import sdpa_kernel
 
-    from oscar import throughput as tp
+    from oscar.bench import throughput as tp
 
     if not machine.cuda:
         return "math/rows", {}
@@ -236,13 +236,13 @@ def byte_floor(row: dict[str, Any], weights: int, bandwidth: float) -> None:
 def measure_point(model: Any, fmt: Any, batch: int, context: int, s: Settings, machine: Machine,
                   time_it: bool = True, forward: Optional[Any] = None) -> tuple[dict[str, Any], dict[str, float]]:
     """One (cache, batch, context) point: allocate (OOM -> status), fill, capture, time, split, byte floor.
-    ``forward``: the fused step (`oscar.fused_step.FusedDecoder`; row ``step_path`` ``compiled``), None for
+    ``forward``: the fused step (`oscar.models.fused_step.FusedDecoder`; row ``step_path`` ``compiled``), None for
     the transformers forward (``hf``). Returns the row and the per-kernel microseconds of one step."""
     import torch
     from torch.nn.attention import sdpa_kernel
 
-    from oscar import device_cache as dc
-    from oscar import throughput as tp
+    from oscar.cache import device_cache as dc
+    from oscar.bench import throughput as tp
 
     layers, heads, hkv, d = tp.geometry(model)
     path = "hf" if forward is None else ("compiled" if forward.compiled else "fused")
@@ -359,7 +359,7 @@ def run_check(s: Settings, machine: Machine) -> list[dict[str, Any]]:
     forward of each path against the CPU block-bootstrap interval."""
     import torch
 
-    from oscar import throughput as tp
+    from oscar.bench import throughput as tp
     from oscar.config import compose
     from oscar.eval.fidelity import block_bootstrap_ci
 
@@ -471,7 +471,7 @@ def copy_bandwidth(machine: Machine) -> float:
     """Device-to-device copy bandwidth, bytes read + written per second (the memory ceiling)."""
     import torch
 
-    from oscar import throughput as tp
+    from oscar.bench import throughput as tp
 
     if not machine.cuda:
         return math.nan
@@ -510,8 +510,8 @@ def run(cfg: Any, s: Settings, out: Path) -> None:
     """Measure every part asked for; write the CSVs as each part ends."""
     import torch
 
-    from oscar import device_cache as dc
-    from oscar import throughput as tp
+    from oscar.cache import device_cache as dc
+    from oscar.bench import throughput as tp
     from oscar.config import compose
 
     device = str(cfg.device)
@@ -627,8 +627,8 @@ def run(cfg: Any, s: Settings, out: Path) -> None:
 
 def _layout_of(fmt: Any, model: Any, machine: Machine) -> str:
     """The page layout a paged format gets on this machine (``-`` for BF16)."""
-    from oscar import device_cache as dc
-    from oscar import throughput as tp
+    from oscar.cache import device_cache as dc
+    from oscar.bench import throughput as tp
 
     if fmt.transforms is None:
         return "-"

@@ -1,5 +1,5 @@
-"""Calibration facade: statistics (`oscar.stats`), clip fitting and candidates (`oscar.clipfit`),
-the artifact (`oscar.artifact`), and `build_artifact`, which turns statistics and a method
+"""Calibration facade: statistics (`oscar.core.stats`), clip fitting and candidates (`oscar.core.clipfit`),
+the artifact (`oscar.core.artifact`), and `build_artifact`, which turns statistics and a method
 configuration into the per-layer rotations, means and clip ratios of an artifact.
 """
 
@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from oscar.artifact import (
+from oscar.core.artifact import (
     ARTIFACT_FORMAT_VERSION,
     ArtifactMismatch,
     CalibrationArtifact,
@@ -20,7 +20,7 @@ from oscar.artifact import (
     model_config_hash,
     save_artifact,
 )
-from oscar.clipfit import (
+from oscar.core.clipfit import (
     KEY_TARGETS,
     VALUE_TARGETS,
     Candidate,
@@ -41,7 +41,7 @@ from oscar.clipfit import (
     target_matrix,
     weighted_distortion,
 )
-from oscar.stats import CalibrationStats, attention_output, token_hash
+from oscar.core.stats import CalibrationStats, attention_output, token_hash
 
 CLIP_MODES = ("fit", "fixed", "none")
 
@@ -78,11 +78,11 @@ def build_artifact(
 ) -> CalibrationArtifact:
     """Rotations, means and clip ratios of every layer for a method config (dict or DictConfig).
 
-    Reads `key_rotation`, `value_rotation` (an `oscar.rotation` kind or `auto`), `key_target`,
+    Reads `key_rotation`, `value_rotation` (an `oscar.core.rotation` kind or `auto`), `key_target`,
     `value_target`, `center`, `bits`, `clip` (`fit`: grid search on held-back rows of `stats`;
     `fixed`: `rho_k`/`rho_v`; `none`: 1.0), `seed`. `group_size` is the effective group size
-    (`oscar.methods.effective_group_size`). `auto` picks, per (layer, KV head) and side, the
-    candidate (`oscar.clipfit.candidates`) with the lowest measured distortion, each candidate
+    (`oscar.core.methods.effective_group_size`). `auto` picks, per (layer, KV head) and side, the
+    candidate (`oscar.core.clipfit.candidates`) with the lowest measured distortion, each candidate
     with its own fitted clip ratio, and records the choices in the metadata. `channel_block` (`auto`
     only; 0 = off) adds the per-channel key candidates over blocks of that many tokens; a layer whose keys
     take them is listed in `meta["key_block"]` (per layer: the block, 0 for per-token keys).

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from oscar.files import atomic_write, atomic_write_csv, atomic_write_text
+from oscar.core.files import atomic_write, atomic_write_csv, atomic_write_text
 
 DEFAULTS: dict[str, Any] = {
     "output": "reports/kernels/decode_attention.csv",
@@ -162,7 +162,7 @@ def _int2_inputs(B: int, T: int, H: int, hkv: int, d: int, opts: dict[str, Any],
     """Random pool + page tables (one set per page range), BF16 windows, transforms: the decode inputs."""
     import torch
 
-    from oscar.paged import HeadTransform, QuantPages
+    from oscar.cache.paged import HeadTransform, QuantPages
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     bits, G, ps = opts["bits"], d, opts["page_size"]
@@ -248,7 +248,7 @@ def bench_quantize(B: int, d: int, hkv: int, opts: dict[str, Any], l2: int) -> l
     """Demotion (B rows of K and V, rotation + centering + clip) and prefill quantization (B*1024 rows)."""
     import torch
 
-    from oscar.paged import HeadTransform, QuantPages, rotate_quantize_pack, rotate_quantize_pack_kv
+    from oscar.cache.paged import HeadTransform, QuantPages, rotate_quantize_pack, rotate_quantize_pack_kv
 
     g = torch.Generator(device="cuda").manual_seed(1)
     bits, ps, W = opts["bits"], opts["page_size"], opts["recent"]
@@ -299,7 +299,7 @@ def check_against_twin(d: int, opts: dict[str, Any], rope: bool = False) -> floa
     import torch
 
     from oscar.kernels.decode_attention import paged_decode_attention
-    from oscar.paged import HeadTransform, QuantPages, decode_attention_torch
+    from oscar.cache.paged import HeadTransform, QuantPages, decode_attention_torch
 
     B, T, H, hkv = 4, 8192, opts["q_heads"], opts["kv_heads"]
     kp, vp, tables, int_len, kt, vt, segs, qs, _ = _int2_inputs(B, T, H, hkv, d, opts, 1, seed=3)

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from oscar.files import atomic_write_text
-from oscar.reporting import TablePlan, aggregate, numeric_metrics, pick_metric, summarize
+from oscar.core.files import atomic_write_text
+from oscar.eval.reporting import TablePlan, aggregate, numeric_metrics, pick_metric, summarize
 
 ROLE_TAG = "oscar.role"
 CELL_TAG = "oscar.cell"

@@ -4,7 +4,7 @@ Tensors (float32), per layer `l`: `layers.{l}.R_K`, `layers.{l}.R_V` `[Hkv, d, d
 `layers.{l}.mu_K`, `layers.{l}.mu_V` `[Hkv, d]` (zeros when the method does not center),
 `layers.{l}.rho_K`, `layers.{l}.rho_V` `[Hkv]`, and `layers.{l}.eig_K`, `layers.{l}.eig_V`
 `[Hkv, d]` when the method has an eigen-target, and `layers.{l}.ropemu_K` `[Hkv, d]` when a key head of
-the layer is rope-centered (`oscar.rope`: the pre-RoPE mean, zero rows for the other heads; the layer's
+the layer is rope-centered (`oscar.core.rope`: the pre-RoPE mean, zero rows for the other heads; the layer's
 RoPE is `meta["rope"][l]`). A layer whose keys `auto` gave the per-channel format has its block size in
 `meta["key_block"][l]` (0 elsewhere; absent when no layer has it). `meta.json` carries `format_version`,
 `oscar_version`, `method`, `model` (`id`, `config_hash`, `num_layers`, `num_kv_heads`,
@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from oscar.stats import atomic_write, atomic_write_text
+from oscar.core.stats import atomic_write, atomic_write_text
 
 ARTIFACT_FORMAT_VERSION = 1
 TENSORS_FILE = "rotations.safetensors"
@@ -36,7 +36,7 @@ _REQUIRED = ("R_K", "R_V", "mu_K", "mu_V", "rho_K", "rho_V")
 _OPTIONAL = ("eig_K", "eig_V", "ropemu_K")
 
 
-# Method settings an artifact's tensors depend on, with the defaults `oscar.calibration` builds
+# Method settings an artifact's tensors depend on, with the defaults `oscar.core.calibration` builds
 # with when a field is absent; rho_k/rho_v matter only with clip=fixed. sink, recent, page_size
 # and the like act at run time and may differ.
 METHOD_FIELDS = {"key_rotation": "identity", "value_rotation": "identity", "key_target": "query",
@@ -148,7 +148,7 @@ class CalibrationArtifact:
 
     def key_rope(self, layer: int) -> Any:
         """`(RopeSpec, pre-RoPE means [Hkv, d])` of a layer with rope-centered key heads, else None."""
-        from oscar.rope import RopeSpec
+        from oscar.core.rope import RopeSpec
 
         mean = self.ropemu_K[layer]
         if mean is None or not bool(mean.any()):

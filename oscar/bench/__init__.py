@@ -1,0 +1,1 @@
+"""Measuring: throughput profiles, kernel benchmarks, SGLang timing and the GPU tables."""

@@ -1,0 +1,1 @@
+"""Math core (torch only): rotations, quantization, calibration statistics and fitting, the artifact."""
