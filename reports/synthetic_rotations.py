@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from oscar.synthetic import STUDY_ROTATIONS, attention_like_sample, rotation_study
+from oscar.core.synthetic import STUDY_ROTATIONS, attention_like_sample, rotation_study
 
 SCENARIOS = {
     "aligned": {"shared": 4, "key_mean": 3.0},
