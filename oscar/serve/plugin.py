@@ -24,13 +24,37 @@ SGLang versions of ``oscar.serve.contract.SUPPORTED_VERSIONS``; the state lives 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from oscar.serve.state import BACKEND, active, ensure_state, set_active
 
 logger = logging.getLogger(__name__)
 
 MIN_CUDA_PAGE_SIZE = 16  # the fragment-order pages of the v9 kernel hold blocks of 16 tokens
+
+# Parallelism the plugin refuses (ServerArgs field -> (flag, why)); --tp-size and --dp-size are served
+# (oscar.serve.sharding; docs/DESIGN.md "Serving with SGLang").
+REFUSED_PARALLELISM = {
+    "pp_size": ("--pp-size", "pipeline parallelism is not supported: its stages hold a subset of the layers "
+                "(PPMissingLayer in the fold, the pool's start_layer) and its micro-batches run several batches "
+                "through one pool at once, none of which the plugin has been checked on; use --tp-size (and "
+                "--dp-size for replicas)"),
+    "dcp_size": ("--dcp-size", "decode context parallelism is not supported: it interleaves a request's tokens "
+                 "over ranks, while the OSCAR pool keeps every token of a request on its rank (BF16 sink and "
+                 "recent windows, the page table from position S0 on); use --tp-size"),
+    "attn_cp_size": ("--attn-cp-size", "context parallelism is not supported: it splits a request's tokens over "
+                     "ranks, while the OSCAR pool keeps every token of a request on its rank (BF16 sink and recent "
+                     "windows, the page table from position S0 on); use --tp-size"),
+    "enable_prefill_cp": ("--enable-prefill-cp", "prefill context parallelism is not supported: it splits a "
+                          "request's tokens over ranks, while the OSCAR pool writes every token of a request on "
+                          "its rank; drop it"),
+    "enable_dp_attention": ("--enable-dp-attention", "DP attention is not supported: it exists for MLA and MoE "
+                            "models (MLA is refused), runs attention over batches gathered and scattered across "
+                            "DP ranks that the plugin has not been checked on; for the dense GQA models it serves, "
+                            "--dp-size without it gives replicas each with its own pool"),
+    "attn_dp_size": ("--attn-dp-size", "DP attention is not supported (see --enable-dp-attention); use --dp-size "
+                     "for replicas"),
+}
 
 
 # -- start-up check (launching process) -----------------------------------------------------------
@@ -39,12 +63,10 @@ MIN_CUDA_PAGE_SIZE = 16  # the fragment-order pages of the v9 kernel hold blocks
 def _flag_problems(args: Any) -> list[str]:
     get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
     out = []
-    for name, flag in (("tp_size", "--tp-size"), ("pp_size", "--pp-size"), ("dp_size", "--dp-size"),
-                       ("dcp_size", "--dcp-size")):
-        if (get(name) or 1) > 1:
-            out.append(f"tensor/pipeline/data parallelism is not supported yet: set {flag} 1 (got {get(name)})")
-    if get("enable_dp_attention"):
-        out.append("DP attention is not supported: drop --enable-dp-attention")
+    for name, (flag, why) in REFUSED_PARALLELISM.items():  # --tp-size and --dp-size are served
+        value = get(name)
+        if value is True or (isinstance(value, int) and not isinstance(value, bool) and value > 1):
+            out.append(f"{flag if value is True else f'{flag} {value}'}: {why}")
     if get("speculative_algorithm"):
         out.append(f"speculative decoding is not supported: drop --speculative-algorithm {get('speculative_algorithm')}")
     if not get("disable_radix_cache") and get("radix_cache_backend"):
@@ -85,6 +107,15 @@ def _settings_problems(settings: Any, args: Any) -> list[str]:
     return []
 
 
+def _tp_problems(args: Any, hf_config: Any) -> list[str]:
+    """A ``--tp-size`` whose split of the model's heads SGLang would refuse (named here, before any process)."""
+    from oscar.core.artifact import model_config_fields
+    from oscar.serve.sharding import tp_problems
+
+    f = model_config_fields(getattr(hf_config, "text_config", None) or hf_config)
+    return tp_problems(int(getattr(args, "tp_size", None) or 1), f["num_heads"], f["num_kv_heads"])
+
+
 def check_server_args_after(result: Any, args: Any, *rest: Any, **kwargs: Any) -> Any:
     """AFTER hook of ``ServerArgs.check_server_args``: refuse what the plugin cannot serve correctly."""
     if getattr(args, "attention_backend", None) != BACKEND:
@@ -100,6 +131,9 @@ def check_server_args_after(result: Any, args: Any, *rest: Any, **kwargs: Any) -
 
     hf_config = AutoConfig.from_pretrained(args.model_path, trust_remote_code=bool(args.trust_remote_code))
     validate(settings, hf_config)
+    problems = _tp_problems(args, hf_config)
+    if problems:
+        raise OscarServeError("--attention-backend oscar refuses these settings:\n  - " + "\n  - ".join(problems))
     set_active(True)
     return result
 
@@ -107,12 +141,43 @@ def check_server_args_after(result: Any, args: Any, *rest: Any, **kwargs: Any) -
 # -- scheduler process hooks ----------------------------------------------------------------------
 
 
+def shard_state(st: dict[str, Any], hf_config: Any, tp_rank: int, tp_size: int) -> dict[str, Any]:
+    """Cut the state's rotations to attention-TP rank ``tp_rank`` of ``tp_size`` (once; the pool, the backend and
+    the fold then read the rank's KV heads only). Keeps the whole artifact's as ``full_rotations``."""
+    if "shard" in st:
+        have = st["shard"]
+        if (have.tp_rank, have.tp_size) != (int(tp_rank), int(tp_size)):
+            raise RuntimeError(f"the oscar state of this process is cut for TP rank {have.tp_rank} of {have.tp_size}, "
+                               f"not {tp_rank} of {tp_size}")
+        return st
+    from oscar.core.artifact import model_config_fields
+    from oscar.serve.sharding import head_shard, shard_layers
+
+    f = model_config_fields(getattr(hf_config, "text_config", None) or hf_config)
+    shard = head_shard(tp_rank, tp_size, f["num_heads"], f["num_kv_heads"])
+    st["full_rotations"] = st["rotations"]
+    st["rotations"] = shard_layers(st["rotations"], shard)
+    st["shard"] = shard
+    if not shard.whole:
+        logger.info("OSCAR: %s; the artifact's per-KV-head state is cut to these heads", shard.describe())
+    return st
+
+
+def rank_state(hf_config: Any) -> dict[str, Any]:
+    """``ensure_state`` of this scheduler process, its rotations cut to the process's attention-TP rank."""
+    from sglang.srt.runtime_context import get_parallel
+
+    st = ensure_state(hf_config)
+    par = get_parallel()
+    return shard_state(st, hf_config, int(par.attn_tp_rank), int(par.attn_tp_size))
+
+
 def resolve_kv_pool_class_around(original: Any, kvc: Any, *args: Any, **kwargs: Any) -> Any:
     """``KVCacheConfigurator._resolve_kv_pool_class`` (0.5.23): the OSCAR pool for MHA when the backend is oscar."""
     if active() and kwargs.get("kind", args[0] if args else None) == "mha":
         from oscar.serve.pool import OscarTokenToKVPool
 
-        ensure_state(kvc.model_config.hf_config)
+        rank_state(kvc.model_config.hf_config)
         return OscarTokenToKVPool
     return original(kvc, *args, **kwargs)
 
@@ -123,7 +188,7 @@ def build_mha_kv_pool_around(original: Any, kvc: Any, *args: Any, **kwargs: Any)
     if active():
         from oscar.serve.pool import OscarTokenToKVPool
 
-        ensure_state(kvc.model_config.hf_config)
+        rank_state(kvc.model_config.hf_config)
         if kwargs.get("quant_method") is not None:
             from oscar.serve.settings import OscarServeError
 
@@ -161,9 +226,12 @@ def compute_cell_size_around(original: Any, conf: Any, kvc: Any, num_layers: int
         page = int(getattr(kvc.server_args, "page_size", None) or 1)
         conf._oscar_window_bytes += sink_store_pages(reqs, sink, page) * page * int(hkv) * int(mc.head_dim) * 2 * 2 \
             * int(num_layers)
-    logger.info("OSCAR pool sizing: %d bytes/token (BF16 would be %d: %.2fx the tokens per byte); BF16 windows "
-                "of %d request slots%s reserved first: %.3f GB", cell, bf16, bf16 / cell, reqs,
-                " and the prefix cache's sink store" if st["prefix_cache"] else "", conf._oscar_window_bytes / 2**30)
+    tp, dp = int(getattr(par, "attn_tp_size", 1) or 1), int(getattr(kvc.server_args, "dp_size", 1) or 1)
+    conf._oscar_topology = (tp, dp, int(hkv))
+    logger.info("OSCAR pool sizing: %d bytes/token on this rank's %d KV heads (BF16 would be %d: %.2fx the tokens "
+                "per byte); BF16 windows of %d request slots%s reserved first: %.3f GB", cell, int(hkv), bf16,
+                bf16 / cell, reqs, " and the prefix cache's sink store" if st["prefix_cache"] else "",
+                conf._oscar_window_bytes / 2**30)
     return cell
 
 
@@ -179,18 +247,39 @@ def calculate_pool_sizes_around(original: Any, conf: Any, available_bytes: int, 
                 f"{available_bytes / 2**30:.2f} GB left for the KV cache; lower --max-running-requests, OSCAR_SINK "
                 "or OSCAR_RECENT, or raise --mem-fraction-static")
         available_bytes -= reserve
-    return original(conf, available_bytes, *args, **kwargs)
+    result = original(conf, available_bytes, *args, **kwargs)
+    topology = getattr(conf, "_oscar_topology", None) if active() else None
+    if topology is not None:
+        tp, dp, hkv = topology
+        logger.info("OSCAR pool sizing: %d tokens per replica (each of its %d TP rank(s) holds them for %d KV heads; "
+                    "--dp-size %d: %d replica(s), each with its own pool of this size)",
+                    int(getattr(result, "max_total_num_tokens", -1)), tp, hkv, dp, dp)
+    return result
 
 
 def fold_after_load(result: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
-    """``ModelRunner.load_model`` (after): fold ``R_V`` (and ``mu_V``) into every layer's ``o_proj``."""
+    """``ModelRunner.load_model`` (after): fold ``R_V`` (and ``mu_V``) into every layer's ``o_proj`` (under tensor
+    parallelism, each rank its own ``o_proj`` shard with its KV heads' slice)."""
     if not active():
         return result
-    st = ensure_state(runner.model_config.hf_config)
+    st = rank_state(runner.model_config.hf_config)
     if st["fold"]:
-        n = fold_model(runner.model, st["rotations"])
-        logger.info("OSCAR: value rotation folded into o_proj of %d layers", n)
+        shard = st["shard"]
+        n = fold_model(runner.model, st["rotations"], shard, None if shard.whole else _attn_tp_sum)
+        logger.info("OSCAR: value rotation folded into o_proj of %d layers (%s)", n, shard.describe())
     return result
+
+
+def _attn_tp_sum(x: Any) -> Any:
+    """Sum ``x`` over the attention-TP group (the ranks of one ``o_proj``), once at load: an all-reduce on the
+    group's CPU (gloo) group, so it needs no device collective and runs the same on GPUs and CPUs."""
+    import torch
+    import torch.distributed as dist
+    from sglang.srt.runtime_context import get_parallel
+
+    out = x.detach().to("cpu", torch.float64).contiguous()
+    dist.all_reduce(out, group=get_parallel().attn_tp_group.cpu_group)
+    return out.to(x.device)
 
 
 # -- the radix (prefix) cache ----------------------------------------------------------------------
@@ -281,27 +370,58 @@ def _attention_modules(model: Any) -> list[Any]:
     return out
 
 
-def fold_model(model: Any, rotations: list[Any]) -> int:
-    """Fold each layer's ``R_V`` / ``mu_V`` into its ``o_proj`` in place (tensor-parallel rank 0 of 1)."""
+def _check_rank_heads(attn: Any, shard: Any, layer: int) -> None:
+    """The attention module holds the heads the shard says (SGLang's split, oscar.serve.sharding)."""
+    got = (int(getattr(attn, "num_heads")), int(getattr(attn, "num_kv_heads", shard.local_kv_heads)),
+           int(getattr(attn.o_proj, "tp_rank", shard.tp_rank)))
+    want = (shard.local_heads, shard.local_kv_heads, shard.tp_rank)
+    if got != want:
+        raise RuntimeError(f"layer {layer}: the attention module holds (query heads, KV heads, o_proj TP rank) {got}, "
+                           f"the oscar plugin expected {want} for {shard.describe()}")
+
+
+def fold_model(model: Any, rotations: list[Any], shard: Optional[Any] = None,
+               reduce_sum: Optional[Callable[[Any], Any]] = None) -> int:
+    """Fold each layer's ``R_V`` / ``mu_V`` into its ``o_proj`` in place.
+
+    Under tensor parallelism ``model`` is one rank's, ``rotations`` and ``shard`` the rank's slice
+    (`shard_state`): the rank folds its ``o_proj`` columns with its KV heads' ``R_V``
+    (`oscar.serve.sharding.fold_o_proj_shard`), and the mean's bias terms of every layer (``[layers, hidden]``)
+    are summed over the ranks by ``reduce_sum`` (an all-reduce at load, not per step) into the bias every rank
+    holds and rank 0 adds. ``shard=None``: one rank holding every head."""
     import torch
 
-    from oscar.models.surgery import folded_bias, folded_weight
+    from oscar.serve.sharding import fold_o_proj_shard, head_shard
 
     attns = _attention_modules(model)
     if len(attns) != len(rotations):
         raise ValueError(f"{len(rotations)} layer rotations for a model with {len(attns)} attention layers")
-    for attn, rot in zip(attns, rotations):
+    if shard is not None and not shard.whole and reduce_sum is None:
+        raise ValueError(f"{shard.describe()}: the bias terms of the value means need a sum over the TP ranks "
+                         "(reduce_sum)")
+    centered, terms = [], []
+    for layer, (attn, rot) in enumerate(zip(attns, rotations)):
+        sh = shard if shard is not None else head_shard(0, 1, int(getattr(attn, "num_heads")), int(rot.r_v.shape[0]))
+        _check_rank_heads(attn, sh, layer)
         o = attn.o_proj
-        heads = int(getattr(attn, "num_heads"))
-        w = o.weight
         with torch.no_grad():
-            if rot.mu_v is not None:
-                new_bias = folded_bias(w.detach(), None if o.bias is None else o.bias.detach(), rot.mu_v, heads)
+            folded, term = fold_o_proj_shard(o.weight.detach(), rot, sh)
+            o.weight.copy_(folded)
+        if term is not None:
+            centered.append(o)
+            terms.append(term)
+    if terms:  # the same layers on every rank: each rank's slice of mu_V exists where the artifact's does
+        total = torch.stack(terms)
+        if reduce_sum is not None and shard is not None and not shard.whole:
+            total = reduce_sum(total).to(total.device)
+        for o, term in zip(centered, total):
+            with torch.no_grad():
+                base = torch.zeros_like(term) if o.bias is None else o.bias.detach().to(term.device, torch.float64)
+                new_bias = (base + term).to(o.weight.dtype)
                 if o.bias is None:
-                    o.bias = torch.nn.Parameter(new_bias, requires_grad=False)
+                    o.bias = torch.nn.Parameter(new_bias.to(o.weight.device), requires_grad=False)
                 else:
                     o.bias.copy_(new_bias)
-            w.copy_(folded_weight(w.detach(), rot.r_v, heads))
     return len(attns)
 
 
@@ -367,4 +487,5 @@ def plugin_loaded() -> Optional[bool]:
     return BACKEND in ATTENTION_BACKENDS
 
 
-__all__ = ["BACKEND", "MIN_CUDA_PAGE_SIZE", "fold_model", "hooks", "register"]
+__all__ = ["BACKEND", "MIN_CUDA_PAGE_SIZE", "REFUSED_PARALLELISM", "fold_model", "hooks", "rank_state", "register",
+           "shard_state"]

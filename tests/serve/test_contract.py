@@ -116,7 +116,11 @@ def test_refusals_name_the_flag():
                          page_size=1, disable_prefill_cuda_graph=False)
     assert _flag_problems(ok) == []  # chunked prefill and (decode) CUDA graphs are served
     assert _flag_problems(SimpleNamespace(**{**vars(ok), "disable_radix_cache": False})) == []  # radix cache served
-    cases = {"tp_size": (2, "--tp-size 1"),
+    assert _flag_problems(SimpleNamespace(**{**vars(ok), "tp_size": 2, "dp_size": 2})) == []  # TP and DP are served
+    cases = {"pp_size": (2, "--pp-size 2: pipeline parallelism"),
+             "dcp_size": (2, "--dcp-size 2: decode context parallelism"),
+             "attn_cp_size": (2, "--attn-cp-size 2: context parallelism"),
+             "enable_dp_attention": (True, "--enable-dp-attention: DP attention"),
              "enable_mixed_chunk": (True, "--enable-mixed-chunk"),
              "speculative_algorithm": ("EAGLE", "--speculative-algorithm"),
              "max_running_requests": (None, "--max-running-requests"),
