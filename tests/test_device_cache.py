@@ -12,7 +12,7 @@ from oscar.cache import device_cache as dc
 from oscar.cache import paged
 from oscar.bench import throughput as tp
 from oscar.cache.torch_cache import LayerRotations
-from oscar.cache.formats import CacheFormat
+from oscar.cache.formats import BF16Format, RotatedFormat
 from oscar.core.rotation import random_orthogonal
 
 LAYERS, HEADS, HKV, D = 2, 4, 2, 64
@@ -49,7 +49,7 @@ def rotations(center: bool, rope=None) -> list[LayerRotations]:
 
 def oscar_format(rots: list[LayerRotations], bits: int = 2, layout: str = "auto") -> tp.TimedCache:
     # the mma layout stores blocks of 16 tokens: its pages hold 16 (two pages still cover the prompt's middle)
-    fmt = CacheFormat(name="oscar", kind="rotated", bits=bits, group_size=D, sink=4, recent=8,
+    fmt = RotatedFormat(name="oscar", bits=bits, group_size=D, sink=4, recent=8,
                       page_size=16 if layout == "mma" else 4)
     return tp.TimedCache(fmt, transforms=tp.head_transforms(rots), layout=layout)
 
@@ -90,9 +90,9 @@ def test_oscar_device_cache_matches_host_cache(model, bits, center, layout):
 
 def test_static_bf16_cache_matches_host_cache(model):
     ids, steps = prompt(), 8
-    ref_tok, ref_lg = tp.reference_decode(model, ids, tp.TimedCache(CacheFormat(name="bf16")), steps, [])
+    ref_tok, ref_lg = tp.reference_decode(model, ids, tp.TimedCache(BF16Format(name="bf16")), steps, [])
     for gqa in ("rows", "enable_gqa"):
-        cache = tp.new_device_cache(tp.TimedCache(CacheFormat(name="bf16")), model, 2, ids.shape[1], extra_steps=steps, device="cpu")
+        cache = tp.new_device_cache(tp.TimedCache(BF16Format(name="bf16")), model, 2, ids.shape[1], extra_steps=steps, device="cpu")
         cache.gqa = gqa
         tok, lg = tp.device_decode(model, ids, cache, steps)
         assert torch.equal(tok, ref_tok)
@@ -103,8 +103,9 @@ def test_step_indices_follow_the_window_convention():
     """Lengths and slots of each step from pos alone: sink fill, ring fill, then one demotion per step into
     consecutive quantized positions; sequences that demote nothing write the spare page."""
     t = tp.head_transforms([LayerRotations.identity(1, 16)])[0]
-    cache = dc.DeviceOscarCache(num_layers=1, batch=1, num_kv_heads=1, head_dim=16, bits=2, group_size=16, sink=2,
-                                recent=3, page_size=4, quant_capacity=8, transforms=[t], shuffle_pages=True)
+    fmt = RotatedFormat(bits=2, group_size=16, sink=2, recent=3, page_size=4)
+    cache = dc.DeviceOscarCache(fmt, num_layers=1, batch=1, num_kv_heads=1, head_dim=16, quant_capacity=8, transforms=[t],
+                                shuffle_pages=True)
     seen_slots = []
     for p in range(12):
         cache.set_length(p)
@@ -247,20 +248,23 @@ def test_layout_setting_resolves_and_refuses():
     """auto: mma only on CUDA and where the format allows it (INT2 and INT4, one group per row, pages of 16k
     tokens); an explicit mma outside that is refused with the reason; unknown names are refused."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert dc.resolve_layout("auto", 2, 128, 128, 64, cuda) == "mma"
-    assert dc.resolve_layout("auto", 2, 128, 128, 64, cpu) == "rows"
-    assert dc.resolve_layout("auto", 4, 128, 128, 64, cuda) == "mma"  # Saw-INT4 reads the v10 INT4 mma pages
-    assert dc.resolve_layout("auto", 3, 128, 128, 64, cuda) == "rows"
-    assert dc.resolve_layout("auto", 2, 32, 128, 64, cuda) == "rows"
-    assert dc.resolve_layout("auto", 2, 128, 128, 8, cuda) == "rows"
-    assert dc.resolve_layout("rows", 2, 128, 128, 64, cuda) == "rows"
-    assert dc.resolve_layout("mma", 2, 64, 64, 16, cpu) == "mma"
+
+    def layout(want: str, bits: int, group: int, d: int, page: int, dev: torch.device) -> str:
+        return RotatedFormat(bits=bits, group_size=group, recent=1, page_size=page).resolve_layout(want, d, dev)
+
+    assert layout("auto", 2, 128, 128, 64, cuda) == "mma"
+    assert layout("auto", 2, 128, 128, 64, cpu) == "rows"
+    assert layout("auto", 4, 128, 128, 64, cuda) == "mma"  # Saw-INT4 reads the v10 INT4 mma pages
+    assert layout("auto", 2, 32, 128, 64, cuda) == "rows"
+    assert layout("auto", 2, 128, 128, 8, cuda) == "rows"
+    assert layout("rows", 2, 128, 128, 64, cuda) == "rows"
+    assert layout("mma", 2, 64, 64, 16, cpu) == "mma"
     with pytest.raises(ValueError, match="bits=3"):
-        dc.resolve_layout("mma", 3, 128, 128, 64, cuda)
+        layout("mma", 3, 128, 128, 64, cuda)  # no such format
     with pytest.raises(ValueError, match="one group per row"):
-        dc.resolve_layout("mma", 2, 32, 128, 64, cuda)
+        layout("mma", 2, 32, 128, 64, cuda)
     with pytest.raises(ValueError, match="layout='planar'"):
-        dc.resolve_layout("planar", 2, 128, 128, 64, cuda)
+        layout("planar", 2, 128, 128, 64, cuda)
 
 
 def test_mma_pages_need_the_cuda_kernel_or_the_twin(model):

@@ -16,7 +16,7 @@ import torch
 from oscar.cache import device_cache as dc
 from oscar.bench import throughput as tp
 from oscar.cache.torch_cache import LayerRotations
-from oscar.cache.formats import CacheFormat
+from oscar.cache.formats import RotatedFormat
 from oscar.models.fused_step import FusedDecoder, fused_decoder
 from oscar.models.adapters import UnsupportedModel
 from oscar.core.rotation import random_orthogonal
@@ -42,7 +42,7 @@ def oscar_cache(batch: int, length: int, steps: int) -> dc.DeviceOscarCache:
     rots = [LayerRotations(torch.stack([random_orthogonal(D, seed=10 * i + h, dtype=torch.float32) for h in range(HKV)]),
                            torch.stack([random_orthogonal(D, seed=10 * i + h + 5, dtype=torch.float32) for h in range(HKV)]),
                            None, None, None, None) for i in range(LAYERS)]
-    fmt = tp.TimedCache(CacheFormat(name="oscar", kind="rotated", bits=2, group_size=D, sink=4, recent=8, page_size=4),
+    fmt = tp.TimedCache(RotatedFormat(name="oscar", bits=2, group_size=D, sink=4, recent=8, page_size=4),
                         transforms=tp.head_transforms(rots), layout="rows")
     model_like = type("M", (), {"config": type("C", (), dict(num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                                                              num_key_value_heads=HKV, head_dim=D))()})()

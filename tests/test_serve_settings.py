@@ -8,14 +8,8 @@ import sys
 
 import pytest
 
-from oscar.serve.settings import (
-    OscarServeError,
-    ServeSettings,
-    bytes_per_token,
-    check_architecture,
-    validate,
-    window_bytes_per_request,
-)
+from oscar.cache.formats import RotatedFormat
+from oscar.serve.settings import OscarServeError, ServeSettings, check_architecture, validate
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +18,7 @@ def tiny(tmp_path_factory):
 
     from oscar.core.artifact import config_hash_of, model_config_fields, save_artifact
     from oscar.config import compose
-    from oscar.core.methods import in_code_artifact
+    from oscar.models.methods import in_code_artifact
     from oscar.models.tiny import save_random_model
 
     root = tmp_path_factory.mktemp("serve_settings")
@@ -39,13 +33,14 @@ def tiny(tmp_path_factory):
 
 def test_from_env_defaults_and_errors():
     s = ServeSettings.from_env({"OSCAR_ARTIFACT": "/a"})
-    assert (s.sink, s.recent, s.bits, s.group_size, s.kernels) == (64, 256, None, None, None)
+    assert (s.sink, s.recent, s.kernels) == (None, None, None)  # windows: the artifact's format
     assert s.kernel_backend("cpu") == "torch" and s.kernel_backend("cuda") == "triton"
     with pytest.raises(OscarServeError, match="needs OSCAR_ARTIFACT"):
         ServeSettings.from_env({})
     for env, msg in (({"OSCAR_SINK": "x"}, "OSCAR_SINK='x' is not an integer"),
                      ({"OSCAR_RECENT": "0"}, "OSCAR_RECENT=0 must be >= 1"),
-                     ({"OSCAR_BITS": "3"}, "valid values are 2 and 4"),
+                     ({"OSCAR_BITS": "4"}, "OSCAR_BITS are no longer read: the artifact's meta.json fixes"),
+                     ({"OSCAR_GROUP_SIZE": "32"}, "OSCAR_GROUP_SIZE are no longer read"),
                      ({"OSCAR_KERNELS": "cuda"}, "choose 'torch' or 'triton'")):
         with pytest.raises(OscarServeError, match=msg):
             ServeSettings.from_env({"OSCAR_ARTIFACT": "/a", **env})
@@ -53,8 +48,11 @@ def test_from_env_defaults_and_errors():
 
 def test_validate_loads_matching_artifact(tiny):
     hf, art = tiny
-    rotations, bits, group = validate(ServeSettings.from_env({"OSCAR_ARTIFACT": str(art)}), hf)
-    assert (len(rotations), bits, group) == (hf.num_hidden_layers, 2, 64)
+    rotations, fmt = validate(ServeSettings.from_env({"OSCAR_ARTIFACT": str(art)}), hf)
+    assert (len(rotations), fmt.kind, fmt.bits, fmt.group_size) == (hf.num_hidden_layers, "rotated", 2, 64)
+    assert (fmt.sink, fmt.recent) == (64, 256)  # the quarot method's windows, recorded at calibration
+    _, moved = validate(ServeSettings.from_env({"OSCAR_ARTIFACT": str(art), "OSCAR_SINK": "16", "OSCAR_RECENT": "32"}), hf)
+    assert (moved.sink, moved.recent, moved.bits) == (16, 32, 2)  # serve-time windows over the artifact's format
     assert tuple(rotations[0].r_k.shape) == (hf.num_key_value_heads, hf.head_dim, hf.head_dim)
 
 
@@ -67,10 +65,6 @@ def test_validate_refuses_bad_artifacts(tiny, tmp_path):
     (broken / "rotations.safetensors").write_bytes(b"garbage")
     with pytest.raises(OscarServeError, match="do not belong together"):
         validate(ServeSettings(artifact=broken), hf)
-    with pytest.raises(OscarServeError, match="bits"):
-        validate(ServeSettings(artifact=art, bits=4), hf)
-    with pytest.raises(OscarServeError, match="group_size"):
-        validate(ServeSettings(artifact=art, group_size=32), hf)
     other = type(hf).from_dict({**hf.to_dict(), "num_hidden_layers": 3})
     with pytest.raises(OscarServeError, match="config_hash"):
         validate(ServeSettings(artifact=art), other)
@@ -95,12 +89,14 @@ def test_check_architecture_refuses(tiny, change, msg):
 
 def test_bytes_accounting():
     # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, INT2 with one group per row
-    assert bytes_per_token(30, 3, 64, 2, 64) == 2 * 30 * 3 * (16 + 4)
-    assert 2 * 30 * 3 * 64 * 2 / bytes_per_token(30, 3, 64, 2, 64) == pytest.approx(6.4)
+    smol = RotatedFormat(bits=2, group_size=64, sink=64, recent=256)
+    assert smol.bytes_per_token(30, 3, 64) == 2 * 30 * 3 * (16 + 4)
+    assert 2 * 30 * 3 * 64 * 2 / smol.bytes_per_token(30, 3, 64) == pytest.approx(6.4)
     # head_dim 128 at group 128 (Qwen3 geometry): 32 code bytes + 4 bytes scale/zero per row, 7.1x under BF16
-    assert bytes_per_token(1, 1, 128, 2, 128) == 2 * (32 + 4)
-    assert 2 * 128 * 2 / bytes_per_token(1, 1, 128, 2, 128) == pytest.approx(512 / 72)
-    assert window_bytes_per_request(30, 3, 64, 64, 256) == 2 * 30 * 3 * 320 * 64 * 2
+    qwen = RotatedFormat(bits=2, group_size=128, recent=1)
+    assert qwen.bytes_per_token(1, 1, 128) == 2 * (32 + 4)
+    assert 2 * 128 * 2 / qwen.bytes_per_token(1, 1, 128) == pytest.approx(512 / 72)
+    assert smol.window_bytes(30, 3, 64) == 2 * 30 * 3 * 320 * 64 * 2
 
 
 def test_default_environment_does_not_import_sglang():

@@ -79,7 +79,7 @@ class TimedCache:
     format: CacheFormat
     transforms: Optional[list[tuple[paged.HeadTransform, paged.HeadTransform]]] = None
     note: str = ""
-    layout: str = "auto"  # page layout of a paged format: auto | rows | mma (oscar.cache.device_cache.resolve_layout)
+    layout: str = "auto"  # page layout of a paged format: auto | rows | mma (RotatedFormat.resolve_layout)
 
     name = property(lambda self: self.format.name)
     bits = property(lambda self: self.format.bits)
@@ -106,7 +106,7 @@ def timing_rotations(method_cfg: Any, model: Any, seed: int = 0) -> tuple[list[A
     ratios. Returns the rotations and a note saying which."""
     from oscar.cache.torch_cache import LayerRotations
     from oscar.models.engine import rotations_in_code
-    from oscar.core.methods import needs_statistics
+    from oscar.models.methods import needs_statistics
     from oscar.core.rotation import random_orthogonal
 
     if not needs_statistics(method_cfg):
@@ -126,13 +126,11 @@ def timing_rotations(method_cfg: Any, model: Any, seed: int = 0) -> tuple[list[A
 
 
 def timed_cache(method_cfg: Any, model: Any, seed: int = 0) -> TimedCache:
-    """The `TimedCache` of a method (``kind`` bf16 or rotated) on ``model``."""
+    """The `TimedCache` of a method whose format the device cache serves, on ``model``."""
     fmt = CacheFormat.from_method(method_cfg, geometry(model)[3])
-    if fmt.kind == "bf16":
+    fmt.check_served("device")
+    if not fmt.quantized:
         return TimedCache(fmt, note="static BF16 cache, torch SDPA")
-    if fmt.kind != "rotated":
-        raise ValueError(f"method {method_cfg.name!r} of kind {method_cfg.kind!r} has no device cache; "
-                         "valid kinds: bf16, rotated")
     rots, note = timing_rotations(method_cfg, model, seed)
     return TimedCache(fmt, transforms=head_transforms(rots), note=note)
 
@@ -142,14 +140,12 @@ def new_device_cache(fmt: TimedCache, model: Any, batch: int, context: int, *, e
                      shuffle_pages: bool = False) -> dc.DeviceCache:
     """A device cache of ``fmt`` with room for ``context + extra_steps`` tokens per sequence."""
     layers, _, hkv, d = geometry(model)
-    if not fmt.format.quantized or fmt.transforms is None:
-        return dc.StaticBF16Cache(num_layers=layers, batch=batch, num_kv_heads=hkv, head_dim=d,
-                                  capacity=context + extra_steps + 1, dtype=dtype, device=device)
-    quant_cap = dc.oscar_quant_capacity(context, fmt.sink, fmt.recent, fmt.page_size, extra_steps)
-    return dc.DeviceOscarCache(num_layers=layers, batch=batch, num_kv_heads=hkv, head_dim=d, bits=fmt.bits,
-                               group_size=fmt.group_size, sink=fmt.sink, recent=fmt.recent, page_size=fmt.page_size,
-                               quant_capacity=quant_cap, transforms=fmt.transforms, dtype=dtype, device=device,
-                               backend=backend, shuffle_pages=shuffle_pages, layout=fmt.layout)
+    geo = dict(num_layers=layers, batch=batch, num_kv_heads=hkv, head_dim=d, context=context, extra_steps=extra_steps,
+               dtype=dtype, device=device)
+    if not fmt.format.paged:
+        return fmt.format.device_cache(**geo)
+    return fmt.format.device_cache(**geo, transforms=fmt.transforms, backend=backend, shuffle_pages=shuffle_pages,
+                                   layout=fmt.layout)
 
 
 def kernel_label(cache: dc.DeviceCache) -> str:
@@ -251,10 +247,11 @@ def kernels_against_twins(model: Any, prompt: torch.Tensor, fmt: TimedCache, dev
             lens = {"sink_len": torch.full((B,), min(L, fmt.sink), dtype=torch.int32, device=device),
                     "recent_len": torch.full((B,), min(max(L - fmt.sink, 0), fmt.recent), dtype=torch.int32, device=device)}
             kt, vt = tr.transforms[layer]
-            outs = [paged.decode_attention(q, tr.k_pages[layer], tr.v_pages[layer], tr.page_table,
-                                           torch.full((B,), nq, dtype=torch.int32, device=device), kt, vt,
-                                           sink_k=tr.sink_k[layer], sink_v=tr.sink_v[layer], recent_k=tr.recent_k[layer],
-                                           recent_v=tr.recent_v[layer], sm_scale=d ** -0.5, backend=backend, **lens).float()
+            segments = paged.Segments(tr.page_table, torch.full((B,), nq, dtype=torch.int32, device=device),
+                                      sink_k=tr.sink_k[layer], sink_v=tr.sink_v[layer], recent_k=tr.recent_k[layer],
+                                      recent_v=tr.recent_v[layer], **lens)
+            outs = [paged.decode_attention(q, tr.k_pages[layer], tr.v_pages[layer], segments, kt, vt, sm_scale=d ** -0.5,
+                                           backend=backend).float()
                     for backend in ("triton", "torch")]
             rel = (outs[0] - outs[1]).norm(dim=-1) / outs[1].norm(dim=-1).clamp_min(1e-12)
             attn_rel = max(attn_rel, float(rel.max()))

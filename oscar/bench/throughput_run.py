@@ -627,12 +627,11 @@ def run(cfg: Any, s: Settings, out: Path) -> None:
 
 def _layout_of(fmt: Any, model: Any, machine: Machine) -> str:
     """The page layout a paged format gets on this machine (``-`` for BF16)."""
-    from oscar.cache import device_cache as dc
     from oscar.bench import throughput as tp
 
     if fmt.transforms is None:
         return "-"
-    return dc.resolve_layout(fmt.layout, fmt.bits, fmt.group_size, tp.geometry(model)[3], fmt.page_size, machine.device)
+    return fmt.format.resolve_layout(fmt.layout, tp.geometry(model)[3], machine.device)
 
 
 def _device_memory(machine: Machine) -> float:

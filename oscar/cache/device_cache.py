@@ -36,7 +36,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oscar.cache import paged
-from oscar.core import quant
+from oscar.cache.formats import BF16Format
 from oscar.cache.attention import plain_causal_attention, set_pending, take_pending
 
 ATTN_IMPLEMENTATION = "oscar_device"
@@ -181,8 +181,10 @@ class StaticBF16Cache(DeviceCache):
     """BF16 (model dtype) K/V ``[B, Hkv, capacity, d]`` per layer; decode attention with torch SDPA."""
 
     def __init__(self, *, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype = torch.bfloat16, device: Any = "cpu") -> None:
+                 dtype: torch.dtype = torch.bfloat16, device: Any = "cpu", fmt: Optional[BF16Format] = None) -> None:
         super().__init__(num_layers, batch, capacity, device)
+        self.format = fmt if fmt is not None else BF16Format(name="bf16")
+        self.format.check_served("device")
         shape = (batch, num_kv_heads, capacity, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
@@ -227,31 +229,6 @@ class StaticBF16Cache(DeviceCache):
 # paged OSCAR
 
 
-LAYOUTS = ("auto", "rows", "mma")
-
-
-def mma_supported(bits: int, group_size: int, head_dim: int, page_size: int) -> bool:
-    """Whether the fragment-order (mma) page layout covers this format (`oscar.core.quant.check_mma_layout`)."""
-    try:
-        quant.check_mma_layout(bits, group_size, head_dim, page_size)
-    except ValueError:
-        return False
-    return True
-
-
-def resolve_layout(layout: str, bits: int, group_size: int, head_dim: int, page_size: int,
-                   device: torch.device) -> str:
-    """``"rows"`` or ``"mma"`` for a requested ``layout`` (``auto``: mma on CUDA where the format allows it).
-    An explicit ``"mma"`` for a format it does not cover is refused with the reason."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not valid; choose one of {', '.join(LAYOUTS)}")
-    if layout == "auto":
-        return "mma" if device.type == "cuda" and mma_supported(bits, group_size, head_dim, page_size) else "rows"
-    if layout == "mma":
-        quant.check_mma_layout(bits, group_size, head_dim, page_size)
-    return layout
-
-
 class DeviceOscarCache(DeviceCache):
     """BF16 sink + packed INT pages (`oscar.cache.paged`) + BF16 recent ring, all indices on the device.
 
@@ -260,29 +237,32 @@ class DeviceOscarCache(DeviceCache):
     gets ``ceil(quant_capacity / page_size)`` pages per sequence (``shuffle_pages``: a seeded
     permutation of the pool instead of consecutive pages, for tests of the indirection).
 
-    ``layout``: ``"mma"`` stores K/V pages in the fragment-order layouts ``mma_k``/``mma_v`` of `oscar.core.quant`
-    (demotion through the Triton writer that stores that layout, attention through the v9/v10 CUDA kernel
-    `oscar.kernels.decode_mma`; INT2 or INT4 with one group per row, head_dim 64/128, pages of 16k tokens);
-    ``"rows"`` the token-row layout (v8 Triton kernel; any format); ``"auto"`` (default) resolves to
-    ``"mma"`` on a CUDA device where the format allows it, else ``"rows"`` (`resolve_layout`). The torch
-    backend reads and writes both layouts (the twin of either path).
+    ``fmt`` is the paged cache format (`oscar.cache.formats`, ``fmt.paged``): its windows, bits, group and page
+    size, and how its rows are written (``fmt.write``) and read (``fmt.attend``). ``layout``: ``"mma"`` stores
+    K/V pages in the fragment-order layouts ``mma_k``/``mma_v`` of `oscar.core.quant` (demotion through the
+    Triton writer that stores that layout, attention through the v9/v10 CUDA kernel `oscar.kernels.decode_mma`;
+    INT2 or INT4 with one group per row, head_dim 64/128, pages of 16k tokens); ``"rows"`` the token-row layout
+    (v8 Triton kernel; any format); ``"auto"`` (default) resolves to ``"mma"`` on a CUDA device where the format
+    allows it, else ``"rows"`` (``fmt.resolve_layout``). The torch backend reads and writes both layouts (the
+    twin of either path).
     """
 
-    def __init__(self, *, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, bits: int, group_size: int,
-                 sink: int, recent: int, page_size: int, quant_capacity: int,
+    def __init__(self, fmt: Any, *, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, quant_capacity: int,
                  transforms: Sequence[tuple[paged.HeadTransform, paged.HeadTransform]],
                  dtype: torch.dtype = torch.bfloat16, device: Any = "cpu", backend: str = "triton",
-                 shuffle_pages: bool = False, kernel_options: Optional[dict] = None, layout: str = "auto") -> None:
+                 shuffle_pages: bool = False, launch: Any = None, layout: str = "auto") -> None:
+        fmt.check_served("device")
+        self.format = fmt
+        sink, recent, page_size = fmt.sink, fmt.recent, fmt.page_size
         if sink < 1 or recent < 1:
             raise ValueError(f"sink={sink} and recent={recent} must be at least 1 on the device cache")
         if len(transforms) != num_layers:
             raise ValueError(f"{len(transforms)} layer transforms for {num_layers} layers")
         super().__init__(num_layers, batch, sink + recent + quant_capacity, device)
         self.sink, self.recent, self.page_size, self.backend = sink, recent, page_size, backend
-        self.hkv, self.d, self.bits, self.group_size = num_kv_heads, head_dim, bits, group_size
-        self.kernel_options = kernel_options
-        self.layout = resolve_layout(layout, bits, group_size, head_dim, page_size, torch.device(device))
-        k_layout, v_layout = ("rows", "rows") if self.layout == "rows" else ("mma_k", "mma_v")
+        self.hkv, self.d, self.bits, self.group_size = num_kv_heads, head_dim, fmt.bits, fmt.group_size
+        self.launch = launch  # oscar.kernels.launch.RowsLaunch / MmaLaunch for the layout's kernel (None: its default)
+        self.layout = fmt.resolve_layout(layout, head_dim, device)
         pages_per_seq = max(1, -(-quant_capacity // page_size))
         num_pages = batch * pages_per_seq + 1  # the last page takes the writes of non-demoting sequences
         self.trash_slot = (num_pages - 1) * page_size
@@ -291,10 +271,9 @@ class DeviceOscarCache(DeviceCache):
             order = order[torch.randperm(order.numel(), generator=torch.Generator().manual_seed(0))]
         self.page_table = order.reshape(batch, pages_per_seq).to(self.device)
         self.transforms = [(self._on_device(kt), self._on_device(vt)) for kt, vt in transforms]
-        self.k_pages = [paged.QuantPages.empty(num_pages, num_kv_heads, page_size, head_dim, bits, group_size, self.device,
-                                               k_layout) for _ in range(num_layers)]
-        self.v_pages = [paged.QuantPages.empty(num_pages, num_kv_heads, page_size, head_dim, bits, group_size, self.device,
-                                               v_layout) for _ in range(num_layers)]
+        pairs = [fmt.new_pages(num_pages, num_kv_heads, head_dim, self.device, self.layout) for _ in range(num_layers)]
+        self.k_pages = [k for k, _ in pairs]
+        self.v_pages = [v for _, v in pairs]
         # BF16 rows of a layer in one buffer [2 (K, V), B, Hkv, S0 + W, d]: sink and ring are views, so a
         # step writes its new token (sink or ring slot) with one indexed store per tensor
         self.bf16 = [torch.zeros(2, batch, num_kv_heads, sink + recent, head_dim, dtype=dtype, device=self.device)
@@ -345,9 +324,8 @@ class DeviceOscarCache(DeviceCache):
             slots = self._slots(qpos).reshape(-1)
             rows_k = k[:, :, S0:S0 + nq].transpose(1, 2).reshape(B * nq, self.hkv, self.d).contiguous()
             rows_v = v[:, :, S0:S0 + nq].transpose(1, 2).reshape(B * nq, self.hkv, self.d).contiguous()
-            kt, vt = self.transforms[layer]
-            paged.rotate_quantize_pack_kv(rows_k, rows_v, slots, self.k_pages[layer], self.v_pages[layer], kt, vt,
-                                          backend=self.backend, positions=S0 + qpos.reshape(-1))
+            self.format.write(rows_k, rows_v, slots, (self.k_pages[layer], self.v_pages[layer]), self.transforms[layer],
+                              backend=self.backend, positions=S0 + qpos.reshape(-1))
         start = max(S0, L - W)
         if L > start:
             ring = (torch.arange(start, L, device=self.device) - S0) % W
@@ -396,18 +374,19 @@ class DeviceOscarCache(DeviceCache):
         rk, rv = self.recent_k[layer], self.recent_v[layer]
         sk, sv = self.sink_k[layer], self.sink_v[layer]
         # 1. demote the ring's oldest row (where the ring is full) before the new token takes its slot
-        paged.rotate_quantize_pack_kv(rk, rv, st["demote_slot"], self.k_pages[layer], self.v_pages[layer], kt, vt,
-                                      src_index=st["ring_idx"], backend=self.backend, positions=st["demote_pos"])
+        pages = (self.k_pages[layer], self.v_pages[layer])
+        self.format.write(rk, rv, st["demote_slot"], pages, (kt, vt), src_index=st["ring_idx"], backend=self.backend,
+                          positions=st["demote_pos"])
         # 2. write the new token into its sink or ring slot
         buf = self.bf16[layer]
         buf[0, self._rows, :, st["write_idx"]] = key[:, :, 0].to(buf.dtype)
         buf[1, self._rows, :, st["write_idx"]] = value[:, :, 0].to(buf.dtype)
         # 3. attend over the three segments
-        out = paged.decode_attention(
-            query[:, :, 0], self.k_pages[layer], self.v_pages[layer], self.page_table, st["int_len"], kt, vt,
-            sink_k=sk, sink_v=sv, sink_len=st["sink_len"], recent_k=rk, recent_v=rv, recent_len=st["recent_len"],
-            sm_scale=scale, output_frame="original", backend=self.backend, kernel_options=self.kernel_options,
-            int_pos0=self.sink if kt.rope_centered else None)
+        segments = paged.Segments(self.page_table, st["int_len"], sink_k=sk, sink_v=sv, sink_len=st["sink_len"],
+                                  recent_k=rk, recent_v=rv, recent_len=st["recent_len"],
+                                  int_pos0=self.sink if kt.rope_centered else None)
+        out = self.format.attend(query[:, :, 0], pages, segments, (kt, vt), sm_scale=scale, output_frame="original",
+                                 backend=self.backend, launch=self.launch)
         return out[:, :, None, :]
 
 
@@ -559,18 +538,15 @@ __all__ = [
     "DeviceCache",
     "DeviceOscarCache",
     "GraphedDecoder",
-    "LAYOUTS",
     "StaticBF16Cache",
     "decode_step",
     "device_attention_forward",
     "enable",
     "import_prefill",
     "kv_elements",
-    "mma_supported",
     "oscar_quant_capacity",
     "prefill",
     "register",
-    "resolve_layout",
     "sample",
     "warm_up",
 ]

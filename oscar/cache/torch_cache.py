@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from oscar.cache.formats import CacheFormat, format_class, format_for
 from oscar.core import quant
 from oscar.cache.attention import (
     group_queries,
@@ -34,8 +35,6 @@ from oscar.cache.attention import (
     ungroup,
 )
 
-CACHE_KINDS = ("bf16", "rotated", "kivi", "turboquant")
-SIMULATED_KINDS = ("kivi", "turboquant")
 MODES = ("serving", "decode_equivalent")
 
 
@@ -138,9 +137,12 @@ class LayerRotations:
 
 @dataclass
 class CacheSpec:
-    """What a method asks of the cache: segment sizes, format, per-layer rotations, attention mode."""
+    """What a method asks of the torch cache: its storage format (`oscar.cache.formats`), per-layer rotations
+    and the run-time choices (attention mode, kernels, value fold). Give ``format`` or build one from
+    ``kind`` and the format fields (``bits``, ``group_size``, ``sink``, ``recent``, ``page_size``, ``seed``);
+    those fields then read the format's values."""
 
-    kind: str = "rotated"  # bf16 | rotated
+    kind: str = "rotated"  # a registered format kind (oscar.cache.formats.KINDS)
     bits: int = 2
     group_size: int = 64  # effective group size (divides head_dim)
     sink: int = 64
@@ -153,25 +155,22 @@ class CacheSpec:
     mode: str = "serving"  # serving | decode_equivalent
     store_dtype: torch.dtype = torch.bfloat16
     seed: int = 0  # turboquant: seeds of the per-(layer, head) random rotations
+    format: Optional[CacheFormat] = None
 
     def __post_init__(self) -> None:
-        if self.kind not in CACHE_KINDS:
-            raise ValueError(f"cache kind {self.kind!r} is not supported; valid kinds are {CACHE_KINDS}")
+        if self.format is None:
+            self.format = format_for(self.kind, bits=self.bits, group_size=self.group_size, sink=self.sink,
+                                     recent=self.recent, page_size=self.page_size, seed=self.seed)
+        fmt = self.format
+        self.kind, self.bits, self.group_size = fmt.kind, fmt.bits, fmt.group_size
+        self.sink, self.recent, self.page_size, self.seed = fmt.sink, fmt.recent, fmt.page_size, fmt.seed
+        fmt.check_served("torch")
         if self.mode not in MODES:
             raise ValueError(f"attention mode {self.mode!r} is not valid; valid modes are {MODES}")
-        if self.sink < 0 or self.recent < 0:
-            raise ValueError(f"sink={self.sink} and recent={self.recent} must be non-negative")
-        if self.kind in ("rotated", "kivi", "turboquant"):
-            if self.recent < 1 and self.kind != "kivi":
-                raise ValueError(f"recent={self.recent}: the rotated cache needs a recent window of at least 1 token")
-            if self.page_size < 1 or self.page_size & (self.page_size - 1):
-                raise ValueError(f"page_size={self.page_size} must be a power of two")
-            if self.bits not in quant.SUPPORTED_BITS:
-                raise ValueError(f"bits={self.bits} is not supported; valid values are {quant.SUPPORTED_BITS}")
         if self.backend not in ("torch", "triton"):
             raise ValueError(f"backend={self.backend!r} is not valid; choose 'torch' or 'triton'")
-        if self.fold_values and self.kind != "rotated":
-            raise ValueError("fold_values needs a rotated cache (the bf16 cache has no value rotation)")
+        if self.fold_values and not fmt.rotated:
+            raise ValueError(f"fold_values needs a rotated cache format (the {fmt.kind} format has no value rotation)")
 
 
 class PagedRows:
@@ -374,13 +373,13 @@ class OscarLayer(CacheLayerMixin):
         dt = sp.store_dtype
         self.sink_k = torch.zeros(b, hkv, sp.sink, d, dtype=dt, device=self.device)
         self.sink_v = torch.zeros_like(self.sink_k)
-        k_block = self.rot.k_block if sp.kind == "rotated" and self.rot is not None else 0
-        cap = sp.recent + max(k_block - 1, 0) if sp.kind == "rotated" else 64  # per-channel keys demote whole blocks
+        k_block = self.rot.k_block if sp.format.paged and self.rot is not None else 0
+        cap = sp.recent + max(k_block - 1, 0) if sp.format.paged else 64  # per-channel keys demote whole blocks
         self.recent_k = torch.zeros(b, hkv, cap, d, dtype=dt, device=self.device)
         self.recent_v = torch.zeros_like(self.recent_k)
         self.sink_len = [0] * b
         self.recent_len = [0] * b
-        if sp.kind == "rotated":
+        if sp.format.paged:
             if self.rot is None:
                 raise ValueError(f"layer {self.layer_idx}: the rotated cache needs LayerRotations")
             quant.check_format(sp.bits, sp.group_size, d)
@@ -469,7 +468,7 @@ class OscarLayer(CacheLayerMixin):
         """Append the sequences of `other` (a layer of the same kind and spec, filled separately, e.g. the
         prefill of new requests) after this layer's. Slot counts (`seen`, padding included) become the
         larger of the two: the attention reads only each row's own stored tokens and its new chunk."""
-        fields = ("kind", "bits", "group_size", "sink", "recent", "page_size", "mode", "fold_values", "backend")
+        fields = ("format", "mode", "fold_values", "backend")
         if type(other) is not type(self) or any(getattr(other.spec, f) != getattr(self.spec, f) for f in fields):
             raise ValueError(f"layer {self.layer_idx}: cannot merge a {type(other).__name__} into a {type(self).__name__} "
                              f"with other settings ({', '.join(fields)} must agree)")
@@ -491,13 +490,13 @@ class OscarLayer(CacheLayerMixin):
 
     def _stores(self) -> list["PagedRows"]:
         """The INT page stores of this layer (none for BF16 and simulated kinds)."""
-        return [self.k_store, self.v_store] if self.spec.kind == "rotated" and self.is_initialized else []
+        return [self.k_store, self.v_store] if self.spec.format.paged and self.is_initialized else []
 
     # -- state -----------------------------------------------------------------------------------
 
     def int_lengths(self) -> list[int]:
         """Quantized tokens per sequence."""
-        if self.spec.kind != "rotated" or not self.is_initialized:
+        if not self.spec.format.paged or not self.is_initialized:
             return [0] * getattr(self, "batch", 0)
         return list(self.k_store.lengths)
 
@@ -513,7 +512,7 @@ class OscarLayer(CacheLayerMixin):
         rows = range(self.batch) if rows is None else rows
         row = self.hkv * self.d * self.sink_k.element_size() * 2
         total = row * sum(self.sink_len[b] + self.recent_len[b] for b in rows)
-        if self.spec.kind == "rotated":
+        if self.spec.format.paged:
             total += self.k_store.nbytes(rows) + self.v_store.nbytes(rows)
         return total
 
@@ -571,7 +570,7 @@ class OscarLayer(CacheLayerMixin):
         (at least the sink), rounded down to whole blocks past the sink for per-channel keys."""
         sp = self.spec
         past = (t + 1 - sp.sink - sp.recent).clamp(min=0)
-        block = self.rot.k_block if sp.kind == "rotated" and self.rot is not None else 0
+        block = self.rot.k_block if sp.format.paged and self.rot is not None else 0
         if block:
             past = torch.div(past, block, rounding_mode="floor") * block
         return sp.sink + past
@@ -608,15 +607,15 @@ class OscarLayer(CacheLayerMixin):
         old = self.lengths()
         sp = self.spec
         needs_quant = any(i > 0 for i in self.int_lengths())
-        if decode_eq and sp.kind == "rotated":
+        if decode_eq and sp.format.paged:
             needs_quant = needs_quant or any(o + c > sp.sink + sp.recent for o, c in zip(old, counts))
         uniform = valid is None and len(set(self.sink_len)) == 1 and len(set(self.recent_len)) == 1
         if not needs_quant and uniform:
             out = self._attend_bf16_contiguous(module, query, kb, vb, scale)
-        elif n == 1 and sp.kind == "rotated" and (sp.backend == "triton" or sp.paged_decode):
+        elif n == 1 and sp.format.paged and (sp.backend == "triton" or sp.paged_decode):
             self._write(kb, vb, valid)
             return self._attend_paged(query, scale)
-        elif n == 1 and sp.kind == "rotated" and (valid is None or bool(valid.all())):
+        elif n == 1 and sp.format.paged and (valid is None or bool(valid.all())):
             self._write(kb, vb, None)  # the decode step's view is the stored state once the token is in
             return self._attend_stored(query, scale)
         elif n == 1:
@@ -687,12 +686,12 @@ class OscarLayer(CacheLayerMixin):
         v_bf = torch.cat([self.sink_v, self.recent_v, vb], dim=2).to(self.cdt)
         pos_bf = torch.cat([sink_pos, rec_pos, chunk_pos], dim=1)[:, None, :]  # [B, 1, L]
         vis_bf = q_ok & (pos_bf >= 0) & (pos_bf <= t)
-        if decode_eq and sp.kind == "rotated":
+        if decode_eq and sp.format.paged:
             vis_bf = vis_bf & ((pos_bf < sp.sink) | (pos_bf >= self._int_end(t)))
         o_bf, lse_bf = segment_attention(qg, k_bf, v_bf, vis_bf[:, None, None], scale)
 
         int_parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        if sp.kind == "rotated":
+        if sp.format.paged:
             rot = self.rot
             assert rot is not None
             if any(i > 0 for i in self.int_lengths()):
@@ -788,25 +787,20 @@ class OscarLayer(CacheLayerMixin):
         sp = self.spec
         kt, vt = self._head_transforms()
         ks = self.k_store
-        out = paged.decode_attention(
-            query[:, :, 0],
-            ks.quant_pages(),
-            self.v_store.quant_pages(),
+        segments = paged.Segments(
             ks.page_table(),
             torch.tensor(ks.lengths, dtype=torch.int32, device=self.device),
-            kt,
-            vt,
             sink_k=self.sink_k,
             sink_v=self.sink_v,
             sink_len=torch.tensor(self.sink_len, dtype=torch.int32, device=self.device),
             recent_k=self.recent_k,
             recent_v=self.recent_v,
             recent_len=torch.tensor(self.recent_len, dtype=torch.int32, device=self.device),
-            sm_scale=scale,
-            output_frame="rotated" if sp.fold_values else "original",
-            backend=sp.backend,
             int_pos0=sp.sink,  # INT row j of a sequence is token sink + j
         )
+        out = paged.decode_attention(query[:, :, 0], ks.quant_pages(), self.v_store.quant_pages(), segments, kt, vt,
+                                     sm_scale=scale, output_frame="rotated" if sp.fold_values else "original",
+                                     backend=sp.backend)
         return out[:, :, None, :]
 
     def _unrotate(self, rows_rot: torch.Tensor, which: str, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -850,7 +844,7 @@ class OscarLayer(CacheLayerMixin):
         vals = [self.sink_v.to(self.cdt), self.recent_v.to(self.cdt), vb.to(self.cdt)]
         pos = [sink_pos, rec_pos, chunk_pos]
         is_q = [False, False, False]
-        if sp.kind == "rotated":
+        if sp.format.paged:
             if any(i > 0 for i in self.int_lengths()):
                 k_rot, svalid = self.k_store.gather_dequantized()
                 v_rot, _ = self.v_store.gather_dequantized()
@@ -874,7 +868,7 @@ class OscarLayer(CacheLayerMixin):
         for start in range(0, n, block):
             t = chunk_pos[:, start : start + block, None]  # [B, nb, 1]
             vis = (p_all >= 0) & (p_all <= t) & (t >= 0)
-            if decode_eq and sp.kind == "rotated":
+            if decode_eq and sp.format.paged:
                 in_window = (p_all < sp.sink) | (p_all >= self._int_end(t))
                 vis = vis & torch.where(q_flag[None, None, :], ~in_window, in_window)
             cols = vis.any(dim=1).any(dim=0).nonzero().flatten()
@@ -926,7 +920,7 @@ class OscarLayer(CacheLayerMixin):
             if k.shape[1] == 0:
                 continue
             r = self.recent_len[b]
-            if sp.kind == "bf16":
+            if not sp.format.quantized:
                 self._ensure_recent_capacity(r + k.shape[1])
                 self.recent_k[b, :, r : r + k.shape[1]] = k
                 self.recent_v[b, :, r : r + k.shape[1]] = v
@@ -956,7 +950,7 @@ class OscarLayer(CacheLayerMixin):
         its oldest recent token and takes the new one, all in one quantizer call and one page write per
         tensor (the same per-token quantizer as one row at a time). Returns the sequences done here."""
         sp = self.spec
-        if sp.kind != "rotated" or sp.backend != "torch" or self.rot is None or self.rot.k_block or sp.recent < 1:
+        if not sp.format.paged or sp.backend != "torch" or self.rot is None or self.rot.k_block or sp.recent < 1:
             return set()
         full = [b for b in range(self.batch) if self.sink_len[b] == sp.sink and self.recent_len[b] == sp.recent]
         if len(full) < 2:
@@ -1034,12 +1028,7 @@ class SimulatedLayer(OscarLayer):
         self.fake_len = [0] * b
         self.sink_len = [0] * b
         self.recent_len = [0] * b
-        if self.spec.kind == "turboquant":
-            from oscar.core.baselines import TurboQuantizer
-
-            base = int(self.spec.seed) * 1_000_003 + self.layer_idx * hkv * 2
-            self.tq_k = [TurboQuantizer(d, self.spec.bits, seed=base + 2 * h) for h in range(hkv)]
-            self.tq_v = [TurboQuantizer(d, self.spec.bits, seed=base + 2 * h + 1) for h in range(hkv)]
+        self.quantizers = self.spec.format.quantizers(self.layer_idx, hkv, d)
         self.keys = self.values = None
         self.is_initialized = True
 
@@ -1066,41 +1055,17 @@ class SimulatedLayer(OscarLayer):
         return int(round(bits_total / 8))
 
     def expected_bits(self, n: int) -> float:
-        """Accounting bits per element for one sequence of `n` tokens."""
-        sp = self.spec
-        if sp.kind == "turboquant":
-            from oscar.core.baselines import turboquant_bits_per_element
-
-            n_q = max(0, n - sp.sink - sp.recent)
-            return (n_q * turboquant_bits_per_element(self.d, sp.bits) + (n - n_q) * 16) / n
-        from oscar.core.baselines import kivi_split
-
-        n_k, n_v = kivi_split(n, sp.group_size, sp.recent)
-        g = sp.group_size
-        k_bits = n_k * self.d * sp.bits + (n_k // g) * self.d * 2 * 16 + (n - n_k) * self.d * 16
-        v_bits = n_v * self.d * sp.bits + n_v * (self.d // min(g, self.d)) * 2 * 16 + (n - n_v) * self.d * 16
-        return (k_bits + v_bits) / (2 * n * self.d)
+        """Accounting bits per element for one sequence of `n` tokens (the format's)."""
+        return self.spec.format.expected_bits(n, self.d)
 
     def _bounds(self, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(key end, value end, start) of the quantized range for sequences of `total` tokens."""
-        sp = self.spec
-        if sp.kind == "turboquant":
-            end = (total - sp.recent).clamp(min=sp.sink)
-            return end, end, sp.sink
-        v_end = (total - sp.recent).clamp(min=0)
-        return torch.div(v_end, sp.group_size, rounding_mode="floor") * sp.group_size, v_end, 0
+        return self.spec.format.bounds(total)
 
     def _fake(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize-dequantize images of history rows `[B, Hkv, L, d]` (KIVI keys: whole blocks only)."""
-        sp = self.spec
-        if sp.kind == "turboquant":
-            kq = torch.stack([self.tq_k[h].fake_quantize(k[:, h].float()) for h in range(self.hkv)], dim=1)
-            vq = torch.stack([self.tq_v[h].fake_quantize(v[:, h].float()) for h in range(self.hkv)], dim=1)
-            return kq, vq
-        from oscar.core.baselines import kivi_fake_quantize
-
-        kq, vq = kivi_fake_quantize(k.float(), v.float(), sp.bits, sp.group_size, residual=0)
-        return kq, vq  # keys of an incomplete last block stay full precision (never visible as quantized)
+        """Quantize-dequantize images of history rows `[B, Hkv, L, d]` (KIVI keys: whole blocks only; keys of an
+        incomplete last block stay full precision, never visible as quantized)."""
+        return self.spec.format.fake(k, v, self.quantizers)
 
     def attend_and_write(
         self,
@@ -1163,7 +1128,6 @@ class SimulatedLayer(OscarLayer):
         token (KIVI keys: of their whole block), so they are kept: a decode step (one new token per
         sequence) computes only the new tokens' images (and a KIVI key block when it completes); anything
         else recomputes the whole history."""
-        sp = self.spec
         new = [b for b in range(self.batch) if self.fake_len[b] < self.hist_len[b]]
         if any(self.hist_len[b] - self.fake_len[b] != 1 for b in new):
             kq, vq = self._fake(self.hist_k[:, :, :length], self.hist_v[:, :, :length])
@@ -1173,23 +1137,7 @@ class SimulatedLayer(OscarLayer):
         if new:
             idx = torch.tensor(new, dtype=torch.long, device=self.device)
             col = torch.tensor([self.hist_len[b] - 1 for b in new], dtype=torch.long, device=self.device)
-            k_new, v_new = self.hist_k[idx, :, col][:, :, None], self.hist_v[idx, :, col][:, :, None]  # [N, Hkv, 1, d]
-            if sp.kind == "turboquant":
-                kq, vq = self._fake(k_new, v_new)
-                self.fake_k[idx, :, col] = kq[:, :, 0]
-            else:
-                from oscar.core.baselines import kivi_fake_quantize
-
-                _, vq = kivi_fake_quantize(v_new.float(), v_new.float(), sp.bits, sp.group_size, residual=0)
-                g = sp.group_size
-                done = [b for b in new if self.hist_len[b] % g == 0]  # a key block completes
-                if done:
-                    for b in done:
-                        end = self.hist_len[b]
-                        kb, _ = kivi_fake_quantize(self.hist_k[b, :, end - g : end].float(), self.hist_v[b, :, end - g : end].float(),
-                                                   sp.bits, g, residual=0)
-                        self.fake_k[b, :, end - g : end] = kb
-            self.fake_v[idx, :, col] = vq[:, :, 0]
+            self.spec.format.fake_step(self, new, idx, col)
             for b in new:
                 self.fake_len[b] = self.hist_len[b]
         return self.fake_k[:, :, :length], self.fake_v[:, :, :length]
@@ -1330,20 +1278,18 @@ class OscarCache(Cache):
     full-attention layers, `WindowLayer` for sliding-window layers (`windows[i]` is the window or None)."""
 
     def __init__(self, spec: CacheSpec, num_layers: int, windows: Optional[Sequence[Optional[int]]] = None):
-        if spec.kind == "rotated" and len(spec.layers) != num_layers:
+        if spec.format.rotated and len(spec.layers) != num_layers:
             raise ValueError(f"the cache spec has rotations for {len(spec.layers)} layers but the model has {num_layers}")
         windows = list(windows) if windows is not None else [None] * num_layers
         if len(windows) != num_layers:
             raise ValueError(f"{len(windows)} sliding-window entries for a model of {num_layers} layers")
         layers: list[OscarLayer] = []
         for i, window in enumerate(windows):
-            rot = spec.layers[i] if spec.kind == "rotated" else None
+            rot = spec.layers[i] if spec.format.rotated else None
             if window is not None:
                 layers.append(WindowLayer(spec, rot, i, window))
-            elif spec.kind in SIMULATED_KINDS:
-                layers.append(SimulatedLayer(spec, None, i))
             else:
-                layers.append(OscarLayer(spec, rot, i))
+                layers.append(spec.format.torch_layer(spec, rot, i))
         super().__init__(layers=layers)
         self.spec = spec
 
@@ -1381,7 +1327,7 @@ def spec_for_model(model: Any, kind: str = "rotated", rotations: Optional[list[L
     layers_n = int(cfg.num_hidden_layers)
     hkv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    if kind == "rotated" and rotations is None:
+    if format_class(kind).rotated and rotations is None:
         rotations = [LayerRotations.identity(hkv, d) for _ in range(layers_n)]
     if "group_size" in kwargs:
         kwargs["group_size"] = min(int(kwargs["group_size"]), d)
@@ -1402,25 +1348,15 @@ def new_cache(model: Any, spec: CacheSpec) -> OscarCache:
     return OscarCache(spec, int(model.config.num_hidden_layers), layer_windows(model))
 
 
-def expected_bits(spec: CacheSpec, num_tokens: int, head_dim: int) -> float:
-    """Accounting bits/element for one sequence (`oscar.core.quant.bits_per_element`, pages full)."""
-    if spec.kind == "bf16":
-        return 16.0
-    return quant.bits_per_element(num_tokens, head_dim, spec.bits, spec.group_size, spec.sink, spec.recent)
-
-
 __all__ = [
-    "CACHE_KINDS",
     "CacheSpec",
     "LayerRotations",
     "MODES",
     "OscarCache",
     "OscarLayer",
     "PagedRows",
-    "SIMULATED_KINDS",
     "SimulatedLayer",
     "WindowLayer",
-    "expected_bits",
     "new_cache",
     "spec_for_model",
 ]

@@ -105,11 +105,6 @@ def rotations_dir(cfg: Any) -> Path:
     return Path(str(cfg.results_dir)) / "rotations" / str(cfg.model.name) / str(cfg.method.name)
 
 
-def artifact_dir(cfg: Any) -> Path:
-    """`<artifacts_dir>/<model>/<method>/` (defaults to `<results_dir>/calibration/...`)."""
-    return Path(str(cfg.artifacts_dir)) / str(cfg.model.name) / str(cfg.method.name)
-
-
 def recorded_hash(meta_file: Path, *keys: str) -> str | None:
     """A stage hash recorded in a JSON file (nested keys), or None when absent."""
     data = read_json(meta_file)

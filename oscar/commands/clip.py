@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from oscar.core.artifact import artifact_dir
 from oscar.commands._stage import (
     run_stage_verb,
     StageResult,
-    artifact_dir,
     clip_hash,
     recorded_hash,
     rotations_dir,
@@ -29,7 +29,7 @@ def run_clip(cfg: Any, *, force: bool = False, out: Path | None = None, stats: A
     """Stage `clip` for a composed configuration."""
     from oscar.core.artifact import load_artifact, save_artifact
     from oscar.commands.rotations import load_stats
-    from oscar.core.methods import CalibrationMissing, clip_mode, fit_clip
+    from oscar.models.methods import CalibrationMissing, clip_mode, fit_clip
 
     t0 = time.perf_counter()
     target = Path(out) if out is not None else artifact_dir(cfg)

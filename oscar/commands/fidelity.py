@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
     """Run the fidelity diagnostics of one (model, method, corpus); 0 on success, 2 on bad input."""
     from omegaconf import OmegaConf
 
-    from oscar.eval.runner import git_commit, hardware
+    from oscar.eval.cells import git_commit, hardware
     from oscar.core.files import atomic_write_text
 
     try:
@@ -81,8 +81,9 @@ def main(argv: list[str]) -> int:
     import torch
 
     from oscar.data.corpora import eval_sequences
-    from oscar.models.engine import Engine, artifact_dir, effective_group_size, rotations_from_artifact, rotations_in_code
-    from oscar.core.methods import needs_statistics
+    from oscar.models.engine import (Engine, artifact_dir, effective_group_size, method_format, rotations_from_artifact,
+                                     rotations_in_code)
+    from oscar.models.methods import needs_statistics
     from oscar.eval.fidelity import attention_fidelity, model_fidelity
     from oscar.models import load_model
 
@@ -104,7 +105,7 @@ def main(argv: list[str]) -> int:
     metrics: dict[str, float] = {}
     per_layer: list[dict] = []
     per_position: list[dict] = []
-    if str(method.kind) == "bf16":
+    if not method_format(method, model).quantized:  # the reference itself
         ref_metrics, _ = model_fidelity(reference, reference, windows, modes, prefill, bool(flags["progress"]))
         metrics.update({k: v for k, v in ref_metrics.items() if k.startswith(("ppl.", "tokens."))})
         for mode in modes:  # the reference itself: zero by definition, so tables can show its row

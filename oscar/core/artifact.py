@@ -349,6 +349,26 @@ def _read_meta(meta_path: Path) -> dict[str, Any]:
     return meta
 
 
+def artifact_path(artifacts_dir: str | os.PathLike, model: str, method: str) -> Path:
+    """Where the artifact of ``method`` on ``model`` lives: ``<artifacts_dir>/<model>/<method>/`` (the one rule the
+    CLI, the engine, the workflow and the benchmarks use)."""
+    return Path(str(artifacts_dir)) / str(model) / str(method)
+
+
+def artifact_dir(cfg: Any) -> Path:
+    """`artifact_path` of a composed configuration (``artifacts_dir``, ``model.name``, ``method.name``)."""
+    return artifact_path(cfg.artifacts_dir, cfg.model.name, cfg.method.name)
+
+
+def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
+    """An artifact directory's `meta.json`, checked against its own digest (without loading the tensors)."""
+    path = Path(directory) / META_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"calibration artifact {directory} has no {META_FILE}; create it with "
+                                "python -m oscar calibrate model=<model> method=<method>")
+    return _read_meta(path)
+
+
 def _check(what: str, found: Any, expected: Any, path: Path) -> None:
     if expected is not None and found != expected:
         raise ArtifactMismatch(

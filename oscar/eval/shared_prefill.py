@@ -34,6 +34,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from oscar.cache.torch_cache import OscarCache, new_cache, spec_for_model
+from oscar.eval.cells import KEPT_FILE, PARTIAL_FILE, RESULT_FILE, cell_config_hash, read_partial, write_cell
+from oscar.eval.runner import generation_prompt, grade_generation, prepare_items
 from oscar.models.generate import SamplingParams, cache_kwarg, next_tokens, truncate_at_stop
 
 
@@ -73,15 +75,16 @@ class MethodRun:
     @classmethod
     def from_config(cls, cfg: Any, model: Any) -> "MethodRun":
         """Rotations of `cfg.method` from its artifact (or in code) and the fold `Engine.from_config` applies."""
-        from oscar.models.engine import artifact_dir, rotations_from_artifact, rotations_in_code
-        from oscar.core.methods import needs_statistics
+        from oscar.models.engine import artifact_dir, method_format, rotations_from_artifact, rotations_in_code
+        from oscar.models.methods import needs_statistics
 
         method = cfg.method
         rotations = None
-        if str(method.kind) == "rotated":
+        rotated = method_format(method, model).rotated
+        if rotated:
             rotations = (rotations_from_artifact(artifact_dir(cfg), method, model) if needs_statistics(method)
                          else rotations_in_code(method, model))
-        return cls(cfg, rotations, fold=str(method.kind) == "rotated", backend=str(cfg.backend))
+        return cls(cfg, rotations, fold=rotated, backend=str(cfg.backend))
 
     def new_cache(self, model: Any) -> OscarCache:
         """A fresh serving-mode cache of this method (decode steps read it decode-equivalently)."""
@@ -258,20 +261,11 @@ def cell_labels(cfgs: Sequence[Any]) -> list[str]:
 STREAM_FAMILIES = ("code", "math")  # generated answers, graded per item
 
 
-def shares_outputs(benchmark: Any) -> bool:
-    """Whether a shared prefill gives the outputs of the cell's own run, up to float rounding (so it is not part
-    of the cell's configuration hash): true for the continuous-batching stream, whose requests are prefilled as
-    a whole; false for needles, whose question is decoded token by token after the shared haystack."""
-    return str(benchmark.get("family")) != "niah"
-
-
 def run_cells(cfgs: Sequence[Any], out_dirs: Sequence[Path], progress: bool = True,
               log: Callable[[str], None] = print, force: bool = False) -> list[dict]:
     """Evaluate the cells `cfgs` (one per method, same model / benchmark / seed) with one shared BF16 prefill per
     item, streaming each method's records to its cell folder; returns each cell's result. A cell whose
     `result.json` has its configuration hash is left as it is (unless `force`)."""
-    from oscar.eval.runner import KEPT_FILE, RESULT_FILE, cell_config_hash
-
     check_group(cfgs)
     results: list[Optional[dict]] = []
     for cfg, d in zip(cfgs, out_dirs):
@@ -292,7 +286,6 @@ def _setup(cfgs: Sequence[Any], dirs: list[Path]) -> tuple:
     """What both kinds of shared run start from: the start time, the first cell, the model and tokenizer, each
     method's `MethodRun`, the items and notes, each cell's hash and the records it already holds, the sampling,
     a tokenizer view for `generation_prompt`, the EOS ids and a decoder."""
-    from oscar.eval.runner import PARTIAL_FILE, _read_partial, cell_config_hash, prepare_items
     from oscar.models.engine import eos_token_ids
     from oscar.models import load_model
 
@@ -304,7 +297,7 @@ def _setup(cfgs: Sequence[Any], dirs: list[Path]) -> tuple:
     hashes = [cell_config_hash(cfg) for cfg in cfgs]
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
-    done = [_read_partial(d / PARTIAL_FILE, h) for d, h in zip(dirs, hashes)]
+    done = [read_partial(d / PARTIAL_FILE, h) for d, h in zip(dirs, hashes)]
     engine_view = SimpleNamespace(tokenizer=tok)  # generation_prompt reads the tokenizer only
     decode = lambda t: tok.decode(t, skip_special_tokens=True)  # noqa: E731
     return (start, first, model, tok, runs, items, notes, hashes, done, _sampling(first), engine_view,
@@ -312,8 +305,6 @@ def _setup(cfgs: Sequence[Any], dirs: list[Path]) -> tuple:
 
 
 def _run_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log: Callable[[str], None]) -> list[dict]:
-    from oscar.eval.runner import PARTIAL_FILE, generation_prompt, grade_generation, write_cell
-
     start, first, model, tok, runs, items, notes, hashes, done, params, engine_view, eos_ids, decode = _setup(cfgs, dirs)
     labels = cell_labels(cfgs)
     perf = [{"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_steps": 0} for _ in cfgs]
@@ -376,7 +367,6 @@ def _run_stream_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log
     `benchmark.batch_size` requests per decode step) whose joining requests get caches filled from those rows
     instead of a prefill pass. Records stream to each method's `items.partial.jsonl` as requests end, and each
     method's cell is written as soon as its stream ends."""
-    from oscar.eval.runner import PARTIAL_FILE, generation_prompt, grade_generation, write_cell
     from oscar.models.generate import generate_continuous
 
     start, first, model, tok, runs, items, notes, hashes, done, params, engine_view, eos_ids, decode = _setup(cfgs, dirs)

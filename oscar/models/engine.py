@@ -15,12 +15,11 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from oscar.cache import attention
+from oscar.cache.formats import CacheFormat, FormatNotServed
+from oscar.core.artifact import artifact_dir
 from oscar.cache.torch_cache import CacheSpec, LayerRotations, OscarCache, new_cache
 from oscar.models.generate import SamplingParams, cache_kwarg, generate_continuous, generate_tokens, positions_from_mask, truncate_at_stop
-from oscar.core.methods import clip_mode, needs_statistics
-
-SUPPORTED_METHOD_KINDS = ("bf16", "rotated", "kivi", "turboquant")
-
+from oscar.models.methods import clip_mode, needs_statistics
 
 class MethodNotSupported(NotImplementedError):
     """A method whose cache the embedded engine cannot build."""
@@ -37,14 +36,9 @@ def _geometry(model: Any) -> tuple[int, int, int, int]:
 
 def effective_group_size(method_cfg: Any, head_dim: int) -> int:
     """`min(method.group_size, head_dim)` (docs/DESIGN.md, "Effective group size")."""
-    from oscar.core.methods import effective_group_size as impl
+    from oscar.models.methods import effective_group_size as impl
 
     return int(impl(method_cfg, head_dim))
-
-
-def artifact_dir(cfg: Any) -> Path:
-    """`<artifacts_dir>/<model>/<method>/` of a composed configuration."""
-    return Path(str(cfg.artifacts_dir)) / str(cfg.model.name) / str(cfg.method.name)
 
 
 def layer_rotations(artifact: Any) -> list[LayerRotations]:
@@ -72,7 +66,7 @@ def layer_rotations(artifact: Any) -> list[LayerRotations]:
 
 def rotations_in_code(method_cfg: Any, model: Any) -> list[LayerRotations]:
     """Per-layer rotations of a method that needs no calibration (identity, H, block H, random ...)."""
-    from oscar.core.methods import in_code_artifact
+    from oscar.models.methods import in_code_artifact
 
     layers, _, hkv, d = _geometry(model)
     return layer_rotations(in_code_artifact(method_cfg, num_layers=layers, num_kv_heads=hkv, head_dim=d))
@@ -94,6 +88,11 @@ def rotations_from_artifact(path: Path, method_cfg: Any, model: Any) -> list[Lay
     return layer_rotations(art)
 
 
+def method_format(method_cfg: Any, model: Any) -> CacheFormat:
+    """The cache format (`oscar.cache.formats`) of a method on ``model`` (its head_dim fixes the group)."""
+    return CacheFormat.from_method(method_cfg, _geometry(model)[3])
+
+
 def cache_spec(
     method_cfg: Any,
     model: Any,
@@ -105,16 +104,12 @@ def cache_spec(
 ) -> CacheSpec:
     """The cache configuration of a method on a model: its `oscar.cache.formats.CacheFormat` (the one
     translation of a method into a storage format) with this engine's rotations and run-time choices."""
-    from oscar.cache.formats import CacheFormat
-
-    kind = str(method_cfg.kind)
-    if kind not in SUPPORTED_METHOD_KINDS:
-        raise MethodNotSupported(
-            f"method {method_cfg.name!r} has kind {kind!r}; the embedded engine's cache supports kinds {SUPPORTED_METHOD_KINDS}"
-        )
-    _, _, _, d = _geometry(model)
-    fmt = CacheFormat.from_method(method_cfg, d)
-    if kind == "rotated" and rotations is None:
+    fmt = method_format(method_cfg, model)
+    try:
+        fmt.check_served("torch")
+    except FormatNotServed as err:
+        raise MethodNotSupported(f"method {method_cfg.name!r}: {err}") from None
+    if fmt.rotated and rotations is None:
         rotations = rotations_in_code(method_cfg, model)
     return fmt.cache_spec(rotations, fold_values=fold_values, mode=mode, backend=backend)
 
@@ -137,8 +132,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.method = method_cfg
         attention.enable(model)
-        self.kind = str(method_cfg.kind)
-        if self.kind == "rotated" and rotations is None:
+        self.format = method_format(method_cfg, model)
+        if self.format.rotated and rotations is None:
             if needs_statistics(method_cfg):
                 raise ValueError(
                     f"method {method_cfg.name!r} (clip policy {clip_mode(method_cfg)!r}) needs calibration: pass rotations, "
@@ -147,7 +142,7 @@ class Engine:
             rotations = rotations_in_code(method_cfg, model)
         self.rotations = rotations
         self.fold_handle = None
-        self.fold_values = bool(fold_values and self.kind == "rotated")
+        self.fold_values = bool(fold_values and self.format.rotated)
         if self.fold_values:
             from oscar.models.surgery import fold_value_rotations
 
@@ -163,7 +158,7 @@ class Engine:
         model, tokenizer = load_model(cfg.model, device=str(cfg.device) if str(cfg.device) != "auto" else None)
         method = cfg.method
         rotations = None
-        if str(method.kind) == "rotated":
+        if method_format(method, model).rotated:
             if needs_statistics(method):
                 rotations = rotations_from_artifact(artifact_dir(cfg), method, model)
             else:
@@ -372,6 +367,7 @@ def perplexity(logits: torch.Tensor, input_ids: torch.Tensor) -> float:
 __all__ = [
     "Engine",
     "MethodNotSupported",
+    "method_format",
     "artifact_dir",
     "cache_spec",
     "effective_group_size",

@@ -35,7 +35,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.functional import scaled_dot_product_attention
 
-from oscar.cache import paged
+from oscar.kernels.segments import Segments
 from oscar.serve.state import current_state
 
 
@@ -99,7 +99,7 @@ class OscarAttnBackend(AttentionBackend):
 
     mma_waves: Optional[int] = None  # OSCAR_MMA (oscar.serve.settings): split-K waves or fixed splits, launch options
     mma_splits: Optional[int] = None
-    kernel_options: Optional[dict] = None
+    mma_options: Optional[dict] = None
 
     def __init__(self, model_runner: Any) -> None:
         super().__init__()
@@ -121,7 +121,8 @@ class OscarAttnBackend(AttentionBackend):
         self.num_splits: dict[int, int] = {}
         mma = dict(getattr(current_state().get("settings"), "mma", ()))
         self.mma_waves, self.mma_splits = mma.pop("waves", None), mma.pop("splits", None)
-        self.kernel_options = {"mma_" + k: v for k, v in mma.items()}  # OSCAR_MMA (oscar.serve.settings)
+        self.mma_options = mma  # OSCAR_MMA (oscar.serve.settings): MmaLaunch fields (warps, stages, ...)
+        self.launches: dict[int, Any] = {}
 
     # -- metadata (once per forward, shared by the layers) -----------------------------------------
 
@@ -249,10 +250,22 @@ class OscarAttnBackend(AttentionBackend):
             cap = int(self.req_to_token_pool.req_to_token.shape[1])
             props = torch.cuda.get_device_properties(self.pool.device)
             self.num_splits[batch] = self.mma_splits or default_num_splits(
-                batch, hkv, cap, num_warps=self.kernel_options.get("mma_warps", 8),
-                num_sms=int(props.multi_processor_count), ctas_per_sm=self.kernel_options.get("mma_min_blocks", 2),
+                batch, hkv, cap, num_warps=self.mma_options.get("warps", 8),
+                num_sms=int(props.multi_processor_count), ctas_per_sm=self.mma_options.get("min_blocks", 2),
                 waves=self.mma_waves)
         return self.num_splits[batch]
+
+    def _launch(self, batch: int, hkv: int) -> Optional[Any]:
+        """The mma kernel's launch for this batch size (``OSCAR_MMA`` with the split-K of ``_num_splits``); None where
+        the pages are rows or the kernels the torch twin (their defaults)."""
+        splits = self._num_splits(batch, hkv)
+        if splits is None:
+            return None
+        if batch not in self.launches:
+            from oscar.kernels.launch import MmaLaunch
+
+            self.launches[batch] = MmaLaunch(num_splits=splits, **self.mma_options)
+        return self.launches[batch]
 
     # -- forwards ----------------------------------------------------------------------------------
 
@@ -308,13 +321,11 @@ class OscarAttnBackend(AttentionBackend):
             if self.folded:
                 out = self._to_folded(out, layer.layer_id)
             return out.reshape(q3.shape[0], H * d)
-        kt, vt = pool.transforms[i]
-        out = paged.decode_attention(q3, pool.k_pages[i], pool.v_pages[i], m.page_table, m.int_len, kt, vt,
-                                     sm_scale=layer.scaling, output_frame="rotated" if self.folded else "original",
-                                     backend=pool.kernels, num_splits=self._num_splits(q3.shape[0], Hkv),
-                                     int_pos0=pool.sink if pool.rope_centered else None,  # INT row t: token S0 + t
-                                     kernel_options=self.kernel_options if pool.layout == "mma" else None,
-                                     **self._window_segments(m, i))
+        segments = Segments(m.page_table, m.int_len, **self._window_segments(m, i),
+                            int_pos0=pool.sink if pool.rope_centered else None)  # INT row t: token S0 + t
+        out = pool.format.attend(q3, (pool.k_pages[i], pool.v_pages[i]), segments, pool.transforms[i],
+                                 sm_scale=layer.scaling, output_frame="rotated" if self.folded else "original",
+                                 backend=pool.kernels, launch=self._launch(q3.shape[0], Hkv))
         return out.reshape(q3.shape[0], H * d)
 
     def _window_segments(self, m: DecodeMeta, i: int) -> dict[str, Any]:

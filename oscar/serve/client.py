@@ -3,10 +3,11 @@
 ``SGLangEngine`` has the runner's engine interface (``tokenizer``, ``device``, ``generate``,
 ``loglikelihood``, ``close``) and sends each batch as one OpenAI-compatible request (``/v1/completions``
 with a list of prompts; scoring through SGLang's native ``/generate`` with input log-probabilities).
-The method maps to the server: ``bf16`` -> ``--attention-backend torch_native``; rotated INT methods ->
-``--attention-backend oscar`` with the ``OSCAR_*`` settings from the method (artifact, sink, recent,
-bits, group) and the artifact the embedded engine would use (``results/calibration/<model>/<method>/``,
-or, for methods without calibration, the same rotations built in code and written to a temporary folder).
+The method maps to the server: the BF16 format -> ``--attention-backend torch_native``; a format the SGLang
+pool serves (`oscar.cache.formats.served_kinds("pool")`) -> ``--attention-backend oscar`` with the artifact
+the embedded engine would use (``artifact_dir``, or, for methods without calibration, the same rotations built
+in code and written to a temporary folder). The server takes its cache format from the artifact's
+``meta.json``; only windows that differ from the artifact's are passed (``OSCAR_SINK``/``OSCAR_RECENT``).
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from oscar.serve.server import SGLangServer, ServerError
-
-SUPPORTED_KINDS = ("bf16", "rotated")
 
 
 def model_path(model_cfg: Any) -> str:
@@ -39,7 +38,7 @@ def _in_code_artifact(cfg: Any, path: str, out: Path) -> Path:
     from transformers import AutoConfig
 
     from oscar.core.artifact import config_hash_of, model_config_fields, save_artifact
-    from oscar.core.methods import in_code_artifact
+    from oscar.models.methods import in_code_artifact
 
     hf = AutoConfig.from_pretrained(path)
     f = model_config_fields(hf)
@@ -47,6 +46,21 @@ def _in_code_artifact(cfg: Any, path: str, out: Path) -> Path:
                            head_dim=f["head_dim"], model_id=str(cfg.model.name), config_hash=config_hash_of(hf))
     save_artifact(art, out)
     return out
+
+
+def served_windows(fmt: Any, artifact: Path) -> dict[str, str]:
+    """``OSCAR_SINK``/``OSCAR_RECENT`` for the windows of ``fmt`` that differ from the artifact's recorded format
+    (the server reads the rest from the artifact); refuses an artifact of another kind, bits or group."""
+    from oscar.cache.formats import CacheFormat
+    from oscar.core.artifact import read_meta
+
+    served = CacheFormat.of_artifact(read_meta(artifact))
+    if (served.kind, served.bits, served.group_size) != (fmt.kind, fmt.bits, fmt.group_size):
+        raise ValueError(f"artifact {artifact} was calibrated for the {served.kind} format INT{served.bits} group "
+                         f"{served.group_size}, but method {fmt.name!r} asks for {fmt.kind} INT{fmt.bits} group "
+                         f"{fmt.group_size}; recalibrate (python -m oscar calibrate ... force=true)")
+    return {name: str(mine) for name, mine, theirs in (("OSCAR_SINK", fmt.sink, served.sink),
+                                                       ("OSCAR_RECENT", fmt.recent, served.recent)) if mine != theirs}
 
 
 def _device(cfg: Any) -> str:
@@ -64,13 +78,15 @@ class SGLangEngine:
     def __init__(self, cfg: Any, log_path: Optional[Path] = None) -> None:
         from transformers import AutoTokenizer
 
-        from oscar.models.engine import artifact_dir, effective_group_size
+        from oscar.cache.formats import CacheFormat, served_kinds
+        from oscar.core.artifact import artifact_dir
 
         e = cfg.engine
-        kind = str(cfg.method.kind)
-        if kind not in SUPPORTED_KINDS:
-            raise NotImplementedError(f"engine=sglang serves method kinds {SUPPORTED_KINDS}; method {cfg.method.name!r} "
-                                      f"has kind {kind!r} (use engine=embedded)")
+        fmt = CacheFormat.from_method(cfg.method, int(cfg.model.head_dim))
+        if fmt.quantized and "pool" not in fmt.served_by:
+            raise NotImplementedError(f"engine=sglang serves the bf16 format and the formats of the SGLang pool "
+                                      f"({', '.join(served_kinds('pool'))}); method {cfg.method.name!r} has the "
+                                      f"{fmt.kind} format (use engine=embedded)")
         self.cfg = cfg
         self.device = _device(cfg)
         if self.device == "cuda" and str(cfg.model.dtype) == "float32":
@@ -88,10 +104,10 @@ class SGLangEngine:
             args += ["--max-total-tokens", str(int(e.max_total_tokens))]
         if self.device == "cuda":
             args += ["--disable-cuda-graph"]
-        if kind == "bf16":
+        if not fmt.quantized:
             args += ["--attention-backend", "torch_native"]
         else:
-            from oscar.core.methods import needs_statistics
+            from oscar.models.methods import needs_statistics
 
             if needs_statistics(cfg.method):  # the clip policy decides too (clip=fit needs statistics)
                 art = artifact_dir(cfg)
@@ -101,11 +117,7 @@ class SGLangEngine:
             else:
                 self._tmp = tempfile.mkdtemp(prefix="oscar-sglang-")
                 art = _in_code_artifact(cfg, self.path, Path(self._tmp) / "artifact")
-            head_dim = int(cfg.model.head_dim)
-            env = {"OSCAR_ARTIFACT": str(art), "OSCAR_SINK": str(int(cfg.method.sink)),
-                   "OSCAR_RECENT": str(int(cfg.method.recent)), "OSCAR_BITS": str(int(cfg.method.bits)),
-                   "OSCAR_GROUP_SIZE": str(effective_group_size(cfg.method, head_dim)),
-                   "OSCAR_KERNELS": str(cfg.backend)}
+            env = {"OSCAR_ARTIFACT": str(art), "OSCAR_KERNELS": str(cfg.backend), **served_windows(fmt, art)}
             args += ["--attention-backend", "oscar"]
         args += [str(a) for a in e.extra_args]
         self.server = SGLangServer(self.path, args, env=env, python=str(e.python), host=str(e.host), port=int(e.port),
@@ -183,4 +195,4 @@ class SGLangEngine:
         self.close()
 
 
-__all__ = ["SGLangEngine", "model_path"]
+__all__ = ["SGLangEngine", "model_path", "served_windows"]

@@ -6,7 +6,7 @@ Layout (``oscar.cache.paged``'s format; SGLang's pages are the pages): per layer
 ``out_cache_loc``, from SGLang's own allocator) is token ``loc % P`` of page ``loc // P``. On CUDA, INT2 with
 one group per row goes to the fragment-order layouts ``mma_k``/``mma_v`` read by the v9 decode kernel
 (``oscar.kernels.decode_mma``, pages of 16k tokens); other formats and the CPU use token rows
-(``oscar.cache.device_cache.resolve_layout``). The BF16 windows are per request slot (SGLang's ``req_pool_idx``), one
+(``oscar.cache.formats.RotatedFormat.resolve_layout``). The BF16 windows are per request slot (SGLang's ``req_pool_idx``), one
 buffer per layer and tensor ``[R + 1, Hkv, S0 + W, d]``: the sink (positions ``0..S0-1``) in columns
 ``0..S0-1`` and a ring (position ``p >= S0`` at column ``S0 + (p - S0) % W``); slot ``R`` takes the rows of
 the padded entries of a CUDA-graph batch. BF16 whatever the model dtype (as ``oscar.cache.torch_cache``), in the
@@ -50,8 +50,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 from oscar.cache import paged
-from oscar.serve.settings import (ENV_ARTIFACT, ENV_KERNELS, OscarServeError, ServeSettings, bytes_per_token,
-                                  head_transforms, window_bytes_per_request)
+from oscar.serve.settings import ENV_ARTIFACT, ENV_KERNELS, OscarServeError, ServeSettings, head_transforms
 from oscar.serve.state import current_state
 
 logger = logging.getLogger(__name__)
@@ -63,18 +62,18 @@ class OscarTokenToKVPool(MHATokenToKVPool):
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int,
                  layer_num: int, device: str, enable_memory_saver: bool, *args: Any,
                  oscar_state: Optional[dict] = None, oscar_layout: str = "auto", **kwargs: Any) -> None:
-        from oscar.cache.device_cache import resolve_layout
-
         state = oscar_state if oscar_state is not None else current_state()
         self.settings: ServeSettings = state["settings"]
         self.rotations = state["rotations"]
-        self.bits, self.group_size = int(state["bits"]), int(state["group_size"])
-        self.sink, self.recent = self.settings.sink, self.settings.recent
+        self.format = state["format"].replace(page_size=page_size)  # SGLang's pages are the format's pages
+        self.format.check_served("pool")
+        self.bits, self.group_size = self.format.bits, self.format.group_size
+        self.sink, self.recent = self.format.sink, self.format.recent
         if self.sink % page_size:
-            raise OscarServeError(f"OSCAR_SINK={self.sink} must be a multiple of --page-size {page_size}")
+            raise OscarServeError(f"the sink of {self.sink} tokens must be a multiple of --page-size {page_size}")
         self.kernels = self.settings.kernel_backend(device)
         layout = oscar_layout if self.kernels == "triton" or oscar_layout != "auto" else "rows"
-        self.layout = resolve_layout(layout, self.bits, self.group_size, head_dim, page_size, torch.device(device))
+        self.layout = self.format.resolve_layout(layout, head_dim, device)
         self.num_req_slots = 0
         self.window_dtype = torch.bfloat16
         self.prefix_cache = bool(state.get("prefix_cache", False))  # the radix cache is on: keep sink pages
@@ -97,7 +96,7 @@ class OscarTokenToKVPool(MHATokenToKVPool):
                 f"group per row, head_dim 64/128, --page-size a power of two >= 16); this pool is INT{self.bits}, "
                 f"group {self.group_size}, head_dim {head_dim}, pages of {page_size} on {device} ({self.layout} "
                 f"layout). Use {ENV_KERNELS}=torch, such a format, or calibrate with method.rope_center=false")
-        bpt = bytes_per_token(layer_num, head_num, head_dim, self.bits, self.group_size)
+        bpt = self.format.bytes_per_token(layer_num, head_num, head_dim)
         bf16 = 2 * layer_num * head_num * head_dim * 2
         logger.info(
             "OSCAR KV pool: INT%d, group %d, sink %d, recent %d, pages of %d tokens (%s layout): %d bytes/token "
@@ -109,11 +108,10 @@ class OscarTokenToKVPool(MHATokenToKVPool):
 
     def _create_buffers(self) -> None:
         n = (self.size + self.page_size + self.page_size - 1) // self.page_size
-        k_layout, v_layout = ("rows", "rows") if self.layout == "rows" else ("mma_k", "mma_v")
-        make = lambda lay: paged.QuantPages.empty(n, self.head_num, self.page_size, self.head_dim, self.bits,  # noqa: E731
-                                                  self.group_size, self.device, lay)
-        self.k_pages = [make(k_layout) for _ in range(self.layer_num)]
-        self.v_pages = [make(v_layout) for _ in range(self.layer_num)]
+        pairs = [self.format.new_pages(n, self.head_num, self.head_dim, self.device, self.layout)
+                 for _ in range(self.layer_num)]
+        self.k_pages = [k for k, _ in pairs]
+        self.v_pages = [v for _, v in pairs]
         # SGLang code that probes the BF16 buffers gets an explicit refusal (properties below).
         self.k_scale_buffer = self.v_scale_buffer = None
         self.win_k: list[torch.Tensor] = []
@@ -163,7 +161,7 @@ class OscarTokenToKVPool(MHATokenToKVPool):
 
     def window_bytes_per_request(self) -> int:
         """Window bytes one request slot costs (what pool sizing reserves per running request)."""
-        return window_bytes_per_request(self.layer_num, self.head_num, self.head_dim, self.sink, self.recent,
+        return self.format.window_bytes(self.layer_num, self.head_num, self.head_dim,
                                         torch.empty((), dtype=self.window_dtype).element_size())
 
     def get_kv_size_bytes(self) -> tuple[int, int]:
@@ -315,9 +313,8 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         kb, vb = k.to(self.window_dtype), v.to(self.window_dtype)
         quant = pos >= self.sink
         if bool(quant.any()):
-            paged.rotate_quantize_pack_kv(kb[quant], vb[quant], loc[quant], self.k_pages[i], self.v_pages[i],
-                                          *self.transforms[i], backend=self.kernels,
-                                          positions=pos[quant] if self.rope_centered else None)
+            self.format.write(kb[quant], vb[quant], loc[quant], (self.k_pages[i], self.v_pages[i]), self.transforms[i],
+                              backend=self.kernels, positions=pos[quant] if self.rope_centered else None)
         keep = (pos < self.sink) | (pos >= seq_len - self.recent)
         if bool(keep.any()):
             r, col = req[keep], self.window_index(pos[keep])
@@ -333,8 +330,8 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         the padding slots."""
         i = self._local(layer_id)
         kb, vb = k.to(self.window_dtype), v.to(self.window_dtype)
-        paged.rotate_quantize_pack_kv(kb, vb, loc, self.k_pages[i], self.v_pages[i], *self.transforms[i],
-                                      backend=self.kernels, positions=pos if self.rope_centered else None)
+        self.format.write(kb, vb, loc, (self.k_pages[i], self.v_pages[i]), self.transforms[i], backend=self.kernels,
+                          positions=pos if self.rope_centered else None)
         self.win_k[i][req, :, col] = kb
         self.win_v[i][req, :, col] = vb
 

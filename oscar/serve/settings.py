@@ -1,15 +1,16 @@
 """OSCAR settings of the SGLang plugin: read from the environment, validated against the model at start-up.
 
 SGLang's ``--kv-cache-dtype`` choices are a closed list, so the plugin carries its own settings in
-environment variables (inherited by SGLang's scheduler processes):
+environment variables (inherited by SGLang's scheduler processes). The cache format is the artifact's: its
+``meta.json`` names the format it was calibrated for (``cache_format``: kind, bits, group, windows;
+`oscar.cache.formats.CacheFormat.of_artifact`), and the server serves that format; only the BF16 windows
+may be changed at serve time.
 
 ========================  ==========================================================================
 ``OSCAR_ARTIFACT``        calibration artifact directory (``rotations.safetensors`` + ``meta.json``);
                           required
-``OSCAR_SINK``            BF16 sink tokens per request (default 64)
-``OSCAR_RECENT``          BF16 recent window per request (default 256, at least 1)
-``OSCAR_BITS``            2 or 4; must equal the artifact's bits (default: the artifact's)
-``OSCAR_GROUP_SIZE``      quantization group; must equal the artifact's (default: the artifact's)
+``OSCAR_SINK``            BF16 sink tokens per request (default: the artifact's format)
+``OSCAR_RECENT``          BF16 recent window per request, at least 1 (default: the artifact's format)
 ``OSCAR_KERNELS``         ``torch`` (the twins in ``oscar.cache.paged``) or ``triton``; default ``triton``
                           on CUDA, ``torch`` elsewhere
 ``OSCAR_MMA``             launch of the mma decode kernel, ``KEY=INT,...`` with keys ``warps`` (2, 4, 8),
@@ -32,11 +33,10 @@ import torch
 ENV_ARTIFACT = "OSCAR_ARTIFACT"
 ENV_SINK = "OSCAR_SINK"
 ENV_RECENT = "OSCAR_RECENT"
-ENV_BITS = "OSCAR_BITS"
-ENV_GROUP = "OSCAR_GROUP_SIZE"
+RETIRED_ENV = {"OSCAR_BITS": "bits", "OSCAR_GROUP_SIZE": "group_size"}  # the artifact's format fixes them
 ENV_KERNELS = "OSCAR_KERNELS"
 ENV_MMA = "OSCAR_MMA"
-ENV_VARS = (ENV_ARTIFACT, ENV_SINK, ENV_RECENT, ENV_BITS, ENV_GROUP, ENV_KERNELS, ENV_MMA)
+ENV_VARS = (ENV_ARTIFACT, ENV_SINK, ENV_RECENT, ENV_KERNELS, ENV_MMA)
 MMA_KEYS = ("warps", "stages", "min_blocks", "carveout", "waves", "splits")
 
 # Model types whose attention the plugin handles (the oscar.models adapter registry) and config fields
@@ -69,10 +69,8 @@ class ServeSettings:
     """The OSCAR cache settings of one server."""
 
     artifact: Path
-    sink: int = 64
-    recent: int = 256
-    bits: Optional[int] = None
-    group_size: Optional[int] = None
+    sink: Optional[int] = None  # None: the artifact's format
+    recent: Optional[int] = None
     kernels: Optional[str] = None
     mma: tuple[tuple[str, int], ...] = ()  # OSCAR_MMA, parsed (parse_mma)
 
@@ -86,32 +84,38 @@ class ServeSettings:
                 f"--attention-backend oscar needs {ENV_ARTIFACT}=<calibration artifact directory> "
                 "(made by `python -m oscar calibrate model=<model> method=<method>`)"
             )
+        retired = [name for name in RETIRED_ENV if env.get(name)]
+        if retired:
+            raise OscarServeError(
+                f"{', '.join(retired)} are no longer read: the artifact's meta.json fixes the cache format "
+                f"({', '.join(RETIRED_ENV[n] for n in retired)} included); unset them and serve an artifact calibrated "
+                "with the format you want")
         kernels = env.get(ENV_KERNELS) or None
         if kernels not in (None, "torch", "triton"):
             raise OscarServeError(f"{ENV_KERNELS}={kernels!r} is not valid; choose 'torch' or 'triton'")
         s = ServeSettings(
             artifact=Path(art),
-            sink=int(_int_env(env, ENV_SINK, 64)),  # type: ignore[arg-type]
-            recent=int(_int_env(env, ENV_RECENT, 256)),  # type: ignore[arg-type]
-            bits=_int_env(env, ENV_BITS, None),
-            group_size=_int_env(env, ENV_GROUP, None),
+            sink=_int_env(env, ENV_SINK, None),
+            recent=_int_env(env, ENV_RECENT, None),
             kernels=kernels,
             mma=parse_mma(env.get(ENV_MMA) or ""),
         )
-        if s.sink < 0:
+        if s.sink is not None and s.sink < 0:
             raise OscarServeError(f"{ENV_SINK}={s.sink} must be >= 0")
-        if s.recent < 1:
+        if s.recent is not None and s.recent < 1:
             raise OscarServeError(f"{ENV_RECENT}={s.recent} must be >= 1 (the newest token is always BF16)")
-        if s.bits is not None and s.bits not in (2, 4):
-            raise OscarServeError(f"{ENV_BITS}={s.bits} is not supported; valid values are 2 and 4")
         return s
 
-    def cache_format(self, bits: int, group_size: int) -> Any:
-        """The `oscar.cache.formats.CacheFormat` this server stores (``bits`` and ``group_size`` resolved from
-        the artifact by `load_rotations`): the same value the embedded engine and the profile use."""
-        from oscar.cache.formats import CacheFormat
-
-        return CacheFormat.serving(sink=self.sink, recent=self.recent, bits=bits, group_size=group_size)
+    def cache_format(self, artifact_format: Any) -> Any:
+        """The `oscar.cache.formats.CacheFormat` this server stores: the artifact's, with the windows of
+        ``OSCAR_SINK``/``OSCAR_RECENT`` where set; refused unless the SGLang pool serves it."""
+        fmt = artifact_format.replace(**{k: v for k, v in (("sink", self.sink), ("recent", self.recent))
+                                         if v is not None})
+        try:
+            fmt.check_served("pool")
+        except NotImplementedError as err:
+            raise OscarServeError(f"{ENV_ARTIFACT}={str(self.artifact)!r}: {err}") from None
+        return fmt
 
     def kernel_backend(self, device: Any) -> str:
         """``torch`` or ``triton`` for ``device`` (the setting, else triton on CUDA and torch elsewhere)."""
@@ -172,13 +176,15 @@ def check_architecture(hf_config: Any) -> None:
         raise OscarServeError(str(err)) from None
 
 
-def load_rotations(settings: ServeSettings, hf_config: Any) -> tuple[list[Any], int, int]:
-    """Per-layer ``LayerRotations`` (float32, CPU), bits and effective group size, from the artifact,
-    after checking it against ``hf_config`` (config hash, layers, KV heads, head_dim) and the settings.
+def load_rotations(settings: ServeSettings, hf_config: Any) -> tuple[list[Any], Any]:
+    """Per-layer ``LayerRotations`` (float32, CPU) and the served cache format (`ServeSettings.cache_format` of
+    the artifact's recorded format), after checking the artifact against ``hf_config`` (config hash, layers, KV
+    heads, head_dim).
 
     ``auto`` artifacts (per-head rotations and targets, centering ``mu_K``/``mu_V``, rope-centered keys) are
     served; the pool refuses rope-centered keys where its kernels do not take token positions
     (`oscar.serve.pool.OscarTokenToKVPool`). Per-channel keys (``method.channel_block > 0``) are refused here."""
+    from oscar.cache.formats import CacheFormat
     from oscar.core.artifact import ArtifactMismatch, load_artifact
     from oscar.models.engine import layer_rotations
 
@@ -188,7 +194,7 @@ def load_rotations(settings: ServeSettings, hf_config: Any) -> tuple[list[Any], 
         raise OscarServeError(f"{ENV_ARTIFACT}={str(path)!r} is not a directory (a calibration artifact is a "
                               "directory with rotations.safetensors and meta.json)")
     try:
-        art = load_artifact(path, model=cfg, group_size=settings.group_size, bits=settings.bits)
+        art = load_artifact(path, model=cfg)
     except (ArtifactMismatch, FileNotFoundError) as err:
         raise OscarServeError(f"{ENV_ARTIFACT}: {err}") from None
     channel_layers = [layer for layer in range(art.num_layers) if art.key_block(layer)]
@@ -199,10 +205,19 @@ def load_rotations(settings: ServeSettings, hf_config: Any) -> tuple[list[Any], 
             f"{art.key_block(channel_layers[0])}), which the SGLang pool does not serve (its pages carry one scale "
             "and zero per token); calibrate it with method.channel_block=0 (the default)"
         )
-    return layer_rotations(art), int(art.meta["bits"]), int(art.meta["group_size"])
+    try:
+        fmt = settings.cache_format(CacheFormat.of_artifact(art.meta))
+    except OscarServeError:
+        raise
+    except ValueError as err:
+        raise OscarServeError(f"{ENV_ARTIFACT}={str(path)!r}: {err}") from None
+    if (fmt.bits, fmt.group_size) != (int(art.meta["bits"]), int(art.meta["group_size"])):
+        raise OscarServeError(f"{ENV_ARTIFACT}={str(path)!r}: its cache_format (INT{fmt.bits}, group {fmt.group_size}) "
+                              f"disagrees with the artifact's bits {art.meta['bits']} and group {art.meta['group_size']}")
+    return layer_rotations(art), fmt
 
 
-def validate(settings: ServeSettings, hf_config: Any) -> tuple[list[Any], int, int]:
+def validate(settings: ServeSettings, hf_config: Any) -> tuple[list[Any], Any]:
     """Architecture check, then the artifact against the model (what the plugin runs at start-up)."""
     check_architecture(hf_config)
     return load_rotations(settings, hf_config)
@@ -214,32 +229,12 @@ def head_transforms(rot: Any, device: Any) -> tuple[Any, Any]:
     return rot.paged_transforms("OSCAR KV pool", device)
 
 
-def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bits: int, group_size: int) -> int:
-    """Pool bytes per token (all layers, K and V): packed codes plus BF16 scale and zero per group
-    (`oscar.cache.formats.CacheFormat.bytes_per_token`)."""
-    from oscar.cache.formats import CacheFormat
-
-    return CacheFormat.serving(sink=0, recent=1, bits=bits, group_size=group_size).bytes_per_token(
-        num_layers, num_kv_heads, head_dim)
-
-
-def window_bytes_per_request(num_layers: int, num_kv_heads: int, head_dim: int, sink: int, recent: int,
-                             itemsize: int = 2) -> int:
-    """BF16 sink + recent window bytes of one request slot (all layers, K and V)
-    (`oscar.cache.formats.CacheFormat.window_bytes`)."""
-    from oscar.cache.formats import CacheFormat
-
-    return CacheFormat(name="window", sink=sink, recent=recent).window_bytes(num_layers, num_kv_heads, head_dim, itemsize)
-
-
 __all__ = [
     "ENV_VARS",
     "OscarServeError",
     "ServeSettings",
-    "bytes_per_token",
     "check_architecture",
     "head_transforms",
     "load_rotations",
     "validate",
-    "window_bytes_per_request",
 ]

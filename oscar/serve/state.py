@@ -28,16 +28,17 @@ def set_active(on: bool) -> None:
 
 
 def ensure_state(hf_config: Any) -> dict[str, Any]:
-    """Settings, rotations, bits and group of this process (validated against ``hf_config`` once)."""
+    """Settings, rotations and the served cache format (`oscar.cache.formats`) of this process, validated
+    against ``hf_config`` once."""
     if not _STATE:
         from oscar.serve.settings import OscarServeError, ServeSettings, validate
 
         settings = ServeSettings.from_env()
-        rotations, bits, group = validate(settings, hf_config)
+        rotations, fmt = validate(settings, hf_config)
         fold = os.environ.get(ENV_FOLD, "1")
         if fold not in ("0", "1"):
             raise OscarServeError(f"{ENV_FOLD}={fold!r} is not valid; use 1 (fold R_V into o_proj) or 0")
-        _STATE.update(settings=settings, rotations=rotations, bits=bits, group_size=group, fold=fold == "1")
+        _STATE.update(settings=settings, rotations=rotations, format=fmt, fold=fold == "1")
     return _STATE
 
 

@@ -71,7 +71,7 @@ def mean_ci(per_window: list[torch.Tensor]) -> tuple[float, float, float]:
 
 def split_spec(spec: str) -> tuple[str, Optional[str]]:
     """`name[:clip][@S0/W]` -> (method name, clip policy or None); refuses an unknown policy or malformed windows."""
-    from oscar.core.methods import CLIP_MODES
+    from oscar.models.methods import CLIP_MODES
 
     head, _, windows = spec.partition("@")
     name, _, clip = head.partition(":")
@@ -108,6 +108,7 @@ def _method_cfg(spec: str, sink: Optional[int], recent: Optional[int], model: st
                 sets: Optional[dict[str, list[str]]] = None) -> Any:
     from omegaconf import OmegaConf
 
+    from oscar.cache.formats import REGISTRY, format_class
     from oscar.config import compose
 
     name, clip = split_spec(spec)
@@ -115,15 +116,17 @@ def _method_cfg(spec: str, sink: Optional[int], recent: Optional[int], model: st
     method = OmegaConf.to_container(cfg.method, resolve=True)
     if clip is not None:
         method["clip"] = clip
-    if str(method["kind"]) in ("rotated", "turboquant"):
+    windowed = format_class(str(method["kind"]), f"method spec {spec!r}").windowed
+    if windowed:
         if sink is not None:
             method["sink"] = sink
         if recent is not None:
             method["recent"] = recent
     own = spec_windows(spec)
     if own is not None:
-        if str(method["kind"]) not in ("rotated", "turboquant"):
-            raise ValueError(f"method spec {spec!r}: only rotated and turboquant methods take S0/W windows")
+        if not windowed:
+            raise ValueError(f"method spec {spec!r}: only methods of a windowed format ("
+                             f"{', '.join(k for k, c in REGISTRY.items() if c.windowed)}) take S0/W windows")
         method["sink"], method["recent"] = own
     return cfg, OmegaConf.create(method)
 
@@ -146,7 +149,7 @@ def _rotations(cfg: Any, method: Any, model: Any) -> Any:
     from its artifact (fitted under `method.clip=fit`); a `:none` variant of a calibrated method reads the
     artifact and sets every clip ratio to 1."""
     from oscar.models.engine import artifact_dir, rotations_from_artifact, rotations_in_code
-    from oscar.core.methods import clip_mode, needs_statistics
+    from oscar.models.methods import clip_mode, needs_statistics
 
     if not needs_statistics(method):
         return rotations_in_code(method, model)
@@ -165,8 +168,8 @@ def _rotations(cfg: Any, method: Any, model: Any) -> Any:
 
 def clip_edges(cfg: Any, method: Any) -> Optional[dict[str, Any]]:
     """Grid-edge counts of a fitted artifact (`meta.clip.edges`), with the grid ends; None when not fitted."""
-    from oscar.models.engine import artifact_dir
-    from oscar.core.methods import clip_mode
+    from oscar.core.artifact import artifact_dir
+    from oscar.models.methods import clip_mode
 
     path = artifact_dir(cfg) / "meta.json"
     if clip_mode(method) != "fit" or not path.is_file():
@@ -232,8 +235,8 @@ def run(
     Hydra overrides per method name (`parse_sets`), e.g. auto's `method.channel_block=64`."""
     from oscar.config import compose
     from oscar.data.corpora import eval_sequences
-    from oscar.models.engine import Engine
-    from oscar.core.methods import clip_mode
+    from oscar.models.engine import Engine, method_format
+    from oscar.models.methods import clip_mode
     from oscar.models import load_model
 
     rows: list[dict[str, Any]] = []
@@ -248,15 +251,14 @@ def run(
             refs.append(eng.score(ids[None], mode="decode_equivalent"))
         for spec in methods:
             cfg, method = _method_cfg(spec, sink, recent, model_name, results_dir, sets)
-            row: dict[str, Any] = {"model": model_name, "method": spec, "kind": str(method.kind), "bits": int(method.bits),
+            fmt = method_format(method, model)
+            row: dict[str, Any] = {"model": model_name, "method": spec, "kind": fmt.kind, "bits": int(method.bits),
                                    "clip": clip_mode(method)}
-            if str(method.kind) in ("rotated", "turboquant"):
-                row.update(sink=int(method.sink), recent=int(method.recent))
-            elif str(method.kind) == "kivi":
-                row.update(sink=0, recent=int(method.recent))
+            if fmt.quantized:
+                row.update(sink=fmt.sink, recent=fmt.recent)
             t0 = time.perf_counter()
             try:
-                rotations = _rotations(cfg, method, model) if str(method.kind) == "rotated" else None
+                rotations = _rotations(cfg, method, model) if fmt.rotated else None
                 eng = Engine(model, tok, method, rotations)
             except (FileNotFoundError, ValueError) as exc:
                 row["status"] = f"missing artifact: {exc}"

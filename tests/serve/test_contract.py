@@ -106,7 +106,7 @@ def test_register_adds_backend_choice_and_hooks():
 def test_refusals_name_the_flag():
     from types import SimpleNamespace
 
-    from oscar.serve.plugin import _flag_problems, _settings_problems
+    from oscar.serve.plugin import _flag_problems, _format_problems
 
     ok = SimpleNamespace(tp_size=1, pp_size=1, dp_size=1, dcp_size=1, enable_dp_attention=False,
                          speculative_algorithm=None, disable_radix_cache=True, chunked_prefill_size=8192,
@@ -138,6 +138,6 @@ def test_refusals_name_the_flag():
                                ("disable_prefill_cuda_graph", False, "--disable-prefill-cuda-graph")):
         problems = _flag_problems(SimpleNamespace(**{**vars(gpu), field: value}))
         assert len(problems) == 1 and flag in problems[0], (field, problems)
-    settings = SimpleNamespace(sink=24)
-    assert any("OSCAR_SINK=24" in p and "--page-size 16" in p for p in _settings_problems(settings, gpu))
-    assert _settings_problems(SimpleNamespace(sink=64), gpu) == []
+    fmt = SimpleNamespace(sink=24)
+    assert any("sink of 24 tokens" in p and "--page-size 16" in p for p in _format_problems(fmt, gpu))
+    assert _format_problems(SimpleNamespace(sink=64), gpu) == []

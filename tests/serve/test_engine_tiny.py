@@ -106,11 +106,12 @@ def test_pool_reports_int2_bytes(served, tiny_llama):
 
     from transformers import AutoConfig
 
-    from oscar.serve.settings import bytes_per_token
+    from oscar.cache.formats import RotatedFormat
 
     _, log, _ = served
     cfg = AutoConfig.from_pretrained(str(tiny_llama))
-    expect = bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 2, 64)
+    expect = RotatedFormat(bits=2, group_size=64, recent=1).bytes_per_token(cfg.num_hidden_layers,
+                                                                           cfg.num_key_value_heads, cfg.head_dim)
     lines = re.findall(r"OSCAR KV pool: INT(\d), group (\d+), sink (\d+), recent (\d+), pages of (\d+) tokens "
                        r"\(\w+ layout\): (\d+) bytes/token \(BF16 KV: (\d+), ([\d.]+)x more tokens per byte\); "
                        r"#tokens (\d+), pages (\d+) bytes", log)

@@ -19,6 +19,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from oscar.cache.formats import RotatedFormat
+
 from oscar.cache import paged
 from oscar.cache.torch_cache import LayerRotations
 from oscar.serve.settings import ServeSettings
@@ -34,7 +36,7 @@ def _state(sink: int, recent: int, layers: int = 1) -> dict:
     gen = torch.Generator().manual_seed(0)
     rots = [LayerRotations(_orth(gen), _orth(gen), 0.1 * torch.randn(HKV, D, generator=gen), None) for _ in range(layers)]
     return dict(settings=ServeSettings(artifact=Path("unused"), sink=sink, recent=recent, kernels="torch"),
-                rotations=rots, bits=2, group_size=D, fold=True)
+                rotations=rots, format=RotatedFormat(name="oscar", bits=2, group_size=D, sink=sink, recent=recent), fold=True)
 
 
 def _pool(sink: int, recent: int, size: int = 512, layout: str = "mma"):
@@ -149,8 +151,8 @@ def test_decode_over_pool_equals_attention_over_cached_rows():
     segs = _backend(pool, r2t)._window_segments(meta, 0)  # the pool's window buffers, read in place by slot
     assert segs["recent_k"].data_ptr() == pool.win_k[0].data_ptr() + pool.sink * D * 2  # a view, no copy
     assert segs["window_rows"] is meta.win_row
-    out = paged.decode_attention(q, pool.k_pages[0], pool.v_pages[0], meta.page_table, meta.int_len, kt, vt,
-                                 sm_scale=D**-0.5, output_frame="original", backend="torch", **segs).float()
+    out = paged.decode_attention(q, pool.k_pages[0], pool.v_pages[0], paged.Segments(meta.page_table, meta.int_len, **segs),
+                                 kt, vt, sm_scale=D**-0.5, output_frame="original", backend="torch").float()
     for b, (r, n) in enumerate(((3, 70), (0, 150))):
         ck, cv = pool.cached_rows(0, r2t, r, n)  # [HKV, n, D]
         qb = q[b].float().reshape(HKV, H // HKV, D)

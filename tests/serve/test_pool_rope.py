@@ -25,6 +25,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from oscar.cache.formats import RotatedFormat
+
 from oscar.cache.torch_cache import LayerRotations
 from oscar.core.rope import RopeSpec
 from oscar.serve.settings import OscarServeError, ServeSettings
@@ -43,7 +45,7 @@ def _pool(rope: bool, kernels: str = "torch", layout: str = "mma"):
     rot = LayerRotations(orth(), orth(), None, 0.1 * torch.randn(HKV, D, generator=gen),
                          rope_k=BIAS.clone() if rope else None, rope=SPEC if rope else None)
     state = dict(settings=ServeSettings(artifact=Path("art"), sink=S0, recent=W, kernels=kernels), rotations=[rot],
-                 bits=2, group_size=D, fold=False)
+                 format=RotatedFormat(name="auto", bits=2, group_size=D, sink=S0, recent=W), fold=False)
     pool = OscarTokenToKVPool(512, PAGE, torch.bfloat16, HKV, D, 1, "cpu", False, oscar_state=state, oscar_layout=layout)
     pool.bind_requests(4)
     return pool

@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from oscar.core.artifact import artifact_path
 from oscar.config import Composer, ConfigError, ResourcesConfig, config_hash, to_dict, write_resolved, write_text_if_changed
 
 # Overrides that select a value of a grid axis instead of a setting of every cell.
@@ -32,6 +33,7 @@ DEFAULT_RESOURCES = {
 # Sections of a cell's resolved configuration file (the study's tables and tracking do not
 # change a cell's outputs, so editing them reruns nothing).
 CELL_SECTIONS_DROPPED = ("experiment", "tracking")
+ARTIFACTS_DIR = "results/calibration"  # the workflow's artifacts_dir (artifact_path gives each artifact's folder)
 # Sub-configurations a calibration stage depends on: a change elsewhere does not recalibrate.
 STATS_KEYS = ("model", "calibration", "device", "backend")
 ARTIFACT_KEYS = ("model", "method", "calibration", "device", "backend")
@@ -132,7 +134,7 @@ class Calibration:
 
     @property
     def artifact_dir(self) -> str:
-        return f"results/calibration/{self.model}/{self.label}"
+        return str(artifact_path(ARTIFACTS_DIR, self.model, self.label))
 
     @property
     def config_path(self) -> str:
@@ -201,7 +203,7 @@ class Plan:
             # axis selections are composed once here too, so a bad one fails before any planning
             self.base = self._composer.compose(self.settings + [f"{k}={v}" for k, v in self.axes.items()])
         self.experiment = str(self.base.experiment.name)
-        for key, fixed in (("results_dir", "results"), ("artifacts_dir", "results/calibration")):
+        for key, fixed in (("results_dir", "results"), ("artifacts_dir", ARTIFACTS_DIR)):
             if str(self.base[key]) != fixed:
                 raise ConfigError(
                     f"{key}={self.base[key]!r}: the workflow keeps its files under {fixed!r} of its working "

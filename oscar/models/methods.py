@@ -16,14 +16,13 @@ from typing import Any, Mapping
 
 import torch
 
+from oscar.cache.formats import KINDS, format_class, group_of, record_format
 from oscar.core.clipfit import candidate_label, center_suffix
 from oscar.core.rotation import ROTATION_KINDS, NEEDS_COVARIANCE
 
-METHOD_KINDS = ("bf16", "rotated", "kivi", "turboquant")
 ROTATION_CHOICES = (*ROTATION_KINDS, "auto")
 CLIP_MODES = ("fit", "fixed", "none", "paper")
 PAPER_CLIP_MODES = ("fit", "fixed", "none")
-NO_CLIP_KINDS = ("bf16", "kivi", "turboquant")  # formats without a clip ratio (module doc of clip_mode)
 KEY_TARGETS = ("query", "raw", "geomean")
 VALUE_TARGETS = ("output", "raw", "geomean")
 
@@ -41,16 +40,18 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def _rotated(method_cfg: Any) -> bool:
+    """Whether the method's format reads rotations, means and clip ratios (`oscar.cache.formats`)."""
+    kind = str(_get(method_cfg, "kind", "rotated"))
+    return kind in KINDS and format_class(kind).rotated
+
+
 def effective_group_size(method_cfg: Any, head_dim: int) -> int:
     """`min(method.group_size, head_dim)` (docs/DESIGN.md "Effective group size"); refuses non-divisors."""
-    g = min(int(_get(method_cfg, "group_size", 128)), int(head_dim))
-    if g <= 0 or head_dim % g:
-        valid = [x for x in range(4, head_dim + 1, 4) if head_dim % x == 0]
-        raise MethodError(
-            f"method {_get(method_cfg, 'name', '?')!r}: group_size {g} does not divide head_dim {head_dim}; "
-            f"valid group sizes: {valid}"
-        )
-    return g
+    try:
+        return group_of(method_cfg, head_dim)
+    except ValueError as err:
+        raise MethodError(str(err)) from None
 
 
 def clip_mode(method_cfg: Any) -> str:
@@ -63,7 +64,7 @@ def clip_mode(method_cfg: Any) -> str:
     clip ratio in their format (`bf16`; `kivi`, whose min/max groups run along tokens; `turboquant`,
     whose Lloyd-Max codebook fixes its own range) always run with `none`.
     """
-    if str(_get(method_cfg, "kind", "rotated")) in NO_CLIP_KINDS:
+    if not _rotated(method_cfg):
         return "none"
     clip = str(_get(method_cfg, "clip", "fit"))
     if clip == "paper":
@@ -75,8 +76,8 @@ def validate_method(method_cfg: Any) -> None:
     """Refuse unknown kinds, rotations, targets and clip modes, naming the valid options."""
     name = _get(method_cfg, "name", "?")
     kind = str(_get(method_cfg, "kind", "rotated"))
-    if kind not in METHOD_KINDS:
-        raise MethodError(f"method {name!r}: unknown kind {kind!r}; valid: {', '.join(METHOD_KINDS)}")
+    if kind not in KINDS:
+        raise MethodError(f"method {name!r}: unknown kind {kind!r}; valid: {', '.join(KINDS)}")
     for side in ("key_rotation", "value_rotation"):
         value = str(_get(method_cfg, side, "identity"))
         if value not in ROTATION_CHOICES:
@@ -105,7 +106,7 @@ def validate_method(method_cfg: Any) -> None:
 
 def needs_statistics(method_cfg: Any) -> bool:
     """True when the method's rotations, means or clip ratios come from calibration statistics."""
-    if str(_get(method_cfg, "kind", "rotated")) in NO_CLIP_KINDS:
+    if not _rotated(method_cfg):
         return False
     rotations = {str(_get(method_cfg, s, "identity")) for s in ("key_rotation", "value_rotation")}
     return (
@@ -119,7 +120,7 @@ def _method_dict(method_cfg: Any, **overrides: Any) -> dict[str, Any]:
     from omegaconf import DictConfig, OmegaConf
 
     data = OmegaConf.to_container(method_cfg, resolve=True) if isinstance(method_cfg, DictConfig) else dict(method_cfg)
-    if str(data.get("kind", "rotated")) in ("bf16", "kivi"):
+    if not _rotated(data):  # formats without rotations store none: identity, uncentered
         data = {**data, "key_rotation": "identity", "value_rotation": "identity", "center": False}
     data["clip"] = clip_mode(data)
     data.update(overrides)
@@ -168,6 +169,7 @@ def build_rotations(
         calibration=calibration,
     )
     art.meta["method"] = _method_dict(method_cfg)
+    record_format(art, method_cfg)  # meta.json names the cache format the artifact was calibrated for
     return art
 
 
