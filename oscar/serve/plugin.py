@@ -99,11 +99,12 @@ def _flag_problems(args: Any) -> list[str]:
     return out
 
 
-def _settings_problems(settings: Any, args: Any) -> list[str]:
-    """Settings that do not fit the server's flags (the sink must fill whole pages)."""
+def _format_problems(fmt: Any, args: Any) -> list[str]:
+    """What of the served cache format does not fit the server's flags (the sink must fill whole pages)."""
     page = int(getattr(args, "page_size", None) or 1)
-    if settings.sink % page:
-        return [f"OSCAR_SINK={settings.sink} must be a multiple of --page-size {page} (quantized rows start on a page)"]
+    if fmt.sink % page:
+        return [f"the sink of {fmt.sink} tokens (OSCAR_SINK, else the artifact's format) must be a multiple of "
+                f"--page-size {page} (quantized rows start on a page)"]
     return []
 
 
@@ -124,13 +125,16 @@ def check_server_args_after(result: Any, args: Any, *rest: Any, **kwargs: Any) -
     from oscar.serve.settings import OscarServeError, ServeSettings, validate
 
     settings = ServeSettings.from_env()
-    problems = _flag_problems(args) + _settings_problems(settings, args)
+    problems = _flag_problems(args)
     if problems:
         raise OscarServeError("--attention-backend oscar refuses these settings:\n  - " + "\n  - ".join(problems))
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(args.model_path, trust_remote_code=bool(args.trust_remote_code))
-    validate(settings, hf_config)
+    _, fmt = validate(settings, hf_config)
+    problems = _format_problems(fmt, args)
+    if problems:
+        raise OscarServeError("--attention-backend oscar refuses these settings:\n  - " + "\n  - ".join(problems))
     problems = _tp_problems(args, hf_config)
     if problems:
         raise OscarServeError("--attention-backend oscar refuses these settings:\n  - " + "\n  - ".join(problems))
@@ -204,8 +208,6 @@ def compute_cell_size_around(original: Any, conf: Any, kvc: Any, num_layers: int
         return original(conf, kvc, num_layers, *args, **kwargs)
     from sglang.srt.runtime_context import get_parallel
 
-    from oscar.serve.settings import bytes_per_token, window_bytes_per_request
-
     st = ensure_state(kvc.model_config.hf_config)
     mc = kvc.model_config
     par = get_parallel()
@@ -213,13 +215,13 @@ def compute_cell_size_around(original: Any, conf: Any, kvc: Any, num_layers: int
         hkv = mc.get_num_kv_heads(par.attn_tp_size, par.attn_dcp_size)
     except TypeError:
         hkv = mc.get_num_kv_heads(par.attn_tp_size)
-    cell = bytes_per_token(int(num_layers), int(hkv), int(mc.head_dim), st["bits"], st["group_size"])
+    fmt = st["format"]
+    cell = fmt.bytes_per_token(int(num_layers), int(hkv), int(mc.head_dim))
     bf16 = int(hkv) * (int(mc.head_dim) + int(mc.v_head_dim)) * int(num_layers) * 2
     reqs = int(kvc.server_args.max_running_requests) + 1
-    sink = st["settings"].sink
+    sink = fmt.sink
     st["prefix_cache"] = not bool(getattr(kvc.server_args, "disable_radix_cache", True))
-    conf._oscar_window_bytes = reqs * window_bytes_per_request(
-        int(num_layers), int(hkv), int(mc.head_dim), sink, st["settings"].recent)
+    conf._oscar_window_bytes = reqs * fmt.window_bytes(int(num_layers), int(hkv), int(mc.head_dim))
     if st["prefix_cache"]:  # the sink store: BF16 sink pages of twice as many prefixes as request slots
         from oscar.serve.pool import sink_store_pages
 
