@@ -124,7 +124,7 @@ def test_a_folded_rotation_changes_the_rows_by_rounding_only(smollm2, needle) ->
 
 
 def test_cells_share_the_prefill_stream_their_records_and_resume(smollm2, tmp_path, single_thread) -> None:
-    from oscar.eval.runner import ITEMS_FILE, KEPT_FILE, PARTIAL_FILE, RESULT_FILE
+    from oscar.eval.cells import ITEMS_FILE, KEPT_FILE, PARTIAL_FILE, RESULT_FILE
     from oscar.eval.shared_prefill import run_cells
 
     short = ["benchmark.context_lengths=[256]", "benchmark.extra.samples_per_length=2", "benchmark.max_new_tokens=2"]
@@ -212,7 +212,7 @@ def test_a_stream_fed_shared_rows_generates_what_its_own_prefill_does(smollm2, s
 
 
 def test_generated_cells_share_one_prefill_per_prompt_and_resume(tmp_path, single_thread) -> None:
-    from oscar.eval.runner import ITEMS_FILE, KEPT_FILE, PARTIAL_FILE, RESULT_FILE, cell_config_hash
+    from oscar.eval.cells import ITEMS_FILE, KEPT_FILE, PARTIAL_FILE, RESULT_FILE, cell_config_hash
     from oscar.eval.shared_prefill import run_cells
 
     cfgs = [_he(m, "benchmark.batch_size=2", "+benchmark.extra.shared_prefill=true") for m in ("bf16", "int2")]

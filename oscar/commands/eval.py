@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
+from typing import Any
 
 from oscar.commands._stage import pop_flags, read_json
 from oscar.config import ConfigError, compose
+from oscar.eval.cells import KEPT_FILE, RESULT_FILE, cell_config_hash, cell_dir, engine_name
 
 FLAGS = {"force": False, "progress": True, "threads": 0}
 
@@ -22,11 +25,23 @@ def _raise_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def build_engine(cfg: Any, log_path: Path | None = None) -> Any:
+    """The cell's engine: `oscar.models.engine.Engine` in this process, or (`engine=sglang`) an SGLang server with
+    the oscar plugin (`oscar.serve.client.SGLangEngine`; stop it with `close()`)."""
+    if engine_name(cfg) == "sglang":
+        from oscar.serve.client import SGLangEngine
+
+        return SGLangEngine(cfg, log_path=log_path)
+    from oscar.models.engine import Engine
+
+    return Engine.from_config(cfg)
+
+
 def main(argv: list[str]) -> int:
     """Run one evaluation cell; 0 on success, 2 on a configuration or data error, 3 when the SGLang server
     (engine=sglang) fails to start or refuses a request."""
     from oscar.eval.items import DataNotAvailable
-    from oscar.eval.runner import RESULT_FILE, cell_config_hash, cell_dir, run_cell
+    from oscar.eval.runner import run_cell
 
     try:
         flags, overrides = pop_flags(argv, FLAGS)
@@ -41,14 +56,11 @@ def main(argv: list[str]) -> int:
         print(json.dumps(previous["metrics"], sort_keys=True))
         return 0
     if flags["force"]:  # recompute every item, not only what a finished run did not keep
-        from oscar.eval.runner import KEPT_FILE
-
         (out / KEPT_FILE).unlink(missing_ok=True)
     import signal
 
     import torch
 
-    from oscar.eval.runner import build_engine, engine_name
     from oscar.serve.server import ServerError
 
     if flags["threads"]:

@@ -39,7 +39,7 @@ def split_cells(argv: list[str]) -> list[list[str]]:
 def main(argv: list[str]) -> int:
     """Run the cells; 0 on success (or all up to date), 2 on a configuration or data error."""
     from oscar.eval.items import DataNotAvailable
-    from oscar.eval.runner import RESULT_FILE, cell_config_hash, cell_dir
+    from oscar.eval.cells import RESULT_FILE, cell_config_hash, cell_dir
 
     try:
         flags, rest = pop_flags(argv, FLAGS)

@@ -184,7 +184,7 @@ def check_config_hash(cell: dict[str, Any], result: dict[str, Any], root: str | 
         return
     from omegaconf import OmegaConf
 
-    from oscar.eval.runner import cell_config_hash
+    from oscar.eval.cells import cell_config_hash
 
     path = Path(root) / cell["config_path"]
     try:

@@ -24,7 +24,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from oscar.eval.runner import ITEMS_FILE, PARTIAL_FILE, RESULT_FILE
+from oscar.eval.cells import ITEMS_FILE, PARTIAL_FILE, RESULT_FILE
 from oscar.eval.stats import bootstrap_mean_ci, paired_bootstrap
 
 METHOD_ORDER = ["bf16", "int2", "auto", "kivi2", "quarot", "oscar", "turboquant", "saw_int4"]
