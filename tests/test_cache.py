@@ -11,7 +11,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Confi
 
 from oscar.core import quant
 from oscar.cache.attention import enable
-from oscar.cache.torch_cache import CacheSpec, LayerRotations, OscarLayer, new_cache, spec_for_model
+from oscar.cache.torch_cache import CacheSpec, LayerRotations, OscarLayer, spec_for_model
+from oscar.models.engine import new_cache
 from oscar.core.rotation import random_orthogonal
 
 torch.set_num_threads(2)

@@ -155,7 +155,8 @@ def _llama_with(block: int):
 
 
 def test_decode_equivalent_prefill_equals_step_by_step_decoding_with_per_channel_keys() -> None:
-    from oscar.cache.torch_cache import new_cache, spec_for_model
+    from oscar.cache.torch_cache import spec_for_model
+    from oscar.models.engine import new_cache
 
     model, rots = _llama_with(4)
     ids = torch.randint(0, 96, (2, 31), generator=torch.Generator().manual_seed(3))
@@ -180,7 +181,8 @@ def test_decode_equivalent_prefill_equals_step_by_step_decoding_with_per_channel
 
 
 def test_paged_paths_refuse_per_channel_keys_naming_the_setting() -> None:
-    from oscar.cache.torch_cache import new_cache, spec_for_model
+    from oscar.cache.torch_cache import spec_for_model
+    from oscar.models.engine import new_cache
     from oscar.serve.settings import head_transforms as serve_transforms
     from oscar.bench.throughput import head_transforms
 

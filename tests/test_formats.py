@@ -166,7 +166,7 @@ def test_every_format_through_the_torch_cache(model, kind):
     the first decode step's logits off BF16's (the prompt's middle is quantized) and BF16 does not, and the cache's
     measured bits per element are the format's accounting."""
     from oscar.cache import attention
-    from oscar.cache.torch_cache import new_cache
+    from oscar.models.engine import new_cache
 
     fmt = small(kind)
     ids, steps = prompt(), 6

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from oscar.cache.attention import enable
-from oscar.cache.torch_cache import new_cache, spec_for_model
+from oscar.cache.torch_cache import spec_for_model
+from oscar.models.engine import new_cache
 from oscar.models.generate import SamplingParams, filter_logits, forced_logprobs, generate_tokens, truncate_at_stop
 
 from test_cache import random_rotations, tiny_llama

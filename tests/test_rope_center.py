@@ -11,7 +11,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from oscar.core import quant
 from oscar.cache.attention import enable
-from oscar.cache.torch_cache import CacheSpec, LayerRotations, new_cache, spec_for_model
+from oscar.cache.torch_cache import CacheSpec, LayerRotations, spec_for_model
+from oscar.models.engine import new_cache
 from oscar.core.rope import RopeSpec
 from oscar.core.rotation import random_orthogonal
 from oscar.core.stats import CalibrationStats

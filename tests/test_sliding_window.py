@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from oscar.cache.attention import enable
-from oscar.cache.torch_cache import WindowLayer, new_cache, spec_for_model
+from oscar.cache.torch_cache import WindowLayer, spec_for_model
+from oscar.models.engine import new_cache
 from oscar.models import UnsupportedModel, check_supported, layer_windows
 from oscar.models.tiny import tiny_config
 

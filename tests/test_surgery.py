@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from oscar.cache.attention import enable
-from oscar.cache.torch_cache import new_cache, spec_for_model
+from oscar.cache.torch_cache import spec_for_model
+from oscar.models.engine import new_cache
 from oscar.core.rotation import random_orthogonal
 from oscar.models.surgery import fold_value_rotations, folded_weight
 

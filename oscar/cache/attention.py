@@ -172,7 +172,7 @@ def oscar_attention_forward(
     if (window is not None) != bool(getattr(layer, "is_sliding", False)):
         raise ValueError(
             f"layer {getattr(module, 'layer_idx', '?')}: the model's attention has sliding_window={window} but the cache "
-            f"layer is {type(layer).__name__}; build the cache with oscar.cache.torch_cache.new_cache(model, spec)"
+            f"layer is {type(layer).__name__}; build the cache with oscar.models.engine.new_cache(model, spec)"
         )
     n = query.shape[2]
     valid = None

@@ -1334,20 +1334,6 @@ def spec_for_model(model: Any, kind: str = "rotated", rotations: Optional[list[L
     return CacheSpec(kind=kind, layers=list(rotations or []), **kwargs)
 
 
-def new_cache(model: Any, spec: CacheSpec) -> OscarCache:
-    """An empty cache for `model` (whose attention implementation must be "oscar")."""
-    impl = getattr(model.config, "_attn_implementation", None)
-    if impl != "oscar":
-        raise ValueError(
-            f"the model's attention implementation is {impl!r}; the OSCAR cache needs 'oscar' "
-            "(call oscar.cache.attention.enable(model) first)"
-        )
-    from oscar.models.adapters import check_supported, layer_windows
-
-    check_supported(model)
-    return OscarCache(spec, int(model.config.num_hidden_layers), layer_windows(model))
-
-
 __all__ = [
     "CacheSpec",
     "LayerRotations",
@@ -1357,7 +1343,6 @@ __all__ = [
     "PagedRows",
     "SimulatedLayer",
     "WindowLayer",
-    "new_cache",
     "spec_for_model",
 ]
 

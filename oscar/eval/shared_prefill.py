@@ -33,18 +33,37 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from oscar.cache.torch_cache import OscarCache, new_cache, spec_for_model
+from oscar.cache import attention
+from oscar.cache.torch_cache import OscarCache, spec_for_model
 from oscar.eval.cells import KEPT_FILE, PARTIAL_FILE, RESULT_FILE, cell_config_hash, read_partial, write_cell
 from oscar.eval.runner import generation_prompt, grade_generation, prepare_items
-from oscar.models.generate import SamplingParams, cache_kwarg, next_tokens, truncate_at_stop
+from oscar.models import load_model
+from oscar.models.adapters import check_supported, layer_windows
+from oscar.models.engine import (
+    artifact_dir,
+    cache_spec,
+    eos_token_ids,
+    method_format,
+    new_cache,
+    rotations_from_artifact,
+    rotations_in_code,
+)
+from oscar.models.generate import (
+    SamplingParams,
+    cache_kwarg,
+    generate_continuous,
+    last_logits_only,
+    next_tokens,
+    truncate_at_stop,
+)
+from oscar.models.methods import needs_statistics
+from oscar.models.surgery import fold_value_rotations
 
 
 class RecordingCache(OscarCache):
     """A BF16 cache that also keeps every K/V chunk each layer receives (`rows[layer]`, BF16 as stored)."""
 
     def __init__(self, model: Any):
-        from oscar.models.adapters import check_supported, layer_windows
-
         check_supported(model)
         super().__init__(spec_for_model(model, "bf16"), int(model.config.num_hidden_layers), layer_windows(model))
         self.rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.layers]
@@ -75,9 +94,6 @@ class MethodRun:
     @classmethod
     def from_config(cls, cfg: Any, model: Any) -> "MethodRun":
         """Rotations of `cfg.method` from its artifact (or in code) and the fold `Engine.from_config` applies."""
-        from oscar.models.engine import artifact_dir, method_format, rotations_from_artifact, rotations_in_code
-        from oscar.models.methods import needs_statistics
-
         method = cfg.method
         rotations = None
         rotated = method_format(method, model).rotated
@@ -88,8 +104,6 @@ class MethodRun:
 
     def new_cache(self, model: Any) -> OscarCache:
         """A fresh serving-mode cache of this method (decode steps read it decode-equivalently)."""
-        from oscar.models.engine import cache_spec
-
         return new_cache(model, cache_spec(self.cfg.method, model, self.rotations, fold_values=self.fold,
                                            backend=self.backend))
 
@@ -118,14 +132,12 @@ def prefill_rows(model: Any, ids: Sequence[int]) -> list[tuple[torch.Tensor, tor
 def prefill_prompt(model: Any, ids: Sequence[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """`prefill_rows` and the logits of the last prompt position `[1, vocab]` (what the first answer token is
     drawn from, the same for every method)."""
-    from oscar.cache import attention
-
     attention.enable(model)
     device = next(model.parameters()).device
     cache = RecordingCache(model)
     x = torch.tensor([list(ids)], device=device)
     logits = model(input_ids=x, position_ids=torch.arange(x.shape[1], device=device)[None], use_cache=True,
-                   **{cache_kwarg(model): cache}, **_last_only(model)).logits[:, -1, :]
+                   **{cache_kwarg(model): cache}, **last_logits_only(model)).logits[:, -1, :]
     return cache.layer_rows(), logits
 
 
@@ -147,12 +159,6 @@ def filled_batch(model: Any, run: "MethodRun", prefills: Sequence[tuple[list, to
     return caches[0], torch.cat([logits for _, logits in prefills])
 
 
-def _last_only(model: Any) -> dict:
-    from oscar.models.generate import _last_logits_only
-
-    return _last_logits_only(model)
-
-
 @torch.no_grad()
 def complete(model: Any, run: MethodRun, ids: Sequence[int], split: int, params: SamplingParams,
              eos_ids: Sequence[int] = (), decode: Optional[Callable[[list[int]], str]] = None,
@@ -161,16 +167,12 @@ def complete(model: Any, run: MethodRun, ids: Sequence[int], split: int, params:
     `prefill_rows` written through the cache's write path), `ids[split:]` fed one token per decode step, then up
     to `params.max_new_tokens` tokens. Returns `tokens`, `kv_bits_per_element` (the cache after the answer),
     `steps` and, with `keep_logits`, the float32 logits of every step from the last prompt token on."""
-    from oscar.cache import attention
-
     device = next(model.parameters()).device
     kw = cache_kwarg(model)
     attention.enable(model)
     cache = run.new_cache(model)
     handle = None
     if run.fold:
-        from oscar.models.surgery import fold_value_rotations
-
         handle = fold_value_rotations(model, run.rotations)  # type: ignore[arg-type]
     generator = None
     if params.temperature > 0:
@@ -183,7 +185,7 @@ def complete(model: Any, run: MethodRun, ids: Sequence[int], split: int, params:
         if rows is None:
             x = torch.tensor([list(ids[:split])], device=device)
             model(input_ids=x, position_ids=torch.arange(split, device=device)[None], use_cache=True,
-                  **{kw: cache}, **_last_only(model))
+                  **{kw: cache}, **last_logits_only(model))
         else:
             cache = filled_cache(model, run, rows)
 
@@ -286,9 +288,6 @@ def _setup(cfgs: Sequence[Any], dirs: list[Path]) -> tuple:
     """What both kinds of shared run start from: the start time, the first cell, the model and tokenizer, each
     method's `MethodRun`, the items and notes, each cell's hash and the records it already holds, the sampling,
     a tokenizer view for `generation_prompt`, the EOS ids and a decoder."""
-    from oscar.models.engine import eos_token_ids
-    from oscar.models import load_model
-
     start = time.monotonic()
     first = cfgs[0]
     model, tok = load_model(first.model, device=str(first.device) if str(first.device) != "auto" else None)
@@ -367,8 +366,6 @@ def _run_stream_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log
     `benchmark.batch_size` requests per decode step) whose joining requests get caches filled from those rows
     instead of a prefill pass. Records stream to each method's `items.partial.jsonl` as requests end, and each
     method's cell is written as soon as its stream ends."""
-    from oscar.models.generate import generate_continuous
-
     start, first, model, tok, runs, items, notes, hashes, done, params, engine_view, eos_ids, decode = _setup(cfgs, dirs)
     labels = cell_labels(cfgs)
     prompts = [generation_prompt(engine_view, first, item) for item in items]
@@ -409,8 +406,6 @@ def _run_stream_cells(cfgs: Sequence[Any], dirs: list[Path], progress: bool, log
             continue
         handle = None
         if run.fold:
-            from oscar.models.surgery import fold_value_rotations
-
             handle = fold_value_rotations(model, run.rotations)  # type: ignore[arg-type]
 
         def fill(group: list[int], run: MethodRun = run, todo: list[int] = todo) -> tuple[OscarCache, torch.Tensor]:

@@ -16,10 +16,14 @@ import torch
 
 from oscar.cache import attention
 from oscar.cache.formats import CacheFormat, FormatNotServed
-from oscar.core.artifact import artifact_dir
-from oscar.cache.torch_cache import CacheSpec, LayerRotations, OscarCache, new_cache
+from oscar.core.artifact import artifact_dir, load_artifact
+from oscar.cache.torch_cache import CacheSpec, LayerRotations, OscarCache
+from oscar.models.adapters import check_supported, layer_windows
+from oscar.models import methods
 from oscar.models.generate import SamplingParams, cache_kwarg, generate_continuous, generate_tokens, positions_from_mask, truncate_at_stop
-from oscar.models.methods import clip_mode, needs_statistics
+from oscar.models.loading import load_model
+from oscar.models.methods import clip_mode, in_code_artifact, needs_statistics
+from oscar.models.surgery import fold_value_rotations
 
 class MethodNotSupported(NotImplementedError):
     """A method whose cache the embedded engine cannot build."""
@@ -36,9 +40,7 @@ def _geometry(model: Any) -> tuple[int, int, int, int]:
 
 def effective_group_size(method_cfg: Any, head_dim: int) -> int:
     """`min(method.group_size, head_dim)` (docs/DESIGN.md, "Effective group size")."""
-    from oscar.models.methods import effective_group_size as impl
-
-    return int(impl(method_cfg, head_dim))
+    return int(methods.effective_group_size(method_cfg, head_dim))
 
 
 def layer_rotations(artifact: Any) -> list[LayerRotations]:
@@ -66,8 +68,6 @@ def layer_rotations(artifact: Any) -> list[LayerRotations]:
 
 def rotations_in_code(method_cfg: Any, model: Any) -> list[LayerRotations]:
     """Per-layer rotations of a method that needs no calibration (identity, H, block H, random ...)."""
-    from oscar.models.methods import in_code_artifact
-
     layers, _, hkv, d = _geometry(model)
     return layer_rotations(in_code_artifact(method_cfg, num_layers=layers, num_kv_heads=hkv, head_dim=d))
 
@@ -75,8 +75,6 @@ def rotations_in_code(method_cfg: Any, model: Any) -> list[LayerRotations]:
 def rotations_from_artifact(path: Path, method_cfg: Any, model: Any) -> list[LayerRotations]:
     """Per-layer rotations, means and clip ratios from a calibration artifact directory (checked
     against the model's geometry, group size, bits and the method settings it was made with)."""
-    from oscar.core.artifact import load_artifact
-
     _, _, _, d = _geometry(model)
     if not (path / "rotations.safetensors").exists():
         raise FileNotFoundError(
@@ -86,6 +84,19 @@ def rotations_from_artifact(path: Path, method_cfg: Any, model: Any) -> list[Lay
     art = load_artifact(path, model=model, group_size=effective_group_size(method_cfg, d), bits=int(method_cfg.bits),
                         method=method_cfg)
     return layer_rotations(art)
+
+
+def new_cache(model: Any, spec: CacheSpec) -> OscarCache:
+    """An empty torch cache of ``spec`` for ``model`` (whose attention implementation must be "oscar"), with the
+    model's sliding-window layers (`oscar.models.adapters.layer_windows`)."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl != "oscar":
+        raise ValueError(
+            f"the model's attention implementation is {impl!r}; the OSCAR cache needs 'oscar' "
+            "(call oscar.cache.attention.enable(model) first)"
+        )
+    check_supported(model)
+    return OscarCache(spec, int(model.config.num_hidden_layers), layer_windows(model))
 
 
 def method_format(method_cfg: Any, model: Any) -> CacheFormat:
@@ -144,8 +155,6 @@ class Engine:
         self.fold_handle = None
         self.fold_values = bool(fold_values and self.format.rotated)
         if self.fold_values:
-            from oscar.models.surgery import fold_value_rotations
-
             self.fold_handle = fold_value_rotations(model, rotations)  # type: ignore[arg-type]
         self.device = next(model.parameters()).device
         self.reset_perf()
@@ -153,8 +162,6 @@ class Engine:
     @classmethod
     def from_config(cls, cfg: Any, *, fold_values: bool = True) -> "Engine":
         """Load `cfg.model` on `cfg.device` and set up `cfg.method` (artifact from `cfg.artifacts_dir`)."""
-        from oscar.models import load_model
-
         model, tokenizer = load_model(cfg.model, device=str(cfg.device) if str(cfg.device) != "auto" else None)
         method = cfg.method
         rotations = None
@@ -368,6 +375,7 @@ __all__ = [
     "Engine",
     "MethodNotSupported",
     "method_format",
+    "new_cache",
     "artifact_dir",
     "cache_spec",
     "effective_group_size",
