@@ -27,6 +27,8 @@ from typing import Any, Optional
 
 import torch
 
+from oscar import __version__
+from oscar.core.rope import RopeSpec
 from oscar.core.stats import atomic_write, atomic_write_text
 
 ARTIFACT_FORMAT_VERSION = 1
@@ -148,8 +150,6 @@ class CalibrationArtifact:
 
     def key_rope(self, layer: int) -> Any:
         """`(RopeSpec, pre-RoPE means [Hkv, d])` of a layer with rope-centered key heads, else None."""
-        from oscar.core.rope import RopeSpec
-
         mean = self.ropemu_K[layer]
         if mean is None or not bool(mean.any()):
             return None
@@ -235,8 +235,6 @@ def build_meta(
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The `meta.json` dictionary (docs/DESIGN.md) with format and package versions filled in."""
-    from oscar import __version__
-
     meta = {
         "format_version": ARTIFACT_FORMAT_VERSION,
         "oscar_version": __version__,

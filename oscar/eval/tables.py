@@ -11,6 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from oscar.core.files import atomic_write_text
 from oscar.eval.stats import mean_std, paired_bootstrap
 
 def _item_score(rec: dict) -> float:
@@ -138,8 +139,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     text = render_markdown(eval_rows(Path(args.results), args.model), fidelity_rows(Path(args.results), args.model))
     if args.out:
-        from oscar.core.files import atomic_write_text
-
         atomic_write_text(Path(args.out), text)
     print(text)
     return 0

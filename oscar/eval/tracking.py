@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from oscar.config import flatten
 from oscar.core.files import atomic_write_text
 from oscar.eval.reporting import TablePlan, aggregate, numeric_metrics, pick_metric, summarize
 
@@ -96,8 +97,6 @@ def _digest(paths: list[Path]) -> str:
 
 def _flat_params(config_path: Path) -> dict[str, str]:
     from omegaconf import OmegaConf
-
-    from oscar.config import flatten
 
     if not config_path.is_file():
         return {}

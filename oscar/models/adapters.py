@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from oscar.core.rope import RopeSpec
+
 HEAD_DIM_BASES = (1, 12, 20)  # head_dim = 2^k * base: the sizes with a known Hadamard matrix
 
 
@@ -253,8 +255,6 @@ def key_rope(model: nn.Module, layer: int, positions: int = 2048) -> tuple[objec
     import sys
 
     import torch
-
-    from oscar.core.rope import RopeSpec
 
     rot = _rotary_module(model)
     if rot is None:

@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
+from oscar.models.adapters import get_adapter
+
 CAPTURE_IMPL = "oscar_capture"  # wraps sdpa (mask from sdpa_mask, may be None = causal)
 CAPTURE_IMPL_EAGER = "oscar_capture_eager"  # wraps the model's eager attention (explicit eager_mask)
 _SINK_ATTR = "_oscar_capture_sink"
@@ -82,8 +84,6 @@ def register_capture_attention() -> None:
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    from oscar.models.adapters import get_adapter
-
     adapter = get_adapter(model)
     return [adapter.attention(model, i) for i in range(len(adapter.layers(model)))]
 

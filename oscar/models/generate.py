@@ -238,7 +238,7 @@ def generate_continuous(
     eos = set(int(e) for e in eos_token_ids)
     gens: dict[int, torch.Generator] = {}
     kw = cache_kwarg(model)
-    last_only = _last_logits_only(model)
+    last_only = last_logits_only(model)
     queue = deque(sorted(range(len(prompts)), key=lambda i: len(prompts[i])))  # prefill groups of similar lengths
     active: list[int] = []
     cache: Any = None
@@ -316,7 +316,7 @@ def generate_continuous(
     return out
 
 
-def _last_logits_only(model: Any) -> dict:
+def last_logits_only(model: Any) -> dict:
     """`{"logits_to_keep": 1}` when the model's forward takes it: the prefill then runs the LM head on the
     last position only (Qwen2.5's 152k-token head is 27% of a 0.5B model's weights), else `{}`."""
     import inspect
@@ -340,4 +340,4 @@ def truncate_at_stop(text: str, stop: Sequence[str]) -> str:
     return text[:cut]
 
 
-__all__ = ["SamplingParams", "filter_logits", "generate_continuous", "generate_tokens", "left_pad", "next_tokens", "positions_from_mask", "truncate_at_stop"]
+__all__ = ["SamplingParams", "filter_logits", "generate_continuous", "generate_tokens", "last_logits_only", "left_pad", "next_tokens", "positions_from_mask", "truncate_at_stop"]

@@ -22,6 +22,7 @@ import torch
 from omegaconf import DictConfig
 
 from oscar.models.adapters import ModelDims, check_head_dim, check_supported, get_adapter
+from oscar.models.registry import get_model_config
 
 DENSE_STAMP = "oscar_dense.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -197,8 +198,6 @@ def load_model(
     online models only, the Hugging Face id or local snapshot path in `hf_id`.
     """
     if isinstance(model_cfg, str):
-        from oscar.models.registry import get_model_config
-
         model_cfg = get_model_config(model_cfg)
     torch_dtype = resolve_dtype(dtype, model_cfg)
     target_device = resolve_device(device)

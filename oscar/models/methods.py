@@ -17,7 +17,9 @@ from typing import Any, Mapping
 import torch
 
 from oscar.cache.formats import KINDS, format_class, group_of, record_format
+from oscar.core.calibration import build_artifact, fit_layer_clip
 from oscar.core.clipfit import candidate_label, center_suffix
+from oscar.core.files import atomic_write_text
 from oscar.core.rotation import ROTATION_KINDS, NEEDS_COVARIANCE
 
 ROTATION_CHOICES = (*ROTATION_KINDS, "auto")
@@ -145,8 +147,6 @@ def build_rotations(
     `auto` selects each head's candidate with its own fitted clip ratio (the selection is defined
     under real clipped quantization), so its ratios are already final here.
     """
-    from oscar.core.calibration import build_artifact
-
     validate_method(method_cfg)
     if needs_statistics(method_cfg) and stats is None:
         raise CalibrationMissing(
@@ -175,8 +175,6 @@ def build_rotations(
 
 def fit_clip(artifact: Any, method_cfg: Any, *, stats: Any = None, clip_grid_k: Any, clip_grid_v: Any) -> Any:
     """Stage `clip`: set each head's clip ratios on a rotations artifact (fit, fixed or none)."""
-    from oscar.core.calibration import fit_layer_clip
-
     validate_method(method_cfg)
     clip = clip_mode(method_cfg)
     # sliding-window layers (recorded by `dump`) are never quantized: no fit, ratio 1, not counted on edges
@@ -305,8 +303,6 @@ def write_auto_choices(artifact_meta: dict[str, Any], prefix: str | Path, title:
     import io
     import math
     from collections import Counter
-
-    from oscar.core.stats import atomic_write_text
 
     rows = auto_choices_rows(artifact_meta)
     if not rows:

@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from oscar.cache.torch_cache import LayerRotations
+from oscar.models.adapters import get_adapter
 
 
 @dataclass
@@ -39,8 +40,6 @@ class FoldHandle:
 
 
 def _o_projs(model: Any) -> list[Any]:
-    from oscar.models import get_adapter
-
     adapter = get_adapter(model)
     return [adapter.projections(model, i)["o"] for i in range(len(adapter.layers(model)))]
 

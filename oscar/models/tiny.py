@@ -15,6 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from oscar.config import ModelConfig
+from oscar.models.adapters import get_adapter
 
 TOKENIZER_TEXT = (
     "The quick brown fox jumps over the lazy dog. Calibration text for a tiny model: keys, values, "
@@ -104,8 +105,6 @@ def save_random_model(family: str, path: str | Path, *, seed: int = 0, **sizes: 
 def tiny_model_cfg(family: str, path: str | Path, name: str | None = None) -> DictConfig:
     """A registry entry (`ModelConfig`) for a snapshot written by `save_random_model`."""
     from transformers import AutoConfig
-
-    from oscar.models.adapters import get_adapter
 
     config = AutoConfig.from_pretrained(str(path))
     dims = get_adapter(config).dims(config)

@@ -24,6 +24,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from oscar.core.files import atomic_write_text
 from oscar.eval.cells import ITEMS_FILE, PARTIAL_FILE, RESULT_FILE
 from oscar.eval.stats import bootstrap_mean_ci, paired_bootstrap
 
@@ -241,8 +242,6 @@ def _bar_figure(rows: list[dict[str, Any]], key: str, labels: list[str], ylabel:
 def write_reports(results: Path, model: str, out_dir: Path, header: str = "", only: Optional[str] = None,
                   versus: Sequence[str] = (), agree_with: Optional[Path] = None) -> dict[str, list[dict[str, Any]]]:
     """Write humaneval.{csv,md,png} and niah.{csv,md,png} under `out_dir` (`only`: one of the two); returns the rows."""
-    from oscar.core.stats import atomic_write_text
-
     he = humaneval_rows(results, model, versus, agree_with) if only in (None, "humaneval") else []
     nh = niah_rows(results, model) if only in (None, "niah") else []
     if he:

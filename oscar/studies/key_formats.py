@@ -30,13 +30,15 @@ from typing import Any, Optional
 
 import torch
 
+from oscar.core.baselines import kivi_fake_quantize
+from oscar.core.clipfit import candidate_label, weighted_distortion
+from oscar.core.files import atomic_write_text
+from oscar.core.stats import CalibrationStats
+
 
 def key_rows(stats: Any, auto_meta: dict[str, Any], *, kivi_groups: tuple[int, ...] = (32, 64), bits: int = 2) -> list[dict[str, Any]]:
     """One row per (layer, KV head): auto's chosen key distortion and KIVI per-channel key distortion for each
     token block size in `kivi_groups` (`kivi<G>`, and `kivi<G>_over_auto`)."""
-    from oscar.core.baselines import kivi_fake_quantize
-    from oscar.core.clipfit import candidate_label, weighted_distortion
-
     choices = {(int(c["layer"]), int(c["head"])): c for c in auto_meta.get("choices", [])}
     if not choices:
         raise ValueError("the artifact has no auto choices; pass the artifact of method=auto")
@@ -71,8 +73,6 @@ def write_report(rows: list[dict[str, Any]], out: Path, *, model: str, group_siz
     """`<out>.csv` and `<out>.md` (atomic)."""
     import csv
     import io
-
-    from oscar.core.stats import atomic_write_text
 
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
@@ -112,8 +112,6 @@ def write_report(rows: list[dict[str, Any]], out: Path, *, model: str, group_siz
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Command line entry point."""
-    from oscar.core.stats import CalibrationStats
-
     p = argparse.ArgumentParser(prog="python -m oscar.studies.key_formats", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--results-dir", default="results")

@@ -33,6 +33,16 @@ from typing import Any, Optional
 
 import torch
 
+from oscar.cache.formats import REGISTRY, format_class
+from oscar.config import compose
+from oscar.core.artifact import artifact_dir
+from oscar.core.files import atomic_write_text
+from oscar.data.corpora import eval_sequences
+from oscar.eval.fidelity import block_bootstrap_ci
+from oscar.models import load_model
+from oscar.models.generate import cache_kwarg
+from oscar.models.methods import CLIP_MODES, clip_mode, needs_statistics
+
 DEFAULT_METHODS = [
     "bf16", "int2", "quarot", "saw_int4", "turboquant", "kivi2",
     "oscar", "oscar_center", "oscar_hp", "oscar_raw", "auto", "auto@0/128", "int2:paper", "quarot:paper",
@@ -61,8 +71,6 @@ def mean_ci(per_window: list[torch.Tensor]) -> tuple[float, float, float]:
     """Mean per token and its 95% block-bootstrap interval (``oscar.eval.fidelity.block_bootstrap_ci``, blocks
     of ``BLOCK`` positions within each window, seed 0: every method of a model draws the same blocks, so
     intervals of differences are paired); NaNs when there are no tokens."""
-    from oscar.eval.fidelity import block_bootstrap_ci
-
     if sum(int(v.numel()) for v in per_window) == 0:
         return float("nan"), float("nan"), float("nan")
     lo, hi = block_bootstrap_ci([v.double() for v in per_window], block=BLOCK, n_boot=N_BOOT, seed=0)
@@ -71,8 +79,6 @@ def mean_ci(per_window: list[torch.Tensor]) -> tuple[float, float, float]:
 
 def split_spec(spec: str) -> tuple[str, Optional[str]]:
     """`name[:clip][@S0/W]` -> (method name, clip policy or None); refuses an unknown policy or malformed windows."""
-    from oscar.models.methods import CLIP_MODES
-
     head, _, windows = spec.partition("@")
     name, _, clip = head.partition(":")
     if clip and clip not in CLIP_MODES:
@@ -107,9 +113,6 @@ def parse_sets(items: Optional[list[str]]) -> dict[str, list[str]]:
 def _method_cfg(spec: str, sink: Optional[int], recent: Optional[int], model: str, results_dir: str,
                 sets: Optional[dict[str, list[str]]] = None) -> Any:
     from omegaconf import OmegaConf
-
-    from oscar.cache.formats import REGISTRY, format_class
-    from oscar.config import compose
 
     name, clip = split_spec(spec)
     cfg = compose([f"model={model}", f"method={name}", f"results_dir={results_dir}"] + list((sets or {}).get(name, [])))
@@ -148,8 +151,8 @@ def _rotations(cfg: Any, method: Any, model: Any) -> Any:
     """Per-layer cache state of a rotated method: in code when its clip policy needs no statistics, else
     from its artifact (fitted under `method.clip=fit`); a `:none` variant of a calibrated method reads the
     artifact and sets every clip ratio to 1."""
+    # local: keeps transformers out of import time
     from oscar.models.engine import artifact_dir, rotations_from_artifact, rotations_in_code
-    from oscar.models.methods import clip_mode, needs_statistics
 
     if not needs_statistics(method):
         return rotations_in_code(method, model)
@@ -168,9 +171,6 @@ def _rotations(cfg: Any, method: Any, model: Any) -> Any:
 
 def clip_edges(cfg: Any, method: Any) -> Optional[dict[str, Any]]:
     """Grid-edge counts of a fitted artifact (`meta.clip.edges`), with the grid ends; None when not fitted."""
-    from oscar.core.artifact import artifact_dir
-    from oscar.models.methods import clip_mode
-
     path = artifact_dir(cfg) / "meta.json"
     if clip_mode(method) != "fit" or not path.is_file():
         return None
@@ -185,8 +185,6 @@ def score_and_bits(eng: Any, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
     """Decode-equivalent logits of one window and the bits per cached K/V element the cache holds after it
     (`OscarCache.bits_per_element`: BF16 windows, INT pages with their scale/zero, page slack; the accounting
     of the format for the simulated KIVI / TurboQuant caches)."""
-    from oscar.models.generate import cache_kwarg
-
     cache = eng.new_cache("decode_equivalent")
     out = eng.model(input_ids=ids.to(eng.device), use_cache=True, **{cache_kwarg(eng.model): cache})
     return out.logits, float(cache.bits_per_element())
@@ -233,11 +231,8 @@ def run(
     read quantized history, same resampled blocks), measured bits per element, PPL, wall time.
     `on_row(rows)` is called after every row (the command line rewrites its tables each time); `sets` are extra
     Hydra overrides per method name (`parse_sets`), e.g. auto's `method.channel_block=64`."""
-    from oscar.config import compose
-    from oscar.data.corpora import eval_sequences
+    # local: keeps transformers out of import time
     from oscar.models.engine import Engine, method_format
-    from oscar.models.methods import clip_mode
-    from oscar.models import load_model
 
     rows: list[dict[str, Any]] = []
     for model_name in models:
@@ -412,8 +407,6 @@ def edge_lines(df: Any) -> list[str]:
 def write_tables(rows: list[dict[str, Any]], out: Path, command: str, note: str) -> None:
     """`<out>.csv` and `<out>.md` (atomic writes)."""
     import pandas as pd
-
-    from oscar.core.stats import atomic_write_text
 
     df = pd.DataFrame(rows)
     atomic_write_text(out.parent / (out.name + ".csv"), df.to_csv(index=False))  # not with_suffix: "qwen2.5-..." has dots
