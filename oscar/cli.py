@@ -41,15 +41,15 @@ VERBS: dict[str, tuple[str, str, str]] = {
     "report": ("oscar.commands.report", "render tables (CSV, Markdown, LaTeX) and figures",
                "python -m oscar report --plan results/plan/default/table2.json "
                "--table results/tables/default/table2.csv --output-dir /tmp/reports"),
-    "bench-kernels": ("oscar.commands.bench_kernels", "benchmark the Triton kernels on a GPU",
-                      "python -m oscar bench-kernels output=reports/default/kernels.csv"),
+    "gpu": ("oscar.commands.gpu", "one GPU table: kernels, serving, prefix, correctness, accuracy, throughput",
+            "python -m oscar gpu kernels"),
     "profile": ("oscar.commands.profile", "end-to-end decode throughput on a GPU (step split, speedup, batch that fits)",
                 "python -m oscar profile models=qwen3-8b batches=1,8 contexts=30000,100000 parts=grid"),
     "config": ("oscar.commands.config", "print or write the resolved configuration",
                "python -m oscar config model=qwen2.5-coder-0.5b method=quarot --format flat"),
 }
 # Verbs whose module parses its own options with argparse (it prints their help itself).
-ARGPARSE_VERBS = ("aggregate", "report", "config")
+ARGPARSE_VERBS = ("aggregate", "report", "config", "gpu")
 HELP = ("-h", "--help")
 
 
@@ -64,6 +64,7 @@ def _usage() -> str:
 
 def _groups() -> str:
     """The configuration groups and their choices (file names under conf/)."""
+    # local: keeps omegaconf out of import time (`python -m oscar --help`, verbs that compose no configuration)
     from oscar.config import CONF_DIR
 
     lines = []
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.main(rest) or 0)
     except ValueError as exc:
         # A ConfigError that the verb did not catch itself: same one line, same code. Looked up, not
-        # imported: a verb that never composes a configuration (bench-kernels on a bare GPU machine)
+        # imported: a verb that never composes a configuration (gpu kernels on a bare GPU machine)
         # must not need omegaconf, and one that raised ConfigError has imported oscar.config.
         config = sys.modules.get("oscar.config")
         if config is None or not isinstance(exc, config.ConfigError):

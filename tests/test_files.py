@@ -79,10 +79,10 @@ sys.meta_path.insert(0, Block())
 """
 
 
-def test_bench_kernels_runs_without_omegaconf(tmp_path):
-    """The whole entry path of `python -m oscar bench-kernels` with omegaconf and hydra unimportable (one
+def test_gpu_kernels_runs_without_omegaconf(tmp_path):
+    """The whole entry path of `python -m oscar gpu kernels` with omegaconf and hydra unimportable (one
     process: the verb's bad-argument and no-GPU exits, after every import it makes)."""
-    out = tmp_path / "k.csv"
+    out = tmp_path / "k"
     code = _BLOCK + textwrap.dedent(f"""
         try:
             import omegaconf
@@ -90,14 +90,14 @@ def test_bench_kernels_runs_without_omegaconf(tmp_path):
             print("blocker:", exc)
         import oscar.core.files, oscar.bench.kernel_bench, oscar.cache.paged, oscar.bench.throughput_report
         from oscar.cli import main
-        print("bogus rc", main(["bench-kernels", "bogus=1"]))
-        print("run rc", main(["bench-kernels", "output={out}"]))
+        print("bogus rc", main(["gpu", "kernels", "bogus=1"]))
+        print("run rc", main(["gpu", "kernels", "out={out}", "tracking=false"]))
         """)
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "blocker: No module named 'omegaconf' (blocked" in proc.stdout  # the blocker works
     assert "bogus rc 2" in proc.stdout and "unknown argument 'bogus=1'" in proc.stderr
-    # without a GPU the verb stops before timing (exit 2, nothing written), after the whole import path ran
-    assert "run rc 2" in proc.stdout and "no CUDA device" in proc.stderr, proc.stderr[-2000:]
+    # without a GPU the table stops before timing (exit 1, nothing written), after the whole import path ran
+    assert "run rc 1" in proc.stdout and "CUDA device" in proc.stderr, proc.stderr[-2000:]
     assert not out.exists()

@@ -1,22 +1,17 @@
-"""benchmarks/serving_report.py turns bench rows into decode.{csv,md,png}: the required columns, OSCAR's speed-up
+"""oscar.bench.serving_report turns bench rows into decode.{csv,md,png}: the required columns, OSCAR's speed-up
 over the best BF16 backend of the same shape and mode, the token agreement, the statuses of rows that did not run,
 the issue's target ratios from the synthetic-state rows, the real-vs-synthetic cross-check, and profile.{csv,md}."""
 
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "serving_report.py"
+from oscar.bench import serving_report
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("serving_report", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return serving_report
 
 
 def test_report_columns_speedup_and_agreement(tmp_path):
@@ -30,7 +25,7 @@ def test_report_columns_speedup_and_agreement(tmp_path):
             dict(base, cache="oscar", backend="oscar", tag="o", batch=64, context=100, status="oom")]
     src = tmp_path / "rows.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert _module().main([str(src), "--out", str(tmp_path / "out")]) == 0
+    _module().write_report([src], tmp_path / "out")
     table = list(csv.DictReader((tmp_path / "out" / "decode.csv").open()))
     assert {"cache", "backend", "batch", "context", "decode_ms", "prefill_s", "cuda_graph", "status"} <= set(table[0])
     assert [r["status"] for r in table if r["batch"] == "64"] == ["oom"]
@@ -68,7 +63,7 @@ def test_targets_grid_cross_check_and_profile(tmp_path):
     src = tmp_path / "rows.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "profile_rows.jsonl").write_text(json.dumps(prof) + "\n")
-    assert mod.main([str(src), "--out", str(tmp_path / "out")]) == 0
+    mod.write_report([src], tmp_path / "out")
     parts = {(r["step"], r["part"]): float(r["ms"]) for r in csv.DictReader((tmp_path / "out" / "profile.csv").open())}
     # the norm kernel re-classified by name; what the list does not cover is reported, not dropped
     assert parts == {("graph", "gemm"): 4.0, ("graph", "norm"): 1.0, ("graph", "unlisted"): 2.0,

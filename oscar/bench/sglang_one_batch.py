@@ -12,6 +12,10 @@ JSON line in ``--oscar-out``: ``cache``, ``backend``, ``batch``, ``context``, ``
 capacity and the greedy tokens of the first request (the inputs are seeded, so two backends get the same
 prompts: the GPU correctness check compares them).
 
+``--tp-size N`` runs one process per TP rank on GPUs ``0..N-1`` (as ``bench_one_batch`` does), each with the plugin's
+hooks; every rank runs the same rows (their collectives pair up) and rank 0 writes them (``tp_size`` in each row,
+the pool's token capacity per rank).
+
 ``--oscar-synthetic BATCHxCONTEXT,...`` adds rows timed on a synthetic state (``oscar.bench.sglang_synthetic``:
 SGLang's own allocation of the batch's slots, random valid pool contents, no prefill forward; ``mode``
 ``synthetic``, ``prefill_s`` empty) and ``--oscar-profile BATCHxCONTEXT,...`` profiles the decode step there
@@ -184,8 +188,6 @@ def _profiled_steps(runner: Any, batch: Any, ids: Any, steps: int, attn_backend:
 
 def main(argv: list[str]) -> int:
     _load_plugin()
-    import numpy as np
-    import torch
     from sglang.benchmark import one_batch as ob
     from sglang.srt.server_args import PortArgs, ServerArgs
 
@@ -195,8 +197,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--oscar-out", required=True, help="JSON-lines file the rows are appended to")
     parser.add_argument("--oscar-tag", default="", help="free text stored with each row")
     parser.add_argument("--oscar-seed", type=int, default=0, help="seed of the synthetic prompts")
-    parser.add_argument("--oscar-shapes", default="", help="BATCHxINPUT,... to run instead of every --batch-size x "
-                        "--input-len (the first one is also the warm-up)")
+    parser.add_argument("--oscar-shapes", default=None, help="BATCHxINPUT,... to run instead of every --batch-size x "
+                        "--input-len (the first one is also the warm-up); empty: no real rows")
     parser.add_argument("--oscar-warmup", default="", help="BATCHxINPUT of the real warm-up run (default: the first "
                         "shape of --oscar-shapes)")
     parser.add_argument("--oscar-synthetic", default="", help="BATCHxCONTEXT,... timed on a synthetic state")
@@ -210,19 +212,52 @@ def main(argv: list[str]) -> int:
         from sglang.srt.model_executor.cuda_graph_config import Phase
 
         # capture exactly the batch sizes of the rows (no padded replays, no unused captures)
-        sizes = sorted({*bench_args.batch_size, *(b for b, _ in _shapes(args.oscar_shapes)),
+        sizes = sorted({*bench_args.batch_size, *(b for b, _ in _shapes(args.oscar_shapes or "")),
                         *(b for b, _ in _shapes(args.oscar_synthetic)), *(b for b, _ in _shapes(args.oscar_profile))})
         server_args.cuda_graph_config[Phase.DECODE].max_bs = sizes[-1]
         server_args.cuda_graph_config[Phase.DECODE].bs = sizes
     ob._set_envs_and_config(server_args)
     port_args = PortArgs.init_new(server_args)
-    runner, _ = ob.load_model(server_args, port_args, 0, 0)
+    tp = int(server_args.tp_size or 1)
+    if tp == 1:
+        return _bench(args, server_args, bench_args, port_args, 0)
+    import multiprocessing
+
+    # one process per TP rank on GPU `rank` (bench_one_batch's own layout); every rank runs the same steps
+    # (their collectives pair up), rank 0 prints and writes the rows
+    procs = [multiprocessing.Process(target=_bench_rank, args=(args, server_args, bench_args, port_args, rank))
+             for rank in range(tp)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+    codes = [proc.exitcode for proc in procs]
+    if any(codes):
+        print(f"TP ranks exited with {codes}", flush=True)
+    return max(abs(int(c or 0)) for c in codes)
+
+
+def _bench_rank(args: Any, server_args: Any, bench_args: Any, port_args: Any, tp_rank: int) -> None:
+    """A spawned TP rank: the plugin's hooks in this process, then the rank's benchmark."""
+    _load_plugin()
+    sys.exit(_bench(args, server_args, bench_args, port_args, tp_rank))
+
+
+def _bench(args: Any, server_args: Any, bench_args: Any, port_args: Any, tp_rank: int) -> int:
+    """Load the model on GPU ``tp_rank`` as TP rank ``tp_rank`` and run the rows (rank 0 reports them)."""
+    import numpy as np
+    import torch
+    from sglang.benchmark import one_batch as ob
+
+    lead = tp_rank == 0
+    say = print if lead else (lambda *a, **k: None)
+    runner, _ = ob.load_model(server_args, port_args, tp_rank, tp_rank)
     capacity = int(runner.torch_runner.max_total_num_tokens)
     oscar = server_args.attention_backend == "oscar"
     base = dict(cache="oscar" if oscar else "bf16", backend=server_args.attention_backend,
                 cuda_graph=not server_args.disable_cuda_graph, page_size=int(server_args.page_size or 1),
                 radix=not server_args.disable_radix_cache, chunked_prefill_size=server_args.chunked_prefill_size,
-                mem_fraction_static=server_args.mem_fraction_static,
+                mem_fraction_static=server_args.mem_fraction_static, tp_size=int(server_args.tp_size or 1),
                 max_total_num_tokens=capacity, tag=args.oscar_tag, device=torch.cuda.get_device_name())
     tokens: list = []
     _record_tokens(runner, tokens)
@@ -233,8 +268,8 @@ def main(argv: list[str]) -> int:
         tokens.clear()
         row = dict(base, batch=bs, context=il, output_len=ol, mode="real")
         try:
-            ret = ob.latency_test_run_once(bench_args.run_name, runner, print, reqs, bs, il, ol, 0, False, False,
-                                           ("CPU", "GPU"), "", "all", 0)
+            ret = ob.latency_test_run_once(bench_args.run_name, runner, say, reqs, bs, il, ol, 0, False, False,
+                                           ("CPU", "GPU"), "", "all", tp_rank)
         except torch.cuda.OutOfMemoryError as err:
             runner.clear()
             torch.cuda.empty_cache()
@@ -247,13 +282,17 @@ def main(argv: list[str]) -> int:
 
     ol = bench_args.output_len[0]
     shapes = [(bs, il) for bs in bench_args.batch_size for il in bench_args.input_len]
-    if args.oscar_shapes:
+    if args.oscar_shapes is not None:
         shapes = _shapes(args.oscar_shapes)
+    if not args.oscar_warmup and not shapes:
+        raise SystemExit("no warm-up shape: give --oscar-warmup BATCHxINPUT when --oscar-shapes is empty")
     warm = _shapes(args.oscar_warmup)[0] if args.oscar_warmup else shapes[0]
-    print("Warmup ...", flush=True)
+    say("Warmup ...", flush=True)
     run(warm[0], warm[1], min(8, ol))
 
     def emit(row: dict[str, Any]) -> None:
+        if not lead:
+            return
         print("OSCAR_ROW " + json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
         with open(args.oscar_out, "a") as fh:
             fh.write(json.dumps(row) + "\n")
@@ -268,15 +307,15 @@ def main(argv: list[str]) -> int:
         t0 = time.perf_counter()
         kind = fill_pool(runner.torch_runner.token_to_kv_pool, seed=args.oscar_seed)
         torch.cuda.synchronize()
-        print(f"synthetic state: filled the {kind} pool in {time.perf_counter() - t0:.2f} s", flush=True)
+        say(f"synthetic state: filled the {kind} pool in {time.perf_counter() - t0:.2f} s", flush=True)
     for bs, il in synth:
         emit(_synthetic_row(runner, dict(base, batch=bs, context=il, output_len=ol, mode="synthetic"), bs, il, ol))
     for bs, il in prof:
         res = _profile(runner, bs, il, ol)
         res = dict({k: base[k] for k in ("cache", "backend", "page_size", "tag", "device")}, batch=bs, context=il, **res)
-        print("OSCAR_PROFILE " + json.dumps({k: v for k, v in res.items() if k not in ("top_graph", "top_eager")}),
-              flush=True)
-        if args.oscar_profile_out:
+        say("OSCAR_PROFILE " + json.dumps({k: v for k, v in res.items() if k not in ("top_graph", "top_eager")}),
+            flush=True)
+        if args.oscar_profile_out and lead:
             with open(args.oscar_profile_out, "a") as fh:
                 fh.write(json.dumps(res) + "\n")
     return 0

@@ -10,7 +10,7 @@
   prefill (prompts of 37-66 tokens) and by demotion during decode. Both engines quantize the same BF16-rounded rows with the same torch
   twins; their float32 forwards differ only in reduction order, which differs between CPUs (AVX2 vs
   AVX-512/AMX kernels), so token-for-token equality is not a property of the code: a rounding-level
-  difference can move a row across a BF16 or INT2 code boundary (benchmarks/int2_reduction_order.py).
+  difference can move a row across a BF16 or INT2 code boundary (tests/serve/int2_reduction_order.py).
 """
 
 from __future__ import annotations

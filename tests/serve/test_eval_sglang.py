@@ -3,7 +3,7 @@ starts an SGLang server with the plugin, scores through it, writes the same resu
 the embedded engine and stops the server. Compared with `engine=embedded` on the same cell: the same
 items and prompts, and log-likelihoods equal up to float32 reduction order (two implementations of the
 same float32 forward): within ``INT2_LOGPROB_TOL`` (the answers are one token), the bound that
-benchmarks/int2_reduction_order.py justifies for rounding-level differences under INT2 (0.57 nats the
+tests/serve/int2_reduction_order.py justifies for rounding-level differences under INT2 (0.57 nats the
 largest at one ulp of weight; 1.2e-5 seen here on an AMD EPYC, 6.4e-3 on an Intel Xeon with AVX-512/AMX,
 where rounding moved rows across code boundaries); the predictions are equal wherever the embedded
 engine's best choice leads by more than twice that."""

@@ -72,6 +72,13 @@ def res(stage, key):
     return getattr(PLAN.resources(stage), key)
 
 
+def gpu_tracking():
+    """The `python -m oscar gpu` keys that mirror a GPU table into the plan's MLflow store (or not)."""
+    if not PLAN.base.tracking.enabled:
+        return "tracking=false"
+    return quoted([f"mlflow_uri={PLAN.base.tracking.uri}"])
+
+
 def quoted(overrides):
     """Shell-quoted Hydra overrides."""
     return " ".join(shlex.quote(o) for o in overrides)

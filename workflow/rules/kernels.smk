@@ -1,4 +1,5 @@
-# GPU kernel benchmarks; on a host without a GPU the target only explains that it was skipped.
+# GPU kernel benchmarks (`python -m oscar gpu kernels`, the kernel table of benchmarks/README.md); on a host without a
+# GPU the target only explains that it was skipped.
 
 
 rule bench_kernels:
@@ -9,6 +10,8 @@ rule bench_kernels:
             category="{experiment}",
             subcategory="kernels",
         ),
+    params:
+        tracking=lambda wc: gpu_tracking(),
     log:
         "logs/bench_kernels/{experiment}.log",
     benchmark:
@@ -21,7 +24,7 @@ rule bench_kernels:
     conda:
         "../../envs/oscar.yaml"
     shell:
-        "$OSCAR_PYTHON -m oscar bench-kernels output={output.csv} > {log} 2>&1"
+        "$OSCAR_PYTHON -m oscar gpu kernels out=reports/{wildcards.experiment} name=kernels {params.tracking} > {log} 2>&1"
 
 
 ruleorder: bench_kernels > report_table

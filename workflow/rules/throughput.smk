@@ -1,5 +1,6 @@
-# End-to-end decode throughput (GPU only): `python -m oscar profile`; on a host without a GPU the target
-# only explains that it was skipped. The committed H200 run lives in reports/throughput/.
+# End-to-end decode throughput (GPU only): `python -m oscar gpu throughput` (the throughput table of
+# benchmarks/README.md); on a host without a GPU the target only explains that it was skipped. The committed H200
+# run lives in reports/throughput/.
 
 THROUGHPUT_MESSAGE = (
     "reproduce_throughput: decode throughput written to results/throughput/ (throughput.md, CSVs, PNG) and MLflow"
@@ -17,6 +18,8 @@ rule profile_throughput:
             category="throughput",
         ),
         grid="results/throughput/grid.csv",
+    params:
+        tracking=lambda wc: gpu_tracking(),
     log:
         "logs/profile_throughput/profile.log",
     benchmark:
@@ -29,7 +32,7 @@ rule profile_throughput:
     conda:
         "../../envs/oscar.yaml"
     shell:
-        "$OSCAR_PYTHON -m oscar profile experiment=throughput output_dir=results/throughput > {log} 2>&1"
+        "$OSCAR_PYTHON -m oscar gpu throughput out=results/throughput {params.tracking} > {log} 2>&1"
 
 
 rule reproduce_throughput:

@@ -10,7 +10,9 @@ between engines grow beyond float32 rounding. With `--sglang` (serving environme
 greedy run with the plugin is compared the same way (the embedded engine forced along SGLang's
 tokens). Writes reports/serve/int2_reduction_order.{csv,md}.
 
-    OMP_NUM_THREADS=1 python benchmarks/int2_reduction_order.py [--seeds 6] [--sglang]
+    OMP_NUM_THREADS=1 python tests/serve/int2_reduction_order.py [--seeds 6] [--sglang]
+
+(It lives beside the serving tests: it measures their tolerances with their own driver and helpers.)
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "serve")]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 from serve_helpers import SMOLLM2_DENSE, embedded_forced_logprobs, embedded_greedy, run_driver, save_in_code_artifact  # noqa: E402
 from test_engine_smollm2 import NEW_TOKENS, RECENT, SINK, TEXTS  # noqa: E402

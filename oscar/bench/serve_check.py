@@ -1,6 +1,8 @@
 """The plugin's CUDA decode path against the torch twin on the pool's own pages (one GPU, no model).
 
-    python benchmarks/serve_gpu_check.py [--out check.json]      (sglang importable: 0.5.17 bundle or 0.5.23)
+    python -m oscar.bench.serve_check [--out check.json]      (sglang importable: 0.5.17 bundle or 0.5.23)
+
+(``python -m oscar gpu correctness`` runs it beside the real-weight checks.)
 
 Builds an ``OscarTokenToKVPool`` on CUDA (16-token pages, the fragment-order layout), fills two requests the way the
 backend does (``write`` for the prefill rows through the fused Triton writer, then decode steps through
@@ -28,7 +30,9 @@ def check(rope: bool, device: str = "cuda", heads: tuple[int, int, int] = (8, 32
     """One pool (plain or rope-centered keys): the relative error of both output frames against the twin
     (``device="cpu"``: the twin through the same calls, eager: a smoke test of the script without a GPU)."""
     from oscar.cache import paged
+    from oscar.cache.formats import format_for
     from oscar.cache.torch_cache import LayerRotations
+    from oscar.kernels.launch import MmaLaunch
     from oscar.core.rope import RopeSpec
     from oscar.serve.backend import DecodeMeta, decode_metadata
     from oscar.serve.pool import OscarTokenToKVPool
@@ -44,8 +48,8 @@ def check(rope: bool, device: str = "cuda", heads: tuple[int, int, int] = (8, 32
     rot = LayerRotations(orth(), orth(), 0.3 * torch.randn(hkv, d, generator=gen), 0.2 * torch.randn(hkv, d, generator=gen),
                          rope_k=rope_k, rope=spec if rope else None)
     state = dict(settings=ServeSettings(artifact=Path("unused"), sink=S0, recent=W, kernels="triton" if cuda else "torch"),
-                 rotations=[rot], bits=2,
-                 group_size=d, fold=True)
+                 rotations=[rot], format=format_for("rotated", name="int2", bits=2, group_size=d, sink=S0, recent=W,
+                                                    page_size=P), fold=True)
     size, ctx, lens = 1 << 16, 8192, [5000, 700]
     pool = OscarTokenToKVPool(size, P, torch.bfloat16, hkv, d, 1, str(dev), False, oscar_state=state, oscar_layout="mma")
     pool.bind_requests(4)
@@ -84,10 +88,11 @@ def check(rope: bool, device: str = "cuda", heads: tuple[int, int, int] = (8, 32
         m = decode_metadata(pool, r2t, req_t, seq, loc, out=bufs)
         pool.write_decode(0, knew, vnew, loc, m.req, m.col, m.pos)
         # the windows read in place by request slot (the backend's path); the twin below reads gathered copies
-        return paged.decode_attention(q, pool.k_pages[0], pool.v_pages[0], m.page_table, m.int_len, kt, vt,
-                                      sink_k=sk, sink_v=sv, sink_len=m.sink_len, recent_k=rk, recent_v=rv,
-                                      recent_len=m.recent_len, window_rows=m.win_row, sm_scale=d**-0.5,
-                                      output_frame=frame, backend=pool.kernels, num_splits=33, int_pos0=pos0)
+        seg = paged.Segments(m.page_table, m.int_len, sink_k=sk, sink_v=sv, sink_len=m.sink_len, recent_k=rk,
+                             recent_v=rv, recent_len=m.recent_len, window_rows=m.win_row, int_pos0=pos0)
+        launch = MmaLaunch(num_splits=33) if pool.kernels != "torch" else None
+        return paged.decode_attention(q, pool.k_pages[0], pool.v_pages[0], seg, kt, vt, sm_scale=d**-0.5,
+                                      output_frame=frame, backend=pool.kernels, launch=launch)
 
     result = {}
     for frame in ("original", "rotated"):
@@ -102,10 +107,10 @@ def check(rope: bool, device: str = "cuda", heads: tuple[int, int, int] = (8, 32
             graph.replay()
             torch.cuda.synchronize()
         m = decode_metadata(pool, r2t, req_t, seq, torch.ones_like(seq))
-        ref = paged.decode_attention_torch(q, pool.k_pages[0], pool.v_pages[0], m.page_table, m.int_len, kt, vt,
-                                           sink_k=sk[m.req], sink_v=sv[m.req], sink_len=m.sink_len,
-                                           recent_k=rk[m.req], recent_v=rv[m.req], recent_len=m.recent_len,
-                                           sm_scale=d**-0.5, output_frame=frame, int_pos0=pos0)
+        ref_seg = paged.Segments(m.page_table, m.int_len, sink_k=sk[m.req], sink_v=sv[m.req], sink_len=m.sink_len,
+                                 recent_k=rk[m.req], recent_v=rv[m.req], recent_len=m.recent_len, int_pos0=pos0)
+        ref = paged.decode_attention_torch(q, pool.k_pages[0], pool.v_pages[0], ref_seg, kt, vt, sm_scale=d**-0.5,
+                                           output_frame=frame)
         rel = float(((out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)).max())
         result[frame] = {"rel": rel, "int_len": m.int_len.tolist()}
     return {"layout": pool.layout, "page_size": P, "rope_centered": pool.rope_centered, "kv_heads": hkv, "q_heads": H,

@@ -1,8 +1,8 @@
 """GPU correctness of the SGLang plugin on real weights (SmolLM2-135M), for reports/serving/gpu_correctness.{md,json}.
 
-    python benchmarks/serve_gpu_correctness.py --auto-artifact DIR --out DIR [--eval-sglang DIR --eval-embedded DIR]
+    python -m oscar.bench.serve_correctness --auto-artifact DIR --out DIR [--eval-sglang DIR --eval-embedded DIR]
 
-(on the GPU machine: benchmarks/gpu_correctness.sh sets it up). The model is the dense copy of the GGUF
+(``python -m oscar gpu correctness`` runs it with the pool check and the eval cell, and checks what it needs). The model is the dense copy of the GGUF
 (``oscar.serve.client.model_path``: ``$OSCAR_CACHE_DIR/models/smollm2-135m/dense``). SGLang engines run in
 subprocesses of this script (``--engine SPEC OUT``) with ``$OSCAR_SGLANG_PYTHONPATH`` (the 0.5.17 bundle first)
 and the oscar plugin's entry point, all with CUDA graphs for decode, pages of 16 tokens, in parallel:
@@ -16,7 +16,7 @@ and the oscar plugin's entry point, all with CUDA graphs for decode, pages of 16
   recent 16; greedy with the top-256 log-probabilities
   at each step. The embedded engine (``oscar.models.engine``, same artifact, value rotation folded, torch path on
   the GPU) is forced along SGLang's tokens (``oscar.models.generate.forced_logprobs``): ``check_teacher_forced``
-  (tests/serve/serve_helpers.py: every reported log-probability within ``INT2_LOGPROB_TOL``, the median
+  (``oscar.bench.serve_compare``: every reported log-probability within ``INT2_LOGPROB_TOL``, the median
   within ``INT2_MEDIAN_TOL``, SGLang's token the embedded argmax where the top-2 margin exceeds twice the
   tolerance), next-token agreement (SGLang's token = the embedded argmax; and each engine's INT2 argmax =
   the BF16 argmax along the same history, with Wilson 95% intervals), and the KL divergence between the two
@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEXTS = [
     "The Roman aqueducts carried water from distant springs into the cities by gravity alone. Engineers surveyed "
     "a gentle, constant slope over tens of kilometres, and where a valley crossed the route they built",
@@ -128,9 +128,12 @@ def start_engines(name: str, runs: list[dict], out: Path) -> subprocess.Popen:
 
     spec = out / f"{name}_spec.json"
     atomic_write_json(spec, {"runs": runs})
-    env = {**os.environ, "PYTHONPATH": os.environ.get("OSCAR_SGLANG_PYTHONPATH", os.environ.get("PYTHONPATH", ""))}
+    from oscar.bench.host import sglang_env
+
+    env = sglang_env()
     log = open(out / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen([sys.executable, __file__, "--engine", str(spec), str(out / f"{name}.json")],
+    return subprocess.Popen([sys.executable, "-m", "oscar.bench.serve_correctness", "--engine", str(spec),
+                             str(out / f"{name}.json")],
                             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
 
 
@@ -166,7 +169,7 @@ def compare_int2(run: dict, emb_int2: list, emb_bf16: list) -> dict:
     """Teacher-forced comparison of one SGLang INT2 run with the embedded engine (INT2 and BF16 caches)."""
     import torch
 
-    from serve_helpers import INT2_LOGPROB_TOL, INT2_MEDIAN_TOL, check_teacher_forced
+    from oscar.bench.serve_compare import INT2_LOGPROB_TOL, INT2_MEDIAN_TOL, check_teacher_forced
 
     top2 = {"output_ids": run["output_ids"],  # the check's tolerances are for SGLang's token and its top 2
             "logprobs": [{"output_token_logprobs": lp["output_token_logprobs"],
@@ -224,7 +227,7 @@ def compare_bf16(ref: list[list[int]], got: list[list[int]], bf16_logprobs: list
 
 
 def compare_eval(served_dir: Path, embedded_dir: Path) -> dict:
-    from serve_helpers import INT2_LOGPROB_TOL
+    from oscar.bench.serve_compare import INT2_LOGPROB_TOL
 
     def load(d: Path) -> tuple[dict, list]:
         return (json.loads((d / "result.json").read_text()),
@@ -283,7 +286,6 @@ def main(argv: list[str]) -> int:
         os.environ[ENV_CPU] = os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
     if a.engine:
         return engine_main(*a.engine)
-    sys.path.insert(0, str(ROOT / "tests" / "serve"))
     if a.merge:
         return merge_eval(a.out, a.eval_sglang, a.eval_embedded)
     import torch
@@ -293,7 +295,7 @@ def main(argv: list[str]) -> int:
     from oscar.core.files import atomic_write_json, atomic_write_text
     from oscar.models import load_model
     from oscar.serve.client import model_path
-    from serve_helpers import save_in_code_artifact
+    from oscar.bench.serve_compare import save_in_code_artifact
 
     out = a.out
     out.mkdir(parents=True, exist_ok=True)
@@ -431,10 +433,10 @@ def render(r: dict) -> str:
     lines += ["Runs: " + ", ".join(
                   f"{k} ({'error: ' + v['error'][:200] if 'error' in v else 'start %.0f s' % v.get('start_s', 0)})"
                   for k, v in r["runs"].items()), "",
-              "Reproduce (GPU machine, repo root; the GGUF in pieces under /root, see the script's header): "
-              "`SITE=/root/sg GGUF_PARTS=\"p1 p2 p3\" AUTO=<auto artifact> MMLU=<mmlu.jsonl> bash benchmarks/gpu_correctness.sh`; "
-              "the auto artifact: `python -m oscar calibrate model=smollm2-135m method=auto calibration.num_tokens=2048 "
-              "calibration.seq_len=512 calibration.holdout_tokens=512`.", ""]
+              "Reproduce: `python -m oscar gpu correctness auto=<auto artifact> mmlu=<mmlu.jsonl>` on a GPU host "
+              "(benchmarks/README.md: the GGUF of smollm2-135m installed); the auto artifact: `python -m oscar calibrate "
+              "model=smollm2-135m method=auto calibration.num_tokens=2048 calibration.seq_len=512 "
+              "calibration.holdout_tokens=512`.", ""]
     return "\n".join(lines)
 
 

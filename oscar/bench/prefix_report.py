@@ -1,6 +1,4 @@
-"""The prefix-hit sweep report from the rows of ``benchmarks/gpu_prefix_sweep.sh``: reports/serving/prefix_sweep.*
-
-    python benchmarks/prefix_report.py ROWS.jsonl [...] --out reports/serving [--notes NOTES.md]
+"""The prefix table's report (``python -m oscar gpu prefix``): reports/serving/prefix_sweep.{csv,md,png}.
 
 CSV: one row per (tag, ratio) with the job's time, tokens/s (prompt + output tokens over the job), TTFT (mean,
 median, max over its requests) and SGLang's count of cached prompt tokens. Markdown: the table, OSCAR against the
@@ -10,7 +8,6 @@ its own cached prefix). PNG: job tokens/s and mean TTFT against the shared fract
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -19,8 +16,7 @@ from typing import Any
 COLUMNS = ("cache", "backend", "tag", "ratio", "shared_tokens", "requests", "input_len", "output_len", "status",
            "job_s", "job_tokens_per_s", "ttft_mean_s", "ttft_p50_s", "ttft_max_s", "cached_tokens", "radix",
            "cuda_graph", "page_size", "device", "sglang")
-REPRODUCE = ("bash benchmarks/gpu_prefix_sweep.sh   # on the H200 machine, the sglang 0.5.17 bundle at .dev/sglang-gpu; "
-             "then python benchmarks/prefix_report.py reports/serving/prefix_rows.jsonl --out reports/serving")
+REPRODUCE = "python -m oscar gpu prefix   # on a GPU host (benchmarks/README.md); report_only=true rebuilds this"
 
 
 def load(paths: list[Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -96,23 +92,23 @@ def write_png(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str]) -> int:
+def write_report(paths: list[Path], out: Path, env: dict[str, Any] | None = None,
+                 notes: Path | None = None) -> list[Path]:
+    """prefix_sweep.{csv,md,png} from the rows of ``paths``; returns the files written."""
+    from oscar.bench.host import hardware_line
     from oscar.core.files import atomic_write_csv, atomic_write_text
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("rows", nargs="+", type=Path)
-    ap.add_argument("--out", type=Path, default=Path("reports/serving"))
-    ap.add_argument("--notes", type=Path, default=None, help="markdown appended to prefix_sweep.md")
-    a = ap.parse_args(argv)
-    rows, checks = load(a.rows)
+    rows, checks = load(paths)
     if not rows:
-        raise SystemExit(f"no sweep rows in {[str(p) for p in a.rows]}")
-    a.out.mkdir(parents=True, exist_ok=True)
+        raise ValueError(f"no sweep rows in {[str(p) for p in paths]}")
+    out.mkdir(parents=True, exist_ok=True)
     table = [{c: r.get(c) for c in COLUMNS} for r in rows]
-    atomic_write_csv(a.out / "prefix_sweep.csv", table, COLUMNS)
+    atomic_write_csv(out / "prefix_sweep.csv", table, COLUMNS)
     r0 = rows[0]
-    md = [f"# Prefix-hit sweep (paper Fig. 6): {r0['requests']} requests x {r0['input_len']} tokens, radix cache on",
-          "", f"One job per shared fraction: {r0['requests']} prompts of {r0['input_len']} seeded random token ids "
+    md = [f"# Prefix-hit sweep (paper Fig. 6): {r0['requests']} requests x {r0['input_len']} tokens, radix cache on", ""]
+    if env:
+        md += [hardware_line(env), "", f"Command: `{env.get('command', '?')}`", ""]
+    md += [f"One job per shared fraction: {r0['requests']} prompts of {r0['input_len']} seeded random token ids "
           "whose first `ratio x input_len` tokens are shared, submitted at once to SGLang's offline Engine "
           f"(streaming), {r0['output_len']} greedy output tokens each, the cache flushed before each job; "
           f"SGLang {r0.get('sglang')}, `--load-format dummy` Qwen3-8B, {r0.get('device')}, CUDA graphs for decode. "
@@ -130,13 +126,14 @@ def main(argv: list[str]) -> int:
         md += ["", "## Greedy tokens without and with a prefix hit (one prompt, 99% of it then cached)", "",
                "| tag | input | cached (cold) | cached (hit) | equal tokens | first difference | TTFT cold s | "
                "TTFT hit s |", "|---|---|---|---|---|---|---|---|", *ck]
-    if a.notes is not None and a.notes.is_file():
-        md += ["", a.notes.read_text().rstrip()]
-    atomic_write_text(a.out / "prefix_sweep.md", "\n".join(md) + "\n")
-    write_png(rows, a.out / "prefix_sweep.png")
+    if notes is not None and notes.is_file():
+        md += ["", notes.read_text().rstrip()]
+    atomic_write_text(out / "prefix_sweep.md", "\n".join(md) + "\n")
+    written = [out / "prefix_sweep.csv", out / "prefix_sweep.md"]
+    try:
+        write_png(rows, out / "prefix_sweep.png")
+        written.append(out / "prefix_sweep.png")
+    except ImportError:
+        print("matplotlib missing: no prefix_sweep.png", file=sys.stderr)
     print("\n".join(md))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    return written

@@ -1,6 +1,6 @@
 """Prefix-hit sweep (the paper's Fig. 6): one job of N requests sharing a prefix, through SGLang's offline Engine.
 
-    python benchmarks/prefix_sweep.py --model-path M --attention-backend oscar|flashinfer|... --out rows.jsonl \
+    python -m oscar.bench.prefix_sweep --model-path M --attention-backend oscar|flashinfer|... --out rows.jsonl \
         [--tag T] [--requests 8] [--input-len 30000] [--output-len 16] [--ratios 0,0.25,0.5,0.75,0.99] \
         [--check-hit] [--time-limit S] [--engine KEY=VALUE ...]
 
@@ -13,9 +13,9 @@ scheduler computes the shared prefix once and later requests hit it in the tree.
 and the greedy tokens of the last request. ``--check-hit``: also one prompt of the ``0.99`` shape generated twice
 (cold, then hitting its own cached prefix) -> ``check`` row with both token lists.
 
-The oscar plugin is loaded through its ``sglang.srt.plugins`` entry point; on a machine where the project is on
-``PYTHONPATH`` but not installed, the script writes that entry point (a ``.dist-info`` folder under ``/tmp``) so
-SGLang's scheduler processes find it too.
+The oscar plugin is loaded through its ``sglang.srt.plugins`` entry point (the checkout installed with
+``pip install --no-deps -e .``; ``python -m oscar gpu prefix`` checks it). ``python -m oscar gpu prefix`` runs
+two of these processes (flashinfer and OSCAR) and writes the report.
 """
 
 from __future__ import annotations
@@ -30,23 +30,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-
-
-def _ensure_entry_point() -> None:
-    from importlib.metadata import entry_points
-
-    if any(ep.name == "oscar" for ep in entry_points(group="sglang.srt.plugins")):
-        return
-    import importlib
-
-    site = Path("/tmp/oscar_ep")
-    dist = site / "oscar_serve_plugin-0.0.dist-info"
-    dist.mkdir(parents=True, exist_ok=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: oscar-serve-plugin\nVersion: 0.0\n")
-    (dist / "entry_points.txt").write_text("[sglang.srt.plugins]\noscar = oscar.serve.plugin:register\n")
-    sys.path.insert(0, str(site))
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
-    importlib.invalidate_caches()
 
 
 def _value(text: str) -> Any:
@@ -102,8 +85,6 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--ready", type=Path, default=None, help="touch this file once the engine is warm")
     ap.add_argument("--engine", nargs="*", default=[], help="more sglang.Engine arguments, KEY=VALUE")
     a = ap.parse_args(argv)
-    if a.attention_backend == "oscar":
-        _ensure_entry_point()
     import sglang
     import torch
 

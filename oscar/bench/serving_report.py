@@ -1,20 +1,18 @@
-"""The serving table from the rows of ``benchmarks/gpu_serving.sh``: reports/serving/decode.{csv,md,png} (+ profile).
-
-    python benchmarks/serving_report.py ROWS.jsonl [ROWS2.jsonl ...] --out reports/serving [--profile P.jsonl]
+"""The serving table's report (``python -m oscar gpu serving``): decode.{csv,md,png} and profile.{csv,md}.
 
 One CSV row per (cache, backend, mode, batch, context) with ``decode_ms`` (median ms per decode step, SGLang's
 ``bench_one_batch`` timing), ``prefill_s``, ``cuda_graph``, ``radix``, ``status`` (ok | capacity: over the pool's
 tokens by ``bench_one_batch``'s rule | oom | failed), ``mode`` (real: prefill forward then decode; synthetic: the
 decode steps on a synthetic state, ``oscar.bench.sglang_synthetic``), the job's decode tokens/s, the server's token
-capacity and the largest batch of that context it holds. The markdown adds the grid (OSCAR against the best
-BF16 backend of the same mode and shape), the issue's target ratios, the real-vs-synthetic cross-check, the
-greedy-token agreement of the real rows (seeded prompts: rows of one shape share them); ``--profile`` (default:
-``profile_rows.jsonl`` beside the first rows file) writes profile.{csv,md}: GPU ms per part of the decode step.
+capacity and the largest batch of that context it holds. The markdown adds the hardware and the command, the grid
+(OSCAR against the best BF16 backend of the same mode and shape), the issue's target ratios, the
+real-vs-synthetic cross-check, the greedy-token agreement of the real rows (seeded prompts: rows of one shape share
+them) and, with ``compare``, the rows set against a committed decode.csv; ``profile_rows.jsonl`` beside the rows
+gives profile.{csv,md}: GPU ms per part of the decode step.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import json
@@ -27,10 +25,7 @@ COLUMNS = ("cache", "backend", "mode", "batch", "context", "decode_ms", "prefill
            "device")
 MD_COLUMNS = ("cache", "backend", "mode", "batch", "context", "decode_ms", "prefill_s", "cuda_graph", "radix", "status",
               "tokens_per_s", "max_total_num_tokens", "max_batch_by_tokens")
-REPRODUCE = ("bash benchmarks/gpu_serving.sh   # on the H200 machine, from a checkout holding the sglang 0.5.17 "
-             "bundle at .dev/sglang-gpu (BUNDLE=...); then\n"
-             "python benchmarks/serving_report.py reports/serving/serving_rows.jsonl --out reports/serving "
-             "--notes reports/serving/notes.md")
+REPRODUCE = "python -m oscar gpu serving   # on a GPU host (benchmarks/README.md); report_only=true rebuilds this"
 
 
 def load_rows(paths: list[Path]) -> list[dict[str, Any]]:
@@ -184,7 +179,7 @@ def write_png(rows: list[dict[str, Any]], path: Path, context: int = 100000) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from oscar.core.stats import atomic_write
+    from oscar.core.files import atomic_write
 
     series = sorted({(r["cache"], r["backend"], r.get("tag", "")) for r in rows})
     colour = {key: f"C{i}" for i, key in enumerate(series)}
@@ -230,41 +225,54 @@ def write_png(rows: list[dict[str, Any]], path: Path, context: int = 100000) -> 
     plt.close(fig)
 
 
-def track(out: Path, table: list[dict[str, Any]], uri: str, root: Path = Path(".")) -> str:
-    """Mirror the table into MLflow (experiment ``oscar/serving/decode``): a parent run with the report files, one
+def track(out: Path, uri: str, env: Optional[dict[str, Any]] = None) -> str:
+    """Mirror the table into MLflow (experiment ``oscar/gpu/serving``): a parent run with the report files, one
     child run per row (both replaced on every call). Returns the parent run id."""
-    import time
+    from oscar.bench import mirror
 
-    from mlflow.entities import Metric, Param
-    from mlflow.tracking import MlflowClient
+    with open(out / "decode.csv", newline="") as fh:
+        table = list(csv.DictReader(fh))
+    cells = []
+    for r in table:
+        metrics = {"perf.decode_ms": r["decode_ms"], "perf.prefill_s": r["prefill_s"],
+                   "perf.tokens_per_s": r["tokens_per_s"], "mem.max_total_num_tokens": r["max_total_num_tokens"],
+                   "mem.max_batch_by_tokens": r["max_batch_by_tokens"]}
+        params = {k: r[k] for k in ("cache", "backend", "mode", "batch", "context", "cuda_graph", "radix", "page_size",
+                                    "device")}
+        cells.append(mirror.Cell(f"{r['tag']}/{r['mode']}/b{r['batch']}/T{r['context']}", params, metrics,
+                                 {"oscar.status": str(r["status"])}))
+    files = [out / f for f in ("decode.md", "decode.csv", "decode.png", "profile.md", "profile.csv", "serving_rows.jsonl",
+                               "decode_env.json")]
+    return mirror.mirror("serving", cells, files, env or {}, uri)
 
-    from oscar.eval import tracking
 
-    commit = tracking.git_commit(root)
-    name = tracking.experiment_name("serving", "decode")
-    with tracking.store_lock(uri, root / "results" / "tracking"):
-        client = MlflowClient(tracking_uri=uri)
-        found = client.get_experiment_by_name(name)
-        exp_id = found.experiment_id if found else client.create_experiment(name)
-        for run in client.search_runs([exp_id], max_results=5000):
-            client.delete_run(run.info.run_id)
-        now = int(time.time() * 1000)
-        base = {"oscar.rule": "serving", "mlflow.source.git.commit": commit, "git_commit": commit}
-        parent = client.create_run(exp_id, run_name="serving", tags={tracking.ROLE_TAG: "table", **base}).info.run_id
-        for f in ("decode.md", "decode.csv", "decode.png"):
-            client.log_artifact(parent, str(out / f), artifact_path="reports")
-        for r in table:
-            tags = {tracking.ROLE_TAG: "cell", tracking.PARENT_TAG: parent, "oscar.status": str(r["status"]), **base}
-            run = client.create_run(exp_id, run_name=f"{r['tag']}/{r['mode']}/b{r['batch']}/T{r['context']}",
-                                    tags=tags).info.run_id
-            m = {"perf.decode_ms": r["decode_ms"], "perf.prefill_s": r["prefill_s"], "perf.tokens_per_s": r["tokens_per_s"],
-                 "mem.max_total_num_tokens": r["max_total_num_tokens"]}
-            client.log_batch(run, metrics=[Metric(k, float(v), now, 0) for k, v in m.items() if v is not None],
-                             params=[Param(k, str(r[k])) for k in ("cache", "backend", "mode", "batch", "context",
-                                                                   "cuda_graph", "radix", "page_size", "device")])
-            client.set_terminated(run)
-        client.set_terminated(parent)
-    return parent
+def compare_lines(rows: list[dict[str, Any]], ref_path: Path) -> list[str]:
+    """Markdown lines: each ok row against the committed row of the same (cache, backend, mode, batch, context)."""
+    with open(ref_path, newline="") as fh:
+        ref = {(r["cache"], r["backend"], r["mode"], int(r["batch"]), int(r["context"])): r for r in csv.DictReader(fh)}
+    lines = []
+    for r in sorted(_ok(rows), key=lambda r: (r["mode"], r["batch"], r["context"], r["cache"], r["backend"])):
+        old = ref.get((r["cache"], r["backend"], r["mode"], int(r["batch"]), int(r["context"])))
+        if old is None or not old.get("decode_ms"):
+            continue
+        o = float(old["decode_ms"])
+        p_new, p_old = r.get("prefill_s"), old.get("prefill_s")
+        pre = f"{float(p_old):.2f} | {p_new:.2f}" if p_new is not None and p_old else " | "
+        lines.append(f"| {r['cache']}/{r['backend']} | {r['mode']} | {r['batch']} | {r['context']} | {o:.2f} | "
+                     f"{r['decode_ms']:.2f} | {r['decode_ms'] / o - 1:+.1%} | {pre} |")
+    # OSCAR's ratio to the best BF16, committed and now, at the shapes both have
+    for mode, b, n in sorted({(r["mode"], r["batch"], r["context"]) for r in _ok(rows)}):
+        best, osc = _best_bf16(rows, mode=mode, batch=b, context=n), [r for r in _ok(rows, mode=mode, batch=b, context=n)
+                                                                     if _is_main_oscar(r)]
+        old = [x for k, x in ref.items() if k[2:] == (mode, b, n) and x.get("decode_ms")]
+        old_osc = [x for x in old if x["cache"] == "oscar"]
+        old_bf = [x for x in old if x["cache"] == "bf16"]
+        if best and osc and old_osc and old_bf:
+            ob = min(old_bf, key=lambda x: float(x["decode_ms"]))
+            lines.append(f"| OSCAR speed-up vs best BF16 | {mode} | {b} | {n} | "
+                         f"{float(ob['decode_ms']) / float(old_osc[0]['decode_ms']):.2f}x | "
+                         f"{best['decode_ms'] / osc[0]['decode_ms']:.2f}x |  |  |  |")
+    return lines
 
 
 PROFILE_COLUMNS = ("tag", "backend", "batch", "context", "step", "part", "ms", "kernels", "wall_ms", "gpu_ms")
@@ -330,40 +338,51 @@ def write_profile(profiles: list[dict[str, Any]], out: Path) -> list[str]:
     return md
 
 
-def main(argv: list[str]) -> int:
-    from oscar.core.stats import atomic_write_text
+def _header(rows: list[dict[str, Any]], env: dict[str, Any]) -> list[str]:
+    from oscar.bench.host import hardware_line
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("rows", nargs="+", type=Path)
-    ap.add_argument("--out", type=Path, default=Path("reports/serving"))
-    ap.add_argument("--profile", type=Path, default=None, help="profile rows (default: profile_rows.jsonl beside "
-                    "the first rows file, when there)")
-    ap.add_argument("--notes", type=Path, default=None, help="markdown appended to decode.md (the profile, caveats)")
-    ap.add_argument("--mlflow-uri", default=None, help="also mirror the rows into this MLflow tracking URI")
-    a = ap.parse_args(argv)
-    rows = load_rows(a.rows)
+    o = env.get("options") or {}
+    sink, recent, page = o.get("sink", 64), o.get("recent", 256), o.get("page_size", 16)
+    mem, running = o.get("mem_fraction", 0.85), o.get("max_running", 64)
+    dev = sorted({str(r.get("device")) for r in rows})
+    lines = [f"# SGLang serving: decode step and prefill ({', '.join(dev)})", ""]
+    if env:
+        lines += [hardware_line(env), "", f"Command: `{env.get('command', '?')}`", ""]
+        if env.get("contract"):
+            lines += [f"The plugin's SGLang contract (`oscar.serve.contract.check_contract`): {env['contract']}.", ""]
+    lines += [f"SGLang `bench_one_batch` timing (`python -m oscar.bench.sglang_one_batch`: SGLang's `load_model`, "
+              "`latency_test_run_once` and decode step, plugin loaded), `--load-format dummy` weights (the model's "
+              f"config), CUDA graphs on (decode; one graph per batch size of the rows), `--mem-fraction-static {mem}`, "
+              f"`--max-running-requests {running}`, `--disable-radix-cache`, output 16 tokens, median decode step. "
+              f"OSCAR: INT2, one group per row, sink {sink}, recent {recent}, `--page-size {page}`, fragment-order "
+              "pages read by the mma CUDA kernel, seeded random dense rotations with means (the kernel work of a "
+              "calibrated artifact). Baseline: SGLang's best BF16 backend at each shape (flashinfer; triton beside "
+              "it). Rows `real`: prefill forward, then 15 timed decode steps (`bench_one_batch`); rows `synthetic`: "
+              "the same decode steps on a synthetic state (SGLang's own allocator and `req_to_token` hold the "
+              "batch's slots, the pool holds random valid data, no prefill forward: `oscar/bench/sglang_synthetic.py`), "
+              "so that every (batch, context) that fits in the pool is measured; `capacity`: over the server's token "
+              "capacity by `bench_one_batch`'s rule (batch > capacity // (context + 16)). Reproduce:", "", "```",
+              REPRODUCE, "```", ""]
+    return lines
+
+
+def write_report(paths: list[Path], out: Path, env: Optional[dict[str, Any]] = None, notes: Optional[Path] = None,
+                 compare: Optional[Path] = None, profile: Optional[Path] = None) -> list[Path]:
+    """decode.{csv,md,png} (and profile.{csv,md} from ``profile`` or ``profile_rows.jsonl`` beside the first rows
+    file) from the rows of ``paths``; returns the files written."""
+    from oscar.core.files import atomic_write_text
+
+    rows = load_rows(paths)
     if not rows:
-        raise SystemExit(f"no rows in {[str(p) for p in a.rows]}")
-    a.out.mkdir(parents=True, exist_ok=True)
+        raise ValueError(f"no rows in {[str(p) for p in paths]}")
+    out.mkdir(parents=True, exist_ok=True)
     table = table_rows(rows)
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
+    w = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n", extrasaction="ignore")
     w.writeheader()
     w.writerows(table)
-    atomic_write_text(a.out / "decode.csv", buf.getvalue())
-    dev = sorted({str(r.get("device")) for r in rows})
-    md = [f"# SGLang serving: decode step and prefill ({', '.join(dev)})", "",
-          "SGLang 0.5.17 `bench_one_batch` timing (`python -m oscar.bench.sglang_one_batch`: SGLang's `load_model`, "
-          "`latency_test_run_once` and decode step, plugin loaded), `--load-format dummy` Qwen3-8B (bundle config), "
-          "CUDA graphs on (decode; one graph per batch size of the rows), `--mem-fraction-static 0.85`, "
-          "`--max-running-requests 64`, `--disable-radix-cache`, output 16 tokens, median decode step. OSCAR: INT2, "
-          "one group per row, sink 64, recent 256, `--page-size 16`, fragment-order pages read by the v9 kernel, "
-          "seeded random dense rotations with means (the kernel work of a calibrated artifact). Rows `real`: "
-          "prefill forward, then 15 timed decode steps (`bench_one_batch`); rows `synthetic`: the same decode "
-          "steps on a synthetic state (SGLang's own allocator and `req_to_token` hold the batch's slots, the pool "
-          "holds random valid data, no prefill forward: `oscar/bench/sglang_synthetic.py`), so that every (batch, context) "
-          "that fits in the pool is measured; `capacity`: over the server's token capacity by `bench_one_batch`'s "
-          "rule (batch > capacity // (context + 16)). Reproduce:", "", "```", REPRODUCE, "```", ""]
+    atomic_write_text(out / "decode.csv", buf.getvalue())
+    md = _header(rows, env or {})
     tg = targets(rows)
     if tg:
         md += ["## The issue's targets (synthetic-state rows, this run)", "",
@@ -380,29 +399,35 @@ def main(argv: list[str]) -> int:
     if sp:
         md += ["## OSCAR vs the best BF16 backend of the same mode at each shape (decode step)", "",
                "| mode | batch | context | best BF16 ms | OSCAR ms | speed-up |", "|---|---|---|---|---|---|", *sp, ""]
+    if compare is not None:
+        cl = compare_lines(rows, compare)
+        md += [f"## Against the committed numbers (`{compare}`)", "",
+               "| cache/backend | mode | batch | context | decode ms committed | decode ms now | now vs committed | "
+               "prefill s committed | prefill s now |", "|---|---|---|---|---|---|---|---|---|",
+               *(cl or ["| (no common rows) | | | | | | | | |"]), ""]
     ag = agreement(rows)
     if ag:
         md += ["## Greedy tokens against BF16 (real rows: same seeded prompts; first request of the batch)", "",
                "| OSCAR row | BF16 backend | batch | context | equal tokens | first difference |",
                "|---|---|---|---|---|---|", *ag, ""]
-    if a.notes is not None and a.notes.is_file():  # the reading of the run, before the full table
-        md += [a.notes.read_text().rstrip(), ""]
+    if notes is not None and notes.is_file():  # the reading of the run, before the full table
+        md += [notes.read_text().rstrip(), ""]
     md += ["## All rows", "", "| " + " | ".join(MD_COLUMNS) + " |", "|" + "---|" * len(MD_COLUMNS)]
     for r in table:
         md.append("| " + " | ".join(_fmt(r[c]) for c in MD_COLUMNS) + " |")
-    atomic_write_text(a.out / "decode.md", "\n".join(md) + "\n")
-    write_png(rows, a.out / "decode.png")
+    atomic_write_text(out / "decode.md", "\n".join(md) + "\n")
+    written = [out / "decode.csv", out / "decode.md"]
+    try:
+        write_png(rows, out / "decode.png")
+        written.append(out / "decode.png")
+    except ImportError:
+        print("matplotlib missing: no decode.png", file=sys.stderr)
     print("\n".join(md))
-    prof = a.profile if a.profile is not None else a.rows[0].parent / "profile_rows.jsonl"
+    prof = profile if profile is not None else paths[0].parent / "profile_rows.jsonl"
     if prof.is_file():
         profiles = [json.loads(x) for x in prof.read_text().splitlines() if x.strip()]
-        print("\n".join(write_profile(profiles, a.out)))
-    elif a.profile is not None:
-        raise SystemExit(f"--profile {a.profile}: no such file")
-    if a.mlflow_uri:
-        print(f"MLflow: parent run {track(a.out, table, a.mlflow_uri)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+        print("\n".join(write_profile(profiles, out)))
+        written += [out / "profile.csv", out / "profile.md"]
+    elif profile is not None:
+        raise FileNotFoundError(f"profile={profile}: no such file")
+    return written

@@ -3,9 +3,9 @@ ms per step per layer for the rotated INT2 cache (OSCAR/auto/QuaRot/INT2/Saw-INT
 simulations, batch 64, Qwen2.5-Coder-0.5B's attention geometry (14 query heads, 2 KV heads, head_dim 64),
 S0/W = 16/64, after a 200-token prefill.
 
-    python benchmarks/cpu_cache_step.py [--steps 60] [--threads 1] [--out reports/throughput/cpu_cache_step.csv]
+    python -m oscar.bench.cpu_cache_step [--steps 60] [--threads 1] [--out reports/throughput/cpu_cache_step.csv]
 
-Run it on two revisions (e.g. `git stash` / a worktree) to compare; it prints a table and writes the CSV.
+Run it on two revisions (e.g. a worktree of each) to compare; it prints a table and writes the CSV.
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from oscar.cache.attention import take_pending  # noqa: E402
-from oscar.cache.torch_cache import CacheSpec, LayerRotations, OscarLayer, SimulatedLayer  # noqa: E402
-from oscar.core.files import atomic_write_csv  # noqa: E402
-from oscar.core.rotation import random_orthogonal  # noqa: E402
+from oscar.cache.attention import take_pending
+from oscar.cache.formats import KINDS, format_class, format_for
+from oscar.cache.torch_cache import LayerRotations
+from oscar.core.files import atomic_write_csv
+from oscar.core.rotation import random_orthogonal
 
 B, H, HKV, D = 64, 14, 2, 64
 
@@ -35,15 +34,14 @@ class _Module:
 
 
 def layer(kind: str):
-    if kind == "rotated":
+    fmt = format_for(kind, name=kind, bits=2, group_size=64, sink=16 if format_class(kind).windowed else 0, recent=64)
+    rot = None
+    if fmt.rotated:
         rk = torch.stack([random_orthogonal(D, seed=h) for h in range(HKV)])
         rv = torch.stack([random_orthogonal(D, seed=h + 9) for h in range(HKV)])
         rot = LayerRotations(rk, rv, 0.1 * torch.randn(HKV, D), 0.1 * torch.randn(HKV, D),
                              torch.full((HKV,), 0.95), torch.full((HKV,), 0.9))
-        spec = CacheSpec(kind="rotated", bits=2, group_size=64, sink=16, recent=64, page_size=64, layers=[rot])
-        return OscarLayer(spec, rot, 0)
-    spec = CacheSpec(kind=kind, bits=2, group_size=64, sink=16 if kind == "turboquant" else 0, recent=64, page_size=64)
-    return SimulatedLayer(spec, None, 0)
+    return fmt.torch_layer(fmt.cache_spec([rot] if rot is not None else None), rot, 0)
 
 
 def time_kind(kind: str, steps: int, prefill: int = 200) -> float:
@@ -74,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     rows = [{"kind": k, "ms_per_step_per_layer": round(time_kind(k, a.steps), 2), "batch": B, "steps": a.steps,
              "threads": a.threads, "cpu": platform.processor() or platform.machine()}
-            for k in ("rotated", "kivi", "turboquant")]
+            for k in KINDS if format_class(k).quantized]
     print("| cache | ms / decode step / layer |\n|---|---|")
     for r in rows:
         print(f"| {r['kind']} | {r['ms_per_step_per_layer']} |")

@@ -1,0 +1,77 @@
+"""The throughput table (``python -m oscar gpu throughput``): end-to-end decode steps of random-weight models.
+
+The fused, compiled decode step (``oscar.models.fused_step``) with the BF16 static cache and the paged OSCAR
+formats, and the transformers forward (HF eager + graph) as the second baseline, at the committed table's points
+(Qwen3-8B: batch 1 at 4k and 100k, batch 8 at 32k, batch 32 at 100k; fit searched up to batch 32). The measuring
+is ``oscar.bench.throughput_run`` (what ``python -m oscar profile`` runs; Hydra-composed, ``experiment=throughput``);
+``overrides=`` passes more Hydra overrides. If the compiled step fails (a torch.compile problem on the host), the
+grid reruns uncompiled (``compile=false``, labelled ``fused``). Files: ``grid.csv``, ``check.csv``, ``fit.csv``,
+``job.csv``, ``kernels.csv``, ``env.json``, ``throughput.{md,png}`` under ``out`` (default reports/throughput).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from oscar.bench import host
+
+AREA = "throughput"
+SUMMARY = "end-to-end decode step (fused, compiled) and tokens/s: OSCAR formats vs the BF16 static cache"
+DEFAULTS: dict[str, Any] = {
+    "models": "qwen3-8b",
+    "caches": "bf16,oscar",
+    "hf_caches": "bf16",
+    "points": "1x4096,1x100000,8x32000,32x100000",
+    "parts": "check,grid,fit,job",
+    "reps": 8,
+    "layout": "auto",
+    "overrides": "experiment.extra.profile.speedup_contexts=[] experiment.extra.profile.job_batches=[32] "
+                 "experiment.extra.profile.fit_max_batch=32",
+}
+
+
+def stem(opts: dict[str, Any]) -> str:
+    return "throughput"
+
+
+def needs(opts: dict[str, Any]) -> list[host.Need]:
+    return [host.cuda_device(), host.python_modules(["omegaconf", "hydra"], "configuration",
+                                                    f"offline: the wheels of {host.ROUTES}"),
+            host.python_modules(["transformers"], "model architectures", "install transformers"),
+            host.free_gpu_memory(60.0)]
+
+
+def _argv(opts: dict[str, Any], out: Path, **over: Any) -> list[str]:
+    keys = {k: opts[k] for k in ("models", "caches", "hf_caches", "points", "parts", "reps", "layout")}
+    keys.update(over)
+    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in keys.items()] + [
+        f"output_dir={out}", "tracking.enabled=false", *str(opts["overrides"]).split()]
+
+
+def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
+    from oscar.commands import profile
+
+    rc = profile.main(_argv(opts, out))
+    if rc != 0:
+        print(f"compiled run failed (exit {rc}): rerunning the grid with compile=false", flush=True)
+        parts = ",".join(p for p in str(opts["parts"]).split(",") if p != "check")
+        env["compile_failed"] = True
+        rc = profile.main(_argv(opts, out, parts=parts) + ["compile=false"])
+    if rc != 0:
+        raise RuntimeError(f"oscar profile exit {rc}; see its output above")
+
+
+def report(out: Path, opts: dict[str, Any]) -> list[Path]:
+    from oscar.bench import throughput_report
+
+    if not (out / "grid.csv").is_file():
+        raise FileNotFoundError(f"{out / 'grid.csv'}: no rows (run `python -m oscar gpu throughput out={out}` on a GPU "
+                                "first)")
+    return list(throughput_report.write_report(out))
+
+
+def track(out: Path, opts: dict[str, Any], uri: str) -> str:
+    from oscar.bench import throughput_report
+
+    return str(throughput_report.track(out, uri, experiment="throughput")["parent_run_id"])

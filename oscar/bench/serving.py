@@ -1,0 +1,199 @@
+"""The serving table (``python -m oscar gpu serving``): SGLang's one-batch decode step, OSCAR against SGLang's BF16.
+
+One process per backend (``python -m oscar.bench.sglang_one_batch``: SGLang's ``load_model`` and decode step with
+the plugin loaded), ``--load-format dummy`` weights of the model whose ``config.json`` is at ``model=`` (default:
+the bundle's Qwen3-8B), CUDA graphs on for decode, the same seeded prompts for every backend. Rows of three kinds
+(``real``: prefill forward then decode; ``synthetic``: decode steps on a synthetic state, every shape that fits
+the pool, ``oscar.bench.sglang_synthetic``; ``profile``: the decode step under ``torch.profiler``). OSCAR: INT2
+with seeded random rotations with means (a calibrated artifact's kernel work, ``oscar.bench.timing_artifact``),
+``sink``/``recent`` BF16 windows, pages of ``page_size`` tokens. Baseline: SGLang's best BF16 backend at each
+shape (``flashinfer``; ``triton`` beside it). ``plan`` (the default of ``real``, ``synthetic``, ``profile``) is the
+committed table's grid, per backend (``PLAN``). Raw rows: ``serving_rows.jsonl``, ``profile_rows.jsonl``; logs:
+``logs/<backend>.log``; the report (``oscar.bench.serving_report``): ``decode.{md,csv,png}``, ``profile.{md,csv}``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from oscar.bench import host
+
+AREA = "serving"
+SUMMARY = "SGLang decode step / prefill: the OSCAR plugin vs SGLang's BF16 backends (flashinfer, triton)"
+BUNDLE_ENV = "OSCAR_SGLANG_BUNDLE"  # the offline bundle's folder (benchmarks/gpu.sh sets it)
+DEFAULTS: dict[str, Any] = {
+    "backends": "oscar,flashinfer,triton",
+    "real": "plan",
+    "synthetic": "plan",
+    "profile": "plan",
+    "warmup": "1x2048",
+    "model": "",  # folder with the model's config.json (default: the bundle's qwen3-8b)
+    "mem_fraction": 0.85,
+    "max_running": 64,
+    "context_length": 131072,
+    "output_len": 16,
+    "sink": 64,
+    "recent": 256,
+    "page_size": 16,
+    "rotation": "random",
+    "timeout_s": 0,  # per backend process (0: PLAN's)
+    "notes": "",  # Markdown appended to decode.md (the reading of the run)
+}
+_REAL = "1x30000,1x60000,1x100000,1x128000"
+_GRID = ",".join(f"{b}x{n}" for b in (1, 8, 32, 64) for n in (30000, 60000, 100000, 128000))
+# the committed table's plan (reports/serving, 2026-12-02): 51 x 100k / 7 x 100k are OSCAR's / BF16's largest
+# batch at 100k at mem_fraction 0.85; flashinfer compiles its kernels with nvcc at first use (~2 min)
+PLAN: dict[str, dict[str, Any]] = {
+    "oscar": {"real": _REAL, "synthetic": _GRID + ",51x100000", "profile": "1x100000,32x100000", "timeout_s": 200},
+    "flashinfer": {"real": _REAL, "synthetic": _GRID + ",7x100000", "profile": "1x100000", "timeout_s": 240},
+    "triton": {"real": _REAL, "synthetic": _GRID + ",7x100000", "profile": "", "timeout_s": 140},
+}
+
+
+def stem(opts: dict[str, Any]) -> str:
+    return "decode"
+
+
+def model_dir(opts: dict[str, Any]) -> Path:
+    if opts["model"]:
+        return Path(opts["model"])
+    return Path(os.environ.get(BUNDLE_ENV, ".dev/sglang-gpu")) / "qwen3-8b"
+
+
+def _backends(opts: dict[str, Any]) -> list[str]:
+    names = [b.strip() for b in str(opts["backends"]).split(",") if b.strip()]
+    if not names:
+        raise ValueError("backends= is empty; e.g. backends=oscar,flashinfer")
+    return names
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        b, sep, n = item.partition("x")
+        if not sep or not b.isdigit() or not n.isdigit() or int(b) < 1 or int(n) < 1:
+            raise ValueError(f"shape {item!r} is not valid; write BATCHxCONTEXT with positive integers, e.g. 1x100000")
+        out.append((int(b), int(n)))
+    return out
+
+
+def plan(opts: dict[str, Any]) -> list[dict[str, Any]]:
+    """One entry per backend process: its shapes of each kind and its time limit."""
+    runs = []
+    for backend in _backends(opts):
+        base = PLAN.get(backend, PLAN["triton"])
+        run = {"name": backend if backend == "oscar" else f"bf16_{backend}", "backend": backend}
+        for kind in ("real", "synthetic", "profile"):
+            run[kind] = base[kind] if opts[kind] == "plan" else str(opts[kind])
+            _shapes(run[kind])  # refuse a bad shape before any work
+        _shapes(opts["warmup"])
+        run["timeout_s"] = int(opts["timeout_s"] or base["timeout_s"])
+        runs.append(run)
+    return runs
+
+
+def needs(opts: dict[str, Any]) -> list[host.Need]:
+    from oscar.serve.contract import SUPPORTED_VERSIONS
+
+    plan(opts)
+    out = [host.cuda_device(), host.sglang(SUPPORTED_VERSIONS),
+           host.path_exists(model_dir(opts) / "config.json", "model config (dummy weights)",
+                            f"model= a folder with the model's config.json and tokenizer (offline: ${BUNDLE_ENV}/qwen3-8b)")]
+    if "oscar" in _backends(opts):
+        out.append(host.plugin_entry_point())
+    mem = host.gpu_memory()
+    out.append(host.free_gpu_memory(float(opts["mem_fraction"]) * (mem["total_gib"] if mem else 80.0)))
+    return out
+
+
+def command(run: dict[str, Any], opts: dict[str, Any], out: Path) -> list[str]:
+    """The ``sglang_one_batch`` command line of one backend process."""
+    shapes = [s for k in ("real", "synthetic", "profile") for s in _shapes(run[k])] + _shapes(opts["warmup"])
+    args = [sys.executable, "-m", "oscar.bench.sglang_one_batch", "--model-path", str(model_dir(opts)),
+            "--load-format", "dummy", "--output-len", str(opts["output_len"]), "--sampling-backend", "pytorch",
+            "--grammar-backend", "none", "--mem-fraction-static", str(opts["mem_fraction"]), "--context-length",
+            str(opts["context_length"]), "--disable-radix-cache", "--max-running-requests", str(opts["max_running"]),
+            "--disable-prefill-cuda-graph", "--attention-backend", run["backend"],
+            "--batch-size", *sorted({str(b) for b, _ in shapes}, key=int),
+            "--input-len", *sorted({str(n) for _, n in shapes}, key=int),
+            f"--oscar-shapes={run['real']}", f"--oscar-warmup={opts['warmup']}",
+            f"--oscar-synthetic={run['synthetic']}", f"--oscar-profile={run['profile']}",
+            "--oscar-out", str(out / "serving_rows.jsonl"), "--oscar-profile-out", str(out / "profile_rows.jsonl"),
+            "--oscar-tag", run["name"]]
+    if run["backend"] == "oscar":
+        args += ["--page-size", str(opts["page_size"])]
+    return args
+
+
+def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
+    """Run every backend process in turn (one at a time on the GPU); the rows of this run replace the folder's."""
+    from oscar.bench.timing_artifact import write_timing_artifact
+
+    runs = plan(opts)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    for name in ("serving_rows.jsonl", "profile_rows.jsonl"):  # this run's rows only
+        (out / name).unlink(missing_ok=True)
+    art = Path(tempfile.gettempdir()) / "oscar_timing_artifact"  # ~38 MB for Qwen3-8B: not a report file
+    extra = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+             "PYTHONUNBUFFERED": "1"}
+    if "oscar" in _backends(opts):
+        print(write_timing_artifact(model_dir(opts), art, rotation=str(opts["rotation"]), mu=True), flush=True)
+        env["contract"] = _contract(extra)
+        print(f"SGLang contract of the plugin: {env['contract']}", flush=True)
+    env["runs"] = []
+    for run in runs:
+        cmd = command(run, opts, out)
+        penv = host.sglang_env(dict(extra, OSCAR_ARTIFACT=str(art.resolve()), OSCAR_SINK=str(opts["sink"]),
+                                    OSCAR_RECENT=str(opts["recent"])))
+        t0 = time.time()
+        print(f"== {run['name']}: real={run['real'] or '-'} synthetic={run['synthetic'] or '-'} "
+              f"profile={run['profile'] or '-'} (limit {run['timeout_s']} s)", flush=True)
+        log = out / "logs" / f"{run['name']}.log"
+        with open(log, "w") as fh:
+            try:
+                rc: Any = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=penv,
+                                         timeout=run["timeout_s"]).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        wall = time.time() - t0
+        env["runs"].append({"name": run["name"], "rc": rc, "wall_s": round(wall, 1),
+                            "command": " ".join(cmd[1:]).replace(str(out), "$OUT")})
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith(("OSCAR_ROW", "OSCAR_PROFILE")) or "Traceback" in line or "Error" in line[:80]:
+                print("   " + line[:300], flush=True)
+        print(f"   {run['name']}: exit {rc} after {wall:.0f} s", flush=True)
+
+
+def _contract(extra: dict[str, str]) -> str:
+    code = ("import sglang\nfrom oscar.serve.contract import check_contract\n"
+            "print('CONTRACT', sglang.__version__, check_contract() or 'no problems')")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                              env=host.sglang_env(extra))
+    except subprocess.TimeoutExpired:
+        return "not checked (import over 180 s)"
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("CONTRACT")), None)
+    return line[len("CONTRACT "):] if line else f"check failed: {(proc.stderr or '').strip().splitlines()[-1:]}"
+
+
+def report(out: Path, opts: dict[str, Any]) -> list[Path]:
+    from oscar.bench import serving_report
+
+    rows = out / "serving_rows.jsonl"
+    if not rows.is_file():
+        raise FileNotFoundError(f"{rows}: no rows (run `python -m oscar gpu serving out={out}` on a GPU first)")
+    return serving_report.write_report([rows], out, env=host.read_env(out / "decode_env.json"),
+                                       notes=Path(opts["notes"]) if opts["notes"] else None,
+                                       compare=Path(opts["compare"]) if opts["compare"] else None)
+
+
+def track(out: Path, opts: dict[str, Any], uri: str) -> str:
+    from oscar.bench import serving_report
+
+    return serving_report.track(out, uri, host.read_env(out / "decode_env.json"))
