@@ -408,7 +408,8 @@ def test_remove_tree_has_no_recursion_limit_and_respects_its_deadline(tmp_path):
 
 @needs_namespaces
 def test_memory_is_bounded_for_the_whole_program():
-    """Four children of 200 MiB each stay under the per-process limit (512 MiB) but not under the program's."""
+    """Four children of 200 MiB each stay under the per-process limit (512 MiB) but not under the program's:
+    a cgroup stops them, and without one the program is a single process (process_plan)."""
     limits = SandboxLimits(timeout_s=20, cpu_s=10, memory_mb=512, tmpfs_mb=16, nproc=8)
     code = textwrap.dedent(
         """
@@ -428,9 +429,9 @@ def test_memory_is_bounded_for_the_whole_program():
         """
     )
     res = run_python(code, limits=limits)
-    if res.memory_scope != "program":
-        pytest.skip("no cgroup here: memory is bounded per process only (recorded as memory_scope)")
     assert "held 4 of 4" not in res.stdout, res.stdout
+    if res.memory_scope == "process":
+        assert "BlockingIOError" in res.stderr, res.stderr
 
 
 @needs_namespaces
@@ -457,10 +458,13 @@ def test_path_sockets_user_namespaces_and_host_interfaces_are_out_of_reach(tmp_p
         print("userns", try_(libc.unshare(0x10000000)))
         print("mountns", try_(libc.unshare(0x00020000)))
         print("net", sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else [])
-        pid = os.fork()
-        if pid == 0:
-            os._exit(7)
-        print("fork", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+        try:
+            pid = os.fork()
+            if pid == 0:
+                os._exit(7)
+            print("fork", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+        except OSError as exc:  # no cgroup: one process (process_plan)
+            print("fork", os.strerror(exc.errno))
         """
     )
     try:
@@ -477,7 +481,8 @@ def test_path_sockets_user_namespaces_and_host_interfaces_are_out_of_reach(tmp_p
     if seccomp_filter() is None:
         pytest.skip("no seccomp filter for this machine's architecture")
     assert out["unix"] == out["netlink"] == out["userns"] == out["mountns"] == "Operation not permitted", out
-    assert out["inet"] == "ok" and out["fork"] == "7" and out["net"] in ("[]", "['lo']")
+    assert out["fork"] == ("7" if res.memory_scope == "program" else "Resource temporarily unavailable"), out
+    assert out["inet"] == "ok" and out["net"] in ("[]", "['lo']")
     assert not connected
 
 
@@ -493,6 +498,10 @@ def test_seccomp_filter_is_well_formed():
 @needs_namespaces
 def test_concurrent_sandboxes_do_not_share_the_process_limit():
     """One sandbox holds its whole process allowance; another, started meanwhile, still forks."""
+    from oscar.eval.sandbox import _cgroup_parents
+
+    if _cgroup_parents() is None:
+        pytest.skip("no cgroup here: a program is one process (process_plan)")
     hog = textwrap.dedent(
         """
         import os, time
@@ -537,7 +546,7 @@ def test_daemons_and_setsid_children_do_not_outlive_the_run():
         """
     )
     res = run_python(code, limits=FAST)
-    assert res.passed and res.uid is not None
+    assert res.uid is not None and (res.passed or (res.memory_scope == "process" and "BlockingIOError" in res.stderr))
     time.sleep(0.5)
     assert _sandbox_uid_processes(res.uid) == []
 
@@ -655,6 +664,7 @@ def test_a_sandbox_does_not_outlive_a_killed_evaluator():
          "run = start_python('import time\\ntime.sleep(60)')\nprint(run.lease.uid, flush=True)\ntime.sleep(60)\n"],
         stdout=subprocess.PIPE, text=True)
     uid = int(evaluator.stdout.readline())
+    evaluator.stdout.close()
     deadline = time.monotonic() + 30
     while not _sandbox_uid_processes(uid) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -665,16 +675,19 @@ def test_a_sandbox_does_not_outlive_a_killed_evaluator():
     while _sandbox_uid_processes(uid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _sandbox_uid_processes(uid) == []
-    # what it left (its host folder, its cgroup) is swept by the next evaluator at start-up, and said
-    from oscar.eval.sandbox import _cgroup_parents, stale_sandboxes, sweep_stale
+    # what it left (its host folder, its cgroup) its reaper removes at once, not a later evaluator's sweep
+    # (tests/test_eval_sandbox_leftovers.py follows each path; the sweep is test_the_sweep_leaves_...)
+    from oscar.eval.sandbox import stale_sandboxes
 
-    folders, cgroups = stale_sandboxes()
-    mine = [p for p in folders if f"-{evaluator.pid}-" in p.name]
-    mine_cg = [c for c in cgroups if c.name.endswith(f"-{evaluator.pid}") and c.name.startswith(f"oscar-sbx-{uid}-")]
-    assert len(mine) == 1, folders
-    assert mine_cg or _cgroup_parents() is None, cgroups
-    assert "left by dead evaluators" in sweep_stale(force=True)
-    assert not any(p.exists() for p in mine + mine_cg)
+    def left() -> list[Path]:
+        folders, cgroups = stale_sandboxes()
+        return [p for p in folders if f"-{evaluator.pid}-" in p.name] + \
+            [c for c in cgroups if c.name.endswith(f"-{evaluator.pid}") and c.name.startswith(f"oscar-sbx-{uid}-")]
+
+    deadline = time.monotonic() + 60
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left() == []
 
 
 def test_the_sweep_leaves_live_evaluators_alone(tmp_path):

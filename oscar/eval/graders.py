@@ -178,7 +178,8 @@ def _text(value: str) -> str:
 
 def _scope(*results: ExecResult) -> dict:
     """Isolation fields of a graded item: the layer, and the weakest memory scope of its runs
-    ("program": a cgroup capped the whole program; "process": RLIMIT_AS per process only; "none":
+    ("program": a cgroup capped the whole program; "process": no cgroup, RLIMIT_AS per process with
+    the process count limited to keep their sum within memory_mb (`sandbox.process_plan`); "none":
     nothing ran)."""
     if not results:
         return {"isolation": "none", "memory_scope": "none"}

@@ -13,13 +13,22 @@ What the ``namespaces`` layer guarantees (root with ``unshare``; docs/DESIGN.md,
   concurrent sandbox, so ``RLIMIT_NPROC`` is not shared between sandboxes), no groups, no
   capabilities, ``no_new_privs``. Every process of the program dies with the namespace's init.
 * Resources: where a cgroup (v1 or v2 memory + pids controllers) can be created, memory
-  (``memory_mb + tmpfs_mb``) and process count (``nproc``) are bounded for the whole program;
-  otherwise per process only (``ExecResult.memory_scope`` says which). Always: wall clock,
-  ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``, no core.
+  (``memory_mb + tmpfs_mb``) and process count (``nproc``) are bounded for the whole program
+  (``ExecResult.memory_scope == "program"``). Where none can (read-only cgroups, as in many
+  containers), ``RLIMIT_AS`` of each process is the only memory bound (``memory_scope ==
+  "process"``), so the count of processes is limited to keep their sum within ``memory_mb``
+  (`process_plan`: one process by default, threads allowed). Always: wall clock, ``RLIMIT_CPU``,
+  ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``, no core.
+* Leftovers: every evaluator has a reaper (a process of its own session, started with its first
+  sandbox) that waits for the evaluator to end; if it ends without cleaning up (SIGKILL), the reaper
+  kills what its sandboxes still run and removes their cgroups and host folders at once, instead
+  of leaving them to the next evaluator's start-up sweep (`sweep_stale`, still run as a backstop).
 * System calls (seccomp, x86_64 and aarch64): sockets only of the families ``AF_INET``/``AF_INET6``
   (in an empty network namespace), so no path or netlink socket; no new namespaces (``unshare``,
   ``setns``, namespace flags of ``clone``; ``clone3`` answers ENOSYS), no keyrings, ``bpf``,
-  ``perf_event_open``, ``userfaultfd``, ``io_uring``, ``ptrace``, mounts.
+  ``perf_event_open``, ``userfaultfd``, ``io_uring``, ``ptrace``, mounts; without a cgroup and
+  with a budget of one process, no new process (``fork``, ``vfork``, ``clone`` without
+  ``CLONE_THREAD`` answer EAGAIN).
 
 The ``hooks`` layer (no privileges: audit hooks in the program's own process) is *not* isolation:
 Python code can remove or bypass it. It runs only when the user opts in explicitly
@@ -172,7 +181,10 @@ for name, value in cfg["rlimits"].items():
     resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))
 workdir = os.path.realpath(os.getcwd())
 guard_writes = cfg["guard_writes"]  # the namespace layer's read-only root makes this check redundant
+guard_fork = cfg["guard_fork"]  # hooks layer with a budget of one process (the namespace layer: seccomp)
 def _guard(event, args):
+    if event in ("os.fork", "os.forkpty") and guard_fork:
+        raise PermissionError("sandbox: one process only (its address-space limit is the program's memory cap)")
     if event == "socket.__new__":
         raise PermissionError("sandbox: socket creation is not allowed")
     if event in ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "pty.spawn"):
@@ -210,14 +222,17 @@ class SandboxLimits:
 
     timeout_s: float = 10.0  # wall clock
     cpu_s: int = 10  # RLIMIT_CPU
-    memory_mb: int = 2048  # RLIMIT_AS per process; with a cgroup also the whole program (+ tmpfs_mb)
-    nproc: int = 16  # RLIMIT_NPROC of the sandbox's own uid; with a cgroup pids.max
+    memory_mb: int = 2048  # the whole program: a cgroup (+ tmpfs_mb), else RLIMIT_AS x process count (process_plan)
+    nproc: int = 16  # RLIMIT_NPROC (tasks: processes and threads) of the sandbox's own uid; with a cgroup pids.max
     fsize_mb: int = 16  # RLIMIT_FSIZE: largest file the program writes (in its private /tmp)
     nofile: int = 64  # RLIMIT_NOFILE
     tmpfs_mb: int = 64  # private /tmp inside the namespace (the only writable place)
     files: int = 4096  # inodes of that /tmp
     output_mb: int = 16  # captured stdout (a pipe, never a file): one byte more ends the run, "output_limit"
+    # (a serving program is graded by its answers: its stdout past the cap is discarded, the run goes on)
     output_chars: int = 20000  # stderr characters kept in the result (its tail)
+    process_mb: int | None = None  # RLIMIT_AS of each process (None: memory_mb); without a cgroup it sets
+    # how many processes the program may have: memory_mb // process_mb (process_plan)
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "cpu_s", "memory_mb", "nproc", "fsize_mb", "nofile", "tmpfs_mb", "files",
@@ -225,6 +240,32 @@ class SandboxLimits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"SandboxLimits.{name}={value!r} must be a positive number")
+        value = self.process_mb
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 0 < value <= self.memory_mb):
+            raise ValueError(f"SandboxLimits.process_mb={value!r} must be None (memory_mb) or an integer in "
+                             f"1..memory_mb={self.memory_mb}")
+
+
+def process_plan(limits: SandboxLimits, program_cgroup: bool, mode: str = "namespaces") -> dict:
+    """How a sandboxed program's processes are bounded: {"as_mb", "nproc", "fork"}.
+
+    With a cgroup bounding the whole program: each process `process_mb` (default `memory_mb`) of
+    address space, `nproc` tasks, forks allowed. Without one, address-space limits are the only
+    memory bound and they are per process, so the count is chosen to keep their sum within
+    `memory_mb`: `memory_mb // process_mb` processes (at most `nproc`). When that is one (the
+    default), new processes are refused (seccomp, or the audit hook in the `hooks` layer) while
+    threads, which share the one address space, stay allowed up to `nproc`; where no seccomp filter
+    exists for the machine, RLIMIT_NPROC = 1 refuses threads too.
+    """
+    as_mb = int(limits.process_mb or limits.memory_mb)
+    if program_cgroup:
+        return {"as_mb": as_mb, "nproc": int(limits.nproc), "fork": True}
+    count = max(1, min(int(limits.nproc), int(limits.memory_mb) // as_mb))
+    if count > 1:
+        return {"as_mb": as_mb, "nproc": count, "fork": True}
+    threads = mode != "namespaces" or seccomp_filter() is not None
+    return {"as_mb": as_mb, "nproc": int(limits.nproc) if threads else 1, "fork": False}
 
 
 @dataclass
@@ -238,7 +279,7 @@ class ExecResult:
     stderr: str
     wall_s: float
     isolation: str
-    memory_scope: str = "process"  # "program" when a cgroup bounded the whole program
+    memory_scope: str = "process"  # "program": a cgroup bounded the whole program; else RLIMIT_AS x process count
     uid: int | None = None  # the sandbox uid the program ran as (namespaces)
     cleanup: str = "ok"  # what clean-up could not do, if anything
 
@@ -311,7 +352,7 @@ _SECCOMP_ARCH = {  # machine: (AUDIT_ARCH, syscall numbers)
                                 request_key=249, bpf=321, perf_event_open=298, userfaultfd=323, ptrace=101,
                                 mount=165, umount2=166, pivot_root=155, chroot=161, io_uring_setup=425,
                                 io_uring_enter=426, io_uring_register=427, open_tree=428, move_mount=429,
-                                fsopen=430, fsmount=432, mount_setattr=442)),
+                                fsopen=430, fsmount=432, mount_setattr=442, fork=57, vfork=58)),
     "aarch64": (0xC00000B7, dict(socket=198, clone=220, clone3=435, unshare=97, setns=268, keyctl=219,
                                  add_key=217, request_key=218, bpf=280, perf_event_open=241, userfaultfd=282,
                                  ptrace=117, mount=40, umount2=39, pivot_root=41, chroot=51, io_uring_setup=425,
@@ -323,16 +364,19 @@ _DENIED = ("unshare", "setns", "keyctl", "add_key", "request_key", "bpf", "perf_
            "io_uring_register", "open_tree", "move_mount", "fsopen", "fsmount", "mount_setattr")
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
 _CLONE_NAMESPACES = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
+_CLONE_THREAD = 0x00010000  # a new thread of the same process (implies CLONE_VM: the same address space)
 _AF_ALLOWED = (2, 10)  # AF_INET, AF_INET6
 
 
-def seccomp_filter(machine: str | None = None) -> bytes | None:
-    """Classic-BPF seccomp program (docs in the module header) for `machine`; None if unsupported."""
+def seccomp_filter(machine: str | None = None, fork: bool = True) -> bytes | None:
+    """Classic-BPF seccomp program (docs in the module header) for `machine`; None if unsupported.
+    `fork=False` also refuses new processes (fork, vfork, clone without CLONE_THREAD) with EAGAIN,
+    as a process limit would, and keeps threads (`process_plan`)."""
     arch = _SECCOMP_ARCH.get(machine or platform.machine())
     if arch is None:
         return None
     audit_arch, nr = arch
-    eperm, enosys = 0x00050000 | 1, 0x00050000 | 38
+    eperm, enosys, eagain = 0x00050000 | 1, 0x00050000 | 38, 0x00050000 | 11
     allow, kill = 0x7FFF0000, 0x80000000
     prog: list[tuple[int, int, int, int]] = []
 
@@ -349,12 +393,20 @@ def seccomp_filter(machine: str | None = None) -> bytes | None:
     for name in _DENIED:
         emit(jeq, nr[name], 0, 1)
         emit(ret, eperm)
+    if not fork:
+        for name in ("fork", "vfork"):  # aarch64 has neither: its libc forks with clone
+            if name in nr:
+                emit(jeq, nr[name], 0, 1)
+                emit(ret, eagain)
     emit(jeq, nr["clone3"], 0, 1)  # its flags live in memory: ENOSYS makes libc fall back to clone
     emit(ret, enosys)
-    emit(jeq, nr["clone"], 0, 4)
+    emit(jeq, nr["clone"], 0, 4 if fork else 6)
     emit(ld, 16)  # args[0] low word: clone flags
     emit(jset, _CLONE_NAMESPACES, 0, 1)
     emit(ret, eperm)
+    if not fork:
+        emit(jset, _CLONE_THREAD, 1, 0)
+        emit(ret, eagain)
     emit(ret, allow)
     emit(jeq, nr["socket"], 0, len(_AF_ALLOWED) + 2)
     emit(ld, 16)  # args[0] low word: the address family
@@ -626,14 +678,15 @@ def remove_tree(path: Path, deadline: float) -> str:
 class _Pump(threading.Thread):
     """The program's stdio through pipes, so every cap is real and nothing lands on host disk: feeds
     stdin, keeps stdout up to `out_cap` bytes (a byte more sets `overflow` and calls `on_overflow`,
-    which ends the run) and the last `err_cap` bytes of stderr. One poll loop on non-blocking fds (no
-    fd-number limit), ended by EOF on both outputs or by `stop()`; it closes the fds it was given."""
+    which ends the run; with `discard` the rest is read and dropped instead, the run goes on) and the
+    last `err_cap` bytes of stderr. One poll loop on non-blocking fds (no fd-number limit), ended by
+    EOF on both outputs or by `stop()`; it closes the fds it was given."""
 
     def __init__(self, stdin: int | None, data: bytes, stdout: int, stderr: int, out_cap: int, err_cap: int,
-                 on_overflow) -> None:
+                 on_overflow, discard: bool = False) -> None:
         super().__init__(name="oscar-sandbox-pump", daemon=True)
         self.stdin, self.data, self.stdout, self.stderr = stdin, memoryview(data), stdout, stderr
-        self.out_cap, self.err_cap, self.on_overflow = out_cap, err_cap, on_overflow
+        self.out_cap, self.err_cap, self.on_overflow, self.discard = out_cap, err_cap, on_overflow, discard
         self.out, self.err, self.overflow = bytearray(), bytearray(), False
         self._wake_r, self._wake_w = os.pipe()
 
@@ -680,8 +733,9 @@ class _Pump(threading.Thread):
                         self.out += chunk[:max(room, 0)]
                         if len(chunk) > room:
                             self.overflow = True
-                            close(fd)
-                            self.on_overflow()
+                            if not self.discard:
+                                close(fd)
+                                self.on_overflow()
                     else:
                         self.err += chunk
                         if len(self.err) > 2 * self.err_cap:
@@ -732,45 +786,155 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def stale_sandboxes(tmp: Path | None = None) -> tuple[list[Path], list[Path]]:
-    """(host folders, cgroup folders) of sandboxes whose evaluator process is gone: the pid in their
-    name (`SANDBOX_PREFIX`) is not alive in this PID namespace. A live evaluator's are never listed."""
+def _sandboxes(tmp: Path, owned) -> tuple[list[Path], list[Path]]:
+    """(host folders, cgroup folders) of the sandboxes whose owner tag (`_owner_tag`) satisfies `owned`."""
     folders = []
-    for path in Path(tmp or tempfile.gettempdir()).glob(f"{SANDBOX_PREFIX}*-*-*"):
+    for path in tmp.glob(f"{SANDBOX_PREFIX}*-*-*"):
         owner = "-".join(path.name[len(SANDBOX_PREFIX):].split("-")[:2])
-        if path.is_dir() and not path.is_symlink() and _dead_owner(owner):
+        if path.is_dir() and not path.is_symlink() and owned(owner):
             folders.append(path)
     cgroups = []
     layout = _cgroup_parents()
     for parent in (layout[1].values() if layout else ()):
         for path in parent.glob(f"{SANDBOX_PREFIX}*-*-*"):
-            if path.is_dir() and _dead_owner("-".join(path.name.split("-")[-2:])):
+            if path.is_dir() and owned("-".join(path.name.split("-")[-2:])):
                 cgroups.append(path)
     return folders, cgroups
+
+
+def _remove_sandboxes(folders: list[Path], cgroups: list[Path], deadline: float, why: str) -> str:
+    """Kill what runs in `cgroups`, remove them and the host `folders`; the line that says so ("" if none)."""
+    left = [note for note in (_Cgroup.sweep(cgroups, deadline),) if note]
+    left += [note for note in (remove_tree(path, deadline) for path in folders) if note]
+    if not folders and not cgroups:
+        return ""
+    names = sorted({p.name for p in folders + cgroups})
+    return (f"oscar sandbox: removed {len(folders)} folder(s) and {len(cgroups)} cgroup(s) {why} "
+            f"({', '.join(names[:6])}{', ...' if len(names) > 6 else ''})"
+            + (f"; left: {'; '.join(left)}" if left else ""))
+
+
+def stale_sandboxes(tmp: Path | None = None) -> tuple[list[Path], list[Path]]:
+    """(host folders, cgroup folders) of sandboxes whose evaluator process is gone: the pid in their
+    name (`SANDBOX_PREFIX`) is not alive in this PID namespace. A live evaluator's are never listed."""
+    return _sandboxes(Path(tmp or tempfile.gettempdir()), _dead_owner)
 
 
 def sweep_stale(tmp: Path | None = None, force: bool = False) -> str:
     """Remove the sandboxes that killed evaluators left behind (`stale_sandboxes`): their cgroups (what
     still runs in them is killed) and host folders. Runs once per process (at its first sandbox) unless
-    `force`; says what it removed on stderr and returns that line ("" when there was nothing)."""
+    `force`; says what it removed on stderr and returns that line ("" when there was nothing). The
+    evaluators' reapers (`_reaper_fd`) normally leave nothing: this is the backstop when one was killed too."""
     global _SWEPT
     if _SWEPT and not force:
         return ""
     _SWEPT = True
     folders, cgroups = stale_sandboxes(tmp)
-    deadline = time.monotonic() + 10
-    left = [note for note in (_Cgroup.sweep(cgroups, deadline),) if note]
-    left += [note for note in (remove_tree(path, deadline) for path in folders) if note]
-    if not folders and not cgroups:
-        return ""
-    line = (f"oscar sandbox: removed {len(folders)} folder(s) and {len(cgroups)} cgroup(s) left by dead evaluators "
-            f"({', '.join(sorted({p.name for p in folders + cgroups})[:6])}{', ...' if len(folders + cgroups) > 6 else ''})"
-            + (f"; left: {'; '.join(left)}" if left else ""))
-    sys.stderr.write(line + "\n")
+    line = _remove_sandboxes(folders, cgroups, time.monotonic() + 10, "left by dead evaluators")
+    if line:
+        sys.stderr.write(line + "\n")
     return line
 
 
 _SWEPT = False
+
+
+# ------------------------------------------------------------------------------------- the reaper
+
+_REAPER: dict = {}  # this evaluator's reaper: {"pid": evaluator pid, "proc": Popen, "fd": pipe write end}
+_REAPER_LOCK = threading.Lock()
+REAPER_DEADLINE_S = 30.0  # how long a reaper keeps trying to remove a dead evaluator's cgroups and folders
+
+
+class _Outliving(subprocess.Popen):
+    """A child meant to outlive the evaluator (its reaper): no "still running" warning at exit."""
+
+    def __del__(self) -> None:
+        pass
+
+
+def _reaper_fd() -> int:
+    """Write end of the pipe to this evaluator's reaper, started with its first sandbox (again if it died).
+
+    The reaper (this module run with ``--reap``, in a session of its own so that signals to the
+    evaluator's process group miss it) reads the pipe until EOF, which comes when the evaluator is
+    gone however it ended; it then kills the process groups of runs that were never closed and
+    removes the evaluator's sandboxes (`_reap`). The pipe's write end is close-on-exec, so no
+    sandboxed program or checker holds it open.
+    """
+    with _REAPER_LOCK:
+        proc = _REAPER.get("proc")
+        if _REAPER.get("pid") == os.getpid():
+            if proc.poll() is None:
+                return _REAPER["fd"]
+            os.close(_REAPER["fd"])  # it was killed: start another
+        read, write = os.pipe()
+        try:
+            proc = _Outliving(
+                [sys.executable, "-I", "-B", "-c", Path(__file__).read_text(encoding="utf-8"), "--reap", _owner_tag(),
+                 tempfile.gettempdir()],
+                stdin=read, stdout=subprocess.DEVNULL, close_fds=True, start_new_session=True,
+                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"})
+        except BaseException:
+            os.close(write)
+            raise
+        finally:
+            os.close(read)
+        os.set_blocking(write, False)  # a note that does not fit is dropped, never waited for
+        _REAPER.update(pid=os.getpid(), proc=proc, fd=write)
+        return write
+
+
+def _tell_reaper(fd: int, note: str) -> None:
+    """Send the reaper one note (`+pgid` a run started, `-pgid` it was reaped); a lost note is harmless:
+    the start-up sweep and the namespace's lifeline remain."""
+    try:
+        os.write(fd, note.encode() + b"\n")
+    except OSError:
+        pass
+
+
+def _gone(pid: int) -> bool:
+    """Whether `pid` has exited (no such process, or a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[:1] in (["Z"], ["X"])
+
+
+def _reap(tag: str, tmp: str) -> None:
+    """The reaper's life: follow the evaluator's notes on stdin until EOF, then, once the evaluator
+    `tag` has exited, kill its runs' process groups and remove its sandboxes (cgroups, host folders)."""
+    groups: set[int] = set()
+    pending = b""
+    while True:
+        chunk = os.read(0, 1 << 12)
+        if not chunk:
+            break
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            if line[:1] in (b"+", b"-") and line[1:].isdigit():
+                (groups.add if line[:1] == b"+" else groups.discard)(int(line[1:]))
+    pid = int(tag.rpartition("-")[2])
+    deadline = time.monotonic() + REAPER_DEADLINE_S
+    while not _gone(pid):  # EOF comes as its files close, a moment before it is a zombie
+        if time.monotonic() > deadline:
+            return  # it lives on (it exec'd): what it made is its own, or the start-up sweep's
+        time.sleep(0.01)
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except OSError:
+            pass
+    folders, cgroups = _sandboxes(Path(tmp), lambda owner: owner == tag)
+    line = _remove_sandboxes(folders, cgroups, deadline, f"of evaluator {tag}, which ended without clean-up")
+    if line:
+        try:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+        except OSError:
+            pass
 
 
 # ------------------------------------------------------------------------------------------- runs
@@ -790,7 +954,9 @@ class SandboxRun:
         self.lifeline: int | None = None  # write end held while the run lasts; EOF ends the namespace
         self._lifeline_r: int | None = None
         self.notes: list[str] = []
+        self._announced: int | None = None  # the process group the reaper knows of, until it is reaped
         sweep_stale()
+        self.reaper_fd = _reaper_fd()
         self.base = Path(tempfile.mkdtemp(prefix=f"{SANDBOX_PREFIX}{_owner_tag()}-"))
         try:
             self._launch(code, stdin, serve, pass_fds, hide)
@@ -803,27 +969,30 @@ class SandboxRun:
         control = self.base / "control"  # evaluator-owned: program, bootstrap, captured output
         control.mkdir()
         (control / "program.py").write_text(code, encoding="utf-8")
+        if mode == "namespaces":
+            self.lease = _UidLease()
+            try:
+                self.cgroup = _Cgroup(f"{SANDBOX_PREFIX}{self.lease.uid}-{_owner_tag()}", limits)
+            except OSError:  # memory bounded through RLIMIT_AS x process count only: memory_scope says so
+                self.cgroup = None
+        plan = process_plan(limits, self.cgroup is not None, mode)
         rlimits = {
             "RLIMIT_CPU": int(limits.cpu_s),
-            "RLIMIT_AS": int(limits.memory_mb) << 20,
-            "RLIMIT_NPROC": int(limits.nproc),
+            "RLIMIT_AS": plan["as_mb"] << 20,
+            "RLIMIT_NPROC": plan["nproc"],
             "RLIMIT_FSIZE": int(limits.fsize_mb) << 20,
             "RLIMIT_NOFILE": int(limits.nofile),
             "RLIMIT_CORE": 0,
         }
-        stage2_cfg: dict = {"rlimits": rlimits, "guard_writes": mode != "namespaces"}
+        stage2_cfg: dict = {"rlimits": rlimits, "guard_writes": mode != "namespaces",
+                            "guard_fork": mode != "namespaces" and not plan["fork"]}
         if serve is not None:
             stage2_cfg["serve"] = serve
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1",
                "OMP_NUM_THREADS": "1"}
         stage2_argv = ["-I", "-B", "-c", _STAGE2, json.dumps(stage2_cfg), "program.py"]
         if mode == "namespaces":
-            self.lease = _UidLease()
             uid = self.lease.uid
-            try:
-                self.cgroup = _Cgroup(f"{SANDBOX_PREFIX}{uid}-{_owner_tag()}", limits)
-            except OSError:  # memory and process count bounded per process only: memory_scope says so
-                self.cgroup = None
             root = control / "root"
             root.mkdir()
             self._lifeline_r, self.lifeline = os.pipe()
@@ -833,7 +1002,7 @@ class SandboxRun:
                    "hide": [os.path.realpath(h) for h in hide], "uid": uid, "gid": uid,
                    "tmpfs_mb": int(limits.tmpfs_mb), "files": int(limits.files),
                    "cgroup_procs": self.cgroup.procs_files if self.cgroup else [],
-                   "seccomp": (seccomp_filter() or b"").hex(), "python": sys.executable,
+                   "seccomp": (seccomp_filter(fork=plan["fork"]) or b"").hex(), "python": sys.executable,
                    "sys_pivot_root": _PIVOT_ROOT.get(platform.machine(), -1), "setup_failed": _SETUP_FAILED,
                    "lifeline": lifeline_r,
                    "env": dict(env, HOME="/tmp/work"), "stage2_argv": stage2_argv}
@@ -865,9 +1034,11 @@ class SandboxRun:
                 if fd is not None:
                     os.close(fd)
             self._lifeline_r = None
+        self._announced = self.proc.pid  # its session and process group: what the reaper kills if we die
+        _tell_reaper(self.reaper_fd, f"+{self._announced}")
         proc = self.proc  # the pump owns (and closes) the evaluator's pipe ends
         self.pump = _Pump(in_w, data, out_r, err_r, int(limits.output_mb) << 20, 4 * int(limits.output_chars),
-                          lambda: _signal_group(proc))
+                          lambda: _signal_group(proc), discard=serve is not None)
         self.pump.start()
 
     def wait(self, timeout: float | None = None) -> ExecResult:
@@ -905,12 +1076,14 @@ class SandboxRun:
         pump = self.pump
         if not self._stop_pump():
             self.notes.append("a process outside the sandbox's namespace kept its output open")
-        if pump.overflow:
+        if pump.overflow and not pump.discard:
             status = "output_limit"
         stdout = pump.out.decode("utf-8", errors="replace")
         stderr = pump.err.decode("utf-8", errors="replace")[-self.limits.output_chars:]
         if pump.overflow:
-            stderr += f"\noscar-sandbox: stdout longer than output_mb={self.limits.output_mb} MiB; run ended"
+            stderr += (f"\noscar-sandbox: stdout longer than output_mb={self.limits.output_mb} MiB; "
+                       + ("the rest was discarded (a serving program is graded by its answers)" if pump.discard
+                          else "run ended"))
         if _SETUP_FAILED in stderr:
             status = "sandbox_error"
         self.close()
@@ -929,6 +1102,9 @@ class SandboxRun:
         """Kill everything left and remove what the run made on the host; never raises."""
         if self.proc is not None and self.proc.poll() is None:
             _kill_group(self.proc)
+        if self._announced is not None and self.proc.returncode is not None:
+            _tell_reaper(self.reaper_fd, f"-{self._announced}")
+            self._announced = None
         self._stop_pump()
         deadline = time.monotonic() + 5
         if self.cgroup is not None:
@@ -998,3 +1174,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=5)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--reap"]:  # the reaper process (`_reaper_fd`)
+    _reap(*sys.argv[2:4])
