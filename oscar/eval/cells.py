@@ -161,10 +161,11 @@ def write_cell(cfg: Any, out_dir: Path, items: list[EvalItem], done: dict[str, d
         notes.append(f"UNISOLATED: {unisolated} of {len(records)} items ran generated code without isolation "
                      "(audit hooks only, OSCAR_UNISOLATED_CODE=1)")
     per_process = sum(r.get("memory_scope") == "process" for r in records)
-    if per_process:  # no writable cgroup: memory was capped per process, not for the whole program
+    if per_process:  # no writable cgroup: memory capped per process, the process count bounding the total
         notes.append(f"PER-PROCESS MEMORY CAP: {per_process} of {len(records)} items ran generated code without a "
-                     "whole-program memory cap (no writable cgroup with memory and pids controllers; each item's "
-                     "memory_scope says so)")
+                     "cgroup (no writable cgroup with memory and pids controllers): memory was capped per process and "
+                     "the process count kept processes x cap within the item's limit (sandbox process_plan); each "
+                     "item's memory_scope says so")
     metrics.update(perf)  # wall time of this run's generation (a resumed cell: the rest)
     result = {
         "model": cfg.model.name, "method": cfg.method.name, "benchmark": cfg.benchmark.name, "seed": int(cfg.seed),
