@@ -9,8 +9,10 @@ output ``sum (p s_V) c + sum p z_V``), one CTA per BF16 window (sink, recent; bf
 log-sum-exp merge with the change of frame done by the last CTA of each (sequence, KV head) (an atomic
 ticket; the counter is reset by that CTA, so the grid is fixed and the call can be captured in a CUDA graph).
 
-Compiled at first use by NVRTC (``torch.cuda._utils``); CUDA only. The torch twin is
-``oscar.cache.paged.decode_attention_torch`` on the same pages.
+Compiled at first use by NVRTC (``torch.cuda._utils``); CUDA only. Launcher: ``paged_decode_attention_mma``;
+launch settings: ``oscar.kernels.launch.MmaLaunch``; torch twin (the specification):
+``oscar.cache.paged.decode_attention_torch`` on the same pages; CPU tests emulate the fragment arithmetic
+(tests/test_kernels_decode_mma.py, tests/test_kernels_decode_rope.py).
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import ctypes
 import math
 import weakref
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
 from ._runtime import check
+from .launch import ROPE_BLOCKS, MmaLaunch
+from .segments import HeadTransform, Pages, Segments
 
 LOG2E = 1.4426950408889634
 MAX_PARTIALS = 256  # SMAX in decode_mma.cu: split-K partials plus BF16 windows per (sequence, KV head)
@@ -33,7 +37,6 @@ _POINTERS = ("q", "kc", "vc", "ks", "kz", "vs", "vz", "page_table", "int_len", "
 _INTS = ("hkv", "pt_stride", "page_shift", "s_int", "s_total", "has_sink", "has_rec", "out_rotated")
 _LONGS = ("cs_p", "cs_h", "ss_p", "ss_h", "sk_b", "sk_h", "sk_t", "sk_max", "rk_b", "rk_h", "rk_t", "rk_max")
 _ROPE_POINTERS = ("rope_m", "rope_w", "rope_tab", "rope_pos0")
-ROPE_BLOCKS = (4, 8, 16, 32)  # blocks of a warp per turn of the rope term's fragments (the kernel's RT)
 
 
 class Params(ctypes.Structure):
@@ -193,10 +196,7 @@ def default_num_splits(batch: int, num_kv_heads: int, capacity_tokens: int, num_
     return int(max(1, min(want, most)))
 
 
-def _segment(k, v, n, name, B, hkv, d, dev, rows=False):
-    if k is None and v is None:
-        return None
-    check(k is not None and v is not None and n is not None, f"{name}: give keys, values and lengths together")
+def _window(name, k, v, n, B, hkv, d, dev, rows):
     check(k.shape == v.shape and k.dim() == 4 and (rows or k.shape[0] == B) and k.shape[1] == hkv and k.shape[3] == d,
           f"{name} keys/values must be [B={B}, Hkv={hkv}, S, {d}] (or [R, Hkv, S, {d}] with window_rows), got "
           f"{tuple(k.shape)} and {tuple(v.shape)}")
@@ -210,55 +210,41 @@ def _segment(k, v, n, name, B, hkv, d, dev, rows=False):
 
 def paged_decode_attention_mma(
     q: torch.Tensor,
-    k_codes: torch.Tensor,
-    k_scale: torch.Tensor,
-    k_zero: torch.Tensor,
-    v_codes: torch.Tensor,
-    v_scale: torch.Tensor,
-    v_zero: torch.Tensor,
-    page_table: torch.Tensor,
-    int_len: torch.Tensor,
+    k_pages: Pages,
+    v_pages: Pages,
+    segments: Segments,
+    k_t: HeadTransform,
+    v_t: HeadTransform,
     *,
-    R_K: Optional[torch.Tensor] = None,
-    mu_K: Optional[torch.Tensor] = None,
-    R_V: Optional[torch.Tensor] = None,
-    mu_V: Optional[torch.Tensor] = None,
-    sink_k: Optional[torch.Tensor] = None,
-    sink_v: Optional[torch.Tensor] = None,
-    sink_len: Optional[torch.Tensor] = None,
-    recent_k: Optional[torch.Tensor] = None,
-    recent_v: Optional[torch.Tensor] = None,
-    recent_len: Optional[torch.Tensor] = None,
     sm_scale: Optional[float] = None,
     output_frame: str = "original",
-    num_splits: Optional[int] = None,
-    num_warps: int = 8,
-    stages: Optional[int] = None,
-    min_blocks: int = 2,
-    rope_mu: Optional[torch.Tensor] = None,
-    rope_freq: Optional[torch.Tensor] = None,
-    rope_scaling: float = 1.0,
-    rope_pos0: Union[int, torch.Tensor, None] = None,
-    rope_blocks: int = 8,
-    bits: int = 2,
-    carveout: Optional[int] = None,
-    window_rows: Optional[torch.Tensor] = None,
+    launch: Optional[MmaLaunch] = None,
 ) -> torch.Tensor:
     """Decode attention ``[B, H, d]`` (``q.dtype``) over BF16 sink + INT2/INT4 pages in the mma layouts + BF16 recent.
 
-    Same arguments and result as ``oscar.kernels.decode_attention.paged_decode_attention`` (INT2 or INT4, one
-    group per row); ``num_splits`` (default ``default_num_splits``), ``num_warps`` (2, 4, 8), ``stages`` (of each
-    warp's cp.async ring, 2-6; default: 4, or the most that fit in ``shared_limit``) and ``min_blocks``
-    (CTAs per SM the registers must allow: 2 caps them at 128 for 8 warps) tune the launch; ``carveout`` (percent)
-    asks the driver for that share of the SM's memory as shared memory (the rest is L1; None: the driver's choice).
-    ``window_rows`` (int32 ``[B]``): sequence ``b`` reads row ``window_rows[b]`` of ``sink_*``/``recent_*``
-    (``[R, Hkv, S, d]``: a cache's per-slot window buffers, read in place; the rows are not range-checked).
+    Same arguments and result as ``oscar.cache.paged.decode_attention_torch`` (the twin) on K pages in ``mma_k`` and
+    V pages in ``mma_v`` (INT2 or INT4, one group per row, d 64/128, GQA 1/2/4/8); ``launch``: ``MmaLaunch``
+    (split-K, warps, ring stages, CTAs per SM, carveout, rope turn). ``segments.window_rows`` (int32 ``[B]``):
+    sequence ``b`` reads row ``window_rows[b]`` of the windows (``[R, Hkv, S, d]``: a cache's per-slot window
+    buffers, read in place; the rows are not range-checked).
 
-    Rope-centered keys (stored as ``(k - mu - RoPE_p(m)) R_K``): ``rope_mu`` ``[Hkv, d]`` (``m``; zero rows for heads
-    that are not centered), ``rope_freq`` (inverse frequencies ``[r/2]`` of the rotate-half RoPE, float64),
-    ``rope_scaling`` and ``rope_pos0`` (position of each sequence's first quantized token: int, or int32 ``[B]``)
-    add ``q . RoPE_p(m)`` to each quantized logit; ``rope_blocks`` (4, 8, 16, 32) tunes how often a warp turns it.
+    Rope-centered keys (``k_t.rope_mu``: stored as ``(k - mu - RoPE_p(m)) R_K``; ``rope_mu`` ``[Hkv, d]`` with zero rows
+    for heads that are not centered, ``rope_freq`` the inverse frequencies ``[r/2]`` of the rotate-half RoPE,
+    ``rope_scaling``) with ``segments.int_pos0`` (position of each sequence's first quantized token: int, or int32
+    ``[B]``) add ``q . RoPE_p(m)`` to each quantized logit.
     """
+    launch = MmaLaunch() if launch is None else launch
+    check(isinstance(launch, MmaLaunch), f"launch={launch!r} is not an MmaLaunch (the mma kernel's settings)")
+    num_warps, min_blocks, rope_blocks = launch.warps, launch.min_blocks, launch.rope_blocks
+    R_K, mu_K, R_V, mu_V = k_t.R, k_t.mu, v_t.R, v_t.mu
+    page_table, int_len, window_rows = segments.page_table, segments.int_len, segments.window_rows
+    check(k_pages.layout == "mma_k" and v_pages.layout == "mma_v",
+          f"the mma decode kernel reads K pages in 'mma_k' and V pages in 'mma_v', got {k_pages.layout!r} and "
+          f"{v_pages.layout!r} (row-layout pages: oscar.kernels.decode_rows)")
+    bits = k_pages.bits
+    check(v_pages.bits == bits, f"K and V pages need one format, got INT{bits} and INT{v_pages.bits}")
+    k_codes, k_scale, k_zero = k_pages.codes, k_pages.scale, k_pages.zero
+    v_codes, v_scale, v_zero = v_pages.codes, v_pages.scale, v_pages.zero
     check(q.is_cuda, f"the mma decode kernel runs on CUDA tensors, q is on {q.device}")
     check(q.dim() == 3, f"q must be [B, H, d], got shape {tuple(q.shape)}")
     B, H, d = (int(s) for s in q.shape)
@@ -275,11 +261,12 @@ def paged_decode_attention_mma(
     check(H % hkv == 0 and H // hkv in (1, 2, 4, 8),
           f"query heads H={H} over KV heads Hkv={hkv}: GQA ratio must be 1, 2, 4 or 8")
     rep = H // hkv
-    rope = rope_mu is not None
-    check(rope == (rope_freq is not None) and (not rope or rope_pos0 is not None),
-          "rope-centered keys need rope_mu, rope_freq and rope_pos0 together")
-    check(not rope or rope_blocks in ROPE_BLOCKS, f"rope_blocks={rope_blocks} is not valid; choose one of {ROPE_BLOCKS}")
+    rope = k_t.rope_centered
+    rope_pos0 = segments.int_pos0
+    check(not rope or rope_pos0 is not None, "rope-centered keys need segments.int_pos0 (the position of each "
+          "sequence's first quantized token)")
     limit = shared_limit(bits, min_blocks)
+    stages = launch.stages
     if stages is None:
         stages = 4
         while stages > 2 and shared_bytes(d, rep, num_warps, stages, rope, bits) > limit:
@@ -288,7 +275,6 @@ def paged_decode_attention_mma(
           f"stages={stages} must be in 2-6 and fit {limit} bytes of shared memory "
           f"({shared_bytes(d, rep, num_warps, stages, rope, bits)} bytes at d={d}, INT{bits}, GQA {rep}, "
           f"{num_warps} warps)")
-    check(carveout is None or 0 <= carveout <= 100, f"carveout={carveout} must be a percentage in [0, 100]")
     for name, t in (("k_codes", k_codes), ("v_codes", v_codes)):
         check(t.is_contiguous() and t.device == dev, f"{name} must be contiguous on {dev}")
     for name, t in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
@@ -302,15 +288,19 @@ def paged_decode_attention_mma(
     check(int_len.dtype == torch.int32 and int_len.numel() >= B and int_len.device == dev,
           f"int_len must be int32 [>= {B}] on {dev}, got {int_len.dtype} {tuple(int_len.shape)}")
     check(output_frame in ("original", "rotated"), f"output_frame={output_frame!r} must be 'original' or 'rotated'")
-    check(num_warps in (2, 4, 8) and 32 * num_warps >= d and 1 <= min_blocks <= 8,
-          f"num_warps={num_warps} (valid 2, 4, 8; at least d/32), min_blocks={min_blocks} (valid 1-8)")
+    check(32 * num_warps >= d, f"MmaLaunch(warps={num_warps}) is too few for d={d}: at least d/32 warps")
     rows = window_rows is not None
     check(not rows or (window_rows.dtype == torch.int32 and window_rows.dim() == 1 and window_rows.numel() >= B
                        and window_rows.device == dev),
           f"window_rows must be int32 [>= {B}] on {dev}, got "
           f"{None if window_rows is None else (window_rows.dtype, tuple(window_rows.shape), str(window_rows.device))}")
-    sink = _segment(sink_k, sink_v, sink_len, "sink", B, hkv, d, dev, rows)
-    rec = _segment(recent_k, recent_v, recent_len, "recent", B, hkv, d, dev, rows)
+    sink = rec = None
+    for name, k, v, n in segments.windows:
+        seg = _window(name, k, v, n, B, hkv, d, dev, rows)
+        if name == "sink":
+            sink = seg
+        else:
+            rec = seg
     out = torch.empty(B, H, d, dtype=torch.bfloat16, device=dev)
     if B == 0:
         return out.to(q.dtype)
@@ -335,7 +325,7 @@ def paged_decode_attention_mma(
     # the quantized partials o_rot go to the original frame by o_rot @ R_V^T; BF16 partials to the rotated by o @ R_V
     rot_out = frags(R_V, "T" if output_frame == "original" else "", "R_V")
     capacity = int(page_table.shape[1]) * page_size
-    s_int = num_splits if num_splits is not None else default_num_splits(B, hkv, capacity, num_warps)
+    s_int = launch.num_splits if launch.num_splits is not None else default_num_splits(B, hkv, capacity, num_warps)
     s_total = s_int + (sink is not None) + (rec is not None)
     check(s_int >= 1 and s_total <= MAX_PARTIALS, f"num_splits={s_int} must be in [1, {MAX_PARTIALS - 2}]")
     part_o = torch.empty(B, hkv, s_total, rep, d, dtype=torch.float32, device=dev)
@@ -375,24 +365,25 @@ def paged_decode_attention_mma(
     rt = 0
     if rope:
         rt = rope_blocks
+        rope_freq = k_t.rope_freq
         h = int(rope_freq.numel())
         check(rope_freq.dim() == 1 and 0 < 2 * h <= d, f"rope_freq must be [<= {d // 2}] frequencies, got "
               f"{tuple(rope_freq.shape)}")
-        ptr("rope_m", f32(rope_mu, (hkv, d), "rope_mu"))
+        ptr("rope_m", f32(k_t.rope_mu, (hkv, d), "rope_mu"))
         ptr("rope_w", _derived(rope_freq, f"ropew{d}", lambda x: torch.nn.functional.pad(
             x.to(dev, torch.float64), (0, d // 2 - x.numel())).contiguous()))
         ptr("rope_tab", _derived(rope_freq, f"ropetab{d},{num_warps},{rt},{dev}",
                                  lambda x: rope_table(x, d, num_warps, rt).to(dev)))
         if isinstance(rope_pos0, torch.Tensor):
             check(rope_pos0.dtype == torch.int32 and rope_pos0.numel() >= B and rope_pos0.device == dev,
-                  f"rope_pos0 must be an int or int32 [>= {B}] on {dev}, got {rope_pos0.dtype} {tuple(rope_pos0.shape)}")
+                  f"int_pos0 must be an int or int32 [>= {B}] on {dev}, got {rope_pos0.dtype} {tuple(rope_pos0.shape)}")
             ptr("rope_pos0", rope_pos0)
         else:
-            check(0 <= int(rope_pos0) < 2**30, f"rope_pos0={rope_pos0} must be a position in [0, 2^30)")
+            check(0 <= int(rope_pos0) < 2**30, f"int_pos0={rope_pos0} must be a position in [0, 2^30)")
             p.rope_pos_add = int(rope_pos0)
-        p.rope_scaling, p.rope_half = float(rope_scaling), h
+        p.rope_scaling, p.rope_half = float(k_t.rope_scaling), h
     _launch(_function(d, rep, num_warps, stages, min_blocks, dev, rt, bits), (s_total, hkv, B), 32 * num_warps, p, dev,
-            dynamic_bytes(d, rep, num_warps, stages, bits), carveout)
+            dynamic_bytes(d, rep, num_warps, stages, bits), launch.carveout)
     return out if q.dtype == torch.bfloat16 else out.to(q.dtype)
 
 

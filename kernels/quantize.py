@@ -7,10 +7,11 @@ and zero, planar packing within each group, and stores codes, scale and zero at 
 calls `oscar.core.quant`; with no rotation the codes match it bit for bit (IEEE divisions,
 `tl.math.div_rn`); with a rotation the float32 matrix product sums in another order than torch's,
 so a few codes at rounding boundaries may differ by one (on the GPU the product runs as 3xTF32,
-``rot_precision="tf32x3"``, about float32 accuracy; ``"ieee"`` is exact float32 FMA but spills).
+about float32 accuracy; exact float32 FMA tiles were measured to spill).
 
-Launches of up to ``ROW_PATH_MAX_ROWS`` rows (a decode step's demotion) take the row path: one
-program per row, head and tensor on ``row_warps`` warps (1 by default), the rotation as float32 FMAs
+Launchers: ``rotate_quantize_pack``, ``rotate_quantize_pack_pair`` (K and V in one launch); launch settings:
+``oscar.kernels.launch.QuantizeLaunch``. Launches of up to ``ROW_PATH_MAX_ROWS`` rows (a decode step's demotion)
+take the row path: one program per row, head and tensor on one warp, the rotation as float32 FMAs
 with each lane owning output columns, and the clip threshold from the order statistics found by
 extracting extremes from the nearer end (about ``D * (1 - rho)`` steps of two warp reductions) instead
 of the 31-step radix search of the block path: 8.8 us instead of 23.2 us per layer (K and V, one row) on the H200.
@@ -26,6 +27,8 @@ import triton
 import triton.language as tl
 
 from ._runtime import check, is_pow2, launchable
+from .launch import QuantizeLaunch
+from .segments import HeadTransform, Pages
 
 
 @triton.jit
@@ -76,7 +79,6 @@ def _rotate_quantize_kernel(
     HAS_MU: tl.constexpr,
     CLIP: tl.constexpr,
     PRECISION: tl.constexpr,
-    RADIX4: tl.constexpr,
     ROW_PATH: tl.constexpr = False,
     MMA: tl.constexpr = False,
 ):
@@ -161,32 +163,14 @@ def _rotate_quantize_kernel(
         hi = tl.ceil(pos).to(tl.int32)
         ans_lo = tl.zeros([BLOCK_T], dtype=tl.int32)
         ans_hi = tl.zeros([BLOCK_T], dtype=tl.int32)
-        if RADIX4:
-            # 16-ary search: 8 dependent steps (3 + 7 x 4 bits) instead of 31; each step counts,
-            # for every digit 1..15 at once, the elements below the prefix with that digit; the
-            # count is monotone in the digit, so the new digit is how many candidates stay <= k.
-            dig = tl.arange(0, 16)
-            for i in range(8):
-                shift = 28 - 4 * i
-                ndig = 8 if i == 0 else 16  # top digit holds bits 28..30 (bit 31, the sign, is 0)
-                ok = (dig >= 1) & (dig < ndig)
-                c_lo = ans_lo[:, None] | (dig << shift)[None, :]
-                c_hi = ans_hi[:, None] | (dig << shift)[None, :]
-                n_lo = tl.sum((abits[:, None, :] < c_lo[:, :, None]).to(tl.int32), axis=2)
-                n_hi = tl.sum((abits[:, None, :] < c_hi[:, :, None]).to(tl.int32), axis=2)
-                d_lo = tl.sum(((n_lo <= lo) & ok[None, :]).to(tl.int32), axis=1)
-                d_hi = tl.sum(((n_hi <= hi) & ok[None, :]).to(tl.int32), axis=1)
-                ans_lo = ans_lo | (d_lo << shift)
-                ans_hi = ans_hi | (d_hi << shift)
-        else:
-            for i in range(31):
-                bit = 1 << (30 - i)
-                c_lo = ans_lo | bit
-                c_hi = ans_hi | bit
-                n_lo = tl.sum((abits < c_lo[:, None]).to(tl.int32), axis=1)
-                n_hi = tl.sum((abits < c_hi[:, None]).to(tl.int32), axis=1)
-                ans_lo = tl.where(n_lo <= lo, c_lo, ans_lo)
-                ans_hi = tl.where(n_hi <= hi, c_hi, ans_hi)
+        for i in range(31):  # one bit per step (a 16-ary search was measured 3x slower: 16x the compares)
+            bit = 1 << (30 - i)
+            c_lo = ans_lo | bit
+            c_hi = ans_hi | bit
+            n_lo = tl.sum((abits < c_lo[:, None]).to(tl.int32), axis=1)
+            n_hi = tl.sum((abits < c_hi[:, None]).to(tl.int32), axis=1)
+            ans_lo = tl.where(n_lo <= lo, c_lo, ans_lo)
+            ans_hi = tl.where(n_hi <= hi, c_hi, ans_hi)
         s_lo = ans_lo.to(tl.float32, bitcast=True)
         s_hi = ans_hi.to(tl.float32, bitcast=True)
         tau = tl.where(w < 0.5, s_lo + w * (s_hi - s_lo), s_hi - (s_hi - s_lo) * (1.0 - w))
@@ -271,9 +255,16 @@ def _permuted_rotation(R: Optional[torch.Tensor], perm: torch.Tensor, hkv: int, 
     return out
 
 
-def _kernel_args(x, slots, codes, scale, zero, bits, group_size, R, mu, rho, src_index, mma_map=None):
-    """Validate one tensor's inputs; return (pointer args, stride args, constexpr flags)."""
+def _kernel_args(x, slots, pages: Pages, transform: HeadTransform, src_index, token_map):
+    """Validate one tensor's inputs; return (pointer args, stride args, constexpr flags, (rows, Hkv))."""
+    codes, scale, zero, bits, group_size = pages.codes, pages.scale, pages.zero, pages.bits, pages.group_size
+    check(not transform.rope_centered, "the Triton writer takes rows whose rope-centered offsets are already "
+          "subtracted: pass the transform without rope_mu (oscar.cache.paged.rotate_quantize_pack does both)")
+    R, mu, rho = transform.R, transform.mu, transform.rho
     check(bits in (2, 4), f"bits={bits} is not supported; valid values are 2 and 4")
+    check((pages.layout == "rows") == (token_map is None),
+          f"pages in the {pages.layout!r} layout need " + ("no token_map" if pages.layout == "rows" else
+                                                         "its token_map (oscar.core.quant.mma_token_map)"))
     d = int(x.shape[-1])
     check(x.dim() == (4 if src_index is not None else 3),
           f"x must be [N, Hkv, d] (or [N, Hkv, T, d] with src_index), got shape {tuple(x.shape)}")
@@ -300,11 +291,11 @@ def _kernel_args(x, slots, codes, scale, zero, bits, group_size, R, mu, rho, src
     if R is not None:
         check(tuple(R.shape) == (hkv, d, d), f"R must be [{hkv}, {d}, {d}], got {tuple(R.shape)}")
     bidx = None
-    if mma_map is not None:
+    if token_map is not None:
         check(bits in (2, 4) and group_size == d and d in (64, 128) and page_size % 16 == 0,
               f"the mma layouts need INT2/INT4, one group per row, d 64/128 and pages of 16k slots; got bits={bits}, "
               f"group_size={group_size}, d={d}, page_size={page_size}")
-        bidx, perm = _mma_tables(mma_map, d, dev, bits)
+        bidx, perm = _mma_tables(token_map, d, dev, bits)
         R = _permuted_rotation(R, perm, hkv, d, dev)  # channels come out in the token's byte order
     elif R is not None:
         R = R.to(device=dev, dtype=torch.float32).contiguous()
@@ -331,12 +322,14 @@ def _kernel_args(x, slots, codes, scale, zero, bits, group_size, R, mu, rho, src
 ROW_PATH_MAX_ROWS = 128
 
 
-def _launch(first, second, slots, src_index, block_t, num_warps, rot_precision, radix4, row_path=None, row_warps=1):
+def _launch(first, second, slots, src_index, launch: Optional[QuantizeLaunch]) -> None:
+    launch = QuantizeLaunch() if launch is None else launch
+    check(isinstance(launch, QuantizeLaunch), f"launch={launch!r} is not a QuantizeLaunch (the writer's settings)")
     ptrs, strides, flags, (n, hkv) = first
-    if row_path is None:
-        row_path = n <= ROW_PATH_MAX_ROWS
-    if row_path:  # one row per program: FMA rotation in chunks, clip threshold by ranks
-        block_t, num_warps = 1, row_warps
+    row_path = n <= ROW_PATH_MAX_ROWS if launch.row_path is None else launch.row_path
+    # row path: one row per program on one warp (2 or 4 warps were measured slower), FMA rotation in chunks,
+    # clip threshold by ranks
+    block_t, num_warps = (1, 1) if row_path else (launch.block_t, launch.warps)
     if second is not None:
         check(second[1] == strides and second[2] == flags and second[3] == (n, hkv),
               "the two tensors of a pair must have equal shapes, strides, transform flags and kinds of layout")
@@ -351,69 +344,57 @@ def _launch(first, second, slots, src_index, block_t, num_warps, rot_precision, 
     launchable(_rotate_quantize_kernel, dev)[grid](
         x, src_index if src_index is not None else slots, slots, n,
         strides[0], strides[1], strides[2], r, mu, rho, codes, scale, zero, *ptrs2[:7], bidx, ptrs2[7],
-        *strides[3:], BLOCK_T=block_t, PRECISION="ieee" if dev.type != "cuda" else rot_precision,
-        num_warps=num_warps, RADIX4=radix4, ROW_PATH=row_path, **flags,
+        *strides[3:], BLOCK_T=block_t, PRECISION="ieee" if dev.type != "cuda" else "tf32x3",
+        num_warps=num_warps, ROW_PATH=row_path, **flags,
     )
 
 
 def rotate_quantize_pack(
     x: torch.Tensor,
     slots: torch.Tensor,
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor,
+    pages: Pages,
+    transform: HeadTransform,
     *,
-    bits: int,
-    group_size: int,
-    R: Optional[torch.Tensor] = None,
-    mu: Optional[torch.Tensor] = None,
-    rho: Optional[torch.Tensor] = None,
     src_index: Optional[torch.Tensor] = None,
-    block_t: int = 16,
-    num_warps: int = 8,
-    rot_precision: str = "tf32x3",
-    radix4: bool = False,
-    row_path: Optional[bool] = None,
-    row_warps: int = 1,
-    mma_map: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    token_map: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    launch: Optional[QuantizeLaunch] = None,
 ) -> None:
-    """Quantize rows into pool slots in place (Triton).
+    """Quantize rows into pool slots in place (Triton); the torch twin is
+    ``oscar.cache.paged.rotate_quantize_pack_torch``.
 
-    `x` `[N, Hkv, d]` rows in the original frame, or `[N, Hkv, T, d]` with `src_index` `[N]`
-    choosing row `x[n, :, src_index[n]]` (demotion out of a recent window). `slots` `[N]` int
-    (`page * page_size + offset`). `codes` `[P, Hkv, page_size, d*bits//8]` uint8, `scale`/`zero`
-    `[P, Hkv, page_size, d//G]` bf16. `R` `[Hkv, d, d]`, `mu` `[Hkv, d]`, `rho` `[Hkv]` optional.
-    `mma_map`: the token map of a fragment-order page layout (`oscar.core.quant.mma_token_map`) to store in.
+    ``x`` ``[N, Hkv, d]`` rows in the original frame, or ``[N, Hkv, T, d]`` with ``src_index`` ``[N]``
+    choosing row ``x[n, :, src_index[n]]`` (demotion out of a recent window). ``slots`` ``[N]`` int
+    (``page * page_size + offset``). ``pages``: ``oscar.cache.paged.QuantPages`` (codes
+    ``[P, Hkv, page_size, d*bits//8]`` uint8, scale/zero ``[P, Hkv, page_size, d//G]`` bf16). ``transform``: ``R``
+    ``[Hkv, d, d]``, ``mu`` ``[Hkv, d]``, ``rho`` ``[Hkv]``, each optional, without rope-centered offsets (take them
+    off the rows first). ``token_map``: for pages in a fragment-order layout, its map
+    (``oscar.core.quant.mma_token_map``).
     """
-    args = _kernel_args(x, slots, codes, scale, zero, bits, group_size, R, mu, rho, src_index, mma_map)
-    _launch(args, None, slots, src_index, block_t, num_warps, rot_precision, radix4, row_path, row_warps)
+    args = _kernel_args(x, slots, pages, transform, src_index, token_map)
+    _launch(args, None, slots, src_index, launch)
 
 
 def rotate_quantize_pack_pair(
     xk: torch.Tensor,
     xv: torch.Tensor,
     slots: torch.Tensor,
-    k_pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    v_pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    k_pages: Pages,
+    v_pages: Pages,
+    k_transform: HeadTransform,
+    v_transform: HeadTransform,
     *,
-    bits: int,
-    group_size: int,
-    k_transform: tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None, None),
-    v_transform: tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None, None),
     src_index: Optional[torch.Tensor] = None,
-    block_t: int = 16,
-    num_warps: int = 8,
-    rot_precision: str = "tf32x3",
-    radix4: bool = False,
-    row_path: Optional[bool] = None,
-    row_warps: int = 1,
-    k_mma_map: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-    v_mma_map: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    token_maps: tuple[Optional[tuple[torch.Tensor, torch.Tensor]], Optional[tuple[torch.Tensor, torch.Tensor]]] = (
+        None, None),
+    launch: Optional[QuantizeLaunch] = None,
 ) -> None:
-    """K and V rows into their pools in one launch (same slots); pages are ``(codes, scale, zero)``,
-    transforms ``(R, mu, rho)``. Both tensors need the same shapes, strides and transform kinds.
-    ``*_mma_map``: the token map of a fragment-order page layout (``oscar.core.quant.mma_token_map``); the codes
-    are then stored in that layout (the rotation runs with the layout's channel permutation folded in)."""
-    a = _kernel_args(xk, slots, *k_pages, bits, group_size, *k_transform, src_index, k_mma_map)
-    b = _kernel_args(xv, slots, *v_pages, bits, group_size, *v_transform, src_index, v_mma_map)
-    _launch(a, b, slots, src_index, block_t, num_warps, rot_precision, radix4, row_path, row_warps)
+    """K and V rows into their pages in one launch (same slots); the twin is two calls of
+    ``oscar.cache.paged.rotate_quantize_pack_torch``. Both tensors need the same shapes, strides and kinds of
+    transform and layout; ``token_maps``: ``(K map, V map)`` for fragment-order pages (the codes are then stored
+    in that layout, the rotation running with the layout's channel permutation folded in)."""
+    a = _kernel_args(xk, slots, k_pages, k_transform, src_index, token_maps[0])
+    b = _kernel_args(xv, slots, v_pages, v_transform, src_index, token_maps[1])
+    _launch(a, b, slots, src_index, launch)
+
+
+__all__ = ["ROW_PATH_MAX_ROWS", "rotate_quantize_pack", "rotate_quantize_pack_pair"]

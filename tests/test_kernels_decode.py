@@ -17,7 +17,9 @@ import torch
 if not torch.cuda.is_available():  # CPU: interpret; set before any Triton kernel module is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from oscar.cache.paged import HeadTransform, QuantPages, decode_attention, rotate_quantize_pack  # noqa: E402
+from oscar.cache.paged import QuantPages, decode_attention, rotate_quantize_pack  # noqa: E402
+from oscar.kernels.launch import RowsLaunch  # noqa: E402
+from oscar.kernels.segments import HeadTransform, Segments  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 REL_TOL = 1.5e-2
@@ -74,12 +76,15 @@ def _to(x, device):
     return x
 
 
-def _run_both(device, sc, output_frame="original", num_splits=None, kernel_options=None):
+def _segments(pt, il, seg, device="cpu"):
+    return Segments(_to(pt, device), _to(il, device), **_to(seg, device))
+
+
+def _run_both(device, sc, output_frame="original", launch=None):
     q, kp, vp, pt, il, seg, kt, vt, _, _ = sc
-    ref = decode_attention(q, kp, vp, pt, il, kt, vt, output_frame=output_frame, backend="torch", **seg)
-    out = decode_attention(_to(q, device), _to(kp, device), _to(vp, device), _to(pt, device), _to(il, device),
-                           _to(kt, device), _to(vt, device), output_frame=output_frame, backend="triton",
-                           num_splits=num_splits, kernel_options=kernel_options, **_to(seg, device))
+    ref = decode_attention(q, kp, vp, _segments(pt, il, seg), kt, vt, output_frame=output_frame, backend="torch")
+    out = decode_attention(_to(q, device), _to(kp, device), _to(vp, device), _segments(pt, il, seg, device),
+                           _to(kt, device), _to(vt, device), output_frame=output_frame, backend="triton", launch=launch)
     return ref.float(), out.float().cpu()
 
 
@@ -112,48 +117,43 @@ def test_decode_matches_dequantize_then_attend(device, case):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("num_splits,heads_in_m,g", [(1, False, 64), (3, False, 64), (7, False, 64),
-                                                     (3, True, 64), (7, True, 32)])
-def test_decode_split_merge_and_rotated_frame(device, num_splits, heads_in_m, g):
-    """Any number of splits (empty ones included) and either MMA orientation give the same answer, both frames."""
+@pytest.mark.parametrize("num_splits,g", [(1, 64), (3, 64), (7, 64), (3, 32), (7, 32)])
+def test_decode_split_merge_and_rotated_frame(device, num_splits, g):
+    """Any number of splits (empty ones included) gives the same answer, in both frames."""
     sc = _scenario(B=2, H=8, hkv=2, d=64, bits=2, g=g, ps=16, int_lens=[45, 80], sink_lens=[4, 2],
                    recent_lens=[8, 5], S0=4, W=8, seed=11)
     for frame in ("original", "rotated"):
-        ref, out = _run_both(device, sc, output_frame=frame, num_splits=num_splits,
-                             kernel_options={"heads_in_m": heads_in_m})
+        ref, out = _run_both(device, sc, output_frame=frame, launch=RowsLaunch(num_splits=num_splits))
         assert _rel(out, ref) < REL_TOL, frame
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("options,g", [({"prefetch": False, "num_stages": 3, "merge_sp": 16}, 64),
+@pytest.mark.parametrize("options,g", [({"stages": 3}, 64),
                                        ({"span_pages": True, "block_n": 32}, 64),
-                                       ({"span_pages": True, "block_n": 64, "prefetch": False, "heads_in_m": True}, 64),
-                                       ({"v_heads_in_m": True}, 64),
-                                       ({"v_heads_in_m": True, "span_pages": True, "block_n": 32}, 32),
+                                       ({"span_pages": True, "block_n": 64}, 64),
+                                       ({"span_pages": True, "block_n": 32}, 32),
                                        ({"fuse_bf16": True}, 64),
-                                       ({"span_pages": True, "block_n": 32, "v_heads_in_m": True, "fuse_bf16": True,
-                                         "merge_sp": 8, "prefetch": False, "num_stages": 3}, 64)],
-                         ids=["pipelined", "span32", "span64-pipelined-him", "v-heads-in-m", "v-heads-in-m-g32",
-                              "fused-bf16", "all-new"])
+                                       ({"span_pages": True, "block_n": 32, "fuse_bf16": True, "stages": 3}, 64)],
+                         ids=["stages3", "span32", "span64", "span32-g32", "fused-bf16", "all"])
 def test_decode_block_options(device, options, g):
-    """Triton-pipelined loads, blocks spanning several pages (page 16), the mixed MMA orientation: the twin's answer."""
+    """Blocks spanning several pages (page 16), fused BF16 chunks, deeper pipelines: the twin's answer."""
     sc = _scenario(B=2, H=8, hkv=2, d=64, bits=2, g=g, ps=16, int_lens=[45, 100], sink_lens=[4, 2],
                    recent_lens=[8, 5], S0=4, W=8, seed=13)
-    ref, out = _run_both(device, sc, num_splits=2, kernel_options=options)
+    ref, out = _run_both(device, sc, launch=RowsLaunch(num_splits=2, **options))
     assert torch.isfinite(out).all()
     assert _rel(out, ref) < REL_TOL
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX runs on a CUDA device only")
-@pytest.mark.parametrize("case", [c for c in CASES if c[3] == 2], ids=lambda c: f"d{c[0]}-H{c[1]}-kv{c[2]}-g{c[4]}")
-@pytest.mark.parametrize("heads_in_m", [False, True])
-def test_decode_fast_unpack_cuda(case, heads_in_m):
-    """The inline-PTX unpack path gives the portable path's answer."""
-    d, H, hkv, bits, g, ps, il, sl, rl, S0, W = case
-    sc = _scenario(B=len(il), H=H, hkv=hkv, d=d, bits=bits, g=g, ps=ps, int_lens=il, sink_lens=sl,
-                   recent_lens=rl, S0=S0, W=W, seed=sum(il) + d + bits)
-    ref, out = _run_both("cuda", sc, kernel_options={"fast_unpack": True, "heads_in_m": heads_in_m})
-    assert _rel(out, ref) < REL_TOL
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("planes", [False, True])
+def test_decode_word_and_plane_paths_on_one_format(device, planes):
+    """d=128 INT2 with one group per row: the bit-plane path (default) and the word path (``planes=False``) both
+    give the twin's answer, both frames."""
+    sc = _scenario(B=2, H=8, hkv=2, d=128, bits=2, g=128, ps=16, int_lens=[37, 70], sink_lens=[4, 1],
+                   recent_lens=[3, 8], S0=4, W=8, seed=17)
+    for frame in ("original", "rotated"):
+        ref, out = _run_both(device, sc, output_frame=frame, launch=RowsLaunch(planes=planes, num_splits=3))
+        assert _rel(out, ref) < REL_TOL, frame
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -226,9 +226,16 @@ def test_decode_kernel_rejects_bad_arguments():
                    S0=4, W=8, seed=1)
     q, kp, vp, pt, il, seg, kt, vt, _, _ = sc
     with pytest.raises(ValueError, match="multiple of KV heads"):
-        decode_attention(q, kp, vp, pt, il, kt, vt, backend="triton", **seg)
+        decode_attention(q, kp, vp, Segments(pt, il, **seg), kt, vt, backend="triton")
     with pytest.raises(ValueError, match="page_table must be int32"):
-        decode_attention(q[:, :4], kp, vp, pt.long(), il, kt, vt, backend="triton", **seg)
+        decode_attention(q[:, :4], kp, vp, Segments(pt.long(), il, **seg), kt, vt, backend="triton")
+    with pytest.raises(ValueError, match="bit-plane path needs one group per row and at least 32 bytes"):
+        decode_attention(q[:, :4], kp, vp, Segments(pt, il, **seg), kt, vt, backend="triton",
+                         launch=RowsLaunch(planes=True))  # d=64 INT2: 16 bytes per row
+    from oscar.kernels.launch import MmaLaunch
+
+    with pytest.raises(ValueError, match="is not a RowsLaunch"):
+        decode_attention(q[:, :4], kp, vp, Segments(pt, il, **seg), kt, vt, backend="triton", launch=MmaLaunch())
 
 
 def _in_slots(seg: dict, rows: list[int], num_rows: int, gen: torch.Generator) -> dict:
@@ -254,21 +261,21 @@ def test_decode_reads_windows_in_place_by_row(device, fuse_bf16):
     q, kp, vp, pt, il, seg, kt, vt, _, _ = sc
     slotted = _in_slots(seg, [4, 0, 2], 6, gen)
     for frame in ("original", "rotated"):
-        ref = decode_attention(q, kp, vp, pt, il, kt, vt, output_frame=frame, backend="torch", **seg)
-        twin = decode_attention(q, kp, vp, pt, il, kt, vt, output_frame=frame, backend="torch", **slotted)
+        ref = decode_attention(q, kp, vp, _segments(pt, il, seg), kt, vt, output_frame=frame, backend="torch")
+        twin = decode_attention(q, kp, vp, _segments(pt, il, slotted), kt, vt, output_frame=frame, backend="torch")
         assert torch.equal(twin, ref), frame
-        out = decode_attention(_to(q, device), _to(kp, device), _to(vp, device), _to(pt, device), _to(il, device),
+        out = decode_attention(_to(q, device), _to(kp, device), _to(vp, device), _segments(pt, il, slotted, device),
                                _to(kt, device), _to(vt, device), output_frame=frame, backend="triton",
-                               kernel_options={"fuse_bf16": fuse_bf16}, **_to(slotted, device))
+                               launch=RowsLaunch(fuse_bf16=fuse_bf16))
         assert _rel(out.float().cpu(), ref.float()) < REL_TOL, frame
 
 
 def test_decode_window_rows_refusals():
     q, kp, vp, pt, il, seg, kt, vt, _, _ = _scenario(B=2, H=4, hkv=2, d=64, bits=2, g=64, ps=16, int_lens=[5, 3],
                                                      sink_lens=[1, 1], recent_lens=[2, 2], S0=2, W=4, seed=1)
-    with pytest.raises(ValueError, match=r"window_rows \[2\] are outside the 2 rows"):
-        decode_attention(q, kp, vp, pt, il, kt, vt, backend="torch", window_rows=torch.tensor([0, 2]), **seg)
-    with pytest.raises(ValueError, match="one window row per sequence"):
-        decode_attention(q, kp, vp, pt, il, kt, vt, backend="torch", window_rows=torch.tensor([0]), **seg)
-    with pytest.raises(ValueError, match="window_rows must be int32"):
-        decode_attention(q, kp, vp, pt, il, kt, vt, backend="triton", window_rows=torch.tensor([0, 1]), **seg)
+    for rows, backend, message in (([0, 2], "torch", r"window_rows \[2\] are outside the 2 rows"),
+                                   ([0], "torch", "one window row per sequence"),
+                                   ([0, 1], "triton", "window_rows must be int32")):
+        with pytest.raises(ValueError, match=message):
+            decode_attention(q, kp, vp, Segments(pt, il, window_rows=torch.tensor(rows), **seg), kt, vt,
+                             backend=backend)

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from oscar.core import quant
-from oscar.cache.paged import HeadTransform, PagedKVPool, QuantPages, decode_attention, decode_attention_torch, \
-    gather_dequantize, rotate_quantize_pack
+from oscar.cache.paged import PagedKVPool, QuantPages, decode_attention, decode_attention_torch, gather_dequantize
+from oscar.kernels.launch import MmaLaunch
+from oscar.kernels.segments import HeadTransform, Segments
 
 REL_TOL = 1.5e-2
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="the mma decode kernel needs a CUDA device")
@@ -246,46 +247,45 @@ def test_cuda_mma_kernel_matches_twin_and_row_kernel(case, frame):
     for b, n in enumerate(spec["int_lens"]):  # same values in both layouts
         assert torch.equal(gather_dequantize(k_rows, pt, b, n), gather_dequantize(k_mma, pt, b, n))
         assert torch.equal(gather_dequantize(v_rows, pt, b, n), gather_dequantize(v_mma, pt, b, n))
-    ref = decode_attention_torch(q, k_rows, v_rows, pt, int_len, kt, vt, output_frame=frame, **seg)
-    out = decode_attention(q, k_mma, v_mma, pt, int_len, kt, vt, output_frame=frame, backend="triton", **seg)
+    segs = Segments(pt, int_len, **seg)
+    ref = decode_attention_torch(q, k_rows, v_rows, segs, kt, vt, output_frame=frame)
+    out = decode_attention(q, k_mma, v_mma, segs, kt, vt, output_frame=frame, backend="triton")
     assert out.dtype == q.dtype and torch.isfinite(out.float()).all()
     assert _rel(out, ref) < REL_TOL
     if spec["d"] * spec.get("bits", 2) // 8 >= 16:  # the Triton row-layout kernel on the same codes
-        tri = decode_attention(q, k_rows, v_rows, pt, int_len, kt, vt, output_frame=frame, backend="triton", **seg)
+        tri = decode_attention(q, k_rows, v_rows, segs, kt, vt, output_frame=frame, backend="triton")
         assert _rel(tri, ref) < REL_TOL
-    again = decode_attention(q, k_mma, v_mma, pt, int_len, kt, vt, output_frame=frame, backend="triton", **seg)
+    again = decode_attention(q, k_mma, v_mma, segs, kt, vt, output_frame=frame, backend="triton")
     assert torch.equal(out, again)  # the counters were reset: a second launch gives the same result
 
 
 @CUDA
-@pytest.mark.parametrize("opts", [dict(num_splits=1), dict(num_splits=7, mma_warps=4, mma_min_blocks=1, mma_stages=6),
-                                  dict(mma_warps=2, mma_stages=2), dict(mma_stages=3, num_splits=64, mma_min_blocks=1)])
-def test_cuda_mma_kernel_options_and_no_transform(opts):
+@pytest.mark.parametrize("launch", [MmaLaunch(num_splits=1), MmaLaunch(num_splits=7, warps=4, min_blocks=1, stages=6),
+                                    MmaLaunch(warps=2, stages=2), MmaLaunch(stages=3, num_splits=64, min_blocks=1)])
+def test_cuda_mma_kernel_options_and_no_transform(launch):
     spec = dict(CASES[0])
-    if opts.get("mma_warps") == 2:
+    if launch.warps == 2:
         spec.update(d=64, H=16, hkv=2)
     q, pages, pt, int_len, kt, vt, seg = _case(seed=11, rotate=False, mu=False, **spec)
-    ref = decode_attention_torch(q, pages["k"][0], pages["v"][0], pt, int_len, kt, vt, **seg)
-    out = decode_attention(q, pages["k"][1], pages["v"][1], pt, int_len, kt, vt, backend="triton",
-                           num_splits=opts.get("num_splits"),
-                           kernel_options={k: v for k, v in opts.items() if k != "num_splits"},
-                           **seg)
+    segs = Segments(pt, int_len, **seg)
+    ref = decode_attention_torch(q, pages["k"][0], pages["v"][0], segs, kt, vt)
+    out = decode_attention(q, pages["k"][1], pages["v"][1], segs, kt, vt, backend="triton", launch=launch)
     assert _rel(out, ref) < REL_TOL
 
 
 @CUDA
 def test_cuda_mma_kernel_in_a_cuda_graph():
     q, pages, pt, int_len, kt, vt, seg = _case(seed=5, **CASES[0])
-    args = (pages["k"][1], pages["v"][1], pt, int_len, kt, vt)
-    eager = decode_attention(q, *args, backend="triton", **seg)
+    args = (pages["k"][1], pages["v"][1], Segments(pt, int_len, **seg), kt, vt)
+    eager = decode_attention(q, *args, backend="triton")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = decode_attention(q, *args, backend="triton", **seg)
+        out = decode_attention(q, *args, backend="triton")
     q.copy_(torch.randn_like(q))
     int_len[0] += 5  # lengths are read on the device at replay
     graph.replay()
     torch.cuda.synchronize()
-    ref = decode_attention_torch(q, pages["k"][0], pages["v"][0], pt, int_len, kt, vt, **seg)
+    ref = decode_attention_torch(q, pages["k"][0], pages["v"][0], Segments(pt, int_len, **seg), kt, vt)
     assert _rel(out, ref) < REL_TOL and not torch.equal(out, eager)
 
 
@@ -303,7 +303,8 @@ def test_cuda_mma_kernel_reads_windows_in_place_by_row(case):
         buf[rows] = seg[name]
         slotted[name] = buf
     for frame in ("original", "rotated"):
-        ref = decode_attention_torch(q, pages["k"][0], pages["v"][0], pt, int_len, kt, vt, output_frame=frame, **seg)
-        out = decode_attention(q, pages["k"][1], pages["v"][1], pt, int_len, kt, vt, output_frame=frame,
-                               backend="triton", **slotted)
+        ref = decode_attention_torch(q, pages["k"][0], pages["v"][0], Segments(pt, int_len, **seg), kt, vt,
+                                     output_frame=frame)
+        out = decode_attention(q, pages["k"][1], pages["v"][1], Segments(pt, int_len, **slotted), kt, vt,
+                               output_frame=frame, backend="triton")
         assert _rel(out, ref) < REL_TOL, frame

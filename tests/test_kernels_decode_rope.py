@@ -14,8 +14,9 @@ import math
 import pytest
 import torch
 
-from oscar.cache.paged import HeadTransform, PagedKVPool, decode_attention, decode_attention_torch, gather_dequantize, \
-    rope_offsets
+from oscar.cache.paged import PagedKVPool, decode_attention, decode_attention_torch, gather_dequantize, rope_offsets
+from oscar.kernels.launch import MmaLaunch
+from oscar.kernels.segments import HeadTransform, Segments
 from oscar.core.rope import RopeSpec
 
 REL_TOL = 1.5e-2
@@ -221,14 +222,14 @@ def test_cuda_mma_kernel_adds_the_rope_term(d, rotary, rope_blocks, pos0, bits, 
     pt, il = pool.page_table[:B], pool.int_len[:B]
     for b in range(B):
         assert torch.equal(gather_dequantize(pool.k[0], pt, b, pool.length(b)), gather_dequantize(kp, pt, b, pool.length(b)))
-    ref = decode_attention_torch(q, pool.k[0], pool.v[0], pt, il, kt, vt, int_pos0=pos_t, **seg)
-    out = decode_attention(q, kp, vp, pt, il, kt, vt, backend="triton", int_pos0=pos_t,
-                           kernel_options=dict(rope_blocks=rope_blocks), **seg)
+    segs = Segments(pt, il, int_pos0=pos_t, **seg)
+    ref = decode_attention_torch(q, pool.k[0], pool.v[0], segs, kt, vt)
+    out = decode_attention(q, kp, vp, segs, kt, vt, backend="triton", launch=MmaLaunch(rope_blocks=rope_blocks))
     rel = float(((out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)).max())
     assert rel < REL_TOL, rel
-    plain = decode_attention_torch(q, pool.k[0], pool.v[0], pt, il, HeadTransform(kt.R, kt.mu, kt.rho), vt, **seg)
+    plain = decode_attention_torch(q, pool.k[0], pool.v[0], segs, kt.without_rope(), vt)
     assert float(((plain.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)).max()) > 10 * REL_TOL
     if pos0[0] == pos0[1]:  # an int position gives the same as the tensor
-        again = decode_attention(q, kp, vp, pt, il, kt, vt, backend="triton", int_pos0=pos0[0],
-                                 kernel_options=dict(rope_blocks=rope_blocks), **seg)
+        again = decode_attention(q, kp, vp, Segments(pt, il, int_pos0=pos0[0], **seg), kt, vt, backend="triton",
+                                 launch=MmaLaunch(rope_blocks=rope_blocks))
         assert torch.equal(again, out)

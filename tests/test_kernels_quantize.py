@@ -11,7 +11,8 @@ if not torch.cuda.is_available():  # CPU: interpret; set before any Triton kerne
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from oscar.core import quant  # noqa: E402
-from oscar.cache.paged import HeadTransform, QuantPages, rotate_quantize_pack  # noqa: E402
+from oscar.cache.paged import QuantPages, rotate_quantize_pack  # noqa: E402
+from oscar.kernels.segments import HeadTransform  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -111,7 +112,7 @@ def test_demotion_reads_ring_slots(device):
 def test_quantize_kernel_rejects_bad_shapes():
     pages = QuantPages.empty(2, 2, 4, 64, 2, 64)
     with pytest.raises(ValueError, match="R must be"):
-        rotate_quantize_pack(torch.zeros(3, 2, 64), torch.arange(3), pages, HeadTransform(R=torch.eye(64)),
+        rotate_quantize_pack(torch.zeros(3, 2, 64), torch.arange(3), pages, HeadTransform(R=torch.eye(32)[None]),
                              backend="triton")
     with pytest.raises(ValueError, match="slots must be"):
         rotate_quantize_pack(torch.zeros(3, 2, 64), torch.arange(2), pages, HeadTransform(), backend="triton")
@@ -145,8 +146,10 @@ def test_fused_kv_demotion_matches_twin(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_radix16_clip_select_equals_binary(device):
-    """The 16-ary clip-quantile search (default) picks the binary radix search's threshold: ties, zeros, tiny values."""
+def test_rank_clip_select_equals_radix_select(device):
+    """The row path's clip threshold (ranks by extracting extremes) equals the block path's radix select on the
+    float bits: ties, zeros, subnormals, few distinct magnitudes."""
+    from oscar.kernels.launch import QuantizeLaunch
     from oscar.kernels.quantize import rotate_quantize_pack as kernel
 
     gen = torch.Generator().manual_seed(21)
@@ -156,12 +159,23 @@ def test_radix16_clip_select_equals_binary(device):
     x[1, 1] = 0.0  # all zero
     x[2, 0, ::3] = 1e-40  # subnormals
     x[3, 1] = torch.randint(-3, 4, (d,), generator=gen).float()  # few distinct magnitudes
-    rho = torch.tensor([0.9, 0.37], device=device)
+    t = HeadTransform(rho=torch.tensor([0.9, 0.37], device=device))
     slots = torch.arange(n, device=device)
     pages = [QuantPages.empty(1, hkv, ps, d, 2, 16, device) for _ in range(2)]
-    for p, radix4 in zip(pages, (True, False)):
-        kernel(x.to(device), slots, p.codes, p.scale, p.zero, bits=2, group_size=16, rho=rho, radix4=radix4)
+    for p, row_path in zip(pages, (False, True)):
+        kernel(x.to(device), slots, p, t, launch=QuantizeLaunch(row_path=row_path))
     _equal_pages(pages[0], pages[1])
-    ranks = QuantPages.empty(1, hkv, ps, d, 2, 16, device)  # the row path's rank selection: the same threshold
-    kernel(x.to(device), slots, ranks.codes, ranks.scale, ranks.zero, bits=2, group_size=16, rho=rho, row_path=True)
-    _equal_pages(pages[0], ranks)
+    ref = QuantPages.empty(1, hkv, ps, d, 2, 16, "cpu")  # and both are the spec's codes
+    rotate_quantize_pack(x, slots.cpu(), ref, HeadTransform(rho=t.rho.cpu()), backend="torch")
+    _equal_pages(ref, pages[0])
+
+
+def test_writer_refuses_a_rope_centered_transform_and_a_missing_token_map():
+    from oscar.kernels.quantize import rotate_quantize_pack as kernel
+
+    x, slots = torch.zeros(2, 2, 64), torch.arange(2)
+    rope = HeadTransform(rope_mu=torch.zeros(2, 64), rope_freq=torch.ones(16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="rope-centered offsets are already subtracted"):
+        kernel(x, slots, QuantPages.empty(1, 2, 16, 64, 2, 64), rope)
+    with pytest.raises(ValueError, match="'mma_k' layout need its token_map"):
+        kernel(x, slots, QuantPages.empty(1, 2, 16, 64, 2, 64, layout="mma_k"), HeadTransform())

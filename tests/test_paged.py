@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from oscar.core import quant
-from oscar.cache.paged import HeadTransform, PagedKVPool, decode_attention_torch, rotate_quantize_pack_torch, QuantPages
+from oscar.cache.paged import PagedKVPool, QuantPages, decode_attention_torch, rotate_quantize_pack_torch
+from oscar.kernels.segments import HeadTransform, Segments
 
 
 def _orth(h: int, d: int, gen: torch.Generator) -> torch.Tensor:
@@ -122,9 +123,9 @@ def test_decode_attention_twin_equals_dense_on_dequantized_cache(output_frame):
     rec_k, rec_v = torch.randn(B, hkv, 5, d, generator=gen), torch.randn(B, hkv, 5, d, generator=gen)
     sink_len, rec_len = torch.tensor([3, 2]), torch.tensor([5, 1])
     q = torch.randn(B, H, d, generator=gen)
-    out = decode_attention_torch(q, pool.k[0], pool.v[0], pool.page_table, pool.int_len, kt, vt, sink_k=sink_k,
-                                 sink_v=sink_v, sink_len=sink_len, recent_k=rec_k, recent_v=rec_v, recent_len=rec_len,
-                                 output_frame=output_frame)
+    segments = Segments(pool.page_table, pool.int_len, sink_k=sink_k, sink_v=sink_v, sink_len=sink_len,
+                        recent_k=rec_k, recent_v=rec_v, recent_len=rec_len)
+    out = decode_attention_torch(q, pool.k[0], pool.v[0], segments, kt, vt, output_frame=output_frame)
     for b in range(B):
         kr, vr = pool.read(0, b)
         k_orig = kr @ kt.R.transpose(1, 2) + kt.mu[:, None]  # back to the original frame
@@ -167,6 +168,7 @@ def test_query_heads_padded_to_an_mma_gqa_ratio_keep_the_real_heads(rep, padded)
         return
     assert qp.shape == (B, hkv * padded, d)
     assert torch.equal(qp.view(B, hkv, padded, d)[:, :, rep:], torch.zeros(B, hkv, padded - rep, d))
-    ref = decode_attention_torch(q, pool.k[0], pool.v[0], pool.page_table, pool.int_len, kt, vt)
-    got = unpad(decode_attention_torch(qp, pool.k[0], pool.v[0], pool.page_table, pool.int_len, kt, vt))
+    segments = Segments(pool.page_table, pool.int_len)
+    ref = decode_attention_torch(q, pool.k[0], pool.v[0], segments, kt, vt)
+    got = unpad(decode_attention_torch(qp, pool.k[0], pool.v[0], segments, kt, vt))
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)  # the same per-head computation (batched einsums)

@@ -22,9 +22,12 @@ API (every kernel-backed function takes ``backend="torch"|"triton"``; the torch 
     pool.release(b)                          # frees the sequence's pages, int_len[b] = 0
 
 ``kt``/``vt`` are ``HeadTransform(R [Hkv,d,d] or None, mu [Hkv,d] or None, rho [Hkv] or None)``
-for K and V: stored row = ``Q(clip((x - mu) @ R, rho))``. Sequences are rows ``0..B-1`` of the
-page table; ``attend`` reads rows ``0..q.shape[0]-1``. Free functions ``rotate_quantize_pack``,
-``decode_attention`` and ``gather_dequantize`` work on raw tensors (for other engines and tests).
+(``oscar.kernels.segments``, re-exported here) for K and V: stored row = ``Q(clip((x - mu) @ R, rho))``.
+Sequences are rows ``0..B-1`` of the page table; ``attend`` reads rows ``0..q.shape[0]-1``. Free functions
+``rotate_quantize_pack``, ``decode_attention(q, k_pages, v_pages, Segments(page_table, int_len, sink_k=, ...),
+kt, vt)`` and ``gather_dequantize`` work on any pages (for other engines and tests). The torch twins here are
+the specification of the kernels in ``oscar.kernels`` (``decode_rows``, ``decode_mma``, ``quantize``), which take
+the same values plus a launch value (``oscar.kernels.launch``).
 
 Decode attention merges three segments by log-sum-exp: BF16 sink ``[B, Hkv, S0, d]`` (valid
 ``sink_len[b]``), quantized pages (rotated frame, logits ``sm_scale*((q@R_K).k_hat + q.mu_K)``),
@@ -42,6 +45,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from oscar.core import quant
+from oscar.kernels.launch import MmaLaunch, QuantizeLaunch, RowsLaunch
+from oscar.kernels.segments import HeadTransform, Segments
 
 Backend = str
 _BACKENDS = ("torch", "triton")
@@ -50,46 +55,6 @@ _BACKENDS = ("torch", "triton")
 def _check_backend(backend: Backend) -> None:
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r} is not valid; choose one of {_BACKENDS}")
-
-
-@dataclass
-class HeadTransform:
-    """Per-KV-head transform of one tensor before quantization: ``clip((x - mu - RoPE_p(rope_mu)) @ R, rho)``.
-
-    Rope-centered keys (``oscar.core.rope``): ``rope_mu`` holds the pre-RoPE means ``m`` (zero rows for heads
-    that are not centered) and ``rope_freq``/``rope_scaling`` the layer's rotate-half RoPE; a row at
-    position ``p`` is stored minus ``RoPE_p(m)``, and decode adds ``q . RoPE_p(m)`` back to its logit.
-    """
-
-    R: Optional[torch.Tensor] = None  # [Hkv, d, d] float32, orthogonal; None = identity
-    mu: Optional[torch.Tensor] = None  # [Hkv, d] float32; None = no centering
-    rho: Optional[torch.Tensor] = None  # [Hkv] clip ratios in (0, 1]; None = no clipping
-    rope_mu: Optional[torch.Tensor] = None  # [Hkv, d] float32 pre-RoPE means of rope-centered heads; None = none
-    rope_freq: Optional[torch.Tensor] = None  # [rotary_dim/2] float64 inverse frequencies (with rope_mu)
-    rope_scaling: float = 1.0  # RoPE attention scaling (transformers' attention_scaling)
-
-    def __post_init__(self) -> None:
-        if (self.rope_mu is None) != (self.rope_freq is None):
-            raise ValueError("rope-centered keys need both rope_mu (pre-RoPE means) and rope_freq (the RoPE)")
-        if self.rope_freq is not None:
-            d = int(self.rope_mu.shape[-1])
-            if self.rope_freq.dim() != 1 or not 0 < 2 * self.rope_freq.numel() <= d:
-                raise ValueError(f"rope_freq of shape {tuple(self.rope_freq.shape)} does not fit head_dim {d}: "
-                                 "expected a vector of at most head_dim/2 frequencies")
-
-    def to(self, device: Union[str, torch.device]) -> "HeadTransform":
-        """Copy onto ``device`` (float32; the RoPE frequencies stay float64)."""
-
-        def mv(x: Optional[torch.Tensor], dtype: torch.dtype = torch.float32) -> Optional[torch.Tensor]:
-            return None if x is None else x.to(device, dtype).contiguous()
-
-        return HeadTransform(mv(self.R), mv(self.mu), mv(self.rho), mv(self.rope_mu), mv(self.rope_freq, torch.float64),
-                             self.rope_scaling)
-
-    @property
-    def rope_centered(self) -> bool:
-        """Whether rows carry the rope-centered offset ``RoPE_p(rope_mu)`` (keys only)."""
-        return self.rope_mu is not None
 
 
 def rope_offsets(t: HeadTransform, positions: torch.Tensor) -> torch.Tensor:
@@ -117,9 +82,9 @@ def _rope_rows(rows: torch.Tensor, t: HeadTransform, positions: Optional[torch.T
     return rows.to(torch.float32) - rope_offsets(t, positions.to(rows.device))
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class QuantPages:
-    """One layer's paged storage for K or V."""
+    """One layer's paged storage for K or V (the fields the kernels read: ``oscar.kernels.segments.Pages``)."""
 
     codes: torch.Tensor  # uint8 [P, Hkv, page_size, d*bits//8]
     scale: torch.Tensor  # bf16 [P, Hkv, page_size, d//G]
@@ -220,22 +185,21 @@ def _check_rows(rows: torch.Tensor, pages: QuantPages, slots: torch.Tensor) -> N
         raise ValueError(f"slots must be [N={n}], got {tuple(slots.shape)}")
 
 
-def rotate_quantize_pack(x: torch.Tensor, slots: torch.Tensor, pages: QuantPages, t: HeadTransform,
-                         src_index: Optional[torch.Tensor] = None, backend: Backend = "torch",
-                         positions: Optional[torch.Tensor] = None) -> None:
+def rotate_quantize_pack(x: torch.Tensor, slots: torch.Tensor, pages: QuantPages, t: HeadTransform, *,
+                         src_index: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
+                         backend: Backend = "torch", launch: Optional[QuantizeLaunch] = None) -> None:
     """Rotate, center, clip, quantize and pack rows into ``pages`` at ``slots`` (in place); ``positions`` ``[N]``
-    (token positions of the rows) are needed for rope-centered keys, whose offsets are subtracted first."""
+    (token positions of the rows) are needed for rope-centered keys, whose offsets are subtracted first.
+    ``launch``: the Triton writer's ``QuantizeLaunch`` (ignored by the torch twin)."""
     _check_backend(backend)
     if backend == "torch":
         rotate_quantize_pack_torch(x, slots, pages, t, src_index, positions)
         return
-    from oscar.kernels.quantize import rotate_quantize_pack as kernel
+    from oscar.kernels.quantize import rotate_quantize_pack as kernel  # local: kernels load on first use
 
     if t.rope_centered:
-        x, src_index = _rope_rows(_select_rows(x, src_index), t, positions), None
-
-    kernel(x, slots, pages.codes, pages.scale, pages.zero, bits=pages.bits, group_size=pages.group_size,
-           R=t.R, mu=t.mu, rho=t.rho, src_index=src_index, mma_map=_mma_map(pages))
+        x, src_index, t = _rope_rows(_select_rows(x, src_index), t, positions), None, t.without_rope()
+    kernel(x, slots, pages, t, src_index=src_index, token_map=_mma_map(pages), launch=launch)
 
 
 def _mma_map(pages: QuantPages) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -243,9 +207,9 @@ def _mma_map(pages: QuantPages) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def rotate_quantize_pack_kv(xk: torch.Tensor, xv: torch.Tensor, slots: torch.Tensor, k_pages: QuantPages,
-                            v_pages: QuantPages, kt: HeadTransform, vt: HeadTransform,
-                            src_index: Optional[torch.Tensor] = None, backend: Backend = "torch",
-                            positions: Optional[torch.Tensor] = None) -> None:
+                            v_pages: QuantPages, kt: HeadTransform, vt: HeadTransform, *,
+                            src_index: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
+                            backend: Backend = "torch", launch: Optional[QuantizeLaunch] = None) -> None:
     """K and V rows into their pages at the same slots; one fused launch on the Triton backend when possible.
     ``positions`` ``[N]``: the rows' token positions, needed when ``kt`` is rope-centered."""
     _check_backend(backend)
@@ -253,20 +217,18 @@ def rotate_quantize_pack_kv(xk: torch.Tensor, xv: torch.Tensor, slots: torch.Ten
         xv = _select_rows(xv, src_index)
         xk, src_index = _rope_rows(_select_rows(xk, src_index), kt, positions), None
         xv = xv.to(xk.dtype)
-        kt = HeadTransform(kt.R, kt.mu, kt.rho)
+        kt = kt.without_rope()
     same_kind = all((a is None) == (b is None) for a, b in ((kt.R, vt.R), (kt.mu, vt.mu), (kt.rho, vt.rho)))
     same_kind = same_kind and (k_pages.layout == "rows") == (v_pages.layout == "rows")
     if backend == "torch" or not same_kind or xk.stride() != xv.stride() or xk.dtype != xv.dtype:
-        rotate_quantize_pack(xk, slots, k_pages, kt, src_index=src_index, backend=backend, positions=positions)
-        rotate_quantize_pack(xv, slots, v_pages, vt, src_index=src_index, backend=backend)
+        rotate_quantize_pack(xk, slots, k_pages, kt, src_index=src_index, positions=positions, backend=backend,
+                             launch=launch)
+        rotate_quantize_pack(xv, slots, v_pages, vt, src_index=src_index, backend=backend, launch=launch)
         return
-    from oscar.kernels.quantize import rotate_quantize_pack_pair
+    from oscar.kernels.quantize import rotate_quantize_pack_pair  # local: kernels load on first use
 
-    rotate_quantize_pack_pair(xk, xv, slots, (k_pages.codes, k_pages.scale, k_pages.zero),
-                              (v_pages.codes, v_pages.scale, v_pages.zero), bits=k_pages.bits,
-                              group_size=k_pages.group_size, k_transform=(kt.R, kt.mu, kt.rho),
-                              v_transform=(vt.R, vt.mu, vt.rho), src_index=src_index,
-                              k_mma_map=_mma_map(k_pages), v_mma_map=_mma_map(v_pages))
+    rotate_quantize_pack_pair(xk, xv, slots, k_pages, v_pages, kt, vt, src_index=src_index,
+                              token_maps=(_mma_map(k_pages), _mma_map(v_pages)), launch=launch)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,46 +271,37 @@ def decode_attention_torch(
     q: torch.Tensor,
     k_pages: QuantPages,
     v_pages: QuantPages,
-    page_table: torch.Tensor,
-    int_len: torch.Tensor,
+    segments: Segments,
     kt: HeadTransform,
     vt: HeadTransform,
     *,
-    sink_k: Optional[torch.Tensor] = None,
-    sink_v: Optional[torch.Tensor] = None,
-    sink_len: Optional[torch.Tensor] = None,
-    recent_k: Optional[torch.Tensor] = None,
-    recent_v: Optional[torch.Tensor] = None,
-    recent_len: Optional[torch.Tensor] = None,
     sm_scale: Optional[float] = None,
     output_frame: str = "original",
-    int_pos0: Union[int, torch.Tensor, None] = None,
-    window_rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Torch twin of the paged decode attention: float32 dequantize-then-attend over three segments.
 
     ``q`` ``[B, H, d]``; returns ``[B, H, d]`` in ``q.dtype``. See the module docstring for the
     segments, the logits of the quantized segment and ``output_frame``. Rope-centered keys (``kt.rope_mu``)
     add ``q . RoPE_p(rope_mu)`` to the logit of quantized token ``t`` at position ``p = int_pos0[b] + t``
-    (``int_pos0``: an int or int ``[B]``, the position of each sequence's first quantized token).
-    ``window_rows`` (int ``[B]``): sequence ``b`` reads its sink and recent rows at row ``window_rows[b]`` of
-    ``sink_*``/``recent_*`` (any number of rows: a cache's per-slot window buffers, read in place); None: row ``b``.
+    (``segments.int_pos0``: an int or int ``[B]``, the position of each sequence's first quantized token).
+    ``segments.window_rows`` (int ``[B]``): sequence ``b`` reads its sink and recent rows at row ``window_rows[b]``
+    of the windows (any number of rows: a cache's per-slot window buffers, read in place); None: row ``b``.
     The lengths stay per sequence (``sink_len[b]``, ``recent_len[b]``).
     """
     B, H, d = q.shape
     hkv = k_pages.codes.shape[1]
     _check_attention_args(q, hkv, output_frame)
-    wrows = _window_rows(window_rows, B, sink_k if sink_k is not None else recent_k)
+    windows = segments.windows
+    wrows = _window_rows(segments.window_rows, B, windows[0][1] if windows else None)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     rep = H // hkv
-    lens = int_len.tolist()
+    lens = segments.int_len.tolist()
+    page_table = segments.page_table
     outs = []
     for b in range(B):
         qb = q[b].to(torch.float32).reshape(hkv, rep, d)  # [Hkv, rep, d]
         logits, values, frames = [], [], []
-        for seg_k, seg_v, seg_len in ((sink_k, sink_v, sink_len), (recent_k, recent_v, recent_len)):
-            if seg_k is None:
-                continue
+        for _, seg_k, seg_v, seg_len in windows:
             n, w = int(seg_len[b]), wrows[b]
             kk = seg_k[w, :, :n].to(torch.float32)
             logits.append(torch.einsum("hrd,htd->hrt", qb, kk) * scale)
@@ -363,7 +316,7 @@ def decode_attention_torch(
             if kt.mu is not None:
                 lg = lg + torch.einsum("hrd,hd->hr", qb, kt.mu.to(qb.device, torch.float32))[..., None]
             if kt.rope_centered:
-                pos = _pos0(int_pos0, b, B) + torch.arange(n, device=qb.device)
+                pos = _pos0(segments.int_pos0, b, B) + torch.arange(n, device=qb.device)
                 lg = lg + torch.einsum("hrd,thd->hrt", qb, rope_offsets(kt, pos))
             logits.append(lg * scale)
             values.append(vh)
@@ -434,40 +387,27 @@ def decode_attention(
     q: torch.Tensor,
     k_pages: QuantPages,
     v_pages: QuantPages,
-    page_table: torch.Tensor,
-    int_len: torch.Tensor,
+    segments: Segments,
     kt: HeadTransform,
     vt: HeadTransform,
     *,
-    sink_k: Optional[torch.Tensor] = None,
-    sink_v: Optional[torch.Tensor] = None,
-    sink_len: Optional[torch.Tensor] = None,
-    recent_k: Optional[torch.Tensor] = None,
-    recent_v: Optional[torch.Tensor] = None,
-    recent_len: Optional[torch.Tensor] = None,
     sm_scale: Optional[float] = None,
     output_frame: str = "original",
     backend: Backend = "torch",
-    num_splits: Optional[int] = None,
-    kernel_options: Optional[dict] = None,
-    int_pos0: Union[int, torch.Tensor, None] = None,
-    window_rows: Optional[torch.Tensor] = None,
+    launch: Union[RowsLaunch, MmaLaunch, None] = None,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over BF16 sink + quantized pages + BF16 recent.
 
-    ``num_splits`` and ``kernel_options`` (``block_n``, ``num_warps``, ``num_stages``, ``fast_unpack``)
-    tune the Triton kernel and are ignored by the torch twin. ``int_pos0`` (int or int ``[B]``): position of
-    each sequence's first quantized token, needed for rope-centered keys (``decode_attention_torch``).
-    ``window_rows`` (int ``[B]``; int32 for the kernels): row of ``sink_*``/``recent_*`` that sequence ``b``
-    reads (per-slot window buffers read in place, no gather); the kernels do not check the rows' range.
+    ``segments`` (``oscar.kernels.segments.Segments``): page table, quantized lengths, the BF16 windows (read in
+    place at ``window_rows``), and ``int_pos0`` for rope-centered keys (``decode_attention_torch``). On
+    ``backend="triton"`` row-layout pages go to ``oscar.kernels.decode_rows`` (``launch``: ``RowsLaunch``) and
+    fragment-order pages to the CUDA kernel ``oscar.kernels.decode_mma`` (``launch``: ``MmaLaunch``); the torch
+    twin ignores ``launch``. The kernels take int32 indices and do not check the window rows' range.
     """
     _check_backend(backend)
-    kwargs = dict(sink_k=sink_k, sink_v=sink_v, sink_len=sink_len, recent_k=recent_k, recent_v=recent_v,
-                  recent_len=recent_len, sm_scale=sm_scale, output_frame=output_frame, window_rows=window_rows)
     if backend == "torch":
-        return decode_attention_torch(q, k_pages, v_pages, page_table, int_len, kt, vt, int_pos0=int_pos0, **kwargs)
-    from oscar.kernels.decode_attention import paged_decode_attention
-
+        return decode_attention_torch(q, k_pages, v_pages, segments, kt, vt, sm_scale=sm_scale,
+                                      output_frame=output_frame)
     layout = _pair_layout(k_pages, v_pages)
     if layout == "mma" and q.device.type != "cuda":
         raise ValueError("pages in the mma layout are read by a CUDA kernel; on a CPU use backend='torch' "
@@ -477,15 +417,17 @@ def decode_attention(
             raise ValueError("rope-centered keys are read by the mma-layout CUDA kernel (pages in the 'mma' layout, "
                              "INT2, d 64/128) or backend='torch'; the row-layout Triton kernels do not add "
                              "q . RoPE_p(m)")
-        _pos0(int_pos0, 0, 0)  # present
-        kwargs.update(rope_mu=kt.rope_mu, rope_freq=kt.rope_freq, rope_scaling=kt.rope_scaling, rope_pos0=int_pos0)
-    hkv = k_pages.codes.shape[1]
-    qk, unpad = pad_query_heads(q, hkv) if layout == "mma" else (q, None)
-    out = paged_decode_attention(
-        qk, k_pages.codes, k_pages.scale, k_pages.zero, v_pages.codes, v_pages.scale, v_pages.zero,
-        page_table, int_len, bits=k_pages.bits, group_size=k_pages.group_size,
-        R_K=kt.R, mu_K=kt.mu, R_V=vt.R, mu_V=vt.mu, num_splits=num_splits, layout=layout,
-        **(kernel_options or {}), **kwargs)
+        _pos0(segments.int_pos0, 0, 0)  # present
+    if layout == "rows":
+        from oscar.kernels.decode_rows import paged_decode_attention_rows  # local: kernels load on first use
+
+        return paged_decode_attention_rows(q, k_pages, v_pages, segments, kt, vt, sm_scale=sm_scale,
+                                           output_frame=output_frame, launch=launch)
+    from oscar.kernels.decode_mma import paged_decode_attention_mma  # local: kernels load on first use
+
+    qk, unpad = pad_query_heads(q, k_pages.codes.shape[1])
+    out = paged_decode_attention_mma(qk, k_pages, v_pages, segments, kt, vt, sm_scale=sm_scale,
+                                     output_frame=output_frame, launch=launch)
     return out if unpad is None else unpad(out)
 
 
@@ -622,18 +564,22 @@ class PagedKVPool:
         return (gather_dequantize(self.k[layer], self.page_table, b, n),
                 gather_dequantize(self.v[layer], self.page_table, b, n))
 
-    def attend(self, layer: int, q: torch.Tensor, kt: HeadTransform, vt: HeadTransform,
-               backend: Backend = "torch", **segments: Any) -> torch.Tensor:
-        """Decode attention for sequences ``0..q.shape[0]-1`` of ``layer`` (see ``decode_attention``)."""
+    def attend(self, layer: int, q: torch.Tensor, kt: HeadTransform, vt: HeadTransform, *,
+               sm_scale: Optional[float] = None, output_frame: str = "original", backend: Backend = "torch",
+               launch: Union[RowsLaunch, MmaLaunch, None] = None, **windows: Any) -> torch.Tensor:
+        """Decode attention for sequences ``0..q.shape[0]-1`` of ``layer`` (see ``decode_attention``); ``windows``:
+        the fields of ``Segments`` other than the pool's page table and lengths (``sink_k=``, ..., ``int_pos0=``)."""
         B = q.shape[0]
-        return decode_attention(q, self.k[layer], self.v[layer], self.page_table[:B], self.int_len[:B], kt, vt,
-                                backend=backend, **segments)
+        segments = Segments(self.page_table[:B], self.int_len[:B], **windows)
+        return decode_attention(q, self.k[layer], self.v[layer], segments, kt, vt, sm_scale=sm_scale,
+                                output_frame=output_frame, backend=backend, launch=launch)
 
 
 __all__ = [
     "HeadTransform",
     "PagedKVPool",
     "QuantPages",
+    "Segments",
     "decode_attention",
     "decode_attention_torch",
     "gather_dequantize",

@@ -35,6 +35,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.functional import scaled_dot_product_attention
 
+from oscar.kernels.launch import MmaLaunch
 from oscar.kernels.segments import Segments
 from oscar.serve.state import current_state
 
@@ -262,8 +263,6 @@ class OscarAttnBackend(AttentionBackend):
         if splits is None:
             return None
         if batch not in self.launches:
-            from oscar.kernels.launch import MmaLaunch
-
             self.launches[batch] = MmaLaunch(num_splits=splits, **self.mma_options)
         return self.launches[batch]
 

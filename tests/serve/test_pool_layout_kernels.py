@@ -45,10 +45,12 @@ def test_one_token_pages_with_scattered_slots_triton_equals_torch():
                 recent_len=torch.tensor([W, 3], dtype=torch.int32), sm_scale=1 / math.sqrt(d))
     q = torch.randn(B, H, d, generator=gen).to(torch.bfloat16)
     int_len = torch.tensor(int_lens, dtype=torch.int32)
+    sm_scale = segs.pop("sm_scale")
+    segments = paged.Segments(page_table, int_len, **segs)
     for frame in ("original", "rotated"):
-        ref = paged.decode_attention(q, k_pages, v_pages, page_table, int_len, kt, vt, output_frame=frame,
-                                     backend="torch", **segs).float()
-        out = paged.decode_attention(q, k_pages, v_pages, page_table, int_len, kt, vt, output_frame=frame,
-                                     backend="triton", **segs).float()
+        ref = paged.decode_attention(q, k_pages, v_pages, segments, kt, vt, sm_scale=sm_scale, output_frame=frame,
+                                     backend="torch").float()
+        out = paged.decode_attention(q, k_pages, v_pages, segments, kt, vt, sm_scale=sm_scale, output_frame=frame,
+                                     backend="triton").float()
         rel = ((out - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)).max().item()
         assert 0 < rel < 1.5e-2, (frame, rel)  # > 0: the kernel ran (not the twin twice)

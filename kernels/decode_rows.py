@@ -1,4 +1,6 @@
-"""Paged INT2/INT4 decode attention, split-K, GQA-aware, merged with the BF16 sink and recent segments.
+"""Paged INT2/INT4 decode attention over row-layout pages (Triton), split-K, GQA-aware, merged with the BF16
+sink and recent windows. Launcher: ``paged_decode_attention_rows``; launch settings:
+``oscar.kernels.launch.RowsLaunch``; torch twin (the specification): ``oscar.cache.paged.decode_attention_torch``.
 
 Two paths, both with fixed grids (lengths and page tables are read from device tensors, so a call can
 be captured in a CUDA graph).
@@ -19,7 +21,7 @@ INT2 or d=64 INT4), two or three launches:
 3. ``_merge_cols_kernel`` ``(B * Hkv, d / 32)``: log-sum-exp merge of all partials, which are in one
    frame, parallel over column chunks (in the rotated output frame: ``_merge_kernel`` instead).
 
-Word path (v7; d=64 INT2, several groups per row, ``planes=False``), three or four launches:
+Word path (v7; d=64 INT2, several groups per row, ``RowsLaunch(planes=False)``), three or four launches:
 
 1. ``_prep_kernel`` ``(B * Hkv,)``: the query scaled into the log2 domain, rotated once
    (``q @ R_K``, 3xTF32 on the GPU) and ``q . mu_K``.
@@ -27,10 +29,10 @@ Word path (v7; d=64 INT2, several groups per row, ``planes=False``), three or fo
    quantized tokens of one sequence and one KV head, page by page (contiguous int32-word loads of
    the next block issued before the current block is computed), reading each page once for all
    ``H / Hkv`` query heads of the group. Tokens sit in the M dimension of the products (scores
-   ``K q^T`` ``[BLOCK_N, heads]``, output ``V^T p`` ``[d, heads]``; ``heads_in_m`` flips that).
+   ``K q^T`` ``[BLOCK_N, heads]``, output ``V^T p`` ``[d, heads]``).
    Codes become exact fp16 by the magic number (``0x6400 | c`` is ``1024 + c``), in a channel
-   order that needs no shuffles (the query and the output are permuted instead); with
-   ``fast_unpack`` the field extraction is inline PTX (GPU only). With one group per row
+   order that needs no shuffles (the query and the output are permuted instead); on the GPU the
+   field extraction of INT2 is inline PTX. With one group per row
    (``G == d``) dequantization is folded into the products: ``s = scale * (q . c) + zero *
    sum(q)`` and ``o = sum (p * scale) c + sum p * zero``; with several groups the codes are
    dequantized to fp16 before the product.
@@ -49,13 +51,15 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from ._runtime import check, is_pow2, launchable, next_pow2
+from .launch import RowsLaunch
+from .segments import HeadTransform, Pages, Segments
 
 LOG2E = 1.4426950408889634
 
@@ -220,7 +224,7 @@ def _int_split(
     tokens_per_split, s_total,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
-    HEADS_IN_M: tl.constexpr, ROW_GATHER: tl.constexpr, PREFETCH: tl.constexpr, V_HEADS_IN_M: tl.constexpr,
+    ROW_GATHER: tl.constexpr,
 ):
     """One split of the quantized segment for one (sequence, KV head): normalized output + LSE."""
     b = pid // HKV
@@ -235,7 +239,6 @@ def _int_split(
     m_i = tl.full([HP], float("-inf"), tl.float32)
     l_i = tl.zeros([HP], tl.float32)
     acc = tl.zeros([D, HP], tl.float32)
-    acch = tl.zeros([HP, D], tl.float32)
     n = tl.load(len_ptr + b)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, n)
@@ -250,102 +253,58 @@ def _int_split(
     # Page-major walk: a block is BLOCK_N consecutive slots of one page (BLOCK_N <= PAGE_SIZE,
     # split starts aligned to pages), so its codes are one contiguous run of bytes (pages smaller
     # than a block: ROW_GATHER, each row finds its page); the next block's page ids, codes and
-    # scales are loaded before this block is computed.
+    # scales are loaded before this block is computed (by hand: measured faster than Triton's
+    # software pipelining of plain loads, which does not help an elementwise-unpacked operand).
     pt_row = pt_ptr + b * stride_ptb
-    if PREFETCH:
-        cvec, mvec, nmask = _block_rows(pt_row, start, end, rows, kvh, stride_cp, stride_ch, stride_mp, stride_mh,
-                                        PAGE_SIZE, NW, NG, ROW_GATHER)
-        kc_n, vc_n, ks_n, kz_n, vs_n, vz_n = _load_block(kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, cvec, mvec,
-                                                         nmask, wcols, gcols, NG)
+    cvec, mvec, nmask = _block_rows(pt_row, start, end, rows, kvh, stride_cp, stride_ch, stride_mp, stride_mh,
+                                    PAGE_SIZE, NW, NG, ROW_GATHER)
+    kc_n, vc_n, ks_n, kz_n, vs_n, vz_n = _load_block(kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, cvec, mvec,
+                                                     nmask, wcols, gcols, NG)
     for t0 in range(start, end, BLOCK_N):
-        if PREFETCH:  # this block was loaded one iteration ago; issue the next one now
-            kc = kc_n
-            vc = vc_n
-            ks = ks_n.to(tl.float32)
-            kz = kz_n.to(tl.float32)
-            vs = vs_n.to(tl.float32)
-            vz = vz_n.to(tl.float32)
-            tmask = nmask
-            cvec, mvec, nmask = _block_rows(pt_row, t0 + BLOCK_N, end, rows, kvh, stride_cp, stride_ch, stride_mp,
-                                            stride_mh, PAGE_SIZE, NW, NG, ROW_GATHER)
-            kc_n, vc_n, ks_n, kz_n, vs_n, vz_n = _load_block(kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, cvec,
-                                                             mvec, nmask, wcols, gcols, NG)
-        else:  # plain loads in the loop: Triton's software pipeliner (num_stages) keeps them in flight
-            cvec, mvec, tmask = _block_rows(pt_row, t0, end, rows, kvh, stride_cp, stride_ch, stride_mp,
-                                            stride_mh, PAGE_SIZE, NW, NG, ROW_GATHER)
-            kc, vc, ks, kz, vs, vz = _load_block(kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, cvec, mvec,
-                                                 tmask, wcols, gcols, NG)
-            ks = ks.to(tl.float32)
-            kz = kz.to(tl.float32)
-            vs = vs.to(tl.float32)
-            vz = vz.to(tl.float32)
+        # this block was loaded one iteration ago; issue the next one now
+        kc = kc_n
+        vc = vc_n
+        ks = ks_n.to(tl.float32)
+        kz = kz_n.to(tl.float32)
+        vs = vs_n.to(tl.float32)
+        vz = vz_n.to(tl.float32)
+        tmask = nmask
+        cvec, mvec, nmask = _block_rows(pt_row, t0 + BLOCK_N, end, rows, kvh, stride_cp, stride_ch, stride_mp,
+                                        stride_mh, PAGE_SIZE, NW, NG, ROW_GATHER)
+        kc_n, vc_n, ks_n, kz_n, vs_n, vz_n = _load_block(kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, cvec,
+                                                         mvec, nmask, wcols, gcols, NG)
         if FAST_UNPACK:
             kcode = _unpack_fp16_asm(kc, BLOCK_N, D, BITS)
         else:
             kcode = _unpack_fp16(kc, BLOCK_N, D, BITS)
-        if HEADS_IN_M:
-            if NG == 1:
-                sh = tl.dot(q16, tl.trans(kcode)) * ks[None, :] + qsum[:, None] * kz[None, :]
-            else:
-                k3 = tl.reshape(kcode, (BLOCK_N, NG, G)).to(tl.float32) * ks[:, :, None] + kz[:, :, None]
-                sh = tl.dot(q16, tl.trans(tl.reshape(k3, (BLOCK_N, D)).to(tl.float16)))
-            sh = sh + qmu[:, None]
-            sh = tl.where(tmask[None, :], sh, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sh, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            ph = tl.exp2(sh - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(ph, axis=1)
-            if FAST_UNPACK:
-                vcode = _unpack_fp16_asm(vc, BLOCK_N, D, BITS)
-            else:
-                vcode = _unpack_fp16(vc, BLOCK_N, D, BITS)
-            if NG == 1:
-                acch = acch * alpha[:, None] + tl.dot((ph * vs[None, :]).to(tl.float16), vcode)
-                accz = accz * alpha + tl.sum(ph * vz[None, :], axis=1)
-            else:
-                v3 = tl.reshape(vcode, (BLOCK_N, NG, G)).to(tl.float32) * vs[:, :, None] + vz[:, :, None]
-                acch = acch * alpha[:, None] + tl.dot(ph.to(tl.float16),
-                                                      tl.reshape(v3, (BLOCK_N, D)).to(tl.float16))
+        if NG == 1:
+            s = tl.dot(kcode, q16T) * ks[:, None] + kz[:, None] * qsum[None, :]
         else:
-            if NG == 1:
-                s = tl.dot(kcode, q16T) * ks[:, None] + kz[:, None] * qsum[None, :]
-            else:
-                k3 = tl.reshape(kcode, (BLOCK_N, NG, G)).to(tl.float32) * ks[:, :, None] + kz[:, :, None]
-                s = tl.dot(tl.reshape(k3, (BLOCK_N, D)).to(tl.float16), q16T)
-            s = s + qmu[None, :]
-            s = tl.where(tmask[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            if FAST_UNPACK:
-                vcode = _unpack_fp16_asm(vc, BLOCK_N, D, BITS)
-            else:
-                vcode = _unpack_fp16(vc, BLOCK_N, D, BITS)
-            if NG == 1:
-                if V_HEADS_IN_M:  # transpose the small probability tile, not the codes
-                    acch = acch * alpha[:, None] + tl.dot(tl.trans((p * vs[:, None]).to(tl.float16)), vcode)
-                else:
-                    acc = acc * alpha[None, :] + tl.dot(tl.trans(vcode), (p * vs[:, None]).to(tl.float16))
-                accz = accz * alpha + tl.sum(p * vz[:, None], axis=0)
-            else:
-                v3 = tl.reshape(vcode, (BLOCK_N, NG, G)).to(tl.float32) * vs[:, :, None] + vz[:, :, None]
-                if V_HEADS_IN_M:
-                    acch = acch * alpha[:, None] + tl.dot(tl.trans(p.to(tl.float16)),
-                                                          tl.reshape(v3, (BLOCK_N, D)).to(tl.float16))
-                else:
-                    acc = acc * alpha[None, :] + tl.dot(tl.trans(tl.reshape(v3, (BLOCK_N, D)).to(tl.float16)),
-                                                        p.to(tl.float16))
+            k3 = tl.reshape(kcode, (BLOCK_N, NG, G)).to(tl.float32) * ks[:, :, None] + kz[:, :, None]
+            s = tl.dot(tl.reshape(k3, (BLOCK_N, D)).to(tl.float16), q16T)
+        s = s + qmu[None, :]
+        s = tl.where(tmask[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        if FAST_UNPACK:
+            vcode = _unpack_fp16_asm(vc, BLOCK_N, D, BITS)
+        else:
+            vcode = _unpack_fp16(vc, BLOCK_N, D, BITS)
+        if NG == 1:
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(vcode), (p * vs[:, None]).to(tl.float16))
+            accz = accz * alpha + tl.sum(p * vz[:, None], axis=0)
+        else:
+            v3 = tl.reshape(vcode, (BLOCK_N, NG, G)).to(tl.float32) * vs[:, :, None] + vz[:, :, None]
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(tl.reshape(v3, (BLOCK_N, D)).to(tl.float16)),
+                                                p.to(tl.float16))
         m_i = m_new
     nonempty = l_i > 0.0
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     row = (b * H + hq) * s_total + split
-    if HEADS_IN_M or V_HEADS_IN_M:
-        oh = (acch + accz[:, None]) / tl.where(nonempty, l_i, 1.0)[:, None]
-        tl.store(o_ptr + row[:, None] * D + cperm[None, :], oh, mask=hmask[:, None])  # kernel order -> actual
-    else:
-        o = (acc + accz[None, :]) / tl.where(nonempty, l_i, 1.0)[None, :]
-        tl.store(o_ptr + row[None, :] * D + cperm[:, None], o, mask=hmask[None, :])  # kernel order -> actual
+    o = (acc + accz[None, :]) / tl.where(nonempty, l_i, 1.0)[None, :]
+    tl.store(o_ptr + row[None, :] * D + cperm[:, None], o, mask=hmask[None, :])  # kernel order -> actual
     tl.store(lse_ptr + row, lse, mask=hmask)
 
 
@@ -416,15 +375,11 @@ def _q_rot_plane(q16, q_ptr, qrow, hmask, scale, rk_ptr, kvh, p: tl.constexpr, W
 
 
 @triton.jit
-def _q_levels(qp, inv_hi, sc_hi, inv_lo, p: tl.constexpr, QK_INT8: tl.constexpr, BITS: tl.constexpr):
-    """A query plane ``[HP, W]`` as the products' operand ``[W, HP]``: int8 levels (hi, lo) or (fp16, same)."""
-    if QK_INT8:
-        hi = tl.floor(qp * inv_hi[:, None] + 0.5)
-        lo = tl.floor((qp - hi * sc_hi[:, None]) * inv_lo[:, None] + 0.5)
-        return tl.trans(hi.to(tl.int8)), tl.trans(lo.to(tl.int8))
-    else:  # fp16 planes hold 2^(BITS*p) c: the query plane carries the 2^-(BITS*p)
-        qf = tl.trans((qp * (1.0 / (1 << (BITS * p)))).to(tl.float16))
-        return qf, qf
+def _q_levels(qp, inv_hi, sc_hi, inv_lo):
+    """A query plane ``[HP, W]`` as the int8 products' operands ``[W, HP]``: two levels ``(hi, lo)``."""
+    hi = tl.floor(qp * inv_hi[:, None] + 0.5)
+    lo = tl.floor((qp - hi * sc_hi[:, None]) * inv_lo[:, None] + 0.5)
+    return tl.trans(hi.to(tl.int8)), tl.trans(lo.to(tl.int8))
 
 
 @triton.jit
@@ -436,15 +391,11 @@ def _o_plane_out(out, o_p, rv_ptr, kvh, p: tl.constexpr, W: tl.constexpr, D: tl.
 
 @triton.jit
 def _qk_plane(kb, acc_hi, acc_lo, qh, ql, p: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr,
-              QK_INT8: tl.constexpr, QK_LEVELS: tl.constexpr, SRC_I8: tl.constexpr, SRC_F16: tl.constexpr):
-    if QK_INT8:
-        c = _plane_i8(kb, p, BITS, FAST, SRC_I8)
-        acc_hi = tl.dot(c, qh, acc_hi, out_dtype=tl.int32)
-        if QK_LEVELS == 2:
-            acc_lo = tl.dot(c, ql, acc_lo, out_dtype=tl.int32)
-    else:
-        c = _plane_f16(kb, p, BITS, FAST, SRC_F16)
-        acc_hi = tl.dot(c, qh, acc_hi)
+              SRC_I8: tl.constexpr):
+    """Exact int32 scores of key plane ``p`` against both int8 levels of the query."""
+    c = _plane_i8(kb, p, BITS, FAST, SRC_I8)
+    acc_hi = tl.dot(c, qh, acc_hi, out_dtype=tl.int32)
+    acc_lo = tl.dot(c, ql, acc_lo, out_dtype=tl.int32)
     return acc_hi, acc_lo
 
 
@@ -485,7 +436,7 @@ def _int_split_planes(
     tokens_per_split, s_total,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
     BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
-    ROW_GATHER: tl.constexpr, QK_INT8: tl.constexpr, QK_LEVELS: tl.constexpr, PREFETCH: tl.constexpr,
+    ROW_GATHER: tl.constexpr,
     HAS_RK: tl.constexpr, HAS_MUK: tl.constexpr, ROT_OUT: tl.constexpr, HAS_MUV: tl.constexpr,
     AK0: tl.constexpr, AK1: tl.constexpr, AK2: tl.constexpr, AK3: tl.constexpr,
     AV0: tl.constexpr, AV1: tl.constexpr, AV2: tl.constexpr, AV3: tl.constexpr,
@@ -494,11 +445,12 @@ def _int_split_planes(
 
     Reads the raw query and rotates it itself (no preparation launch). Byte ``j`` of a row holds, in
     plane ``p``, channel ``p*W + j`` (``W = D*BITS/8``), so each plane is a plain ``[BLOCK_N, W]``
-    operand for channels ``p*W..p*W+W-1``: no joins, no permutation. Scores: ``QK_INT8`` runs them
-    on int8 tensor cores against the rotated query split into ``QK_LEVELS`` int8 levels (two levels:
-    ``q = s_hi q_hi + s_lo q_lo``, within 2^-15 of max|q|; one level is too coarse, ~3e-2), exact
-    integer sums; otherwise fp16 codes and query. Output: fp16 planes ``2^(BITS*p) c`` weighted by
-    ``p * scale`` (heads in M), each plane's accumulator scaled back once at the end; with
+    operand for channels ``p*W..p*W+W-1``: no joins, no permutation. Scores run on int8 tensor cores
+    against the rotated query split into two int8 levels (``q = s_hi q_hi + s_lo q_lo``, within 2^-15 of
+    max|q|; one level was measured too coarse, ~3e-2), exact integer sums. Blocks are plain loads in the
+    loop (a manual prefetch was measured 0-10% slower here: its registers cost occupancy). Output: fp16
+    planes ``2^(BITS*p) c`` weighted by ``p * scale`` (heads in M), each plane's accumulator scaled back once
+    at the end; with
     ``ROT_OUT`` the normalized partial goes back to the original frame here (``o R_V^T + mu_V``), so
     every partial of the merge is in one frame.
     """
@@ -534,11 +486,11 @@ def _int_split_planes(
     inv_hi = 1.0 / sc_hi
     sc_lo = sc_hi / 254.0
     inv_lo = 1.0 / sc_lo
-    qh0, ql0 = _q_levels(qp0, inv_hi, sc_hi, inv_lo, 0, QK_INT8, BITS)
-    qh1, ql1 = _q_levels(qp1, inv_hi, sc_hi, inv_lo, 1, QK_INT8, BITS)
+    qh0, ql0 = _q_levels(qp0, inv_hi, sc_hi, inv_lo)
+    qh1, ql1 = _q_levels(qp1, inv_hi, sc_hi, inv_lo)
     if PER == 4:
-        qh2, ql2 = _q_levels(qp2, inv_hi, sc_hi, inv_lo, 2, QK_INT8, BITS)
-        qh3, ql3 = _q_levels(qp3, inv_hi, sc_hi, inv_lo, 3, QK_INT8, BITS)
+        qh2, ql2 = _q_levels(qp2, inv_hi, sc_hi, inv_lo)
+        qh3, ql3 = _q_levels(qp3, inv_hi, sc_hi, inv_lo)
     m_i = tl.full([HP], float("-inf"), tl.float32)
     l_i = tl.zeros([HP], tl.float32)
     acc0 = tl.zeros([HP, W], tl.float32)
@@ -549,42 +501,23 @@ def _int_split_planes(
     wcols = tl.arange(0, W)
     rows = tl.arange(0, BLOCK_N)
     pt_row = pt_ptr + b * stride_ptb
-    if PREFETCH:
-        kb_n, vb_n, ks_n, kz_n, vs_n, vz_n, tm_n = _plane_block(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, pt_row,
-                                                                start, end, rows, wcols, kvh, stride_cp, stride_ch,
-                                                                stride_mp, stride_mh, W, PAGE_SIZE, ROW_GATHER)
     for t0 in range(start, end, BLOCK_N):
-        if PREFETCH:  # this block was loaded one iteration ago; issue the next one now
-            kb, vb, ks, kz, vs, vz, tmask = kb_n, vb_n, ks_n, kz_n, vs_n, vz_n, tm_n
-            kb_n, vb_n, ks_n, kz_n, vs_n, vz_n, tm_n = _plane_block(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-                                                                    pt_row, t0 + BLOCK_N, end, rows, wcols, kvh,
-                                                                    stride_cp, stride_ch, stride_mp, stride_mh, W,
-                                                                    PAGE_SIZE, ROW_GATHER)
-        else:
-            kb, vb, ks, kz, vs, vz, tmask = _plane_block(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, pt_row, t0,
-                                                         end, rows, wcols, kvh, stride_cp, stride_ch, stride_mp,
-                                                         stride_mh, W, PAGE_SIZE, ROW_GATHER)
+        kb, vb, ks, kz, vs, vz, tmask = _plane_block(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, pt_row, t0,
+                                                     end, rows, wcols, kvh, stride_cp, stride_ch, stride_mp,
+                                                     stride_mh, W, PAGE_SIZE, ROW_GATHER)
         ks = ks.to(tl.float32)
         kz = kz.to(tl.float32)
         vs = vs.to(tl.float32)
         vz = vz.to(tl.float32)
-        if QK_INT8:
-            a_hi = tl.zeros([BLOCK_N, HP], tl.int32)
-            a_lo = tl.zeros([BLOCK_N, HP], tl.int32)
-        else:
-            a_hi = tl.zeros([BLOCK_N, HP], tl.float32)
-            a_lo = a_hi
-        a_hi, a_lo = _qk_plane(kb, a_hi, a_lo, qh0, ql0, 0, BITS, FAST_UNPACK, QK_INT8, QK_LEVELS, AK0, AV0)
-        a_hi, a_lo = _qk_plane(kb, a_hi, a_lo, qh1, ql1, 1, BITS, FAST_UNPACK, QK_INT8, QK_LEVELS, AK1, AV1)
+        a_hi = tl.zeros([BLOCK_N, HP], tl.int32)
+        a_lo = tl.zeros([BLOCK_N, HP], tl.int32)
+        a_hi, a_lo = _qk_plane(kb, a_hi, a_lo, qh0, ql0, 0, BITS, FAST_UNPACK, AK0)
+        a_hi, a_lo = _qk_plane(kb, a_hi, a_lo, qh1, ql1, 1, BITS, FAST_UNPACK, AK1)
         if PER == 4:
-            a_hi, a_lo = _qk_plane(kb, a_hi, a_lo, qh2, ql2, 2, BITS, FAST_UNPACK, QK_INT8, QK_LEVELS, AK2, AV2)
-            a_hi, a_lo = _qk_plane(kb, a_hi, a_lo, qh3, ql3, 3, BITS, FAST_UNPACK, QK_INT8, QK_LEVELS, AK3, AV3)
-        if QK_INT8:
-            qc = a_hi.to(tl.float32) * sc_hi[None, :]
-            if QK_LEVELS == 2:
-                qc += a_lo.to(tl.float32) * sc_lo[None, :]
-        else:
-            qc = a_hi
+            a_hi, a_lo = _qk_plane(kb, a_hi, a_lo, qh2, ql2, 2, BITS, FAST_UNPACK, AK2)
+            a_hi, a_lo = _qk_plane(kb, a_hi, a_lo, qh3, ql3, 3, BITS, FAST_UNPACK, AK3)
+        qc = a_hi.to(tl.float32) * sc_hi[None, :]
+        qc += a_lo.to(tl.float32) * sc_lo[None, :]
         s = qc * ks[:, None] + (kz[:, None] * qsum[None, :] + qmu[None, :])
         s = tl.where(tmask[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
@@ -693,7 +626,7 @@ def _planes_kernel(
     num_splits, sink_chunks, num_bf,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
     BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
-    ROW_GATHER: tl.constexpr, QK_INT8: tl.constexpr, QK_LEVELS: tl.constexpr, PREFETCH: tl.constexpr,
+    ROW_GATHER: tl.constexpr,
     HAS_RK: tl.constexpr, HAS_MUK: tl.constexpr, ROT_OUT: tl.constexpr, HAS_MUV: tl.constexpr,
     FUSE_BF16: tl.constexpr, BF_BLOCK: tl.constexpr, CHUNK: tl.constexpr, HAS_SINK: tl.constexpr,
     HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr, WIN_ROWS: tl.constexpr,
@@ -715,8 +648,8 @@ def _planes_kernel(
                           kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                           stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
                           o_ptr, lse_ptr, tokens_per_split, s_total,
-                          HKV, REP, HP, D, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK, ROW_GATHER, QK_INT8, QK_LEVELS,
-                          PREFETCH, HAS_RK, HAS_MUK, ROT_OUT, HAS_MUV, AK0, AK1, AK2, AK3, AV0, AV1, AV2, AV3)
+                          HKV, REP, HP, D, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK, ROW_GATHER,
+                          HAS_RK, HAS_MUK, ROT_OUT, HAS_MUV, AK0, AK1, AK2, AK3, AV0, AV1, AV2, AV3)
 
 
 @triton.jit
@@ -752,7 +685,7 @@ def _partial_kernel(
     num_splits, sink_chunks, num_bf,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
-    HEADS_IN_M: tl.constexpr, ROW_GATHER: tl.constexpr, PREFETCH: tl.constexpr, V_HEADS_IN_M: tl.constexpr,
+    ROW_GATHER: tl.constexpr,
     FUSE_BF16: tl.constexpr, BF_BLOCK: tl.constexpr, CHUNK: tl.constexpr, HAS_SINK: tl.constexpr,
     HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr, WIN_ROWS: tl.constexpr,
 ):
@@ -772,13 +705,13 @@ def _partial_kernel(
                        stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
                        o_ptr, lse_ptr, tokens_per_split, s_total,
                        HKV, REP, HP, D, G, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK,
-                       HEADS_IN_M, ROW_GATHER, PREFETCH, V_HEADS_IN_M)
+                       ROW_GATHER)
     else:
         _int_split(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                    stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
                    o_ptr, lse_ptr, tokens_per_split, s_total,
                    HKV, REP, HP, D, G, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK,
-                   HEADS_IN_M, ROW_GATHER, PREFETCH, V_HEADS_IN_M)
+                   ROW_GATHER)
 
 
 @triton.jit
@@ -895,6 +828,8 @@ def _merge_kernel(
 
 
 SHORT_CONTEXT = 16384  # quantized capacity below which the short-context configuration is used
+MERGE_STEP = 8  # partials per step of the word path's merge kernel (the v7 sweep's choice)
+MERGE_WARPS = 8
 
 
 def default_num_splits(batch: int, num_kv_heads: int, capacity_tokens: int, block_n: int, num_sms: int = 132) -> int:
@@ -906,30 +841,28 @@ def default_num_splits(batch: int, num_kv_heads: int, capacity_tokens: int, bloc
 
 def default_config(batch: int, num_kv_heads: int, capacity_tokens: int, num_sms: int = 132,
                    planes: bool = False) -> dict:
-    """Launch configuration measured fastest on the H200 (reports/kernels/sweep_decode.md).
+    """Launch configuration measured fastest on the H200 (docs/KERNELS.md, v7 and v8 rounds).
 
     Bit-plane path (v8): blocks of 128 rows spanning pages, registers capped at 128 (4 programs of
     4 warps per SM), twice ``default_num_splits`` (about four waves: the programs hide each other's
-    latency), no manual prefetch; with few programs at short context (batch x KV heads <= 16, under
-    ``SHORT_CONTEXT``) blocks of 64 with the BF16 chunks fused into the split-K launch. Word path (v7): long
-    contexts blocks of 128 spanning pages, 4 warps, ``default_num_splits``; short contexts blocks of
-    64 within a page, the BF16 chunks fused into the split-K launch and about 8 waves of splits.
+    latency); with few programs at short context (batch x KV heads <= 16, under ``SHORT_CONTEXT``) blocks
+    of 64 with the BF16 chunks fused into the split-K launch. Word path (v7): long contexts blocks of 128
+    spanning pages, 4 warps, ``default_num_splits``; short contexts blocks of 64 within a page, the BF16
+    chunks fused into the split-K launch and about 8 waves of splits.
     """
     if planes:
         if capacity_tokens < SHORT_CONTEXT and batch * num_kv_heads <= 16:  # few programs: fuse the BF16 chunks
-            return {"block_n": 64, "span_pages": False, "fuse_bf16": True, "prefetch": False, "maxnreg": None,
-                    "split_factor": 2,
+            return {"block_n": 64, "span_pages": False, "fuse_bf16": True, "maxnreg": None, "split_factor": 2,
                     "num_splits": min(256, 2 * default_num_splits(batch, num_kv_heads, capacity_tokens, 64, num_sms))}
-        return {"block_n": 128, "span_pages": True, "fuse_bf16": False, "prefetch": False, "maxnreg": 128,
-                "split_factor": 2,
+        return {"block_n": 128, "span_pages": True, "fuse_bf16": False, "maxnreg": 128, "split_factor": 2,
                 "num_splits": min(256, 2 * default_num_splits(batch, num_kv_heads, capacity_tokens, 128, num_sms))}
     if capacity_tokens < SHORT_CONTEXT:
         by_occupancy = max(1, (8 * num_sms) // max(1, batch * num_kv_heads))
         splits = int(min(by_occupancy, max(1, capacity_tokens // 128), 256))
-        return {"block_n": 64, "span_pages": False, "fuse_bf16": True, "num_splits": splits, "prefetch": True,
-                "maxnreg": None, "split_factor": 1}
-    return {"block_n": 128, "span_pages": True, "fuse_bf16": False, "prefetch": True, "maxnreg": None,
-            "split_factor": 1, "num_splits": default_num_splits(batch, num_kv_heads, capacity_tokens, 128, num_sms)}
+        return {"block_n": 64, "span_pages": False, "fuse_bf16": True, "num_splits": splits, "maxnreg": None,
+                "split_factor": 1}
+    return {"block_n": 128, "span_pages": True, "fuse_bf16": False, "maxnreg": None, "split_factor": 1,
+            "num_splits": default_num_splits(batch, num_kv_heads, capacity_tokens, 128, num_sms)}
 
 
 _FP16_COPIES: dict[int, tuple] = {}  # id(tensor) -> (weak reference, version, device, fp16 copy)
@@ -949,73 +882,17 @@ def _fp16_copy(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
     return copy
 
 
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
-    v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
-    page_table: torch.Tensor, int_len: torch.Tensor,
-    *,
-    bits: int, group_size: int,
-    R_K: Optional[torch.Tensor] = None, mu_K: Optional[torch.Tensor] = None,
-    R_V: Optional[torch.Tensor] = None, mu_V: Optional[torch.Tensor] = None,
-    sink_k: Optional[torch.Tensor] = None, sink_v: Optional[torch.Tensor] = None, sink_len: Optional[torch.Tensor] = None,
-    recent_k: Optional[torch.Tensor] = None, recent_v: Optional[torch.Tensor] = None,
-    recent_len: Optional[torch.Tensor] = None,
-    sm_scale: Optional[float] = None, output_frame: str = "original",
-    num_splits: Optional[int] = None, block_n: Optional[int] = None, num_warps: int = 4, num_stages: int = 2,
-    merge_warps: int = 8, fast_unpack: Optional[bool] = None, rot_precision: str = "tf32x3",
-    heads_in_m: bool = False, prefetch: Optional[bool] = None, span_pages: Optional[bool] = None, merge_sp: int = 8,
-    v_heads_in_m: bool = False, fuse_bf16: Optional[bool] = None,
-    planes: Optional[bool] = None, qk_int8: Optional[bool] = None, qk_levels: int = 2,
-    maxnreg: Optional[int] = None,
-    layout: str = "rows", mma_warps: int = 8, mma_stages: Optional[int] = None, mma_min_blocks: int = 2,
-    rope_mu: Optional[torch.Tensor] = None, rope_freq: Optional[torch.Tensor] = None, rope_scaling: float = 1.0,
-    rope_pos0: Union[int, torch.Tensor, None] = None, rope_blocks: int = 8, mma_carveout: Optional[int] = None,
-    window_rows: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Triton decode attention of one query per sequence; same contract as ``oscar.cache.paged.decode_attention_torch``.
-
-    ``layout="mma"``: K and V pages are in ``oscar.core.quant``'s fragment-order layouts (``mma_k``/``mma_v``);
-    the call goes to the CUDA kernel of ``oscar.kernels.decode_mma`` (INT2, one group per row, d 64/128;
-    ``num_splits``, ``mma_warps``, ``mma_stages`` and ``mma_min_blocks`` tune it; the Triton options do not apply).
-    Rope-centered keys (``rope_mu`` ``[Hkv, d]``, ``rope_freq``, ``rope_scaling``, ``rope_pos0``: position of each
-    sequence's first quantized token, int or int32 ``[B]``; ``rope_blocks`` tunes it) run on that layout only.
-
-    ``q`` ``[B, H, d]``; codes ``[P, Hkv, page_size, d*bits//8]`` uint8; scale/zero
-    ``[P, Hkv, page_size, d//G]`` bf16; ``page_table`` int32 ``[B, M]``; ``int_len`` int32 ``[B]``;
-    sink/recent ``[B, Hkv, S, d]`` with int32 valid lengths ``[B]``, or ``[R, Hkv, S, d]`` with ``window_rows``
-    (int32 ``[B]``: the row each sequence reads; not range-checked). Returns ``[B, H, d]`` in ``q.dtype``.
-    Options left at ``None`` (``block_n``, ``span_pages``, ``fuse_bf16``, ``num_splits``) follow
-    ``default_config``. ``prefetch``: load the next block by hand before computing the current one (else plain loads
-    pipelined by Triton over ``num_stages``); ``span_pages``: let a block of ``block_n`` rows cover
-    several pages (each row looks its page up) instead of clamping ``block_n`` to the page size;
-    ``merge_sp``: partials merged per step of the merge kernel; ``v_heads_in_m`` (with tokens in M for
-    the scores): the output product as ``p^T V`` (heads in M), so only the small ``p`` tile is transposed;
-    ``fuse_bf16``: the BF16 chunks run as extra programs of the split-K launch (one launch fewer).
-    ``planes`` (default: where one group spans the row and a row has >= 32 bytes): the bit-plane path;
-    ``qk_int8`` (default: planes of >= 32 channels) int8 tensor-core scores with ``qk_levels`` int8
-    levels of the query (1 is a timing option only: ~3e-2 error); ``maxnreg``: register cap of the
-    split-K kernel (GPU; ``default_config`` sets 128 for blocks of 128 on the plane path).
-    """
-    check(q.dim() == 3, f"q must be [B, H, d], got shape {tuple(q.shape)}")
-    B, H, d = (int(s) for s in q.shape)
-    check(layout in ("rows", "mma"), f"layout={layout!r} is not valid; choose 'rows' or 'mma'")
-    if layout == "mma":
-        check(bits in (2, 4) and group_size == d, f"layout='mma' needs INT2/INT4 with one group per row, got bits={bits}, "
-              f"group_size={group_size}, d={d}")
-        from .decode_mma import paged_decode_attention_mma
-
-        return paged_decode_attention_mma(
-            q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, page_table, int_len, R_K=R_K, mu_K=mu_K, R_V=R_V,
-            mu_V=mu_V, sink_k=sink_k, sink_v=sink_v, sink_len=sink_len, recent_k=recent_k, recent_v=recent_v,
-            recent_len=recent_len, sm_scale=sm_scale, output_frame=output_frame, num_splits=num_splits,
-            num_warps=mma_warps, stages=mma_stages, min_blocks=mma_min_blocks, rope_mu=rope_mu, rope_freq=rope_freq,
-            rope_scaling=rope_scaling, rope_pos0=rope_pos0, rope_blocks=rope_blocks, bits=bits, carveout=mma_carveout,
-            window_rows=window_rows)
-    check(rope_mu is None, "rope-centered keys (rope_mu) are read by the mma-layout kernel only (layout='mma')")
+def _check_pages(k_pages: Pages, v_pages: Pages, d: int) -> tuple[int, int, int]:
+    """Refuse pages the row kernel does not read; return ``(Hkv, page_size, codes bytes per row)``."""
+    check(k_pages.layout == "rows" and v_pages.layout == "rows",
+          f"the Triton decode kernel reads row-layout pages, got K {k_pages.layout!r} and V {v_pages.layout!r} "
+          "(fragment-order pages: oscar.kernels.decode_mma)")
+    bits, group_size = k_pages.bits, k_pages.group_size
     check(bits in (2, 4), f"bits={bits} is not supported; valid values are 2 and 4")
+    check(v_pages.bits == bits and v_pages.group_size == group_size,
+          f"K and V pages need one format, got INT{bits} G={group_size} and INT{v_pages.bits} G={v_pages.group_size}")
+    k_codes, k_scale, v_codes = k_pages.codes, k_pages.scale, v_pages.codes
     npages, hkv, page_size, nbytes = (int(s) for s in k_codes.shape)
-    check(H % hkv == 0, f"query heads H={H} must be a multiple of KV heads Hkv={hkv}")
     check(is_pow2(d) and 16 <= d <= 256 and d * bits >= 32,
           f"head_dim={d} must be a power of two in [16, 256] (at least one 32-bit word of codes per row)")
     check(is_pow2(group_size) and group_size <= d and group_size % (8 // bits) == 0,
@@ -1025,63 +902,99 @@ def paged_decode_attention(
     check(v_codes.shape == k_codes.shape and v_codes.stride() == k_codes.stride(),
           f"V codes {tuple(v_codes.shape)} must match K codes {tuple(k_codes.shape)} in shape and strides")
     meta_shape = (npages, hkv, page_size, d // group_size)
-    for name, t in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
+    for name, t in (("k_scale", k_scale), ("k_zero", k_pages.zero), ("v_scale", v_pages.scale),
+                    ("v_zero", v_pages.zero)):
         check(tuple(t.shape) == meta_shape and t.dtype == torch.bfloat16 and t.stride() == k_scale.stride(),
               f"{name} must be bf16 {meta_shape} with the strides of k_scale, got {t.dtype} {tuple(t.shape)}")
     check(k_codes.stride(-1) == 1 and k_codes.stride(-2) == nbytes and k_scale.stride(-1) == 1
           and k_scale.stride(-2) == d // group_size,
           "codes and scales must be contiguous within a page (slot stride = row size)")
     check(is_pow2(page_size), f"page_size={page_size} must be a power of two")
+    return hkv, page_size, nbytes
+
+
+def _window(name: str, k: torch.Tensor, v: torch.Tensor, n: torch.Tensor, B: int, hkv: int, d: int,
+            rows: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check(k.dim() == 4 and (k.shape[0] >= B or rows) and k.shape[1] == hkv and k.shape[3] == d,
+          f"{name}_k must be [B, {hkv}, S, {d}] (or [R, {hkv}, S, {d}] with window_rows), got {tuple(k.shape)}")
+    check(v.shape == k.shape and v.stride() == k.stride() and k.stride(-1) == 1,
+          f"{name}_v {tuple(v.shape)} must match {name}_k in shape and strides, contiguous in d")
+    check(n.dtype == torch.int32 and n.shape[0] >= B, f"{name}_len must be int32 [B], got {n.dtype}")
+    return k, v, n
+
+
+def paged_decode_attention_rows(
+    q: torch.Tensor,
+    k_pages: Pages,
+    v_pages: Pages,
+    segments: Segments,
+    k_t: HeadTransform,
+    v_t: HeadTransform,
+    *,
+    sm_scale: Optional[float] = None,
+    output_frame: str = "original",
+    launch: Optional[RowsLaunch] = None,
+) -> torch.Tensor:
+    """Triton decode attention of one query per sequence over row-layout pages; the torch twin
+    ``oscar.cache.paged.decode_attention_torch`` takes the same arguments (less ``launch``) and defines the result.
+
+    ``q`` ``[B, H, d]``; pages ``oscar.cache.paged.QuantPages`` in the ``"rows"`` layout (codes
+    ``[P, Hkv, page_size, d*bits//8]`` uint8, scale/zero ``[P, Hkv, page_size, d//G]`` bf16); ``segments``: int32
+    page table and lengths, BF16 windows (``oscar.kernels.segments.Segments``); ``k_t``/``v_t``: the pages'
+    transforms (rope-centered keys are read by ``oscar.kernels.decode_mma`` only). Returns ``[B, H, d]`` in
+    ``q.dtype``, in the original frame or, with ``output_frame="rotated"``, as ``(o - mu_V) R_V``. ``launch``:
+    ``RowsLaunch`` (fields left at ``None`` follow ``default_config``).
+    """
+    launch = RowsLaunch() if launch is None else launch
+    check(isinstance(launch, RowsLaunch), f"launch={launch!r} is not a RowsLaunch (the row-layout kernel's settings)")
+    check(q.dim() == 3, f"q must be [B, H, d], got shape {tuple(q.shape)}")
+    B, H, d = (int(s) for s in q.shape)
+    hkv, page_size, _ = _check_pages(k_pages, v_pages, d)
+    bits, group_size = k_pages.bits, k_pages.group_size
+    check(not k_t.rope_centered, "rope-centered keys (k_t.rope_mu) are read by the mma-layout kernel only "
+          "(oscar.kernels.decode_mma); row-layout pages take keys without the RoPE offset")
+    check(H % hkv == 0, f"query heads H={H} must be a multiple of KV heads Hkv={hkv}")
+    page_table, int_len, window_rows = segments.page_table, segments.int_len, segments.window_rows
     check(page_table.dim() == 2 and page_table.shape[0] >= B and page_table.dtype == torch.int32,
           f"page_table must be int32 [B={B}, M], got {page_table.dtype} {tuple(page_table.shape)}")
     check(int_len.shape[0] >= B and int_len.dtype == torch.int32, f"int_len must be int32 [B={B}], got {int_len.dtype}")
     check(output_frame in ("original", "rotated"), f"output_frame={output_frame!r} must be 'original' or 'rotated'")
-    check(is_pow2(merge_sp), f"merge_sp={merge_sp} must be a power of two")
+    planes = launch.planes
     if planes is None:  # bit-plane path where measured faster: one group per row, planes of >= 32 channels
-        planes = group_size == d and d * bits // 8 >= 32 and not heads_in_m and not v_heads_in_m
-    check(not planes or (group_size == d and d * bits // 8 >= 16),
-          f"planes needs one group per row and at least 16 bytes per row, got group_size={group_size}, d={d}")
-    if qk_int8 is None:  # int8 tensor-core scores need planes of >= 32 channels (the int8 MMA's K)
-        qk_int8 = planes and d * bits // 8 >= 32
-    check(qk_levels in (1, 2), f"qk_levels={qk_levels} must be 1 or 2")
-    if fast_unpack is None:  # default: inline PTX where it runs (fastest on the H200, reports/kernels)
-        fast_unpack = (bits == 2 or planes) and q.device.type == "cuda"
-    check(not fast_unpack or ((bits == 2 or planes) and q.device.type == "cuda"),
-          f"fast_unpack (inline PTX) needs a CUDA device and INT2 (or the plane path), got bits={bits} on {q.device}")
+        planes = group_size == d and d * bits // 8 >= 32
+    check(not planes or (group_size == d and d * bits // 8 >= 32),
+          f"the bit-plane path needs one group per row and at least 32 bytes per row (int8 scores), got "
+          f"group_size={group_size}, d={d}, INT{bits}")
     dev = q.device
+    fast_unpack = (bits == 2 or planes) and dev.type == "cuda"  # inline PTX wherever it runs
     rep = H // hkv
     hp = max(16, next_pow2(rep))
     scale = (1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)) * LOG2E
-
-    precision = "ieee" if dev.type != "cuda" else rot_precision
+    precision = "ieee" if dev.type != "cuda" else "tf32x3"  # 3xTF32 rotations: float32 accuracy without spills
     qc = q.contiguous()
+    R_K, mu_K, R_V, mu_V = k_t.R, k_t.mu, v_t.R, v_t.mu
 
-    def _segment(k, v, n, name):
-        if k is None:
-            return None
-        check(v is not None and n is not None, f"{name}_k given without {name}_v / {name}_len")
-        check(k.dim() == 4 and (k.shape[0] >= B or window_rows is not None) and k.shape[1] == hkv and k.shape[3] == d,
-              f"{name}_k must be [B, {hkv}, S, {d}] (or [R, {hkv}, S, {d}] with window_rows), got {tuple(k.shape)}")
-        check(v.shape == k.shape and v.stride() == k.stride() and k.stride(-1) == 1,
-              f"{name}_v {tuple(v.shape)} must match {name}_k in shape and strides, contiguous in d")
-        check(n.dtype == torch.int32 and n.shape[0] >= B, f"{name}_len must be int32 [B], got {n.dtype}")
-        return k, v, n
-
-    sink = _segment(sink_k, sink_v, sink_len, "sink")
-    recent = _segment(recent_k, recent_v, recent_len, "recent")
-    check(window_rows is None or (window_rows.dtype == torch.int32 and window_rows.dim() == 1
-                                  and window_rows.numel() >= B and window_rows.device == dev),
+    rows = window_rows is not None
+    check(not rows or (window_rows.dtype == torch.int32 and window_rows.dim() == 1
+                       and window_rows.numel() >= B and window_rows.device == dev),
           f"window_rows must be int32 [>= {B}] on {dev}, got "
           f"{None if window_rows is None else (window_rows.dtype, tuple(window_rows.shape), str(window_rows.device))}")
+    sink = recent = None
+    for name, k, v, n in segments.windows:
+        seg = _window(name, k, v, n, B, hkv, d, rows)
+        if name == "sink":
+            sink = seg
+        else:
+            recent = seg
     capacity = int(page_table.shape[1]) * page_size
     auto = default_config(B, hkv, capacity, planes=planes)  # options left at None take the measured configuration
-    block_n = auto["block_n"] if block_n is None else block_n
-    span_pages = auto["span_pages"] if span_pages is None else span_pages
-    fuse_bf16 = auto["fuse_bf16"] if fuse_bf16 is None else fuse_bf16
-    prefetch = auto["prefetch"] if prefetch is None else prefetch
+    block_n = auto["block_n"] if launch.block_n is None else launch.block_n
+    span_pages = auto["span_pages"] if launch.span_pages is None else launch.span_pages
+    fuse_bf16 = auto["fuse_bf16"] if launch.fuse_bf16 is None else launch.fuse_bf16
+    maxnreg = launch.maxnreg
     if maxnreg is None:
         maxnreg = auto["maxnreg"] if block_n == auto["block_n"] else None
-    check(is_pow2(block_n) and block_n >= 16, f"block_n={block_n} must be a power of two >= 16")
+    num_splits = launch.num_splits
     if num_splits is None:
         num_splits = (auto["num_splits"] if block_n == auto["block_n"]
                       else auto["split_factor"] * default_num_splits(B, hkv, capacity, block_n))
@@ -1108,6 +1021,8 @@ def paged_decode_attention(
     out = torch.empty(B, H, d, dtype=q.dtype, device=dev)
     muv = mu_V.to(dev, torch.float32).contiguous() if mu_V is not None else dummy
     grid = (B * hkv, num_splits + (num_bf if fuse_bf16 else 0))
+    k_codes, k_scale, k_zero = k_pages.codes, k_pages.scale, k_pages.zero
+    v_codes, v_scale, v_zero = v_pages.codes, v_pages.scale, v_pages.zero
     if planes:
         # two launches: split-K programs that rotate the query themselves (and, in the original
         # frame, rotate their partial back), then a column-parallel merge of partials in one frame
@@ -1124,11 +1039,11 @@ def paged_decode_attention(
             o_part, lse_part, tps, s_total,
             *bf_args, num_splits, sink_chunks, num_bf,
             HKV=hkv, REP=rep, HP=hp, D=d, BITS=bits, PAGE_SIZE=page_size, BLOCK_N=block_n,
-            FAST_UNPACK=fast_unpack, ROW_GATHER=page_size < block_n, QK_INT8=bool(qk_int8), QK_LEVELS=qk_levels,
-            PREFETCH=prefetch, HAS_RK=R_K is not None, HAS_MUK=mu_K is not None,
+            FAST_UNPACK=fast_unpack, ROW_GATHER=page_size < block_n,
+            HAS_RK=R_K is not None, HAS_MUK=mu_K is not None,
             ROT_OUT=rot_out and R_V is not None, HAS_MUV=rot_out and mu_V is not None,
             FUSE_BF16=fuse_bf16, BF_BLOCK=32, **bf_flags, **plane_sources(bits),
-            num_warps=num_warps, num_stages=num_stages, **reg_cap,
+            num_warps=launch.warps, num_stages=launch.stages, **reg_cap,
         )
         if not fuse_bf16:
             launchable(_bf16_partial_kernel, dev)[(B * hkv, num_bf)](
@@ -1164,9 +1079,8 @@ def paged_decode_attention(
             o_part, lse_part, tps, s_total,
             *bf_args, num_splits, sink_chunks, num_bf,
             HKV=hkv, REP=rep, HP=hp, D=d, G=group_size, BITS=bits, PAGE_SIZE=page_size, BLOCK_N=block_n,
-            FAST_UNPACK=fast_unpack, HEADS_IN_M=heads_in_m, ROW_GATHER=page_size < block_n, PREFETCH=prefetch,
-            V_HEADS_IN_M=v_heads_in_m and not heads_in_m, FUSE_BF16=fuse_bf16, BF_BLOCK=32, **bf_flags,
-            num_warps=num_warps, num_stages=num_stages, **reg_cap,
+            FAST_UNPACK=fast_unpack, ROW_GATHER=page_size < block_n, FUSE_BF16=fuse_bf16, BF_BLOCK=32, **bf_flags,
+            num_warps=launch.warps, num_stages=launch.stages, **reg_cap,
         )
         if not fuse_bf16:
             launchable(_bf16_partial_kernel, dev)[(B * hkv, num_bf)](
@@ -1176,8 +1090,11 @@ def paged_decode_attention(
     rv_t = R_V.to(dev, torch.float32).contiguous() if R_V is not None else dummy
     launchable(_merge_kernel, dev)[(B * hkv,)](
         o_part, lse_part, out, rv_t, muv, num_splits, num_bf,
-        HKV=hkv, REP=rep, HP=hp, D=d, SP=merge_sp,
+        HKV=hkv, REP=rep, HP=hp, D=d, SP=MERGE_STEP,
         HAS_RV=R_V is not None, HAS_MUV=mu_V is not None, OUT_ROTATED=output_frame == "rotated",
-        PRECISION=precision, num_warps=merge_warps,
+        PRECISION=precision, num_warps=MERGE_WARPS,
     )
     return out
+
+
+__all__ = ["SHORT_CONTEXT", "default_config", "default_num_splits", "paged_decode_attention_rows", "plane_sources"]
