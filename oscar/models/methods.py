@@ -16,8 +16,9 @@ from typing import Any, Mapping
 
 import torch
 
+import oscar.core.calibration
 from oscar.cache.formats import KINDS, format_class, group_of, record_format
-from oscar.core.calibration import build_artifact, fit_layer_clip
+from oscar.core.calibration import build_artifact
 from oscar.core.clipfit import candidate_label, center_suffix
 from oscar.core.files import atomic_write_text
 from oscar.core.rotation import ROTATION_KINDS, NEEDS_COVARIANCE
@@ -205,7 +206,8 @@ def fit_clip(artifact: Any, method_cfg: Any, *, stats: Any = None, clip_grid_k: 
             elif clip == "fit":
                 if stats is None:
                     raise CalibrationMissing("clip=fit needs calibration statistics with held-back rows (python -m oscar dump)")
-                fits = fit_layer_clip(
+                # looked up on its module at each call: the clip verb counts these calls for its progress
+                fits = oscar.core.calibration.fit_layer_clip(
                     stats, layer, side, getattr(artifact, f"R_{tag}")[layer].to(torch.float64),
                     getattr(artifact, f"mu_{tag}")[layer].to(torch.float64), list(grid), bits=bits, group_size=g,
                 )

@@ -152,7 +152,7 @@ def _rotations(cfg: Any, method: Any, model: Any) -> Any:
     from its artifact (fitted under `method.clip=fit`); a `:none` variant of a calibrated method reads the
     artifact and sets every clip ratio to 1."""
     # local: keeps transformers out of import time
-    from oscar.models.engine import artifact_dir, rotations_from_artifact, rotations_in_code
+    from oscar.models.engine import rotations_from_artifact, rotations_in_code
 
     if not needs_statistics(method):
         return rotations_in_code(method, model)
