@@ -71,7 +71,8 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
     rows.unlink(missing_ok=True)
     t0 = time.time()
     art = Path(tempfile.gettempdir()) / "oscar_timing_artifact"
-    print(write_timing_artifact(model_dir(opts), art, mu=True), flush=True)
+    print(write_timing_artifact(model_dir(opts), art, mu=True, sink=int(opts["sink"]), recent=int(opts["recent"])),
+          flush=True)
     go, ready = Path(tempfile.gettempdir()) / "oscar_prefix_go", Path(tempfile.gettempdir()) / "oscar_prefix_fi_ready"
     go.unlink(missing_ok=True)
     ready.unlink(missing_ok=True)

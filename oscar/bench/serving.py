@@ -143,7 +143,8 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
     extra = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
              "PYTHONUNBUFFERED": "1"}
     if "oscar" in _backends(opts):
-        print(write_timing_artifact(model_dir(opts), art, rotation=str(opts["rotation"]), mu=True), flush=True)
+        print(write_timing_artifact(model_dir(opts), art, rotation=str(opts["rotation"]), mu=True, sink=int(opts["sink"]),
+                                    recent=int(opts["recent"]), page_size=int(opts["page_size"])), flush=True)
         env["contract"] = _contract(extra)
         print(f"SGLang contract of the plugin: {env['contract']}", flush=True)
     env["runs"] = []

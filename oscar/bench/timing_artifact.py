@@ -22,10 +22,12 @@ import torch
 
 
 def write_timing_artifact(config: str | Path, out: str | Path, rotation: str = "random", bits: int = 2,
-                          mu: bool = False) -> str:
-    """Write the artifact for the model whose ``config.json`` is in ``config``; returns a one-line description."""
+                          mu: bool = False, sink: int = 64, recent: int = 256, page_size: int = 16) -> str:
+    """Write the artifact for the model whose ``config.json`` is in ``config`` (its ``cache_format``: the rotated
+    format, one group per row, ``sink``/``recent`` windows); returns a one-line description."""
     from transformers import AutoConfig
 
+    from oscar.cache.formats import record_format
     from oscar.core.artifact import CalibrationArtifact, build_meta, config_hash_of, model_config_fields, save_artifact
     from oscar.core.rotation import random_orthogonal
 
@@ -42,14 +44,17 @@ def write_timing_artifact(config: str | Path, out: str | Path, rotation: str = "
 
     gen = torch.Generator().manual_seed(0)
     mean = (lambda: 0.05 * torch.randn(hkv, d, generator=gen)) if mu else (lambda: torch.zeros(hkv, d))
+    method = {"name": f"timing-{rotation}", "kind": "rotated", "bits": bits, "group_size": d, "sink": sink,
+              "recent": recent, "page_size": page_size}
     art = CalibrationArtifact(
         R_K=[torch.stack([rot(layer, h, 0) for h in range(hkv)]) for layer in range(L)],
         R_V=[torch.stack([rot(layer, h, 500) for h in range(hkv)]) for layer in range(L)],
         mu_K=[mean() for _ in range(L)], mu_V=[mean() for _ in range(L)],
         rho_K=[torch.ones(hkv) for _ in range(L)], rho_V=[torch.ones(hkv) for _ in range(L)],
-        meta=build_meta(method={"name": f"timing-{rotation}", "bits": bits, "group_size": d},
+        meta=build_meta(method=method,
                         model_id=str(config), config_hash=config_hash_of(hf), num_layers=L, num_kv_heads=hkv,
                         head_dim=d, group_size=d, bits=bits))
+    record_format(art, method)
     save_artifact(art, str(out))
     return f"artifact {out}: {L} layers, {hkv} KV heads, d={d}, {rotation} rotations, INT{bits}, group {d}"
 
@@ -61,8 +66,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rotation", choices=("random", "identity"), default="random")
     ap.add_argument("--bits", type=int, default=2)
     ap.add_argument("--mu", action="store_true")
+    ap.add_argument("--sink", type=int, default=64)
+    ap.add_argument("--recent", type=int, default=256)
     a = ap.parse_args(argv)
-    print(write_timing_artifact(a.config, a.out, a.rotation, a.bits, a.mu))
+    print(write_timing_artifact(a.config, a.out, a.rotation, a.bits, a.mu, a.sink, a.recent))
     return 0
 
 
