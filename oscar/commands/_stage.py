@@ -10,14 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from oscar.config import ConfigError, compose, config_hash
+
 TRUE = {"true", "1", "yes", "on"}
 FALSE = {"false", "0", "no", "off"}
 
 
 def pop_flags(argv: list[str], defaults: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """Split verb-only flags (`force=true`) from Hydra overrides; flags keep the type of their default."""
-    from oscar.config import ConfigError
-
     flags = dict(defaults)
     rest: list[str] = []
     for arg in argv:
@@ -73,24 +73,18 @@ def _plain(cfg: Any) -> Any:
 
 def dump_hash(cfg: Any) -> str:
     """Hash of everything the statistics depend on: the model entry and the calibration data."""
-    from oscar.config import config_hash
-
     cal = {k: v for k, v in _plain(cfg.calibration).items() if k not in ("clip_grid_k", "clip_grid_v")}
     return config_hash({"stage": "dump", "version": STAGE_VERSION, "dump_version": DUMP_VERSION, "model": _plain(cfg.model), "calibration": cal})
 
 
 def rotations_hash(cfg: Any) -> str:
     """Hash of the statistics plus the method (and the clip grids, which `auto` selects with)."""
-    from oscar.config import config_hash
-
     grids = {"k": list(cfg.calibration.clip_grid_k), "v": list(cfg.calibration.clip_grid_v)}
     return config_hash({"stage": "rotations", "version": STAGE_VERSION, "stats": dump_hash(cfg), "method": _plain(cfg.method), "grids": grids})
 
 
 def clip_hash(cfg: Any) -> str:
     """Hash of the rotations plus the clip settings."""
-    from oscar.config import config_hash
-
     grids = {"k": list(cfg.calibration.clip_grid_k), "v": list(cfg.calibration.clip_grid_v)}
     return config_hash({"stage": "clip", "version": STAGE_VERSION, "rotations": rotations_hash(cfg), "grids": grids})
 
@@ -137,10 +131,6 @@ def run_stage_verb(name: str, argv: list[str], runner: Any, *, takes_out: bool =
     print where the output is; a configuration error exits with 2, a failure of the stage with 1,
     each with the reason on one line."""
     import sys
-
-    from oscar.config import compose
-
-    from oscar.config import ConfigError
 
     try:
         flags, overrides = pop_flags(argv, {"force": False})

@@ -16,15 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from oscar.commands._stage import StageResult, pop_flags
+from oscar.commands.clip import run_clip
+from oscar.commands.dump import run_dump
+from oscar.commands.rotations import load_stats, run_rotations
+from oscar.config import ConfigError, compose
+from oscar.models.methods import needs_statistics, validate_method, write_auto_choices
 
 
 def run_calibrate(cfg: Any, *, force: bool = False, out: Path | None = None) -> list[StageResult]:
     """All three stages; the statistics are loaded once and shared."""
-    from oscar.commands.clip import run_clip
-    from oscar.commands.dump import run_dump
-    from oscar.commands.rotations import load_stats, run_rotations
-    from oscar.core.methods import needs_statistics, validate_method
-
     validate_method(cfg.method)
     results = []
     stats = None
@@ -42,8 +42,6 @@ def write_choices(artifact: Path, prefix: Path, title: str, note: str = "") -> t
     """Tables of an `auto` artifact's per-(layer, head) choices (`oscar.core.methods.write_auto_choices`)."""
     import json
 
-    from oscar.core.methods import write_auto_choices
-
     meta = json.loads((Path(artifact) / "meta.json").read_text())
     return write_auto_choices(meta, prefix, title, note)
 
@@ -54,10 +52,6 @@ HELP_FLAGS = {"force": False, "report": ""}
 
 def main(argv: list[str]) -> int:
     """Compose the configuration, run the three stages, print a summary with timings."""
-    from oscar.config import compose
-
-    from oscar.config import ConfigError
-
     try:
         flags, overrides = pop_flags(argv, {"force": False, "report": ""})
         cfg = compose(overrides)

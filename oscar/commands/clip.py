@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from oscar.core.artifact import artifact_dir
+import oscar.core.calibration
 from oscar.commands._stage import (
     run_stage_verb,
     StageResult,
@@ -23,14 +23,13 @@ from oscar.commands._stage import (
     count_calls,
     single_thread,
 )
+from oscar.commands.rotations import load_stats
+from oscar.core.artifact import artifact_dir, load_artifact, save_artifact
+from oscar.models.methods import CalibrationMissing, clip_mode, fit_clip
 
 
 def run_clip(cfg: Any, *, force: bool = False, out: Path | None = None, stats: Any = None, rotations: Path | None = None) -> StageResult:
     """Stage `clip` for a composed configuration."""
-    from oscar.core.artifact import load_artifact, save_artifact
-    from oscar.commands.rotations import load_stats
-    from oscar.models.methods import CalibrationMissing, clip_mode, fit_clip
-
     t0 = time.perf_counter()
     target = Path(out) if out is not None else artifact_dir(cfg)
     h = clip_hash(cfg)
@@ -51,7 +50,6 @@ def run_clip(cfg: Any, *, force: bool = False, out: Path | None = None, stats: A
     clip = clip_mode(cfg.method)
     if stats is None and clip == "fit":
         stats = load_stats(cfg)
-    import oscar.core.calibration
 
     steps = Progress(f"clip {cfg.model.name}/{cfg.method.name} (layer, side)", 2 * art.num_layers)
     with single_thread(), count_calls(steps, oscar.core.calibration, ("fit_layer_clip",)):

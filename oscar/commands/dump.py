@@ -19,6 +19,13 @@ from typing import Any
 import torch
 
 from oscar.commands._stage import run_stage_verb, StageResult, dump_hash, recorded_hash, stats_dir
+from oscar.core.artifact import model_config_fields, model_config_hash
+from oscar.core.files import atomic_write
+from oscar.core.stats import CalibrationStats
+from oscar.data.corpora import calibration_splits
+from oscar.models import load_model, model_dims
+from oscar.models.adapters import key_rope, layer_windows
+from oscar.models.capture import run_captured
 
 
 class RowSampler:
@@ -43,8 +50,6 @@ class RowSampler:
         """Write `layers.{l}.{Q,K,V,S}` to a safetensors file atomically."""
         from safetensors.torch import save_file
 
-        from oscar.core.stats import atomic_write
-
         tensors = {f"layers.{l}.{n}": t.contiguous() for l, d in sorted(self.rows.items()) for n, t in d.items()}
         atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
 
@@ -53,13 +58,6 @@ def collect_statistics(
     model: Any, tokenizer: Any, cal_cfg: Any, *, progress: bool = True, sampler: RowSampler | None = None
 ) -> Any:
     """Capture the model on the calibration windows (sums) and held-back windows (sample rows)."""
-    from oscar.core.artifact import model_config_fields, model_config_hash
-    from oscar.models.capture import run_captured
-    from oscar.data.corpora import calibration_splits
-    from oscar.models import model_dims
-    from oscar.models.adapters import key_rope, layer_windows
-    from oscar.core.stats import CalibrationStats
-
     dims = model_dims(model)
     splits = calibration_splits(tokenizer, cal_cfg)
     fields = model_config_fields(model)
@@ -105,8 +103,6 @@ def collect_statistics(
 
 def run_dump(cfg: Any, *, model: Any = None, tokenizer: Any = None, force: bool = False, out: Path | None = None) -> StageResult:
     """Stage `dump` for a composed configuration (loads the model unless one is given)."""
-    from oscar.models import load_model
-
     t0 = time.perf_counter()
     target = Path(out) if out is not None else (Path(str(cfg.output)) if cfg.get("output") else stats_dir(cfg))
     h = dump_hash(cfg)

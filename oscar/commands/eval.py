@@ -15,8 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from oscar.commands._stage import pop_flags, read_json
+from oscar.commands.eval_shared import main as shared
 from oscar.config import ConfigError, compose
 from oscar.eval.cells import KEPT_FILE, RESULT_FILE, cell_config_hash, cell_dir, engine_name
+from oscar.eval.items import DataNotAvailable
+from oscar.eval.runner import run_cell
+from oscar.serve.client import SGLangEngine
+from oscar.serve.server import ServerError
 
 FLAGS = {"force": False, "progress": True, "threads": 0}
 
@@ -29,9 +34,8 @@ def build_engine(cfg: Any, log_path: Path | None = None) -> Any:
     """The cell's engine: `oscar.models.engine.Engine` in this process, or (`engine=sglang`) an SGLang server with
     the oscar plugin (`oscar.serve.client.SGLangEngine`; stop it with `close()`)."""
     if engine_name(cfg) == "sglang":
-        from oscar.serve.client import SGLangEngine
-
         return SGLangEngine(cfg, log_path=log_path)
+    # local: keeps transformers out of import time
     from oscar.models.engine import Engine
 
     return Engine.from_config(cfg)
@@ -40,9 +44,6 @@ def build_engine(cfg: Any, log_path: Path | None = None) -> Any:
 def main(argv: list[str]) -> int:
     """Run one evaluation cell; 0 on success, 2 on a configuration or data error, 3 when the SGLang server
     (engine=sglang) fails to start or refuses a request."""
-    from oscar.eval.items import DataNotAvailable
-    from oscar.eval.runner import run_cell
-
     try:
         flags, overrides = pop_flags(argv, FLAGS)
         cfg = compose(overrides)
@@ -61,14 +62,11 @@ def main(argv: list[str]) -> int:
 
     import torch
 
-    from oscar.serve.server import ServerError
-
     if flags["threads"]:
         torch.set_num_threads(int(flags["threads"]))
     if engine_name(cfg) != "embedded":  # a kill of this job must still stop the server (via close below)
         signal.signal(signal.SIGTERM, _raise_exit)
     if cfg.benchmark.extra.get("shared_prefill", False):  # the procedure of `oscar eval-shared`, for one method
-        from oscar.commands.eval_shared import main as shared
 
         return shared(argv)
     engine = None

@@ -19,6 +19,8 @@ import sys
 
 from oscar.commands._stage import pop_flags, read_json
 from oscar.config import ConfigError, compose
+from oscar.eval.cells import RESULT_FILE, cell_config_hash, cell_dir
+from oscar.eval.items import DataNotAvailable
 
 FLAGS = {"force": False, "progress": True, "threads": 0}
 
@@ -38,12 +40,10 @@ def split_cells(argv: list[str]) -> list[list[str]]:
 
 def main(argv: list[str]) -> int:
     """Run the cells; 0 on success (or all up to date), 2 on a configuration or data error."""
-    from oscar.eval.items import DataNotAvailable
-    from oscar.eval.cells import RESULT_FILE, cell_config_hash, cell_dir
-
     try:
         flags, rest = pop_flags(argv, FLAGS)
         cfgs = [compose(cell) for cell in split_cells(rest)]
+        # local: keeps transformers out of import time
         from oscar.eval.shared_prefill import check_group
 
         check_group(cfgs)
@@ -58,6 +58,7 @@ def main(argv: list[str]) -> int:
         return 0
     import torch
 
+    # local: keeps transformers out of import time
     from oscar.eval.shared_prefill import run_cells
 
     if flags["threads"]:

@@ -18,7 +18,13 @@ import time
 from pathlib import Path
 
 from oscar.commands._stage import pop_flags, read_json
-from oscar.config import ConfigError, compose
+from oscar.config import ConfigError, compose, config_hash
+from oscar.core.files import atomic_write_text
+from oscar.data.corpora import eval_sequences
+from oscar.eval.cells import git_commit, hardware
+from oscar.eval.fidelity import MODES, attention_fidelity, model_fidelity
+from oscar.models import load_model
+from oscar.models.methods import needs_statistics
 
 FLAGS = {"corpus": "", "windows": 2, "seq_len": 1024, "prefill": 0, "modes": "serving,decode_equivalent",
          "attention": True, "force": False, "progress": True, "threads": 0}
@@ -41,9 +47,6 @@ def main(argv: list[str]) -> int:
     """Run the fidelity diagnostics of one (model, method, corpus); 0 on success, 2 on bad input."""
     from omegaconf import OmegaConf
 
-    from oscar.eval.cells import git_commit, hardware
-    from oscar.core.files import atomic_write_text
-
     try:
         flags, overrides = pop_flags(argv, FLAGS)
         cfg = compose(overrides)
@@ -56,7 +59,6 @@ def main(argv: list[str]) -> int:
               "logits and attention); use engine=embedded", file=sys.stderr)
         return 2
     modes = [m for m in str(flags["modes"]).split(",") if m]
-    from oscar.eval.fidelity import MODES
 
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
@@ -68,7 +70,6 @@ def main(argv: list[str]) -> int:
     out = Path(cfg.output) if cfg.output else Path(cfg.results_dir) / "adhoc" / "fidelity" / cfg.model.name / cfg.method.name / corpus
     settings = {"corpus": corpus, "windows": int(flags["windows"]), "seq_len": seq_len, "prefill": prefill,
                 "modes": modes, "attention": bool(flags["attention"])}
-    from oscar.config import config_hash
 
     chash = config_hash({"model": OmegaConf.to_container(cfg.model), "method": OmegaConf.to_container(cfg.method),
                          "calibration": OmegaConf.to_container(cfg.calibration), "settings": settings})
@@ -80,12 +81,9 @@ def main(argv: list[str]) -> int:
 
     import torch
 
-    from oscar.data.corpora import eval_sequences
+    # local: keeps transformers out of import time
     from oscar.models.engine import (Engine, artifact_dir, effective_group_size, method_format, rotations_from_artifact,
                                      rotations_in_code)
-    from oscar.models.methods import needs_statistics
-    from oscar.eval.fidelity import attention_fidelity, model_fidelity
-    from oscar.models import load_model
 
     if flags["threads"]:
         torch.set_num_threads(int(flags["threads"]))

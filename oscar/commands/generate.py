@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from oscar.commands._stage import pop_flags
+from oscar.config import compose
 from oscar.core.files import atomic_write_text
 
 FLAGS: dict[str, Any] = {
@@ -52,8 +54,7 @@ def _apply_chat(tokenizer: Any, prompts: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     """Compose the configuration, build the engine, generate, print (and optionally write) completions."""
-    from oscar.config import compose
-    from oscar.commands._stage import pop_flags
+    # local: keeps transformers out of import time
     from oscar.models.engine import Engine
 
     try:

