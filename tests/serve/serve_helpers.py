@@ -9,6 +9,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# the tolerances of an INT2 comparison across engines and the teacher-forced check: oscar.bench.serve_compare (shared
+# with the GPU correctness table; it says where the bounds come from)
+from oscar.bench.serve_compare import (INT2_LOGPROB_TOL, INT2_MEDIAN_TOL, check_teacher_forced,  # noqa: F401
+                                       save_in_code_artifact)
+
 DRIVER = Path(__file__).with_name("sgl_driver.py")
 SMOLLM2_DENSE = Path(os.environ.get("OSCAR_CACHE_DIR", Path.home() / ".cache" / "oscar")) / "models" / "smollm2-135m" / "dense"
 
@@ -29,26 +34,6 @@ def run_driver(runs: list[dict[str, Any]], tmp: Path, timeout: float | None = No
     if proc.returncode != 0:
         raise AssertionError(f"sgl_driver failed (exit {proc.returncode}):\n{log[-6000:]}")
     return json.loads(out.read_text()), log
-
-
-def save_in_code_artifact(model_dir: Path, method: str, out: Path) -> Path:
-    """The artifact of a method that needs no calibration (int2: identity, quarot: Hadamard) for a local model.
-
-    `method.clip=paper` selects the published, unclipped baseline: under the default fair clip policy
-    (`fit`) these methods fit their clip on calibration statistics like every other row."""
-    from transformers import AutoConfig
-
-    from oscar.core.artifact import config_hash_of, model_config_fields, save_artifact
-    from oscar.config import compose
-    from oscar.core.methods import in_code_artifact
-
-    hf = AutoConfig.from_pretrained(str(model_dir))
-    f = model_config_fields(hf)
-    cfg = compose([f"method={method}", "method.clip=paper"])
-    art = in_code_artifact(cfg.method, num_layers=f["num_layers"], num_kv_heads=f["num_kv_heads"],
-                           head_dim=f["head_dim"], model_id=str(model_dir), config_hash=config_hash_of(hf))
-    save_artifact(art, out)
-    return out
 
 
 def embedded_greedy(model: Any, method: str, artifact: Path, sink: int, recent: int, prompts: list[list[int]],
@@ -72,8 +57,6 @@ def embedded_greedy(model: Any, method: str, artifact: Path, sink: int, recent: 
         engine.close()
 
 
-
-
 def embedded_forced_logprobs(model: Any, method: str, artifact: Path, sink: int, recent: int,
                              prompts: list[list[int]], forced: list[list[int]],
                              overrides: tuple[str, ...] = ("method.clip=paper",)) -> list[Any]:
@@ -90,46 +73,3 @@ def embedded_forced_logprobs(model: Any, method: str, artifact: Path, sink: int,
         return [forced_logprobs(model, ids, toks, engine.new_cache) for ids, toks in zip(prompts, forced)]
     finally:
         engine.close()
-
-
-# Two float32 forwards of the same INT2 model that differ only at the rounding level (SGLang's model code vs
-# transformers', another CPU ISA) are far apart under INT2: a rounding difference moves key/value elements
-# across BF16 or INT2 code boundaries. benchmarks/int2_reduction_order.py measured it (the embedded engine
-# against itself with every weight moved by <= 1 float32 ulp, SmolLM2-135M, quarot S0=8 W=16, 2 x 48
-# teacher-forced steps, AMD EPYC; reports/serve/int2_reduction_order.md): largest difference of a top-2
-# log-probability 0.57 nats, median 0.066 / 0.048, the argmax changed at 7 and 3 of 48 steps (top-2 margins
-# up to 0.66); SGLang against the embedded engine on that CPU: 0.014 largest, 0.0012 median, 9 decided steps
-# agreeing. The bounds below are the one-ulp maxima with margin (x1.75 and x3).
-INT2_LOGPROB_TOL = 1.0  # every reported log-probability
-INT2_MEDIAN_TOL = 0.2  # the median over a run's steps of the largest difference per step
-
-
-def check_teacher_forced(served: dict, forced: list[Any], tol: float = INT2_LOGPROB_TOL,
-                         median_tol: float = INT2_MEDIAN_TOL) -> tuple[float, float, int]:
-    """Compare an SGLang greedy run (with `return_logprob`, `top_logprobs_num=2`) with the embedded engine
-    forced along SGLang's own tokens: at every step the log-probabilities SGLang reports (its token and its
-    top 2) agree within `tol`, the median over steps of the per-step largest difference is within
-    `median_tol`, and SGLang's token is the embedded argmax wherever the embedded top-2 margin exceeds
-    2 * tol (elsewhere the two forwards may rank them either way).
-    Returns (largest difference, median, number of steps whose token was checked)."""
-    import statistics
-
-    per_step, decided = [], 0
-    for p, (toks, lp, lf) in enumerate(zip(served["output_ids"], served["logprobs"], forced)):
-        for i, tok in enumerate(toks):
-            chosen = lp["output_token_logprobs"][i]
-            assert int(chosen[1]) == tok, (p, i, chosen, tok)
-            reported = {int(e[1]): float(e[0]) for e in lp["output_top_logprobs"][i]}
-            reported[tok] = float(chosen[0])
-            diffs = {j: abs(value - float(lf[i, j])) for j, value in reported.items()}
-            worst_j = max(diffs, key=diffs.get)
-            assert diffs[worst_j] <= tol, (f"prompt {p} step {i} token {worst_j}: SGLang {reported[worst_j]:.5f}, "
-                                           f"embedded {float(lf[i, worst_j]):.5f}")
-            per_step.append(diffs[worst_j])
-            top = lf[i].topk(2)
-            if float(top.values[0] - top.values[1]) > 2 * tol:
-                assert int(top.indices[0]) == tok, (p, i, int(top.indices[0]), tok)
-                decided += 1
-    median = statistics.median(per_step)
-    assert median <= median_tol, (median, per_step)
-    return max(per_step), median, decided
