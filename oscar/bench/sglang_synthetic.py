@@ -18,7 +18,7 @@ cross-check it in the same process.
 
 The profile helpers turn a ``torch.profiler`` chrome trace into GPU time per part of the step: kernels
 launched inside the ranges ``label_ranges`` wraps around the plugin's calls (``oscar.write``,
-``oscar.windows``: the gather of the batch's sink/ring rows, ``oscar.cache.attention``, ``oscar.fold``,
+``oscar.windows``: the gather of the batch's sink/ring rows, ``oscar.attention``, ``oscar.fold``,
 ``oscar.metadata``) are attributed to them through the trace's
 launch/kernel correlation ids; the others by kernel name (``kernel_category``).
 """
@@ -63,7 +63,7 @@ def fits(capacity: int, batch: int, context: int, output_len: int) -> bool:
 
 # -- profile ---------------------------------------------------------------------------------------
 
-LABELS = ("oscar.metadata", "oscar.write", "oscar.windows", "oscar.cache.attention", "oscar.fold")
+LABELS = ("oscar.metadata", "oscar.write", "oscar.windows", "oscar.attention", "oscar.fold")
 # by kernel name, first match wins (lower case)
 CATEGORIES = (
     ("norm", r"norm"),
@@ -97,8 +97,6 @@ def label_ranges(backend: Any) -> Iterator[None]:
     if not hasattr(backend, "pool") or not hasattr(backend.pool, "write_decode"):
         yield
         return
-    from oscar.serve import backend as backend_mod
-
     def wrap(fn: Any, label: str) -> Any:
         def inner(*args: Any, **kwargs: Any) -> Any:
             with record_function(label):
@@ -108,17 +106,18 @@ def label_ranges(backend: Any) -> Iterator[None]:
     pool = backend.pool
     methods = dict(init_forward_metadata="oscar.metadata", _window_segments="oscar.windows", _to_folded="oscar.fold")
     saved = {name: getattr(backend, name) for name in methods}
-    saved_write, saved_attn = pool.write_decode, backend_mod.paged.decode_attention
+    fmt_cls = type(pool.format)  # the served format's read path (frozen values: wrapped on the class)
+    saved_write, saved_attn = pool.write_decode, fmt_cls.attend
     for name, label in methods.items():
         setattr(backend, name, wrap(saved[name], label))
     pool.write_decode = wrap(saved_write, "oscar.write")
-    backend_mod.paged.decode_attention = wrap(saved_attn, "oscar.cache.attention")
+    fmt_cls.attend = wrap(saved_attn, "oscar.attention")
     try:
         yield
     finally:
         for name, fn in saved.items():
             setattr(backend, name, fn)
-        pool.write_decode, backend_mod.paged.decode_attention = saved_write, saved_attn
+        pool.write_decode, fmt_cls.attend = saved_write, saved_attn
 
 
 def attribute_kernels(trace: dict[str, Any]) -> list[dict[str, Any]]:

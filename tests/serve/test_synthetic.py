@@ -55,8 +55,8 @@ def test_attribute_kernels_by_launch_range_then_name():
     def x(name, cat, ts, dur, pid=1, tid=7, **args):
         return dict(ph="X", name=name, cat=cat, ts=ts, dur=dur, pid=pid, tid=tid, args=args)
 
-    events = [x("oscar.cache.attention", "user_annotation", 100, 50), x("oscar.write", "user_annotation", 10, 20),
-              x("oscar.cache.attention", "gpu_user_annotation", 0, 1000, pid=0, tid=3),  # GPU-side copy: not a range
+    events = [x("oscar.attention", "user_annotation", 100, 50), x("oscar.write", "user_annotation", 10, 20),
+              x("oscar.attention", "gpu_user_annotation", 0, 1000, pid=0, tid=3),  # GPU-side copy: not a range
               x("cudaLaunchKernel", "cuda_runtime", 120, 2, correlation=1),
               x("cudaLaunchKernel", "cuda_runtime", 15, 2, correlation=2),
               x("cudaLaunchKernel", "cuda_runtime", 300, 2, correlation=3),
@@ -65,11 +65,11 @@ def test_attribute_kernels_by_launch_range_then_name():
               x("nvjet_tst_128x64", "kernel", 460, 40, pid=0, tid=3, correlation=3),
               x("Memset (Device)", "gpu_memset", 500, 4, pid=0, tid=3)]
     got = sy.attribute_kernels({"traceEvents": events})
-    assert [(k["name"], k["part"]) for k in got] == [("elementwise_kernel<copy>", "oscar.cache.attention"),
+    assert [(k["name"], k["part"]) for k in got] == [("elementwise_kernel<copy>", "oscar.attention"),
                                                      ("elementwise_kernel<copy>", "oscar.write"),
                                                      ("nvjet_tst_128x64", "gemm"), ("Memset (Device)", "copy_index")]
     parts = sy.summarize(got, steps=2)
-    assert parts["oscar.cache.attention"] == {"ms": 0.015, "kernels": 0.5} and parts["gemm"]["ms"] == 0.02
+    assert parts["oscar.attention"] == {"ms": 0.015, "kernels": 0.5} and parts["gemm"]["ms"] == 0.02
     assert sy.top_kernels(got, 2)[0] == dict(name="nvjet_tst_128x64", part="gemm", ms=0.02, calls=0.5)
     assert sy.kernel_category("flashinfer::norm::FusedAddRMSNormKernel") == "norm" and sy.kernel_category("zzz") == "other"
     assert sy.kernel_category("flashinfer::BatchPrefillWithPagedKVCacheKernel") == "attention"
@@ -78,19 +78,19 @@ def test_attribute_kernels_by_launch_range_then_name():
 def test_label_ranges_wraps_the_plugin_calls_and_restores_them():
     from torch.profiler import ProfilerActivity, profile
 
-    from oscar.serve import backend as backend_mod
+    from oscar.cache.formats import RotatedFormat
 
     calls = []
-    pool = SimpleNamespace(write_decode=lambda *a: calls.append("write"))
+    pool = SimpleNamespace(write_decode=lambda *a: calls.append("write"), format=RotatedFormat(bits=2, group_size=64, recent=1))
     backend = SimpleNamespace(pool=pool, init_forward_metadata=lambda fb: calls.append("meta"),
                               _window_segments=lambda m, i: calls.append("windows") or {}, _to_folded=lambda o, i: o)
-    before = (pool.write_decode, backend._window_segments, backend_mod.paged.decode_attention)
+    before = (pool.write_decode, backend._window_segments, type(pool.format).attend)
     with profile(activities=[ProfilerActivity.CPU]) as prof, sy.label_ranges(backend):
         backend.init_forward_metadata(None)
         backend._window_segments(None, 0)
         pool.write_decode()
     assert calls == ["meta", "windows", "write"]
-    assert (pool.write_decode, backend._window_segments, backend_mod.paged.decode_attention) == before
+    assert (pool.write_decode, backend._window_segments, type(pool.format).attend) == before
     names = {e.name for e in prof.events()}
     assert {"oscar.metadata", "oscar.windows", "oscar.write"} <= names
 
