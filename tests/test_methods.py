@@ -9,7 +9,7 @@ import torch
 
 from oscar.commands._stage import single_thread
 from oscar.config import compose
-from oscar.core.methods import (
+from oscar.models.methods import (
     CalibrationMissing,
     MethodError,
     auto_choices_rows,
@@ -138,9 +138,11 @@ def test_in_code_methods_match_their_definitions():
 
 
 def test_random_rotations_are_seeded_per_layer_and_head():
-    a = in_code_artifact(method("turboquant"), **GEOM)
-    b = in_code_artifact(method("turboquant"), **GEOM)
-    c = in_code_artifact(method("turboquant", "seed=1"), **GEOM)
+    # a rotated-format method with random rotations (TurboQuant's own quantizers draw theirs; its artifact holds none)
+    rand = ("key_rotation=random", "value_rotation=random", "clip=none")
+    a = in_code_artifact(method("int2", *rand), **GEOM)
+    b = in_code_artifact(method("int2", *rand), **GEOM)
+    c = in_code_artifact(method("int2", *rand, "seed=1"), **GEOM)
     assert torch.equal(a.R_K[0], b.R_K[0])
     assert not torch.equal(a.R_K[0], c.R_K[0])
     assert not torch.allclose(a.R_K[0][0], a.R_K[0][1]) and not torch.allclose(a.R_K[0][0], a.R_K[1][0])
