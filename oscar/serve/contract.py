@@ -71,6 +71,10 @@ COMMON: dict[str, Any] = {
     f"{_POOLCONF}.calculate_pool_sizes": ["self", "available_bytes", "page_size"],
     "sglang.srt.model_executor.model_runner.ModelRunner.load_model": ["self"],
     "sglang.srt.runtime_context.get_parallel": None,
+    # tensor parallelism: the rank's heads (oscar.serve.sharding) and the fold's one all-reduce at load
+    "sglang.srt.runtime_context.ParallelContext.attn_tp_rank": None,
+    "sglang.srt.runtime_context.ParallelContext.attn_tp_size": None,
+    "sglang.srt.runtime_context.ParallelContext.attn_tp_group": None,
     "sglang.srt.runtime_context.get_schedule": None,
     f"{_MHA}.__init__": ["self", "size", "page_size", "dtype", "head_num", "head_dim", "layer_num", "device",
                          "enable_memory_saver"],
@@ -96,6 +100,7 @@ COMMON: dict[str, Any] = {
 INIT_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.__init__": ("req_to_token", "req_generation"),
     "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator.__init__": ("_kvcache",),
+    "sglang.srt.distributed.parallel_state.GroupCoordinator.__init__": ("cpu_group",),
 }
 
 # ForwardBatch fields the backend reads
@@ -103,7 +108,8 @@ FORWARD_BATCH_FIELDS = ("forward_mode", "batch_size", "req_pool_indices", "seq_l
                         "extend_prefix_lens_cpu", "extend_seq_lens_cpu", "out_cache_loc")
 # ServerArgs fields the start-up check reads
 SERVER_ARGS_FIELDS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend", "model_path",
-                      "trust_remote_code", "device", "tp_size", "pp_size", "dp_size", "dcp_size", "enable_dp_attention",
+                      "trust_remote_code", "device", "tp_size", "pp_size", "dp_size", "dcp_size", "attn_cp_size",
+                      "enable_prefill_cp", "enable_dp_attention",
                       "speculative_algorithm", "disable_radix_cache", "chunked_prefill_size", "enable_mixed_chunk",
                       "disable_cuda_graph", "max_running_requests", "kv_cache_dtype", "enable_hierarchical_cache",
                       "disaggregation_mode", "page_size")

@@ -229,7 +229,7 @@ def compute_cell_size_around(original: Any, conf: Any, kvc: Any, num_layers: int
         conf._oscar_window_bytes += sink_store_pages(reqs, sink, page) * page * int(hkv) * int(mc.head_dim) * 2 * 2 \
             * int(num_layers)
     tp, dp = int(getattr(par, "attn_tp_size", 1) or 1), int(getattr(kvc.server_args, "dp_size", 1) or 1)
-    conf._oscar_topology = (tp, dp, int(hkv))
+    conf._oscar_topology = (tp, dp, int(hkv), getattr(kvc.server_args, "max_total_tokens", None))
     logger.info("OSCAR pool sizing: %d bytes/token on this rank's %d KV heads (BF16 would be %d: %.2fx the tokens "
                 "per byte); BF16 windows of %d request slots%s reserved first: %.3f GB", cell, int(hkv), bf16,
                 bf16 / cell, reqs, " and the prefix cache's sink store" if st["prefix_cache"] else "",
@@ -252,10 +252,12 @@ def calculate_pool_sizes_around(original: Any, conf: Any, available_bytes: int, 
     result = original(conf, available_bytes, *args, **kwargs)
     topology = getattr(conf, "_oscar_topology", None) if active() else None
     if topology is not None:
-        tp, dp, hkv = topology
-        logger.info("OSCAR pool sizing: %d tokens per replica (each of its %d TP rank(s) holds them for %d KV heads; "
-                    "--dp-size %d: %d replica(s), each with its own pool of this size)",
-                    int(getattr(result, "max_total_num_tokens", -1)), tp, hkv, dp, dp)
+        tp, dp, hkv, cap = topology
+        tokens = int(getattr(result, "max_total_num_tokens", -1))
+        logger.info("OSCAR pool sizing: %d tokens per replica%s (each of its %d TP rank(s) holds them for its %d KV "
+                    "heads; --dp-size %d: %d replica(s), each with its own pool)", min(tokens, int(cap or tokens)),
+                    f" (--max-total-tokens {cap}; the memory left holds {tokens})" if cap and cap < tokens else "",
+                    tp, hkv, dp, dp)
     return result
 
 
