@@ -13,6 +13,11 @@ SGLang versions of ``oscar.serve.contract.SUPPORTED_VERSIONS``; the state lives 
 - ``DefaultPoolConfigurator._compute_cell_size`` / ``calculate_pool_sizes`` (around): pool sizing from the
   real bytes per token, with the BF16 windows of ``--max-running-requests`` request slots reserved first;
 - ``ModelRunner.load_model`` (after): the value rotation folded into each layer's ``o_proj``;
+- tensor parallelism (``--tp-size``; ``--dp-size`` replicas need nothing more): each scheduler process cuts the
+  state to its attention-TP rank's KV heads once (``rank_state``, ``oscar.serve.sharding``), so its pool, backend
+  and fold see only those heads; the fold of a rank's ``o_proj`` shard sums the means' bias terms over the ranks
+  once at load (``_attn_tp_sum``). Pipeline/context parallelism and DP attention are refused by name
+  (``REFUSED_PARALLELISM``);
 - the radix (prefix) cache (``oscar.serve.contract.Seams.tree_hooks``): before the tree takes a request's
   pages (0.5.17: ``RadixCache.cache_finished_req`` / ``cache_unfinished_req``; 0.5.23:
   ``UnifiedRadixCache.checkpoint``) the request's BF16 sink rows go to the pool's sink store; the paged
