@@ -16,7 +16,7 @@ from oscar.commands.clip import run_clip
 from oscar.commands.dump import run_dump
 from oscar.commands.rotations import run_rotations
 from oscar.config import ConfigError, compose
-from oscar.core.methods import CalibrationMissing
+from oscar.models.methods import CalibrationMissing
 from oscar.models import load_model
 from oscar.models.tiny import save_random_model
 from oscar.core.rotation import bit_reversal, hadamard

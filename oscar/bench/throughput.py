@@ -165,7 +165,7 @@ def reference_decode(model: Any, prompt: torch.Tensor, fmt: TimedCache, steps: i
     """Greedy decode through the host-driven `oscar.cache.torch_cache.OscarCache` (torch backend): tokens ``[B, steps]``
     and the logits of each step ``[B, steps, V]`` (step 0 = the prompt's last position)."""
     from oscar.cache import attention
-    from oscar.cache.torch_cache import new_cache
+    from oscar.models.engine import new_cache
 
     attention.enable(model)
     cache = new_cache(model, fmt.format.cache_spec(list(rotations) if fmt.transforms is not None else None))

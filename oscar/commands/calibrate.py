@@ -39,7 +39,7 @@ def run_calibrate(cfg: Any, *, force: bool = False, out: Path | None = None) -> 
 
 
 def write_choices(artifact: Path, prefix: Path, title: str, note: str = "") -> tuple[Path, Path]:
-    """Tables of an `auto` artifact's per-(layer, head) choices (`oscar.core.methods.write_auto_choices`)."""
+    """Tables of an `auto` artifact's per-(layer, head) choices (`oscar.models.methods.write_auto_choices`)."""
     import json
 
     meta = json.loads((Path(artifact) / "meta.json").read_text())

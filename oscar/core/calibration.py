@@ -81,7 +81,7 @@ def build_artifact(
     Reads `key_rotation`, `value_rotation` (an `oscar.core.rotation` kind or `auto`), `key_target`,
     `value_target`, `center`, `bits`, `clip` (`fit`: grid search on held-back rows of `stats`;
     `fixed`: `rho_k`/`rho_v`; `none`: 1.0), `seed`. `group_size` is the effective group size
-    (`oscar.core.methods.effective_group_size`). `auto` picks, per (layer, KV head) and side, the
+    (`oscar.models.methods.effective_group_size`). `auto` picks, per (layer, KV head) and side, the
     candidate (`oscar.core.clipfit.candidates`) with the lowest measured distortion, each candidate
     with its own fitted clip ratio, and records the choices in the metadata. `channel_block` (`auto`
     only; 0 = off) adds the per-channel key candidates over blocks of that many tokens; a layer whose keys
