@@ -1,4 +1,4 @@
-"""The plugin under tensor parallelism end to end: SGLang's offline Engine at ``--tp-size 2`` against ``--tp-size 1``.
+"""The plugin across ranks end to end: SGLang's offline Engine at ``--tp-size 2`` and ``--dp-size 2`` against TP=1.
 
 A tiny random-weight Llama (4 query heads, 2 KV heads: one KV head per rank) with an artifact of seeded random
 rotations per (layer, KV head) and value/key means (so a wrong head slice, a wrong fold column block or a bias
@@ -12,9 +12,11 @@ a core). Checks:
   value rotation folded) within the INT2 tolerances of ``check_teacher_forced``;
 - TP=2 against TP=1 directly: along their common greedy prefix the log-probabilities SGLang reports agree within
   ``INT2_LOGPROB_TOL`` (two INT2 forwards whose float32 reduction orders differ: the row-parallel all-reduce sums
-  two partial products), and a token differs only where TP=1's top-2 margin is within twice that.
+  two partial products), and a token differs only where TP=1's top-2 margin is within twice that;
+- DP=2 (two replicas, each with its own pool; the requests split between them) against TP=1 the same way, and the
+  sizing log states the tokens per replica.
 
-Two engine start-ups of SGLang with two ranks on the shared CPU: slow. ``OSCAR_TP_DEVICE=cuda`` runs the same
+Three engine start-ups of SGLang, two of them with two processes, on the shared CPU: slow. ``OSCAR_TP_DEVICE=cuda`` runs the same
 engines on two GPUs (BF16 model, pages of 16, sink and recent 16, decode CUDA graphs; the embedded comparison is
 skipped there: the float32 embedded engine against a BF16 model is the GPU correctness report's business).
 """
@@ -105,6 +107,8 @@ def served(tiny_llama, tmp_path_factory):
          "generate_args": logprobs},
         {"name": "tp2", "engine_args": {**common, "tp_size": 2}, "input_ids": prompts, "sampling": sampling,
          "env": {**env, **tp2_env}, "generate_args": logprobs},
+        {"name": "dp2", "engine_args": {**common, "dp_size": 2}, "input_ids": prompts, "sampling": sampling,
+         "env": {**env, **tp2_env}, "generate_args": logprobs},
     ]
     results, log = run_driver(runs, tmp)
     return results, log, artifact, prompts
@@ -115,7 +119,7 @@ def test_each_rank_cuts_its_state_and_folds_its_shard(served):
     for rank, heads in ((0, "query heads 0..1 of 4, KV heads 0..0 of 2"), (1, "query heads 2..3 of 4, KV heads 1..1 of 2")):
         assert re.search(rf"TP{rank}\] OSCAR: value rotation folded into o_proj of 2 layers \(TP rank {rank} of 2: "
                          rf"{re.escape(heads)}\)", log), heads
-    assert "tokens per replica" in log
+    assert "tokens per replica" in log and "--dp-size 2: 2 replica(s), each with its own pool" in log
 
 
 def test_tp2_and_tp1_teacher_forced_against_the_unsharded_engine(served, tiny_llama):
@@ -128,7 +132,8 @@ def test_tp2_and_tp1_teacher_forced_against_the_unsharded_engine(served, tiny_ll
         print(f"{name} vs embedded: largest {worst:.2e} nats, median {median:.2e}, {decided} decided steps")
 
 
-def test_tp2_against_tp1(served):
+@pytest.mark.parametrize("name", ["tp2", "dp2"])
+def test_against_tp1(served, name):
     """Along the common greedy prefix: every reported log-probability within ``INT2_LOGPROB_TOL``, the median of
     the per-step largest difference within ``INT2_MEDIAN_TOL`` (on this model a rank's bias term left out of the
     sum moves the per-step largest difference by 1.5 nats in the median, a rank folded with the other KV head's
@@ -137,8 +142,8 @@ def test_tp2_against_tp1(served):
 
     results, _, _, _ = served
     per_step = []
-    for p, (a, b) in enumerate(zip(results["tp1"]["logprobs"], results["tp2"]["logprobs"])):
-        toks1, toks2 = results["tp1"]["output_ids"][p], results["tp2"]["output_ids"][p]
+    for p, (a, b) in enumerate(zip(results["tp1"]["logprobs"], results[name]["logprobs"])):
+        toks1, toks2 = results["tp1"]["output_ids"][p], results[name]["output_ids"][p]
         for i, (t1, t2) in enumerate(zip(toks1, toks2)):
             top1 = {int(e[1]): float(e[0]) for e in a["output_top_logprobs"][i]}
             top2 = {int(e[1]): float(e[0]) for e in b["output_top_logprobs"][i]}
@@ -151,4 +156,4 @@ def test_tp2_against_tp1(served):
                 assert values[0] - values[1] <= 2 * INT2_LOGPROB_TOL, (p, i, top1, top2)
                 break
     assert len(per_step) >= 2 and statistics.median(per_step) <= INT2_MEDIAN_TOL, per_step
-    print(f"tp2 vs tp1: {len(per_step)} steps, largest {max(per_step):.2e} nats, median {statistics.median(per_step):.2e}")
+    print(f"{name} vs tp1: {len(per_step)} steps, largest {max(per_step):.2e} nats, median {statistics.median(per_step):.2e}")
