@@ -264,7 +264,7 @@ def hardware_line(env: dict[str, Any]) -> str:
     if env.get("cuda"):
         parts.append(f"CUDA {env['cuda']}")
     if env.get("sm_clock"):
-        parts.append(f"SM clock {env['sm_clock']} (max {env.get('sm_clock_max')}; not locked)")
+        parts.append(f"SM clock {env['sm_clock']} when the run started (max {env.get('sm_clock_max')}; clocks not locked)")
     return (f"Hardware: {', '.join(parts)}. Run {env.get('date', '?')}, commit `{str(env.get('git_commit', '?'))[:12]}`"
             + (f", {env['wall_s']:.0f} s" if isinstance(env.get("wall_s"), (int, float)) else "") + ".")
 

@@ -50,6 +50,7 @@ DEFAULTS: dict[str, Any] = {
     "mem_gb": 120,
     "l2_factor": 4,
     "layer_weight_mb": 385.9,  # one Qwen3-8B layer's BF16 weights (the demotion's share of a layer step)
+    "notes": "",  # Markdown appended to the report (the reading of the run)
 }
 # variant name -> (bits, page layout, rope-centered keys, launch options of the decode call)
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -587,6 +588,8 @@ def report(out: Path, opts: dict[str, Any]) -> list[Path]:
         md += quantize_lines(q_rows, rows, env)
     if opts.get("compare"):
         md += ["", "## Against the committed numbers", ""] + compare_lines(rows, Path(opts["compare"]), names)
+    if opts.get("notes") and Path(opts["notes"]).is_file():
+        md += ["", Path(opts["notes"]).read_text().rstrip()]
     atomic_write_text(written[1], "\n".join(md) + "\n")
     try:
         plot(rows, names, out / f"{name}.png")
