@@ -26,6 +26,10 @@ from oscar.serve.settings import OscarServeError, ServeSettings
 
 LAYERS, HEADS, HKV, D = 2, 4, 2, 64
 LOGIT_TOL = 0.05  # one bf16 step of these models' logits (< 8 in magnitude), as tests/test_device_cache.py
+# Kernels against the torch cache, teacher forced. Measured on one H200 (2026-12-03, this test with -s): 0.031 for the
+# rotated format (mma pages, v10 kernel, Triton writer) while the format moves BF16's logits by up to 3.4, 0 for BF16;
+# the committed throughput check (reports/throughput/check.csv) saw 0.05 on random Qwen3-8B. Tolerance: 0.1.
+CUDA_LOGIT_TOL = 0.1
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -186,6 +190,10 @@ def test_every_format_through_the_torch_cache(model, kind):
 
 
 def _device_matches_torch(model, fmt: CacheFormat, device: str, backend: str) -> None:
+    """The device cache of ``fmt`` against the torch cache of ``fmt``. With the torch twins (same arithmetic as the
+    torch cache, CPU): the same greedy tokens and logits within one bf16 step. With the kernels (Triton writer,
+    CUDA/Triton decode: other reduction orders, so a code may move one step): teacher forced on the torch cache's
+    tokens, logits within `CUDA_LOGIT_TOL` (measured on the H200; greedy tokens may part at near-ties)."""
     ids, steps = prompt().to(device), 6
     if device == "cuda" and fmt.paged:  # the mma pages hold blocks of 16 tokens
         fmt = fmt.replace(page_size=16)
@@ -194,9 +202,17 @@ def _device_matches_torch(model, fmt: CacheFormat, device: str, backend: str) ->
     cache = tp.new_device_cache(t, model, 2, ids.shape[1], extra_steps=steps, device=device, backend=backend,
                                 shuffle_pages=fmt.paged)
     assert cache.format == fmt
-    tok, lg = tp.device_decode(model, ids, cache, steps)
-    assert torch.equal(tok, ref_tok)
-    assert (lg - ref_lg).abs().max().item() <= LOGIT_TOL
+    if backend == "torch":
+        tok, lg = tp.device_decode(model, ids, cache, steps)
+        assert torch.equal(tok, ref_tok)
+        assert (lg - ref_lg).abs().max().item() <= LOGIT_TOL
+        return
+    _, lg = tp.device_decode(model, ids, cache, steps, forced=ref_tok[:, :-1])
+    _, bf16 = tp.reference_decode(model, ids, tp.TimedCache(BF16Format(name="bf16")), steps, [])
+    diff, moved = (lg - ref_lg).abs().max().item(), (ref_lg - bf16).abs().max().item()
+    print(f"{fmt.kind} on {device}: teacher-forced max |logit - torch cache| {diff:.4f}; the format moves BF16's "
+          f"logits by up to {moved:.4f}; argmax agreement {(lg.argmax(-1) == ref_lg.argmax(-1)).float().mean():.3f}")
+    assert diff <= CUDA_LOGIT_TOL, (diff, moved)
 
 
 @pytest.mark.parametrize("kind", KINDS)
