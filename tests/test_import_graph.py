@@ -31,10 +31,10 @@ FLOORS: list[tuple[str, ...]] = [
 ]
 
 # Packages and modules whose imports the floor and `# local:` checks cover so far; the coordinator extends this
-# list (oscar.cache, oscar.serve, oscar.bench, oscar.kernels) once their function-local imports are sorted out.
+# list (oscar.bench) once its function-local imports are sorted out.
 CHECKED: list[str] = [
-    "oscar.core", "oscar.data", "oscar.config", "oscar.models", "oscar.eval", "oscar.studies", "oscar.commands",
-    "oscar.cli", "oscar.__main__",
+    "oscar.kernels", "oscar.core", "oscar.data", "oscar.config", "oscar.cache", "oscar.models", "oscar.eval",
+    "oscar.studies", "oscar.serve", "oscar.commands", "oscar.cli", "oscar.__main__",
 ]
 # Modules of CHECKED packages that another task is rewriting at the moment (checked once it lands).
 NOT_YET: list[str] = ["oscar.eval.sandbox", "oscar.commands.gpu"]

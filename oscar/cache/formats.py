@@ -24,7 +24,9 @@ from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 import torch
 
+from oscar.cache import paged
 from oscar.core import quant
+from oscar.core.baselines import TurboQuantizer, kivi_fake_quantize, kivi_split, turboquant_bits_per_element
 
 CONSUMERS = ("torch", "device", "pool")
 LAYOUTS = ("auto", "rows", "mma")  # page layouts of a paged format (`resolve_layout`)
@@ -228,8 +230,6 @@ class RotatedFormat(CacheFormat):
     def new_pages(self, num_pages: int, num_kv_heads: int, head_dim: int, device: Any, layout: str) -> tuple[Any, Any]:
         """Empty K and V page stores (`oscar.cache.paged.QuantPages`) of ``num_pages`` pages in a resolved
         ``layout`` (``rows`` or ``mma``: K and V in their fragment orders)."""
-        from oscar.cache import paged  # local: paged's kernels import triton lazily, this keeps it lazy too
-
         k_layout, v_layout = ("rows", "rows") if layout == "rows" else ("mma_k", "mma_v")
         return tuple(paged.QuantPages.empty(num_pages, num_kv_heads, self.page_size, head_dim, self.bits, self.group_size,
                                             torch.device(device), lay) for lay in (k_layout, v_layout))  # type: ignore[return-value]
@@ -239,8 +239,6 @@ class RotatedFormat(CacheFormat):
         """Quantize rows ``k``/``v`` ``[N, Hkv, d]`` (original frame) into token ``slots`` of ``pages``: the
         write path of every consumer (prefill, decode write-through, demotion); ``options`` are the writer's
         (``backend``, ``positions`` of rope-centered keys, ``src_index``)."""
-        from oscar.cache import paged  # local: see new_pages
-
         paged.rotate_quantize_pack_kv(k, v, slots, pages[0], pages[1], transforms[0], transforms[1], **options)
 
     def attend(self, q: torch.Tensor, pages: tuple[Any, Any], segments: Any, transforms: tuple[Any, Any],
@@ -248,8 +246,6 @@ class RotatedFormat(CacheFormat):
         """Decode attention ``[B, H, d]`` of one query per sequence over BF16 sink + these pages + BF16 recent
         (`oscar.cache.paged.decode_attention`; ``segments``: `oscar.kernels.segments.Segments`, the page table,
         lengths and windows; ``options``: ``sm_scale``, ``output_frame``, ``backend``, ``launch``)."""
-        from oscar.cache import paged  # local: see new_pages
-
         return paged.decode_attention(q, pages[0], pages[1], segments, transforms[0], transforms[1], **options)
 
     def device_cache(self, *, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, context: int,
@@ -313,13 +309,9 @@ class KiviFormat(SimulatedFormat):
         return torch.div(v_end, self.group_size, rounding_mode="floor") * self.group_size, v_end, 0
 
     def fake(self, k: torch.Tensor, v: torch.Tensor, state: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        from oscar.core.baselines import kivi_fake_quantize
-
         return kivi_fake_quantize(k.float(), v.float(), self.bits, self.group_size, residual=0)
 
     def fake_step(self, layer: Any, new: list[int], idx: torch.Tensor, col: torch.Tensor) -> None:
-        from oscar.core.baselines import kivi_fake_quantize
-
         v_new = layer.hist_v[idx, :, col][:, :, None]
         _, vq = kivi_fake_quantize(v_new.float(), v_new.float(), self.bits, self.group_size, residual=0)
         g = self.group_size
@@ -332,8 +324,6 @@ class KiviFormat(SimulatedFormat):
         layer.fake_v[idx, :, col] = vq[:, :, 0]
 
     def expected_bits(self, num_tokens: int, head_dim: int) -> float:
-        from oscar.core.baselines import kivi_split
-
         n, d, g = num_tokens, head_dim, self.group_size
         n_k, n_v = kivi_split(n, g, self.recent)
         k_bits = n_k * d * self.bits + (n_k // g) * d * 2 * 16 + (n - n_k) * d * 16
@@ -361,8 +351,6 @@ class TurboQuantFormat(SimulatedFormat):
                    recent=int(_get(method_cfg, "recent", 0)), seed=int(_get(method_cfg, "seed", 0)))
 
     def quantizers(self, layer_idx: int, num_kv_heads: int, head_dim: int) -> Any:
-        from oscar.core.baselines import TurboQuantizer
-
         base = int(self.seed) * 1_000_003 + layer_idx * num_kv_heads * 2
         return ([TurboQuantizer(head_dim, self.bits, seed=base + 2 * h) for h in range(num_kv_heads)],
                 [TurboQuantizer(head_dim, self.bits, seed=base + 2 * h + 1) for h in range(num_kv_heads)])
@@ -384,8 +372,6 @@ class TurboQuantFormat(SimulatedFormat):
         layer.fake_v[idx, :, col] = vq[:, :, 0]
 
     def expected_bits(self, num_tokens: int, head_dim: int) -> float:
-        from oscar.core.baselines import turboquant_bits_per_element
-
         n_q = max(0, num_tokens - self.sink - self.recent)
         return (n_q * turboquant_bits_per_element(head_dim, self.bits) + (num_tokens - n_q) * 16) / num_tokens
 

@@ -195,7 +195,7 @@ def rotate_quantize_pack(x: torch.Tensor, slots: torch.Tensor, pages: QuantPages
     if backend == "torch":
         rotate_quantize_pack_torch(x, slots, pages, t, src_index, positions)
         return
-    from oscar.kernels.quantize import rotate_quantize_pack as kernel  # local: kernels load on first use
+    from oscar.kernels.quantize import rotate_quantize_pack as kernel  # local: keeps triton out of import time
 
     if t.rope_centered:
         x, src_index, t = _rope_rows(_select_rows(x, src_index), t, positions), None, t.without_rope()
@@ -225,7 +225,7 @@ def rotate_quantize_pack_kv(xk: torch.Tensor, xv: torch.Tensor, slots: torch.Ten
                              launch=launch)
         rotate_quantize_pack(xv, slots, v_pages, vt, src_index=src_index, backend=backend, launch=launch)
         return
-    from oscar.kernels.quantize import rotate_quantize_pack_pair  # local: kernels load on first use
+    from oscar.kernels.quantize import rotate_quantize_pack_pair  # local: keeps triton out of import time
 
     rotate_quantize_pack_pair(xk, xv, slots, k_pages, v_pages, kt, vt, src_index=src_index,
                               token_maps=(_mma_map(k_pages), _mma_map(v_pages)), launch=launch)
@@ -419,11 +419,11 @@ def decode_attention(
                              "q . RoPE_p(m)")
         _pos0(segments.int_pos0, 0, 0)  # present
     if layout == "rows":
-        from oscar.kernels.decode_rows import paged_decode_attention_rows  # local: kernels load on first use
+        from oscar.kernels.decode_rows import paged_decode_attention_rows  # local: keeps triton out of import time
 
         return paged_decode_attention_rows(q, k_pages, v_pages, segments, kt, vt, sm_scale=sm_scale,
                                            output_frame=output_frame, launch=launch)
-    from oscar.kernels.decode_mma import paged_decode_attention_mma  # local: kernels load on first use
+    from oscar.kernels.decode_mma import paged_decode_attention_mma  # local: keeps triton out of import time
 
     qk, unpad = pad_query_heads(q, k_pages.codes.shape[1])
     out = paged_decode_attention_mma(qk, k_pages, v_pages, segments, kt, vt, sm_scale=sm_scale,

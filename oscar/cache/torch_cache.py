@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from oscar.cache import paged
 from oscar.cache.formats import CacheFormat, format_class, format_for
 from oscar.core import quant
 from oscar.cache.attention import (
@@ -90,8 +91,6 @@ class LayerRotations:
         Rope-centered keys carry the pre-RoPE means and the layer's RoPE (`rope_mu`, `rope_freq`, `rope_scaling`):
         the writers then need the rows' positions and decode the position of the first quantized token.
         """
-        from oscar.cache import paged
-
         self.check_channel_keys(where)
         if self.rope_k is not None and self.rope.head_dim != self.r_k.shape[-1]:
             raise ValueError(f"{where}: the RoPE of the rope-centered keys has head_dim {self.rope.head_dim}, the "
@@ -284,8 +283,6 @@ class PagedRows:
 
     def quant_pages(self) -> Any:
         """The pages as an `oscar.cache.paged.QuantPages` view (same tensors: kernels write through it)."""
-        from oscar.cache import paged
-
         return paged.QuantPages(self.codes, self.scale, self.zero, self.bits, self.group_size)
 
     def page_table(self) -> torch.Tensor:
@@ -782,8 +779,6 @@ class OscarLayer(CacheLayerMixin):
     def _attend_paged(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         """Decode step over the stored segments with `oscar.cache.paged.decode_attention` (Triton kernel on
         `backend="triton"`); the new token is already written."""
-        from oscar.cache import paged
-
         sp = self.spec
         kt, vt = self._head_transforms()
         ks = self.k_store
@@ -972,8 +967,6 @@ class OscarLayer(CacheLayerMixin):
     def _demote_triton(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Rows `[Hkv, m, d]` of sequence `b` into the pages with the fused rotate-clip-quantize-pack kernel
         (K and V in one launch), at slots reserved in both stores."""
-        from oscar.cache import paged
-
         first = self.spec.sink + self.k_store.lengths[b]  # INT row j of a sequence is token sink + j
         slots = self.k_store.reserve(b, k.shape[1])
         if not torch.equal(self.v_store.reserve(b, v.shape[1]), slots):

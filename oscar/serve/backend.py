@@ -37,6 +37,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from oscar.kernels.launch import MmaLaunch
 from oscar.kernels.segments import Segments
+from oscar.serve.pool import OscarTokenToKVPool
 from oscar.serve.state import current_state
 
 
@@ -104,8 +105,6 @@ class OscarAttnBackend(AttentionBackend):
 
     def __init__(self, model_runner: Any) -> None:
         super().__init__()
-        from oscar.serve.pool import OscarTokenToKVPool
-
         pool = model_runner.token_to_kv_pool
         if not isinstance(pool, OscarTokenToKVPool):
             raise RuntimeError(
@@ -246,7 +245,7 @@ class OscarAttnBackend(AttentionBackend):
         if self.pool.layout != "mma" or self.pool.kernels == "torch":  # the twin has no split-K
             return None
         if batch not in self.num_splits:
-            from oscar.kernels.decode_mma import default_num_splits
+            from oscar.kernels.decode_mma import default_num_splits  # local: keeps triton out of import time
 
             cap = int(self.req_to_token_pool.req_to_token.shape[1])
             props = torch.cuda.get_device_properties(self.pool.device)

@@ -17,14 +17,16 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from oscar.cache.formats import CacheFormat, served_kinds
+from oscar.core.artifact import artifact_dir, config_hash_of, model_config_fields, read_meta, save_artifact
+from oscar.models.loading import dense_dir, load_model
+from oscar.models.methods import in_code_artifact, needs_statistics
 from oscar.serve.server import SGLangServer, ServerError
 
 
 def model_path(model_cfg: Any) -> str:
     """What SGLang loads: the dense copy of an offline (GGUF) model, made on first use, or the ``hf_id``."""
     if bool(model_cfg.offline):
-        from oscar.models.loading import dense_dir, load_model
-
         path = dense_dir(model_cfg)
         if not (path / "config.json").exists():
             load_model(model_cfg, device="cpu")  # dequantizes the GGUF once and writes the dense copy
@@ -37,9 +39,6 @@ def model_path(model_cfg: Any) -> str:
 def _in_code_artifact(cfg: Any, path: str, out: Path) -> Path:
     from transformers import AutoConfig
 
-    from oscar.core.artifact import config_hash_of, model_config_fields, save_artifact
-    from oscar.models.methods import in_code_artifact
-
     hf = AutoConfig.from_pretrained(path)
     f = model_config_fields(hf)
     art = in_code_artifact(cfg.method, num_layers=f["num_layers"], num_kv_heads=f["num_kv_heads"],
@@ -51,9 +50,6 @@ def _in_code_artifact(cfg: Any, path: str, out: Path) -> Path:
 def served_windows(fmt: Any, artifact: Path) -> dict[str, str]:
     """``OSCAR_SINK``/``OSCAR_RECENT`` for the windows of ``fmt`` that differ from the artifact's recorded format
     (the server reads the rest from the artifact); refuses an artifact of another kind, bits or group."""
-    from oscar.cache.formats import CacheFormat
-    from oscar.core.artifact import read_meta
-
     served = CacheFormat.of_artifact(read_meta(artifact))
     if (served.kind, served.bits, served.group_size) != (fmt.kind, fmt.bits, fmt.group_size):
         raise ValueError(f"artifact {artifact} was calibrated for the {served.kind} format INT{served.bits} group "
@@ -78,8 +74,6 @@ class SGLangEngine:
     def __init__(self, cfg: Any, log_path: Optional[Path] = None) -> None:
         from transformers import AutoTokenizer
 
-        from oscar.cache.formats import CacheFormat, served_kinds
-        from oscar.core.artifact import artifact_dir
 
         e = cfg.engine
         fmt = CacheFormat.from_method(cfg.method, int(cfg.model.head_dim))
@@ -107,8 +101,6 @@ class SGLangEngine:
         if not fmt.quantized:
             args += ["--attention-backend", "torch_native"]
         else:
-            from oscar.models.methods import needs_statistics
-
             if needs_statistics(cfg.method):  # the clip policy decides too (clip=fit needs statistics)
                 art = artifact_dir(cfg)
                 if not (art / "rotations.safetensors").exists():
@@ -149,7 +141,7 @@ class SGLangEngine:
                       batch_size: int = 1) -> list[tuple[float, bool]]:
         """Sum of log-probabilities of each continuation after its context, and whether it is greedy; one
         batched ``/generate`` request (prefill only) with input-token log-probabilities."""
-        from oscar.models.engine import Engine
+        from oscar.models.engine import Engine  # local: keeps transformers out of import time
 
         if mode != "serving":
             raise ValueError(f"engine=sglang scores with the serving semantics only (score_mode=serving); got {mode!r}. "

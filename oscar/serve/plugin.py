@@ -31,7 +31,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
-from oscar.serve.state import BACKEND, active, ensure_state, set_active
+from oscar.serve.contract import seams
+from oscar.serve.state import BACKEND, active, current_state, ensure_state, set_active
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ def _format_problems(fmt: Any, args: Any) -> list[str]:
 
 def _tp_problems(args: Any, hf_config: Any) -> list[str]:
     """A ``--tp-size`` whose split of the model's heads SGLang would refuse (named here, before any process)."""
+    # local: keeps torch and transformers (oscar.serve.sharding) out of the entry point's import time
     from oscar.core.artifact import model_config_fields
     from oscar.serve.sharding import tp_problems
 
@@ -127,6 +129,7 @@ def check_server_args_after(result: Any, args: Any, *rest: Any, **kwargs: Any) -
     if getattr(args, "attention_backend", None) != BACKEND:
         set_active(False)
         return result
+    # local: keeps torch out of import time (SGLang loads this entry point in every process, served or not)
     from oscar.serve.settings import OscarServeError, ServeSettings, validate
 
     settings = ServeSettings.from_env()
@@ -159,6 +162,7 @@ def shard_state(st: dict[str, Any], hf_config: Any, tp_rank: int, tp_size: int) 
             raise RuntimeError(f"the oscar state of this process is cut for TP rank {have.tp_rank} of {have.tp_size}, "
                                f"not {tp_rank} of {tp_size}")
         return st
+    # local: keeps torch and transformers (oscar.serve.sharding) out of the entry point's import time
     from oscar.core.artifact import model_config_fields
     from oscar.serve.sharding import head_shard, shard_layers
 
@@ -184,7 +188,7 @@ def rank_state(hf_config: Any) -> dict[str, Any]:
 def resolve_kv_pool_class_around(original: Any, kvc: Any, *args: Any, **kwargs: Any) -> Any:
     """``KVCacheConfigurator._resolve_kv_pool_class`` (0.5.23): the OSCAR pool for MHA when the backend is oscar."""
     if active() and kwargs.get("kind", args[0] if args else None) == "mha":
-        from oscar.serve.pool import OscarTokenToKVPool
+        from oscar.serve.pool import OscarTokenToKVPool  # local: keeps sglang out of import time
 
         rank_state(kvc.model_config.hf_config)
         return OscarTokenToKVPool
@@ -195,11 +199,11 @@ def build_mha_kv_pool_around(original: Any, kvc: Any, *args: Any, **kwargs: Any)
     """``KVCacheConfigurator._build_mha_kv_pool`` (0.5.17): built with the OSCAR pool class when the backend is
     oscar (its arguments are keyword-only: ``max_total_num_tokens``, ``mha_pool_class``, ``quant_method``)."""
     if active():
-        from oscar.serve.pool import OscarTokenToKVPool
+        from oscar.serve.pool import OscarTokenToKVPool  # local: keeps sglang out of import time
 
         rank_state(kvc.model_config.hf_config)
         if kwargs.get("quant_method") is not None:
-            from oscar.serve.settings import OscarServeError
+            from oscar.serve.settings import OscarServeError  # local: keeps torch out of import time
 
             raise OscarServeError("--attention-backend oscar got a KV-cache quantization method from SGLang "
                                   "(--kv-cache-dtype); keep --kv-cache-dtype auto")
@@ -228,7 +232,7 @@ def compute_cell_size_around(original: Any, conf: Any, kvc: Any, num_layers: int
     st["prefix_cache"] = not bool(getattr(kvc.server_args, "disable_radix_cache", True))
     conf._oscar_window_bytes = reqs * fmt.window_bytes(int(num_layers), int(hkv), int(mc.head_dim))
     if st["prefix_cache"]:  # the sink store: BF16 sink pages of twice as many prefixes as request slots
-        from oscar.serve.pool import sink_store_pages
+        from oscar.serve.pool import sink_store_pages  # local: keeps sglang out of import time
 
         page = int(getattr(kvc.server_args, "page_size", None) or 1)
         conf._oscar_window_bytes += sink_store_pages(reqs, sink, page) * page * int(hkv) * int(mc.head_dim) * 2 * 2 \
@@ -247,7 +251,7 @@ def calculate_pool_sizes_around(original: Any, conf: Any, available_bytes: int, 
     reserve = int(getattr(conf, "_oscar_window_bytes", 0)) if active() else 0
     if reserve:
         if reserve >= available_bytes:
-            from oscar.serve.settings import OscarServeError
+            from oscar.serve.settings import OscarServeError  # local: keeps torch out of import time
 
             raise OscarServeError(
                 f"the BF16 windows of --max-running-requests need {reserve / 2**30:.2f} GB, more than the "
@@ -356,8 +360,6 @@ def cap_prefix_after(result: Any, req: Any, input_len: int, *args: Any, **kwargs
     the request's recent window holds its own exact BF16 rows (a cached prefix has no BF16 ring rows)."""
     if not active():
         return result
-    from oscar.serve.state import current_state
-
     try:
         recent = int(current_state()["settings"].recent)
     except RuntimeError:  # no pool in this process
@@ -400,7 +402,7 @@ def fold_model(model: Any, rotations: list[Any], shard: Optional[Any] = None,
     holds and rank 0 adds. ``shard=None``: one rank holding every head."""
     import torch
 
-    from oscar.serve.sharding import fold_o_proj_shard, head_shard
+    from oscar.serve.sharding import fold_o_proj_shard, head_shard  # local: keeps transformers out of import time
 
     attns = _attention_modules(model)
     if len(attns) != len(rotations):
@@ -436,15 +438,13 @@ def fold_model(model: Any, rotations: list[Any], shard: Optional[Any] = None,
 
 def create_backend(runner: Any) -> Any:
     """Factory registered as attention backend ``oscar``."""
-    from oscar.serve.backend import OscarAttnBackend
+    from oscar.serve.backend import OscarAttnBackend  # local: keeps sglang out of import time
 
     return OscarAttnBackend(runner)
 
 
 def hooks(version: str) -> list[tuple[str, Any, Any]]:
     """(target, hook, kind name) of every hook the plugin registers under SGLang ``version``."""
-    from oscar.serve.contract import seams
-
     s = seams(version)
     pool_hook = build_mha_kv_pool_around if s.pool_hook_kind == "build" else resolve_kv_pool_class_around
     conf = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator"
@@ -472,8 +472,6 @@ def register() -> None:
     import sglang
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    from oscar.serve.contract import seams
 
     version = str(sglang.__version__)
     choices = importlib.import_module(seams(version).choices_module)

@@ -30,6 +30,10 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from oscar.cache.formats import CacheFormat
+from oscar.core.artifact import ArtifactMismatch, load_artifact, model_config_fields
+from oscar.models.adapters import UnsupportedModel, check_head_dim, get_adapter
+
 ENV_ARTIFACT = "OSCAR_ARTIFACT"
 ENV_SINK = "OSCAR_SINK"
 ENV_RECENT = "OSCAR_RECENT"
@@ -141,8 +145,6 @@ def parse_mma(text: str) -> tuple[tuple[str, int], ...]:
 
 def check_architecture(hf_config: Any) -> None:
     """Refuse architectures the plugin cannot serve correctly (naming what is unsupported)."""
-    from oscar.models.adapters import UnsupportedModel, check_head_dim, get_adapter
-
     cfg = getattr(hf_config, "text_config", None) or hf_config
     model_type = getattr(cfg, "model_type", None)
     try:
@@ -168,8 +170,6 @@ def check_architecture(hf_config: Any) -> None:
             f"--attention-backend oscar does not support sliding-window attention (sliding_window="
             f"{getattr(cfg, 'sliding_window', None)} in the config of model_type {model_type!r})"
         )
-    from oscar.core.artifact import model_config_fields
-
     try:
         check_head_dim(int(model_config_fields(cfg)["head_dim"]))
     except UnsupportedModel as err:
@@ -184,9 +184,7 @@ def load_rotations(settings: ServeSettings, hf_config: Any) -> tuple[list[Any], 
     ``auto`` artifacts (per-head rotations and targets, centering ``mu_K``/``mu_V``, rope-centered keys) are
     served; the pool refuses rope-centered keys where its kernels do not take token positions
     (`oscar.serve.pool.OscarTokenToKVPool`). Per-channel keys (``method.channel_block > 0``) are refused here."""
-    from oscar.cache.formats import CacheFormat
-    from oscar.core.artifact import ArtifactMismatch, load_artifact
-    from oscar.models.engine import layer_rotations
+    from oscar.models.engine import layer_rotations  # local: keeps transformers out of import time
 
     cfg = getattr(hf_config, "text_config", None) or hf_config
     path = settings.artifact

@@ -31,6 +31,7 @@ def ensure_state(hf_config: Any) -> dict[str, Any]:
     """Settings, rotations and the served cache format (`oscar.cache.formats`) of this process, validated
     against ``hf_config`` once."""
     if not _STATE:
+        # local: keeps torch out of import time (oscar.serve.plugin, SGLang's entry point, imports this module)
         from oscar.serve.settings import OscarServeError, ServeSettings, validate
 
         settings = ServeSettings.from_env()

@@ -175,6 +175,6 @@ def test_per_channel_keys_are_refused_naming_channel_block(monkeypatch):
     from oscar.serve import settings
 
     art = SimpleNamespace(num_layers=2, key_block=lambda layer: 64 if layer == 1 else 0)
-    monkeypatch.setattr("oscar.core.artifact.load_artifact", lambda *a, **k: art)
+    monkeypatch.setattr(settings, "load_artifact", lambda *a, **k: art)
     with pytest.raises(OscarServeError, match=r"per-channel keys in layers \[1\].*method.channel_block=0"):
         settings.load_rotations(ServeSettings(artifact=Path(__file__).parent), SimpleNamespace())
