@@ -19,8 +19,29 @@ def _interpreted(fn: Any) -> Any:
     return _INTERPRETED[key]
 
 
+def _language_namespaces() -> list[Any]:
+    """What Triton's interpreter patches while it runs a kernel: `triton.language`, its core and math modules, and
+    the tensor classes (`triton.runtime.interpreter._patch_lang`)."""
+    import triton.language as tl
+
+    return [tl, tl.core, tl.math, tl.tensor, tl.core.tensor_descriptor_base]
+
+
+def _restore_namespaces(saved: list[tuple[Any, dict[str, Any]]]) -> None:
+    """Put back every attribute the interpreter replaced or added (its nested helper calls patch `triton.language`
+    without restoring it, which breaks later compiled launches in the same process, e.g. CUDA tests after CPU ones)."""
+    for obj, before in saved:
+        now = vars(obj)
+        for name in [n for n in now if n not in before]:
+            delattr(obj, name)
+        for name, value in before.items():
+            if now.get(name) is not value:
+                setattr(obj, name, value)
+
+
 class _InterpretedLaunch:
-    """Launch a compiled-mode kernel through the interpreter, nested `@triton.jit` calls included."""
+    """Launch a compiled-mode kernel through the interpreter, nested `@triton.jit` calls included; Triton's
+    language namespaces are left as they were found."""
 
     def __init__(self, kernel: Any, grid: Any) -> None:
         self.kernel, self.grid = kernel, grid
@@ -28,12 +49,14 @@ class _InterpretedLaunch:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from triton.runtime.jit import JITFunction
 
+        saved = [(obj, dict(vars(obj))) for obj in _language_namespaces()]
         original = JITFunction.__call__
         JITFunction.__call__ = lambda self, *a, **k: _interpreted(self.fn)(*a, **k)
         try:
             return _interpreted(self.kernel.fn)[self.grid](*args, **kwargs)
         finally:
             JITFunction.__call__ = original
+            _restore_namespaces(saved)
 
 
 class _Launcher:
