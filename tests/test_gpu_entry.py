@@ -104,11 +104,30 @@ def test_sglang_need_reads_the_version_in_the_sglang_environment(tmp_path, monke
     assert "not importable" in need.found and "offline route" in need.problem
 
 
+def test_throughput_table_measures_and_reports_on_a_tiny_model(tmp_path, monkeypatch):
+    """The throughput table's own path into `oscar.bench.throughput_run` (tiny architecture, the CPU, uncompiled),
+    then its report from the files it wrote."""
+    from oscar.bench import gpu_throughput, throughput_run
+
+    monkeypatch.setitem(throughput_run.FLAGS, "tiny", True)
+    opts = tables.parse("throughput", ["points=1x64", "parts=grid", "reps=1", "models=", "hf_caches="])
+    gpu_throughput._run(opts, tmp_path, compile_step=False)
+    grid = list(csv.DictReader((tmp_path / "grid.csv").open()))
+    assert {(r["cache"], r["batch"], r["context"], r["status"]) for r in grid} >= {("bf16", "1", "64", "ok"),
+                                                                                    ("oscar", "1", "64", "ok")}
+    assert gpu.main(["throughput", "report_only=true", "tracking=false", f"out={tmp_path}"]) == 0
+    assert (tmp_path / "throughput.md").stat().st_size > 100
+
+
 def test_free_memory_and_paths(monkeypatch, tmp_path):
     monkeypatch.setattr(host, "gpu_memory", lambda: {"total_gib": 140.0, "used_gib": 130.0, "free_gib": 10.0})
     need = host.free_gpu_memory(100.0)
     assert not need.ok and "only 10.0 of 140.0 GiB free" in need.problem
     assert host.free_gpu_memory(5.0).ok
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        need = host.cuda_devices(2)
+        assert not need.ok and need.problem.startswith("tp=2 needs 2 GPUs of one host")
     missing = host.path_exists(tmp_path / "nope", "thing", "make it")
     assert not missing.ok and missing.problem == "make it" and host.path_exists(tmp_path, "dir", "x").ok
 
@@ -129,7 +148,8 @@ def test_kernel_options_are_checked_before_any_work():
     assert extra["w4"] == {"bits": 2, "layout": "mma", "warps": 4}
     for bad, needle in ((dict(variants="int3"), "unknown variant 'int3'"), (dict(launch="x:{nope"), "launch='x:{nope'"),
                         (dict(head_dims="96"), "head_dim 64 or 128"), (dict(parts="all"), "parts='all'"),
-                        (dict(batches="a"), "comma-separated integers"), (dict(variants="", launch=""), "nothing to time"),
+                        (dict(batches="a"), "comma-separated integers"),
+                        (dict(variants="", launch=""), "nothing to time"),
                         (dict(launch='x:{"mma_warps": 4}'), "MmaLaunch takes"),
                         (dict(launch='x:{"warps": 3}'), "warps")):
         with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace("{", r"\{")):
@@ -187,7 +207,8 @@ def test_kernel_report_from_fake_rows_with_hardware_and_comparison(tmp_path, cap
     _kernel_rows(out / "decode_attention_rows.csv")
     (out / "decode_attention_env.json").write_text(json.dumps(
         {"gpu": "NVIDIA H200", "driver": "580.1", "torch": "2.11.0", "sglang": None, "copy_tb_s": 4.2, "date": "d",
-         "git_commit": "abcdef123456789", "command": "python -m oscar gpu kernels", "rel_err_vs_twin": {"int2_d128": 1e-3}}))
+         "git_commit": "abcdef123456789", "command": "python -m oscar gpu kernels",
+         "rel_err_vs_twin": {"int2_d128": 1e-3}}))
     old = tmp_path / "old.csv"
     old.write_text("head_dim,batch,context,cudnn_us,flash_us,int2_us,int4_rows_v8_us\n128,1,4096,15.0,18.0,12.5,20.0\n")
     assert gpu.main(["kernels", "report_only=true", "tracking=false", f"out={out}", f"compare={old}"]) == 0
@@ -212,6 +233,9 @@ def test_serving_plan_and_command_line(tmp_path):
     assert "--oscar-shapes=1x100000" in cmd and "--oscar-profile=" in cmd and "--oscar-warmup=1x2048" in cmd
     assert cmd[cmd.index("--batch-size") + 1:cmd.index("--input-len")] == ["1"]
     assert "--page-size" not in serving.command(runs[1], {**opts, "model": "/m"}, tmp_path)
+    assert "--tp-size" not in cmd
+    tp2 = serving.command(runs[0], {**opts, "model": "/m", "tp": 2}, tmp_path)
+    assert tp2[tp2.index("--tp-size") + 1] == "2"
     full = serving.plan(tables.parse("serving", []))
     assert [r["name"] for r in full] == ["oscar", "bf16_flashinfer", "bf16_triton"]
     assert full[0]["synthetic"].endswith(",51x100000") and full[1]["profile"] == "1x100000"
@@ -222,7 +246,8 @@ def test_serving_plan_and_command_line(tmp_path):
 def test_serving_report_compares_with_the_committed_rows(tmp_path):
     base = dict(cuda_graph=True, radix=False, device="NVIDIA H200", output_len=16, page_size=16, batch=1,
                 context=100000, max_total_num_tokens=749474, status="ok")
-    rows = [dict(base, cache="bf16", backend="flashinfer", tag="bf16_flashinfer", mode="real", decode_ms=9.2, prefill_s=7.0),
+    rows = [dict(base, cache="bf16", backend="flashinfer", tag="bf16_flashinfer", mode="real", decode_ms=9.2,
+                 prefill_s=7.0),
             dict(base, cache="oscar", backend="oscar", tag="oscar", mode="real", decode_ms=8.0, prefill_s=7.5),
             dict(base, cache="bf16", backend="flashinfer", tag="bf16_flashinfer", mode="synthetic", decode_ms=8.8),
             dict(base, cache="oscar", backend="oscar", tag="oscar", mode="synthetic", decode_ms=7.9)]
@@ -247,7 +272,8 @@ def test_prefix_and_correctness_reports_from_fake_rows(tmp_path):
     out = tmp_path / "p"
     out.mkdir()
     base = dict(requests=8, input_len=30000, output_len=16, device="H200", sglang="0.5.17", radix=True, cuda_graph=True,
-                page_size=16, kind="sweep", status="ok", shared_tokens=0, ttft_p50_s=1.0, ttft_max_s=2.0, cached_tokens=0)
+                page_size=16, kind="sweep", status="ok", shared_tokens=0, ttft_p50_s=1.0, ttft_max_s=2.0,
+                cached_tokens=0)
     rows = [dict(base, cache="bf16", backend="flashinfer", tag="bf16_flashinfer", ratio=0.5, job_s=10.0,
                  job_tokens_per_s=24000.0, ttft_mean_s=1.5),
             dict(base, cache="oscar", backend="oscar", tag="oscar", ratio=0.5, job_s=8.0, job_tokens_per_s=30000.0,
@@ -272,7 +298,8 @@ def test_accuracy_cells_and_their_calibration_needs(tmp_path, monkeypatch):
     assert f"output={tmp_path}/eval/qwen2.5-coder-0.5b/kivi2/niah/seed0" in args
     monkeypatch.setattr(host, "model_gguf", lambda model: host.Need("model", "fake"))
     names = {n.name: n for n in gpu_accuracy.needs(opts)}
-    assert not names["calibration artifact of auto"].ok and "method=auto" in names["calibration artifact of auto"].problem
+    auto = names["calibration artifact of auto"]
+    assert not auto.ok and "method=auto" in auto.problem
     assert "calibration artifact of kivi2" not in names
     with pytest.raises(ValueError, match="table='mmlu'; valid: niah, humaneval"):
         gpu_accuracy.variants({**opts, "table": "mmlu"})
@@ -306,6 +333,6 @@ def test_kernel_table_tracks_into_mlflow(tmp_path):
 def test_gpu_sh_refuses_without_the_bundle(tmp_path):
     """The offline route's script stops with the way out when neither SGLang nor the bundle is there."""
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "setup"], capture_output=True, text=True,
-                          env={"PATH": "/usr/bin:/bin", "SITE": str(tmp_path / "sg"), "OSCAR_GPU_DIR": str(tmp_path / "g"),
-                               "HOME": str(tmp_path)}, timeout=60)
+                          env={"PATH": "/usr/bin:/bin", "SITE": str(tmp_path / "sg"),
+                               "OSCAR_GPU_DIR": str(tmp_path / "g"), "HOME": str(tmp_path)}, timeout=60)
     assert proc.returncode == 2 and "no SGLang at" in proc.stderr and "bash benchmarks/gpu.sh pack" in proc.stderr

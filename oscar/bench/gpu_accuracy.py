@@ -75,9 +75,9 @@ def cell_args(opts: dict[str, Any]) -> list[str]:
     args: list[str] = []
     base, _ = CELLS[opts["table"]]
     for i, (name, over) in enumerate(variants(opts)):
-        args += (["--"] if i else []) + [f"model={opts['model']}", *base, *over, "device=cuda", "tracking.enabled=false",
-                                         f"results_dir={opts['results']}",
-                                         f"output={opts['results']}/eval/{opts['model']}/{name}/{opts['table']}/seed0"]
+        output = f"{opts['results']}/eval/{opts['model']}/{name}/{opts['table']}/seed0"
+        args += (["--"] if i else []) + [f"model={opts['model']}", *base, *over, "device=cuda",
+                                         "tracking.enabled=false", f"results_dir={opts['results']}", f"output={output}"]
     return args
 
 
@@ -111,7 +111,7 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
 
 
 def report(out: Path, opts: dict[str, Any]) -> list[Path]:
-    from oscar.studies.accuracy import write_reports
+    from oscar.studies.accuracy import write_reports  # local: keeps omegaconf out of `gpu --help`
 
     env = host.read_env(out / f"{stem(opts)}_env.json")
     header = (f"{host.hardware_line(env)} Command: `{env.get('command', '?')}`." if env else "")
@@ -124,7 +124,7 @@ def report(out: Path, opts: dict[str, Any]) -> list[Path]:
 def track(out: Path, opts: dict[str, Any], uri: str) -> str:
     import csv
 
-    from oscar.bench import mirror
+    from oscar.bench import mirror  # local: MLflow only (pandas, omegaconf)
 
     table = str(opts["table"])
     with open(out / f"{table}.csv", newline="") as fh:

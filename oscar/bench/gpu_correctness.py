@@ -28,6 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from oscar.bench import host
+from oscar.bench.serve_correctness import render
+from oscar.core.files import atomic_write_csv, atomic_write_text
+from oscar.serve.contract import SUPPORTED_VERSIONS
 
 AREA = "serving"
 SUMMARY = "the plugin on CUDA: pool vs torch twin, SmolLM2-135M greedy/teacher-forced vs BF16 and the embedded engine"
@@ -44,7 +47,6 @@ def stem(opts: dict[str, Any]) -> str:
 
 
 def needs(opts: dict[str, Any]) -> list[host.Need]:
-    from oscar.serve.contract import SUPPORTED_VERSIONS
 
     out = [host.cuda_device(), host.sglang(SUPPORTED_VERSIONS), host.plugin_entry_point(),
            host.python_modules(["omegaconf", "hydra"], "configuration", f"offline: the wheels of {host.ROUTES}"),
@@ -72,12 +74,14 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
              "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     t0 = time.time()
     try:
-        dense = subprocess.run([sys.executable, "-c", "from oscar.config import compose; from oscar.serve.client import "
-                                f"model_path; print('DENSE', model_path(compose(['model={MODEL}']).model))"],
-                               capture_output=True, text=True, env=host.sglang_env(extra), timeout=300)
+        code = ("from oscar.config import compose; from oscar.serve.client import model_path; "
+                f"print('DENSE', model_path(compose(['model={MODEL}']).model))")
+        dense = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               env=host.sglang_env(extra), timeout=300)
         print(next((x for x in dense.stdout.splitlines() if x.startswith("DENSE")), dense.stderr[-500:]), flush=True)
-        check = subprocess.Popen([sys.executable, "-m", "oscar.bench.serve_check", "--out", str(work / "gpu_check.json")],
-                                 stdout=open(work / "gpu_check.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+        check_log = open(work / "gpu_check.log", "w")  # noqa: SIM115 - closed after the check's wait
+        check = subprocess.Popen([sys.executable, "-m", "oscar.bench.serve_check", "--out",
+                                  str(work / "gpu_check.json")], stdout=check_log, stderr=subprocess.STDOUT,
                                  env=host.sglang_env(extra))
         cells = None
         if opts["mmlu"]:
@@ -85,15 +89,16 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
                     f"benchmark.path={opts['mmlu']}", "benchmark.extra.score_mode=serving", "benchmark.limit=8",
                     "progress=false", "tracking.enabled=false", "device=cuda", "model.dtype=bfloat16", "backend=triton",
                     f"results_dir={work / 'results'}"]
-            script = (f"{sys.executable} -m oscar eval engine=sglang {' '.join(cell)} engine.python={_sglang_python(work)} "
+            py = sys.executable
+            script = (f"{py} -m oscar eval engine=sglang {' '.join(cell)} engine.python={_sglang_python(work)} "
                       "engine.mem_fraction_static=0.9 engine.max_total_tokens=16384 engine.max_running_requests=8 "
                       "'engine.extra_args=[--page-size,16,--disable-prefill-cuda-graph,--sampling-backend,pytorch,"
                       f"--grammar-backend,none]' output={work / 'eval_sglang'} > {work / 'eval_sglang.log'} 2>&1; "
-                      f"{sys.executable} -m oscar eval engine=embedded {' '.join(cell)} output={work / 'eval_embedded'} "
+                      f"{py} -m oscar eval engine=embedded {' '.join(cell)} output={work / 'eval_embedded'} "
                       f"> {work / 'eval_embedded.log'} 2>&1")
             cells = subprocess.Popen(["bash", "-c", script], env={**os.environ, **extra})
-        args = [sys.executable, "-m", "oscar.bench.serve_correctness", "--engine-timeout", str(opts["engine_timeout_s"]),
-                "--out", str(work)]
+        args = [sys.executable, "-m", "oscar.bench.serve_correctness", "--engine-timeout",
+                str(opts["engine_timeout_s"]), "--out", str(work)]
         if opts["auto"]:
             args += ["--auto-artifact", str(opts["auto"])]
         with open(work / "serve_correctness.log", "w") as log:
@@ -105,6 +110,7 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
         except subprocess.TimeoutExpired:
             check.kill()
             env["gpu_check_rc"] = "timeout"
+        check_log.close()
         if cells is not None:
             try:
                 cells.wait(timeout=240)
@@ -151,8 +157,6 @@ def summary_rows(report: dict[str, Any], check: dict[str, Any]) -> list[dict[str
 
 
 def report(out: Path, opts: dict[str, Any]) -> list[Path]:
-    from oscar.bench.serve_correctness import render
-    from oscar.core.files import atomic_write_csv, atomic_write_text
 
     path = out / "gpu_correctness.json"
     if not path.is_file():
@@ -164,9 +168,10 @@ def report(out: Path, opts: dict[str, Any]) -> list[Path]:
     if env:
         md = md.replace("\n\n", f"\n\n{host.hardware_line(env)} Command: `{env.get('command', '?')}`.\n\n", 1)
     if check:
-        md += "\n## The pool's CUDA path against the torch twin (largest relative error per output row)\n\n" + "\n".join(
-            f"- {case}: original {res['original']['rel']:.1e}, rotated {res['rotated']['rel']:.1e}"
-            for case, res in check.items() if isinstance(res, dict) and "original" in res) + "\n"
+        lines = [f"- {case}: original {res['original']['rel']:.1e}, rotated {res['rotated']['rel']:.1e}"
+                 for case, res in check.items() if isinstance(res, dict) and "original" in res]
+        md += ("\n## The pool's CUDA path against the torch twin (largest relative error per output row)\n\n"
+               + "\n".join(lines) + "\n")
     atomic_write_text(out / "gpu_correctness.md", md)
     atomic_write_csv(out / "gpu_correctness.csv", summary_rows(rep, check), ["check", "value", "bound", "holds"])
     return [out / "gpu_correctness.md", out / "gpu_correctness.csv"]
@@ -175,7 +180,7 @@ def report(out: Path, opts: dict[str, Any]) -> list[Path]:
 def track(out: Path, opts: dict[str, Any], uri: str) -> str:
     import csv
 
-    from oscar.bench import mirror
+    from oscar.bench import mirror  # local: MLflow only (pandas, omegaconf)
 
     with open(out / "gpu_correctness.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))

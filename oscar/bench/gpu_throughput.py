@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from oscar.bench import host
+from oscar.bench import host, throughput_report
 
 AREA = "throughput"
 SUMMARY = "end-to-end decode step (fused, compiled) and tokens/s: OSCAR formats vs the BF16 static cache"
@@ -42,28 +42,32 @@ def needs(opts: dict[str, Any]) -> list[host.Need]:
             host.free_gpu_memory(60.0)]
 
 
-def _argv(opts: dict[str, Any], out: Path, **over: Any) -> list[str]:
-    keys = {k: opts[k] for k in ("models", "caches", "hf_caches", "points", "parts", "reps", "layout")}
-    keys.update(over)
-    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in keys.items()] + [
-        f"output_dir={out}", "tracking.enabled=false", *str(opts["overrides"]).split()]
+def _run(opts: dict[str, Any], out: Path, compile_step: bool) -> None:
+    """One ``oscar.bench.throughput_run.run`` over the table's points (what ``python -m oscar profile`` runs)."""
+    from oscar.bench.throughput_run import FLAGS, Settings, run  # local: torch and transformers (fused step)
+    from oscar.config import compose  # local: keeps omegaconf out of `gpu --help`
+
+    parts = str(opts["parts"])
+    if not compile_step:  # the uncompiled rerun leaves the check (it checks the compiled step) out
+        parts = ",".join(p for p in parts.split(",") if p != "check")
+    flags = dict(FLAGS, models=opts["models"], caches=opts["caches"], hf_caches=opts["hf_caches"],
+                 points=opts["points"], parts=parts, reps=int(opts["reps"]), layout=opts["layout"], output_dir=str(out),
+                 compile=compile_step)
+    cfg = compose(["experiment=throughput", "tracking.enabled=false", *str(opts["overrides"]).split()])
+    run(cfg, Settings(cfg, flags), out)
 
 
 def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
-    from oscar.commands import profile
-
-    rc = profile.main(_argv(opts, out))
-    if rc != 0:
-        print(f"compiled run failed (exit {rc}): rerunning the grid with compile=false", flush=True)
-        parts = ",".join(p for p in str(opts["parts"]).split(",") if p != "check")
-        env["compile_failed"] = True
-        rc = profile.main(_argv(opts, out, parts=parts) + ["compile=false"])
-    if rc != 0:
-        raise RuntimeError(f"oscar profile exit {rc}; see its output above")
+    try:
+        _run(opts, out, compile_step=True)
+    except Exception as exc:  # noqa: BLE001 - torch.compile fails in many ways; the uncompiled step still measures
+        print(f"compiled run failed ({type(exc).__name__}: {str(exc)[:300]}): rerunning the grid with compile=false",
+              flush=True)
+        env["compile_failed"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        _run(opts, out, compile_step=False)
 
 
 def report(out: Path, opts: dict[str, Any]) -> list[Path]:
-    from oscar.bench import throughput_report
 
     if not (out / "grid.csv").is_file():
         raise FileNotFoundError(f"{out / 'grid.csv'}: no rows (run `python -m oscar gpu throughput out={out}` on a GPU "
@@ -72,6 +76,5 @@ def report(out: Path, opts: dict[str, Any]) -> list[Path]:
 
 
 def track(out: Path, opts: dict[str, Any], uri: str) -> str:
-    from oscar.bench import throughput_report
 
     return str(throughput_report.track(out, uri, experiment="throughput")["parent_run_id"])

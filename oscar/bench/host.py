@@ -70,6 +70,17 @@ def cuda_device() -> Need:
     return Need("CUDA device", f"{torch.cuda.get_device_name(0)} (torch {torch.__version__})")
 
 
+def cuda_devices(n: int) -> Need:
+    """At least ``n`` CUDA devices (tensor parallelism over ``n`` GPUs of one host)."""
+    try:
+        import torch
+    except ImportError:
+        return Need(f"{n} CUDA devices", "torch not importable", "install torch with CUDA (the GPU image has it)")
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    problem = None if found >= n else f"tp={n} needs {n} GPUs of one host; {found} here"
+    return Need(f"{n} CUDA devices", f"{found}", problem)
+
+
 def python_modules(names: Sequence[str], why: str, fix: str) -> Need:
     """Importable modules (found by spec, not imported)."""
     missing = [n for n in names if importlib.util.find_spec(n) is None]
@@ -133,8 +144,8 @@ def gpu_memory() -> Optional[dict[str, float]]:
     smi = shutil.which("nvidia-smi")
     if smi:
         try:
-            out = subprocess.run([smi, "--query-gpu=memory.total,memory.used,memory.free", "--format=csv,noheader,nounits",
-                                  "-i", "0"], capture_output=True, text=True, timeout=30).stdout.strip()
+            query = ["--query-gpu=memory.total,memory.used,memory.free", "--format=csv,noheader,nounits", "-i", "0"]
+            out = subprocess.run([smi, *query], capture_output=True, text=True, timeout=30).stdout.strip()
             total, used, free = (float(x) / 1024 for x in out.split(","))
             return {"total_gib": total, "used_gib": used, "free_gib": free}
         except (ValueError, OSError, subprocess.TimeoutExpired):
@@ -163,8 +174,9 @@ def free_gpu_memory(gib: float) -> Need:
 def model_gguf(model: str) -> Need:
     """The model's GGUF on this host, with the sha256 its configuration names."""
     try:
-        from oscar.config import compose
-        from oscar.models.loading import gguf_path, model_cache_dir, package_module
+        from oscar.config import compose  # local: no omegaconf on a bare GPU machine
+        from oscar.models.loading import (  # local: no omegaconf on a bare GPU machine
+            gguf_path, model_cache_dir, package_module)
     except ImportError as exc:
         return Need(f"model {model}", "configuration not importable", f"{exc} (omegaconf/hydra: {ROUTES})")
     cfg = compose([f"model={model}"]).model
@@ -224,8 +236,9 @@ def git_commit() -> str:
 
 def hardware(command: str, sglang: Optional[str] = None) -> dict[str, Any]:
     """GPU, driver, clocks, memory, torch / triton / CUDA / SGLang versions, commit, date and the command."""
-    env: dict[str, Any] = {"command": command, "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                           "git_commit": git_commit(), "python": platform.python_version(), "host": platform.node()}
+    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    env: dict[str, Any] = {"command": command, "date": now, "git_commit": git_commit(),
+                           "python": platform.python_version(), "host": platform.node()}
     smi = _smi("name,driver_version,memory.total,clocks.max.sm,clocks.sm,clocks.mem,temperature.gpu")
     if smi:
         env.update(gpu=smi[0], driver=smi[1], gpu_memory=smi[2], sm_clock_max=smi[3], sm_clock=smi[4],
@@ -264,7 +277,8 @@ def hardware_line(env: dict[str, Any]) -> str:
     if env.get("cuda"):
         parts.append(f"CUDA {env['cuda']}")
     if env.get("sm_clock"):
-        parts.append(f"SM clock {env['sm_clock']} when the run started (max {env.get('sm_clock_max')}; clocks not locked)")
+        parts.append(f"SM clock {env['sm_clock']} when the run started (max {env.get('sm_clock_max')}; "
+                     "clocks not locked)")
     return (f"Hardware: {', '.join(parts)}. Run {env.get('date', '?')}, commit `{str(env.get('git_commit', '?'))[:12]}`"
             + (f", {env['wall_s']:.0f} s" if isinstance(env.get("wall_s"), (int, float)) else "") + ".")
 

@@ -24,10 +24,11 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from oscar.bench import host
 from oscar.core.files import atomic_write, atomic_write_csv, atomic_write_json, atomic_write_text
+from oscar.kernels.launch import MmaLaunch, RowsLaunch
 
 AREA = "kernels"
 SUMMARY = "paged INT2/INT4 decode attention vs cuDNN/flash BF16 SDPA, demotion and prefill quantization"
@@ -226,7 +227,7 @@ def decode_inputs(B: int, T: int, H: int, hkv: int, d: int, opts: dict[str, Any]
     inputs. The codes are valid in both page layouts, so the same bytes time the mma and the row kernels."""
     import torch
 
-    from oscar.cache.paged import HeadTransform, QuantPages, Segments
+    from oscar.cache.paged import HeadTransform, QuantPages, Segments  # local: keeps torch out of `gpu --help`
 
     g = torch.Generator(device=device).manual_seed(seed)
     ps, S0, W = opts["page_size"], opts["sink"], opts["recent"]
@@ -260,10 +261,11 @@ def decode_inputs(B: int, T: int, H: int, hkv: int, d: int, opts: dict[str, Any]
         return torch.randn(B, hkv, n, d, device=device, generator=g).to(torch.bfloat16)
 
     int_len = torch.full((B,), t_int, dtype=torch.int32, device=device)
-    segs = [Segments(tables[s], int_len, sink_k=bf16(S0), sink_v=bf16(S0),
-                     sink_len=torch.full((B,), S0, dtype=torch.int32, device=device), recent_k=bf16(W), recent_v=bf16(W),
-                     recent_len=torch.full((B,), W, dtype=torch.int32, device=device), int_pos0=S0)
-            for s in range(n_sets)]
+    def lens(n: int) -> torch.Tensor:
+        return torch.full((B,), n, dtype=torch.int32, device=device)
+
+    segs = [Segments(tables[s], int_len, sink_k=bf16(S0), sink_v=bf16(S0), sink_len=lens(S0), recent_k=bf16(W),
+                     recent_v=bf16(W), recent_len=lens(W), int_pos0=S0) for s in range(n_sets)]
     qs = [torch.randn(B, H, d, device=device, generator=g).to(torch.bfloat16) for _ in range(n_sets)]
     per_seq = hkv * (t_int * 2 * (nbytes + 2 * 2) + (S0 + W) * d * 2 * 2)
     layouts = {"rows": ("rows", "rows"), "mma": ("mma_k", "mma_v")}
@@ -275,20 +277,20 @@ def decode_inputs(B: int, T: int, H: int, hkv: int, d: int, opts: dict[str, Any]
 def launch_of(variant: dict[str, Any]) -> Any:
     """The launch value of a variant: its keys other than bits/layout/rope as ``MmaLaunch`` (mma pages) or
     ``RowsLaunch`` (row pages) fields; None (the launcher's measured defaults) when it has none."""
-    from oscar.kernels.launch import MmaLaunch, RowsLaunch
 
     fields = {k: v for k, v in variant.items() if k not in ("bits", "layout", "rope")}
     cls = MmaLaunch if variant["layout"] == "mma" else RowsLaunch
     try:
         return cls(**fields) if fields else None
     except TypeError as exc:
-        raise ValueError(f"launch {fields}: {exc}; {cls.__name__} takes {', '.join(cls.__dataclass_fields__)}") from None
+        valid = ", ".join(cls.__dataclass_fields__)
+        raise ValueError(f"launch {fields}: {exc}; {cls.__name__} takes {valid}") from None
 
 
 def decode_call(inp: dict[str, Any], s: int, variant: dict[str, Any], backend: str = "triton") -> Callable[[], Any]:
     """One decode call of input set ``s`` for ``variant`` through the library's dispatcher (the path the caches
     and the serving backend take); ``backend="torch"``: the float32 twin on the same pages."""
-    from oscar.cache import paged
+    from oscar.cache import paged  # local: keeps torch out of `gpu --help`
 
     kp, vp = inp["pages"][variant["layout"]]
     kt = inp["kt_rope"] if variant.get("rope") else inp["kt"]
@@ -337,7 +339,8 @@ def bench_quantize(B: int, d: int, hkv: int, opts: dict[str, Any]) -> list[dict[
     quantization (8192 rows), in the mma layouts; 16 launches per graph replay for the demotion."""
     import torch
 
-    from oscar.cache.paged import HeadTransform, QuantPages, rotate_quantize_pack, rotate_quantize_pack_kv
+    from oscar.cache.paged import (  # local: keeps torch out of `gpu --help`
+        HeadTransform, QuantPages, rotate_quantize_pack, rotate_quantize_pack_kv)
 
     g = torch.Generator(device="cuda").manual_seed(1)
     ps, W = opts["page_size"], opts["recent"]
@@ -348,7 +351,8 @@ def bench_quantize(B: int, d: int, hkv: int, opts: dict[str, Any]) -> list[dict[
         pages = [[QuantPages.empty(npages, hkv, ps, d, 2, d, "cuda", lay) for lay in ("mma_k", "mma_v")]
                  for _ in range(n_sets)]
         R = torch.linalg.qr(torch.randn(hkv, d, d, device="cuda", generator=g))[0].contiguous()
-        t = HeadTransform(R=R, mu=torch.randn(hkv, d, device="cuda", generator=g), rho=torch.full((hkv,), 0.95, device="cuda"))
+        t = HeadTransform(R=R, mu=torch.randn(hkv, d, device="cuda", generator=g),
+                          rho=torch.full((hkv,), 0.95, device="cuda"))
         slots = torch.randperm(npages * ps, device="cuda", generator=g)[:n_rows]
         calls = []
         for k in range(n_sets):
@@ -405,7 +409,8 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
     atomic_write_json(out / f"{name}_env.json", env)
     parts = {p.strip() for p in str(opts["parts"]).split(",")}
     rows: list[dict[str, Any]] = []
-    shapes = [(d, T, B) for d in _ints(opts["head_dims"]) for T in _ints(opts["contexts"]) for B in _ints(opts["batches"])]
+    shapes = [(d, T, B) for d in _ints(opts["head_dims"]) for T in _ints(opts["contexts"])
+              for B in _ints(opts["batches"])]
     for d, T, B in (shapes if "attention" in parts else []):
         if opts["budget_s"] and time.time() - t0 > opts["budget_s"]:
             print(f"budget of {opts['budget_s']} s spent: stopping before d={d} B={B} T={T}", flush=True)
@@ -422,7 +427,8 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
                          "flash_us": sd["flash"]["us"], "bf16_best_us": best_bf16, "copy_tb_s": bw / 1e12,
                          "tb_s": r["bytes"] / (r["us"] * 1e-6) / 1e12, "bw_frac": r["bytes"] / (r["us"] * 1e-6) / bw,
                          "speedup": best_bf16 / r["us"]})
-        line = " / ".join(f"{k} {r['us']:.1f}" if r["status"] == "ok" else f"{k} {r['status'][:60]}" for k, r in res.items())
+        line = " / ".join(f"{k} {r['us']:.1f}" if r["status"] == "ok" else f"{k} {r['status'][:60]}"
+                          for k, r in res.items())
         print(f"d={d} B={B} T={T} cudnn={sd['cudnn']['us']:.1f} flash={sd['flash']['us']:.1f} {line} "
               f"({time.time() - t0:.0f} s)", flush=True)
         atomic_write_csv(out / f"{name}_rows.csv", rows)
@@ -509,7 +515,8 @@ def quantize_lines(q_rows: list[dict[str, Any]], rows: list[dict[str, Any]], env
             if att and r["us"] == r["us"]:
                 share = f"{100 * r['us'] / (r['us'] + min(att)):.1f}%"
                 layer = f"{100 * r['us'] / (r['us'] + min(att) + weights_us):.1f}%"
-        lines.append(f"| {r['kind']} | {r['head_dim']} | {r['batch']} | {r['rows']} | {_f(r['us'])} | {share} | {layer} |")
+        lines.append(f"| {r['kind']} | {r['head_dim']} | {r['batch']} | {r['rows']} | {_f(r['us'])} | {share} | "
+                     f"{layer} |")
     return lines
 
 
@@ -632,7 +639,7 @@ def plot(rows: list[dict[str, Any]], names: list[str], path: Path) -> None:
 
 def track(out: Path, opts: dict[str, Any], uri: str) -> str:
     """MLflow: experiment ``oscar/gpu/kernels``, a parent run with the report, one child run per shape."""
-    from oscar.bench import mirror
+    from oscar.bench import mirror  # local: MLflow only (pandas, omegaconf)
 
     name = stem(opts)
     rows = _read_csv(out / f"{name}.csv")

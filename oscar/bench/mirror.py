@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from oscar.bench.host import ROOT
+from oscar.eval import tracking
 
 
 @dataclass
@@ -41,7 +42,6 @@ def mirror(table: str, cells: Sequence[Cell], files: Sequence[Path], env: dict[s
     from mlflow.entities import Metric, Param, RunTag
     from mlflow.tracking import MlflowClient
 
-    from oscar.eval import tracking
 
     commit = str(env.get("git_commit") or tracking.git_commit(ROOT))
     name = tracking.experiment_name("gpu", table)

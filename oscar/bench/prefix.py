@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from oscar.bench import host
+from oscar.bench import host, prefix_report
 from oscar.bench.serving import BUNDLE_ENV, model_dir
+from oscar.serve.contract import SUPPORTED_VERSIONS
 
 AREA = "serving"
 SUMMARY = "prefix-hit sweep (radix cache on): job tokens/s and TTFT, OSCAR vs SGLang flashinfer BF16"
@@ -53,7 +54,6 @@ def _ratios(opts: dict[str, Any]) -> list[float]:
 
 
 def needs(opts: dict[str, Any]) -> list[host.Need]:
-    from oscar.serve.contract import SUPPORTED_VERSIONS
 
     _ratios(opts)
     mem = host.gpu_memory()
@@ -64,7 +64,7 @@ def needs(opts: dict[str, Any]) -> list[host.Need]:
 
 
 def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
-    from oscar.bench.timing_artifact import write_timing_artifact
+    from oscar.bench.timing_artifact import write_timing_artifact  # local: keeps torch out of `gpu --help`
 
     (out / "logs").mkdir(parents=True, exist_ok=True)
     rows = out / "prefix_rows.jsonl"
@@ -83,23 +83,25 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
              "PYTHONUNBUFFERED": "1", "MAX_JOBS": "10"}  # flashinfer's JIT leaves cores to the engine that measures
     limit = int(opts["limit_s"])
     fi_log = open(out / "logs" / "prefix_bf16_flashinfer.log", "w")  # noqa: SIM115 - closed below
-    fi = subprocess.Popen(sweep + ["--attention-backend", "flashinfer", "--tag", "bf16_flashinfer", "--wait-for", str(go),
-                                   "--ready", str(ready), "--time-limit", str(limit - 45), "--engine", *ENGINE,
+    fi = subprocess.Popen(sweep + ["--attention-backend", "flashinfer", "--tag", "bf16_flashinfer", "--wait-for",
+                                   str(go), "--ready", str(ready), "--time-limit", str(limit - 45), "--engine", *ENGINE,
                                    "mem_fraction_static=0.45"], stdout=fi_log, stderr=subprocess.STDOUT,
                           env=host.sglang_env(extra))
+    fi_log_path = out / "logs" / "prefix_bf16_flashinfer.log"
     for _ in range(120):  # the flashinfer engine's pool first: then the OSCAR engine sizes its own from what is left
-        if fi.poll() is not None or "Memory pool end" in (out / "logs" / "prefix_bf16_flashinfer.log").read_text(errors="replace"):
+        if fi.poll() is not None or "Memory pool end" in fi_log_path.read_text(errors="replace"):
             break
         time.sleep(1)
     print(f"flashinfer pool allocated at t={time.time() - t0:.0f} s; OSCAR starts", flush=True)
     oscar_limit = int(opts["oscar_limit_s"])
     with open(out / "logs" / "prefix_oscar.log", "w") as log:
         try:
+            oscar_env = host.sglang_env(dict(extra, OSCAR_ARTIFACT=str(art), OSCAR_SINK=str(opts["sink"]),
+                                             OSCAR_RECENT=str(opts["recent"])))
             rc: Any = subprocess.run(sweep + ["--attention-backend", "oscar", "--tag", "oscar", "--time-limit",
                                               str(oscar_limit - 30), "--engine", *ENGINE, "mem_fraction_static=0.80",
-                                              "page_size=16"], stdout=log, stderr=subprocess.STDOUT, timeout=oscar_limit,
-                                     env=host.sglang_env(dict(extra, OSCAR_ARTIFACT=str(art), OSCAR_SINK=str(opts["sink"]),
-                                                              OSCAR_RECENT=str(opts["recent"])))).returncode
+                                              "page_size=16"], stdout=log, stderr=subprocess.STDOUT,
+                                     timeout=oscar_limit, env=oscar_env).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     print(f"oscar exit {rc} at t={time.time() - t0:.0f} s; flashinfer ready: {ready.exists()}", flush=True)
@@ -119,7 +121,6 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
 
 
 def report(out: Path, opts: dict[str, Any]) -> list[Path]:
-    from oscar.bench import prefix_report
 
     rows = out / "prefix_rows.jsonl"
     if not rows.is_file():
@@ -131,7 +132,7 @@ def report(out: Path, opts: dict[str, Any]) -> list[Path]:
 def track(out: Path, opts: dict[str, Any], uri: str) -> str:
     import csv
 
-    from oscar.bench import mirror
+    from oscar.bench import mirror  # local: MLflow only (pandas, omegaconf)
 
     with open(out / "prefix_sweep.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))

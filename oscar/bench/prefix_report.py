@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from oscar.bench.host import hardware_line
+from oscar.core.files import atomic_write, atomic_write_csv, atomic_write_text
+
 COLUMNS = ("cache", "backend", "tag", "ratio", "shared_tokens", "requests", "input_len", "output_len", "status",
            "job_s", "job_tokens_per_s", "ttft_mean_s", "ttft_p50_s", "ttft_max_s", "cached_tokens", "radix",
            "cuda_graph", "page_size", "device", "sglang")
@@ -69,7 +72,6 @@ def write_png(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from oscar.core.files import atomic_write
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for tag in sorted({r["tag"] for r in rows}):
@@ -95,8 +97,6 @@ def write_png(rows: list[dict[str, Any]], path: Path) -> None:
 def write_report(paths: list[Path], out: Path, env: dict[str, Any] | None = None,
                  notes: Path | None = None) -> list[Path]:
     """prefix_sweep.{csv,md,png} from the rows of ``paths``; returns the files written."""
-    from oscar.bench.host import hardware_line
-    from oscar.core.files import atomic_write_csv, atomic_write_text
 
     rows, checks = load(paths)
     if not rows:

@@ -23,6 +23,8 @@ from pathlib import Path
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
+import oscar.kernels.decode_rows as da
+import oscar.kernels.quantize as qz
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 DIV16 = {"stride_cp", "stride_ch", "stride_mp", "stride_mh", "tokens_per_split", "stride_sb", "stride_sh", "stride_st",
@@ -70,8 +72,6 @@ def opcode(text: str) -> str:
 
 
 def main() -> int:
-    import oscar.kernels.decode_attention as da
-    import oscar.kernels.quantize as qz
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keep", type=Path, help="folder for the PTX/SASS files (default: a temporary one)")
@@ -82,13 +82,13 @@ def main() -> int:
             "muv_ptr": "*fp32", "qr_ptr": "*fp32", "qmu_ptr": "*fp32", "kc_ptr": "*u8", "ks_ptr": "*bf16",
             "kz_ptr": "*bf16", "vc_ptr": "*u8", "vs_ptr": "*bf16", "vz_ptr": "*bf16", "pt_ptr": "*i32",
             "len_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qo_ptr": "*fp32", "sk_ptr": "*bf16",
-            "sv_ptr": "*bf16", "slen_ptr": "*i32", "recent_k_ptr": "*bf16", "recent_v_ptr": "*bf16", "rlen_ptr": "*i32"}
+            "sv_ptr": "*bf16", "slen_ptr": "*i32", "recent_k_ptr": "*bf16", "recent_v_ptr": "*bf16", "rlen_ptr": "*i32",
+            "wrow_ptr": "*i32"}
     bf = dict(HKV=8, REP=4, HP=16, D=128, BITS=2, PAGE_SIZE=64, FAST_UNPACK=True, FUSE_BF16=False, BF_BLOCK=32,
-              CHUNK=64, HAS_SINK=True, HAS_RECENT=True, DOT_T=tl.bfloat16)
-    plane = dict(QK_INT8=True, QK_LEVELS=2, PREFETCH=False, HAS_RK=True, HAS_MUK=True, ROT_OUT=True, HAS_MUV=True,
-                 **da.plane_sources(2))
+              CHUNK=64, HAS_SINK=True, HAS_RECENT=True, DOT_T=tl.bfloat16, WIN_ROWS=False)
+    plane = dict(HAS_RK=True, HAS_MUK=True, ROT_OUT=True, HAS_MUV=True, **da.plane_sources(2))
     word_ptrs = {**ptrs, "kc_ptr": "*i32", "vc_ptr": "*i32", "rk_ptr": "*bf16", "rv_ptr": "*bf16"}
-    word = dict(G=128, HEADS_IN_M=False, PREFETCH=True, V_HEADS_IN_M=False)
+    word = dict(G=128)
     cases = [
         ("v8_planes_b128_r128", da._planes_kernel, ptrs, {**bf, **plane, "BLOCK_N": 128, "ROW_GATHER": True},
          dict(num_warps=4, num_stages=2, maxnreg=128), 128),
@@ -108,9 +108,9 @@ def main() -> int:
     qptrs = {"x_ptr": "*bf16", "src_ptr": "*i64", "slot_ptr": "*i64", "r_ptr": "*fp32", "mu_ptr": "*fp32",
              "rho_ptr": "*fp32", "codes_ptr": "*u8", "scale_ptr": "*bf16", "zero_ptr": "*bf16", "x2_ptr": "*bf16",
              "r2_ptr": "*fp32", "mu2_ptr": "*fp32", "rho2_ptr": "*fp32", "codes2_ptr": "*u8", "scale2_ptr": "*bf16",
-             "zero2_ptr": "*bf16"}
+             "zero2_ptr": "*bf16", "bidx_ptr": "*i32", "bidx2_ptr": "*i32"}
     qc = dict(PAGE_SIZE=64, D=128, G=128, BITS=2, HAS_SRC=True, HAS_ROT=True, HAS_MU=True, CLIP=True,
-              PRECISION="tf32x3", RADIX4=False)
+              PRECISION="tf32x3", MMA=False)
     for tag, const, nw in (("demote_rows_w1", {**qc, "BLOCK_T": 1, "ROW_PATH": True}, 1),
                            ("quantize_blocks_w8", {**qc, "BLOCK_T": 16, "ROW_PATH": False}, 8)):
         r = compile_sass(qz._rotate_quantize_kernel, qptrs, const, out, tag, num_warps=nw)

@@ -41,6 +41,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from oscar.bench.host import sglang_env
+from oscar.bench.serve_compare import INT2_LOGPROB_TOL, INT2_MEDIAN_TOL, check_teacher_forced, save_in_code_artifact
+from oscar.core.files import atomic_write_json, atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = [
@@ -90,7 +93,6 @@ def engine_main(spec_path: str, out_path: str) -> int:
     """Run SGLang's offline Engine for each run of the spec (one process: the plugin loads through its entry point)."""
     import sglang
 
-    from oscar.core.files import atomic_write_json
 
     spec = json.loads(Path(spec_path).read_text())
     results = {}
@@ -124,11 +126,9 @@ def engine_main(spec_path: str, out_path: str) -> int:
 
 
 def start_engines(name: str, runs: list[dict], out: Path) -> subprocess.Popen:
-    from oscar.core.files import atomic_write_json
 
     spec = out / f"{name}_spec.json"
     atomic_write_json(spec, {"runs": runs})
-    from oscar.bench.host import sglang_env
 
     env = sglang_env()
     log = open(out / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
@@ -169,7 +169,6 @@ def compare_int2(run: dict, emb_int2: list, emb_bf16: list) -> dict:
     """Teacher-forced comparison of one SGLang INT2 run with the embedded engine (INT2 and BF16 caches)."""
     import torch
 
-    from oscar.bench.serve_compare import INT2_LOGPROB_TOL, INT2_MEDIAN_TOL, check_teacher_forced
 
     top2 = {"output_ids": run["output_ids"],  # the check's tolerances are for SGLang's token and its top 2
             "logprobs": [{"output_token_logprobs": lp["output_token_logprobs"],
@@ -227,7 +226,6 @@ def compare_bf16(ref: list[list[int]], got: list[list[int]], bf16_logprobs: list
 
 
 def compare_eval(served_dir: Path, embedded_dir: Path) -> dict:
-    from oscar.bench.serve_compare import INT2_LOGPROB_TOL
 
     def load(d: Path) -> tuple[dict, list]:
         return (json.loads((d / "result.json").read_text()),
@@ -255,9 +253,9 @@ def compare_eval(served_dir: Path, embedded_dir: Path) -> dict:
 
 def embedded_forced(model: Any, method: str, artifact: Any, sink: int, recent: int, prompts: list, forced: list,
                     overrides: tuple = ()) -> list:
-    from oscar.config import compose
-    from oscar.models.engine import Engine, rotations_from_artifact
-    from oscar.models.generate import forced_logprobs
+    from oscar.config import compose  # local: the --engine subprocess needs sglang only
+    from oscar.models.engine import Engine, rotations_from_artifact  # local: the --engine subprocess needs sglang only
+    from oscar.models.generate import forced_logprobs  # local: the --engine subprocess needs sglang only
 
     cfg = compose([f"method={method}", *overrides, f"method.sink={sink}", f"method.recent={recent}"])
     rots = None if artifact is None else rotations_from_artifact(artifact, cfg.method, model)
@@ -291,11 +289,9 @@ def main(argv: list[str]) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from oscar.config import compose
-    from oscar.core.files import atomic_write_json, atomic_write_text
-    from oscar.models import load_model
-    from oscar.serve.client import model_path
-    from oscar.bench.serve_compare import save_in_code_artifact
+    from oscar.config import compose  # local: the --engine subprocess needs sglang only
+    from oscar.models import load_model  # local: the --engine subprocess needs sglang only
+    from oscar.serve.client import model_path  # local: the --engine subprocess needs sglang only
 
     out = a.out
     out.mkdir(parents=True, exist_ok=True)
@@ -377,7 +373,6 @@ def main(argv: list[str]) -> int:
 
 def merge_eval(out: Path, served: Path, embedded: Path) -> int:
     """The eval cell's comparison added to ``out/gpu_correctness.{json,md}`` (the cell runs beside the engines)."""
-    from oscar.core.files import atomic_write_json, atomic_write_text
 
     report = json.loads((out / "gpu_correctness.json").read_text())
     if (served / "result.json").exists() and (embedded / "result.json").exists():

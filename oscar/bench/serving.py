@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from oscar.bench import host
+from oscar.bench import host, serving_report
+from oscar.serve.contract import SUPPORTED_VERSIONS
 
 AREA = "serving"
 SUMMARY = "SGLang decode step / prefill: the OSCAR plugin vs SGLang's BF16 backends (flashinfer, triton)"
@@ -42,6 +43,7 @@ DEFAULTS: dict[str, Any] = {
     "recent": 256,
     "page_size": 16,
     "rotation": "random",
+    "tp": 1,  # tensor-parallel ranks (GPUs of one host; sglang_one_batch runs one process per rank)
     "timeout_s": 0,  # per backend process (0: PLAN's)
     "notes": "",  # Markdown appended to decode.md (the reading of the run)
 }
@@ -99,12 +101,15 @@ def plan(opts: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def needs(opts: dict[str, Any]) -> list[host.Need]:
-    from oscar.serve.contract import SUPPORTED_VERSIONS
 
     plan(opts)
-    out = [host.cuda_device(), host.sglang(SUPPORTED_VERSIONS),
+    if int(opts["tp"]) < 1:
+        raise ValueError(f"tp={opts['tp']}: the number of tensor-parallel GPUs, at least 1")
+    out = [host.cuda_device() if int(opts["tp"]) == 1 else host.cuda_devices(int(opts["tp"])),
+           host.sglang(SUPPORTED_VERSIONS),
            host.path_exists(model_dir(opts) / "config.json", "model config (dummy weights)",
-                            f"model= a folder with the model's config.json and tokenizer (offline: ${BUNDLE_ENV}/qwen3-8b)")]
+                            f"model= a folder with the model's config.json and tokenizer "
+                            f"(offline: ${BUNDLE_ENV}/qwen3-8b)")]
     if "oscar" in _backends(opts):
         out.append(host.plugin_entry_point())
     mem = host.gpu_memory()
@@ -128,12 +133,14 @@ def command(run: dict[str, Any], opts: dict[str, Any], out: Path) -> list[str]:
             "--oscar-tag", run["name"]]
     if run["backend"] == "oscar":
         args += ["--page-size", str(opts["page_size"])]
+    if int(opts["tp"]) > 1:
+        args += ["--tp-size", str(opts["tp"])]
     return args
 
 
 def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
     """Run every backend process in turn (one at a time on the GPU); the rows of this run replace the folder's."""
-    from oscar.bench.timing_artifact import write_timing_artifact
+    from oscar.bench.timing_artifact import write_timing_artifact  # local: keeps torch out of `gpu --help`
 
     runs = plan(opts)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -143,8 +150,9 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
     extra = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
              "PYTHONUNBUFFERED": "1"}
     if "oscar" in _backends(opts):
-        print(write_timing_artifact(model_dir(opts), art, rotation=str(opts["rotation"]), mu=True, sink=int(opts["sink"]),
-                                    recent=int(opts["recent"]), page_size=int(opts["page_size"])), flush=True)
+        print(write_timing_artifact(model_dir(opts), art, rotation=str(opts["rotation"]), mu=True,
+                                    sink=int(opts["sink"]), recent=int(opts["recent"]),
+                                    page_size=int(opts["page_size"])), flush=True)
         env["contract"] = _contract(extra)
         print(f"SGLang contract of the plugin: {env['contract']}", flush=True)
     env["runs"] = []
@@ -184,7 +192,6 @@ def _contract(extra: dict[str, str]) -> str:
 
 
 def report(out: Path, opts: dict[str, Any]) -> list[Path]:
-    from oscar.bench import serving_report
 
     rows = out / "serving_rows.jsonl"
     if not rows.is_file():
@@ -195,6 +202,5 @@ def report(out: Path, opts: dict[str, Any]) -> list[Path]:
 
 
 def track(out: Path, opts: dict[str, Any], uri: str) -> str:
-    from oscar.bench import serving_report
 
     return serving_report.track(out, uri, host.read_env(out / "decode_env.json"))

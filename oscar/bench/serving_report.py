@@ -20,6 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from oscar.bench.host import hardware_line
+from oscar.core.files import atomic_write, atomic_write_csv, atomic_write_text
+
 COLUMNS = ("cache", "backend", "mode", "batch", "context", "decode_ms", "prefill_s", "cuda_graph", "radix", "status",
            "tokens_per_s", "max_total_num_tokens", "max_batch_by_tokens", "page_size", "mem_fraction_static", "tag",
            "device")
@@ -179,7 +182,6 @@ def write_png(rows: list[dict[str, Any]], path: Path, context: int = 100000) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from oscar.core.files import atomic_write
 
     series = sorted({(r["cache"], r["backend"], r.get("tag", "")) for r in rows})
     colour = {key: f"C{i}" for i, key in enumerate(series)}
@@ -228,7 +230,7 @@ def write_png(rows: list[dict[str, Any]], path: Path, context: int = 100000) -> 
 def track(out: Path, uri: str, env: Optional[dict[str, Any]] = None) -> str:
     """Mirror the table into MLflow (experiment ``oscar/gpu/serving``): a parent run with the report files, one
     child run per row (both replaced on every call). Returns the parent run id."""
-    from oscar.bench import mirror
+    from oscar.bench import mirror  # local: MLflow only (pandas, omegaconf)
 
     with open(out / "decode.csv", newline="") as fh:
         table = list(csv.DictReader(fh))
@@ -282,7 +284,7 @@ def profile_parts(p: dict[str, Any], mode: str) -> dict[str, dict[str, float]]:
     """GPU ms and kernels per step of each part of one profiled step kind (graph | eager): the plugin's labelled
     calls kept, the rest re-classified by name with today's ``kernel_category`` (from the per-kernel list, which
     covers the whole step when the step has at most 25 kernel names; the remainder goes to ``unlisted``)."""
-    from oscar.bench.sglang_synthetic import kernel_category
+    from oscar.bench.sglang_synthetic import kernel_category  # local: sglang_synthetic imports torch
 
     parts: dict[str, dict[str, float]] = {}
     for k in p.get(f"top_{mode}") or []:
@@ -298,8 +300,7 @@ def profile_parts(p: dict[str, Any], mode: str) -> dict[str, dict[str, float]]:
 
 def write_profile(profiles: list[dict[str, Any]], out: Path) -> list[str]:
     """profile.csv (one row per profiled shape, step kind and part) and profile.md; returns the markdown lines."""
-    from oscar.core.files import atomic_write_csv, atomic_write_text
-    from oscar.bench.sglang_synthetic import kernel_category
+    from oscar.bench.sglang_synthetic import kernel_category  # local: sglang_synthetic imports torch
 
     rows, md = [], ["# The decode step under torch.profiler (GPU ms per part of one step)", "",
                     "`python -m oscar.bench.sglang_one_batch --oscar-profile BxN`: on the synthetic state, 2 warm-up + 5 timed "
@@ -339,7 +340,6 @@ def write_profile(profiles: list[dict[str, Any]], out: Path) -> list[str]:
 
 
 def _header(rows: list[dict[str, Any]], env: dict[str, Any]) -> list[str]:
-    from oscar.bench.host import hardware_line
 
     o = env.get("options") or {}
     sink, recent, page = o.get("sink", 64), o.get("recent", 256), o.get("page_size", 16)
@@ -370,7 +370,6 @@ def write_report(paths: list[Path], out: Path, env: Optional[dict[str, Any]] = N
                  compare: Optional[Path] = None, profile: Optional[Path] = None) -> list[Path]:
     """decode.{csv,md,png} (and profile.{csv,md} from ``profile`` or ``profile_rows.jsonl`` beside the first rows
     file) from the rows of ``paths``; returns the files written."""
-    from oscar.core.files import atomic_write_text
 
     rows = load_rows(paths)
     if not rows:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from oscar.bench import host
+from oscar.core.files import atomic_write_json
 
 # table -> module
 TABLES: dict[str, str] = {
@@ -105,8 +106,6 @@ def run(table: str, argv: list[str], command: str) -> int:
         t0 = time.time()
         mod.measure(opts, out, env)
         env["wall_s"] = round(time.time() - t0, 1)
-        from oscar.core.files import atomic_write_json
-
         atomic_write_json(out / f"{stem}_env.json", env)
         print(f"gpu {table}: measured in {env['wall_s']:.0f} s", flush=True)
     try:

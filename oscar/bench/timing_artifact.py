@@ -19,6 +19,9 @@ import sys
 from pathlib import Path
 
 import torch
+from oscar.cache.formats import record_format
+from oscar.core.artifact import CalibrationArtifact, build_meta, config_hash_of, model_config_fields, save_artifact
+from oscar.core.rotation import random_orthogonal
 
 
 def write_timing_artifact(config: str | Path, out: str | Path, rotation: str = "random", bits: int = 2,
@@ -27,9 +30,6 @@ def write_timing_artifact(config: str | Path, out: str | Path, rotation: str = "
     format, one group per row, ``sink``/``recent`` windows); returns a one-line description."""
     from transformers import AutoConfig
 
-    from oscar.cache.formats import record_format
-    from oscar.core.artifact import CalibrationArtifact, build_meta, config_hash_of, model_config_fields, save_artifact
-    from oscar.core.rotation import random_orthogonal
 
     if rotation not in ("random", "identity"):
         raise ValueError(f"rotation={rotation!r}; valid: random, identity")
