@@ -124,7 +124,7 @@ def report(out: Path, opts: dict[str, Any]) -> list[Path]:
 def track(out: Path, opts: dict[str, Any], uri: str) -> str:
     import csv
 
-    from oscar.bench import mirror  # local: MLflow only (pandas, omegaconf)
+    from oscar.bench import mirror  # local: keeps omegaconf and pandas out of import time (MLflow only)
 
     table = str(opts["table"])
     with open(out / f"{table}.csv", newline="") as fh:

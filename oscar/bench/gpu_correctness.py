@@ -180,7 +180,7 @@ def report(out: Path, opts: dict[str, Any]) -> list[Path]:
 def track(out: Path, opts: dict[str, Any], uri: str) -> str:
     import csv
 
-    from oscar.bench import mirror  # local: MLflow only (pandas, omegaconf)
+    from oscar.bench import mirror  # local: keeps omegaconf and pandas out of import time (MLflow only)
 
     with open(out / "gpu_correctness.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))

@@ -44,7 +44,7 @@ def needs(opts: dict[str, Any]) -> list[host.Need]:
 
 def _run(opts: dict[str, Any], out: Path, compile_step: bool) -> None:
     """One ``oscar.bench.throughput_run.run`` over the table's points (what ``python -m oscar profile`` runs)."""
-    from oscar.bench.throughput_run import FLAGS, Settings, run  # local: torch and transformers (fused step)
+    from oscar.bench.throughput_run import FLAGS, Settings, run  # local: keeps torch and omegaconf out of `gpu --help`
     from oscar.config import compose  # local: keeps omegaconf out of `gpu --help`
 
     parts = str(opts["parts"])

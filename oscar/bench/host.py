@@ -174,8 +174,8 @@ def free_gpu_memory(gib: float) -> Need:
 def model_gguf(model: str) -> Need:
     """The model's GGUF on this host, with the sha256 its configuration names."""
     try:
-        from oscar.config import compose  # local: no omegaconf on a bare GPU machine
-        from oscar.models.loading import (  # local: no omegaconf on a bare GPU machine
+        from oscar.config import compose  # local: keeps omegaconf out of import time (bare GPU host)
+        from oscar.models.loading import (  # local: keeps omegaconf out of import time (bare GPU host)
             gguf_path, model_cache_dir, package_module)
     except ImportError as exc:
         return Need(f"model {model}", "configuration not importable", f"{exc} (omegaconf/hydra: {ROUTES})")

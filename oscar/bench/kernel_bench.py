@@ -639,7 +639,7 @@ def plot(rows: list[dict[str, Any]], names: list[str], path: Path) -> None:
 
 def track(out: Path, opts: dict[str, Any], uri: str) -> str:
     """MLflow: experiment ``oscar/gpu/kernels``, a parent run with the report, one child run per shape."""
-    from oscar.bench import mirror  # local: MLflow only (pandas, omegaconf)
+    from oscar.bench import mirror  # local: keeps omegaconf and pandas out of import time (MLflow only)
 
     name = stem(opts)
     rows = _read_csv(out / f"{name}.csv")

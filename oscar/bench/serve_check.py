@@ -24,20 +24,21 @@ import sys
 from pathlib import Path
 
 import torch
+
+from oscar.cache import paged
+from oscar.cache.formats import format_for
+from oscar.cache.torch_cache import LayerRotations
 from oscar.core.files import atomic_write_text
+from oscar.core.rope import RopeSpec
+from oscar.kernels.launch import MmaLaunch
+from oscar.serve.settings import ServeSettings
 
 
 def check(rope: bool, device: str = "cuda", heads: tuple[int, int, int] = (8, 32, 128)) -> dict:
     """One pool (plain or rope-centered keys): the relative error of both output frames against the twin
     (``device="cpu"``: the twin through the same calls, eager: a smoke test of the script without a GPU)."""
-    from oscar.cache import paged  # local: a script run beside the sglang pool
-    from oscar.cache.formats import format_for  # local: a script run beside the sglang pool
-    from oscar.cache.torch_cache import LayerRotations  # local: pulls transformers
-    from oscar.kernels.launch import MmaLaunch  # local: a script run beside the sglang pool
-    from oscar.core.rope import RopeSpec  # local: a script run beside the sglang pool
-    from oscar.serve.backend import DecodeMeta, decode_metadata  # local: imports sglang
-    from oscar.serve.pool import OscarTokenToKVPool  # local: imports sglang
-    from oscar.serve.settings import ServeSettings  # local: a script run beside the sglang pool
+    from oscar.serve.backend import DecodeMeta, decode_metadata  # local: keeps sglang out of import time
+    from oscar.serve.pool import OscarTokenToKVPool  # local: keeps sglang out of import time
 
     dev = torch.device(device)
     cuda = dev.type == "cuda"

@@ -57,10 +57,10 @@ def save_in_code_artifact(model_dir: Path, method: str, out: Path) -> Path:
     (`fit`) these methods fit their clip on calibration statistics like every other row."""
     from transformers import AutoConfig
 
-    from oscar.config import compose  # local: keeps omegaconf out of tests/serve
-    from oscar.core.artifact import (  # local: beside the configuration
+    from oscar.config import compose  # local: keeps omegaconf out of `gpu --help`
+    from oscar.core.artifact import (  # local: keeps torch out of `gpu --help`
         config_hash_of, model_config_fields, save_artifact)
-    from oscar.models.methods import in_code_artifact  # local: keeps omegaconf out of tests/serve
+    from oscar.models.methods import in_code_artifact  # local: keeps omegaconf out of `gpu --help`
 
     hf = AutoConfig.from_pretrained(str(model_dir))
     f = model_config_fields(hf)

@@ -253,9 +253,10 @@ def compare_eval(served_dir: Path, embedded_dir: Path) -> dict:
 
 def embedded_forced(model: Any, method: str, artifact: Any, sink: int, recent: int, prompts: list, forced: list,
                     overrides: tuple = ()) -> list:
-    from oscar.config import compose  # local: the --engine subprocess needs sglang only
-    from oscar.models.engine import Engine, rotations_from_artifact  # local: the --engine subprocess needs sglang only
-    from oscar.models.generate import forced_logprobs  # local: the --engine subprocess needs sglang only
+    # local: keeps omegaconf and transformers out of `gpu --help`
+    from oscar.config import compose
+    from oscar.models.engine import Engine, rotations_from_artifact
+    from oscar.models.generate import forced_logprobs
 
     cfg = compose([f"method={method}", *overrides, f"method.sink={sink}", f"method.recent={recent}"])
     rots = None if artifact is None else rotations_from_artifact(artifact, cfg.method, model)
@@ -289,9 +290,10 @@ def main(argv: list[str]) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from oscar.config import compose  # local: the --engine subprocess needs sglang only
-    from oscar.models import load_model  # local: the --engine subprocess needs sglang only
-    from oscar.serve.client import model_path  # local: the --engine subprocess needs sglang only
+    # local: keeps omegaconf and transformers out of `gpu --help`
+    from oscar.config import compose
+    from oscar.models import load_model
+    from oscar.serve.client import model_path
 
     out = a.out
     out.mkdir(parents=True, exist_ok=True)

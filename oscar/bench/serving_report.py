@@ -230,7 +230,7 @@ def write_png(rows: list[dict[str, Any]], path: Path, context: int = 100000) -> 
 def track(out: Path, uri: str, env: Optional[dict[str, Any]] = None) -> str:
     """Mirror the table into MLflow (experiment ``oscar/gpu/serving``): a parent run with the report files, one
     child run per row (both replaced on every call). Returns the parent run id."""
-    from oscar.bench import mirror  # local: MLflow only (pandas, omegaconf)
+    from oscar.bench import mirror  # local: keeps omegaconf and pandas out of import time (MLflow only)
 
     with open(out / "decode.csv", newline="") as fh:
         table = list(csv.DictReader(fh))
@@ -284,7 +284,7 @@ def profile_parts(p: dict[str, Any], mode: str) -> dict[str, dict[str, float]]:
     """GPU ms and kernels per step of each part of one profiled step kind (graph | eager): the plugin's labelled
     calls kept, the rest re-classified by name with today's ``kernel_category`` (from the per-kernel list, which
     covers the whole step when the step has at most 25 kernel names; the remainder goes to ``unlisted``)."""
-    from oscar.bench.sglang_synthetic import kernel_category  # local: sglang_synthetic imports torch
+    from oscar.bench.sglang_synthetic import kernel_category  # local: keeps torch out of `gpu --help`
 
     parts: dict[str, dict[str, float]] = {}
     for k in p.get(f"top_{mode}") or []:
@@ -300,7 +300,7 @@ def profile_parts(p: dict[str, Any], mode: str) -> dict[str, dict[str, float]]:
 
 def write_profile(profiles: list[dict[str, Any]], out: Path) -> list[str]:
     """profile.csv (one row per profiled shape, step kind and part) and profile.md; returns the markdown lines."""
-    from oscar.bench.sglang_synthetic import kernel_category  # local: sglang_synthetic imports torch
+    from oscar.bench.sglang_synthetic import kernel_category  # local: keeps torch out of `gpu --help`
 
     rows, md = [], ["# The decode step under torch.profiler (GPU ms per part of one step)", "",
                     "`python -m oscar.bench.sglang_one_batch --oscar-profile BxN`: on the synthetic state, 2 warm-up + 5 timed "

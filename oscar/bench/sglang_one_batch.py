@@ -31,11 +31,12 @@ import sys
 import time
 from typing import Any
 
+from oscar.bench import sglang_synthetic as sy
+from oscar.serve.plugin import register
+
 
 def _load_plugin() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry
-
-    from oscar.serve.plugin import register
 
     register()
     HookRegistry.apply_hooks()
@@ -107,9 +108,7 @@ def _synthetic_row(runner: Any, row: dict[str, Any], bs: int, il: int, ol: int) 
     import numpy as np
     import torch
 
-    from oscar.bench.sglang_synthetic import fits
-
-    if not fits(int(row["max_total_num_tokens"]), bs, il, ol):
+    if not sy.fits(int(row["max_total_num_tokens"]), bs, il, ol):
         return dict(row, status="capacity")
     runner.clear()
     try:
@@ -134,8 +133,6 @@ def _profile(runner: Any, bs: int, il: int, ol: int, steps: int = 5) -> dict[str
     replays, then ``steps`` eager steps (the decode graph runner set aside) with the plugin's calls labelled;
     GPU ms per part of the step and the wall ms per step of each."""
     import torch
-
-    from oscar.bench import sglang_synthetic as sy
 
     if not sy.fits(int(runner.torch_runner.max_total_num_tokens), bs, il, 4 + 4 * steps):
         return dict(status="capacity")
@@ -171,8 +168,6 @@ def _profiled_steps(runner: Any, batch: Any, ids: Any, steps: int, attn_backend:
 
     import numpy as np
     from torch.profiler import ProfilerActivity, profile
-
-    from oscar.bench import sglang_synthetic as sy
 
     _, ids = _decode_steps(runner, batch, ids, 2)
     wall, ids = _decode_steps(runner, batch, ids, steps)
@@ -302,10 +297,8 @@ def _bench(args: Any, server_args: Any, bench_args: Any, port_args: Any, tp_rank
     synth = _shapes(args.oscar_synthetic)
     prof = _shapes(args.oscar_profile)
     if synth or prof:
-        from oscar.bench.sglang_synthetic import fill_pool
-
         t0 = time.perf_counter()
-        kind = fill_pool(runner.torch_runner.token_to_kv_pool, seed=args.oscar_seed)
+        kind = sy.fill_pool(runner.torch_runner.token_to_kv_pool, seed=args.oscar_seed)
         torch.cuda.synchronize()
         say(f"synthetic state: filled the {kind} pool in {time.perf_counter() - t0:.2f} s", flush=True)
     for bs, il in synth:

@@ -16,9 +16,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from oscar.cache import attention
 from oscar.cache import device_cache as dc
 from oscar.cache import paged
 from oscar.cache.formats import CacheFormat
+from oscar.cache.torch_cache import LayerRotations
+from oscar.core.rotation import random_orthogonal
+from oscar.models.engine import new_cache, rotations_in_code
+from oscar.models.methods import needs_statistics
 
 CACHES = ("bf16", "oscar", "saw_int4")
 
@@ -104,11 +109,6 @@ def timing_rotations(method_cfg: Any, model: Any, seed: int = 0) -> tuple[list[A
     for calibrated methods a seeded random orthogonal matrix per (layer, head) of the same shape (a
     dense ``[Hkv, d, d]`` rotation, the same kernel work as ``U.H.P``), with the method's fixed clip
     ratios. Returns the rotations and a note saying which."""
-    from oscar.cache.torch_cache import LayerRotations
-    from oscar.models.engine import rotations_in_code
-    from oscar.models.methods import needs_statistics
-    from oscar.core.rotation import random_orthogonal
-
     if not needs_statistics(method_cfg):
         return rotations_in_code(method_cfg, model), f"{method_cfg.name}: rotations built in code"
     layers, _, hkv, d = geometry(model)
@@ -164,9 +164,6 @@ def kernel_label(cache: dc.DeviceCache) -> str:
 def reference_decode(model: Any, prompt: torch.Tensor, fmt: TimedCache, steps: int, rotations: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy decode through the host-driven `oscar.cache.torch_cache.OscarCache` (torch backend): tokens ``[B, steps]``
     and the logits of each step ``[B, steps, V]`` (step 0 = the prompt's last position)."""
-    from oscar.cache import attention
-    from oscar.models.engine import new_cache
-
     attention.enable(model)
     cache = new_cache(model, fmt.format.cache_spec(list(rotations) if fmt.transforms is not None else None))
     key = "cache" if "cache" in dc.forward_kwargs(model) else "past_key_values"
@@ -262,8 +259,6 @@ def kernels_against_twins(model: Any, prompt: torch.Tensor, fmt: TimedCache, dev
 def teacher_forced_kl(model: Any, prompt: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Per-step KL(BF16 || cache) of ``logits`` ``[B, n, V]`` against a plain full forward of
     ``prompt + tokens`` (the BF16 reference on the same token path)."""
-    from oscar.cache import attention
-
     attention.enable(model)
     seq = torch.cat([prompt, tokens[:, :-1].to(prompt.device)], dim=1)
     with torch.no_grad():

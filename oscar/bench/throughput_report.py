@@ -184,7 +184,7 @@ def analyse(out: Path) -> dict[str, Any]:
             f = fmts.get(r["cache"], {})
             acc = math.nan
             if f.get("bits", 16) < 16:
-                from oscar.core.quant import bits_per_element
+                from oscar.core.quant import bits_per_element  # local: keeps torch out of `gpu --help`
 
                 acc = bits_per_element(int(r["context"]), int(f["head_dim"]), int(f["bits"]), int(f["group_size"]),
                                        int(f["sink"]), int(f["recent"])) / 8
@@ -494,7 +494,7 @@ def track(out: Path, uri: str, experiment: str = "throughput", root: Path = Path
     from mlflow.entities import Metric, Param, RunTag
     from mlflow.tracking import MlflowClient
 
-    from oscar.eval import tracking
+    from oscar.eval import tracking  # local: keeps omegaconf and pandas out of import time (MLflow only)
 
     res = analyse(out)
     commit = tracking.git_commit(root)

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from oscar.config import compose
+from oscar.eval.fidelity import block_bootstrap_ci
 from oscar.models.fused_step import FusedDecoder
 
 FLAGS: dict[str, Any] = {
@@ -123,7 +125,6 @@ class Settings:
 
     def architecture(self, name: str, cfg: Any) -> tuple[str, dict[str, Any]]:
         """(family, config kwargs) of a model: registry geometry + extra sizes from the profile settings."""
-        from oscar.config import compose
 
         if name == "tiny-qwen3":
             return "qwen3", dict(self.prof["tiny"]["architecture"])
@@ -190,7 +191,7 @@ def pick_bf16_attention(cache: Any, batch: int, heads: int, d: int, machine: Mac
     import torch
     from torch.nn.attention import sdpa_kernel
 
-    from oscar.bench import throughput as tp
+    from oscar.bench import throughput as tp  # local: keeps transformers out of import time
 
     if not machine.cuda:
         return "math/rows", {}
@@ -241,8 +242,8 @@ def measure_point(model: Any, fmt: Any, batch: int, context: int, s: Settings, m
     import torch
     from torch.nn.attention import sdpa_kernel
 
-    from oscar.cache import device_cache as dc
-    from oscar.bench import throughput as tp
+    from oscar.cache import device_cache as dc  # local: keeps transformers out of import time
+    from oscar.bench import throughput as tp  # local: keeps transformers out of import time
 
     layers, heads, hkv, d = tp.geometry(model)
     path = "hf" if forward is None else ("compiled" if forward.compiled else "fused")
@@ -359,9 +360,7 @@ def run_check(s: Settings, machine: Machine) -> list[dict[str, Any]]:
     forward of each path against the CPU block-bootstrap interval."""
     import torch
 
-    from oscar.bench import throughput as tp
-    from oscar.config import compose
-    from oscar.eval.fidelity import block_bootstrap_ci
+    from oscar.bench import throughput as tp  # local: keeps transformers out of import time
 
     c = s.prof["check"]
     family, dims = "qwen3", dict(c["architecture"])
@@ -471,7 +470,7 @@ def copy_bandwidth(machine: Machine) -> float:
     """Device-to-device copy bandwidth, bytes read + written per second (the memory ceiling)."""
     import torch
 
-    from oscar.bench import throughput as tp
+    from oscar.bench import throughput as tp  # local: keeps transformers out of import time
 
     if not machine.cuda:
         return math.nan
@@ -510,9 +509,8 @@ def run(cfg: Any, s: Settings, out: Path) -> None:
     """Measure every part asked for; write the CSVs as each part ends."""
     import torch
 
-    from oscar.cache import device_cache as dc
-    from oscar.bench import throughput as tp
-    from oscar.config import compose
+    from oscar.cache import device_cache as dc  # local: keeps transformers out of import time
+    from oscar.bench import throughput as tp  # local: keeps transformers out of import time
 
     device = str(cfg.device)
     if device == "auto":
@@ -627,7 +625,7 @@ def run(cfg: Any, s: Settings, out: Path) -> None:
 
 def _layout_of(fmt: Any, model: Any, machine: Machine) -> str:
     """The page layout a paged format gets on this machine (``-`` for BF16)."""
-    from oscar.bench import throughput as tp
+    from oscar.bench import throughput as tp  # local: keeps transformers out of import time
 
     if fmt.transforms is None:
         return "-"
