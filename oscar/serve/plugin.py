@@ -356,12 +356,12 @@ def clear_after(result: Any, allocator: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def cap_prefix_after(result: Any, req: Any, input_len: int, *args: Any, **kwargs: Any) -> Any:
-    """``Req._compute_max_prefix_len`` (after): a match leaves at least ``OSCAR_RECENT`` tokens to compute, so
-    the request's recent window holds its own exact BF16 rows (a cached prefix has no BF16 ring rows)."""
+    """``Req._compute_max_prefix_len`` (after): a match leaves at least the served format's recent window of tokens
+    to compute, so the request's recent window holds its own exact BF16 rows (a cached prefix has no BF16 ring rows)."""
     if not active():
         return result
     try:
-        recent = int(current_state()["settings"].recent)
+        recent = int(current_state()["format"].recent)
     except RuntimeError:  # no pool in this process
         return result
     return max(0, min(int(result), int(input_len) - recent))

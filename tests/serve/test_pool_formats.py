@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from oscar.cache.formats import KINDS, FormatNotServed, format_for
+from oscar.cache.attention import take_pending
 from oscar.cache.torch_cache import OscarCache
 from oscar.kernels.segments import Segments
 from test_pool_paged import D, H, HKV, PAGE, _backend, _req_to_token, _state, write_history
@@ -46,11 +47,10 @@ def _torch_cache_output(fmt, rot, k: torch.Tensor, v: torch.Tensor, q: torch.Ten
     rows = lambda t: t.transpose(0, 1)[None]  # noqa: E731  [n, Hkv, d] -> [1, Hkv, n, d]
     layer.write_rows(rows(k[:-1]), rows(v[:-1]))
     module = SimpleNamespace(num_key_value_groups=H // HKV, training=False, is_causal=True)
-    layer.update(rows(k[-1:]), rows(v[-1:]))
-    from oscar.cache.attention import take_pending
-
-    take_pending(layer)
-    out = layer.attend_and_write(module, q[None, :, None, :], rows(k[-1:]), rows(v[-1:]), None, D**-0.5)
+    key, value = rows(k[-1:]), rows(v[-1:])
+    layer.update(key, value)  # what the model's attention call does: update, then take the pending record
+    assert take_pending(key) is layer
+    out = layer.attend_and_write(module, q[None, :, None, :], key, value, None, D**-0.5)
     return out[0, :, 0].float()
 
 
