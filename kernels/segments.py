@@ -23,6 +23,7 @@ class Pages(Protocol):
     bits: int
     group_size: int
     layout: str  # "rows", "mma_k" or "mma_v"
+    block: int  # 0: per-token scale/zero [P, Hkv, page_size, d//G]; T > 0: per-channel keys, [P, Hkv, page_size/T, d]
 
 
 def _shape(t: Optional[torch.Tensor]) -> Optional[tuple[int, ...]]:
@@ -40,6 +41,8 @@ class HeadTransform:
     Rope-centered keys (``oscar.core.rope``): ``rope_mu`` holds the pre-RoPE means ``m`` (zero rows for heads
     that are not centered) and ``rope_freq``/``rope_scaling`` the layer's rotate-half RoPE; a row at
     position ``p`` is stored minus ``RoPE_p(m)``, and decode adds ``q . RoPE_p(m)`` back to its logit.
+    ``block`` > 0: keys quantized per channel over blocks of ``block`` tokens (docs/DESIGN.md "Per-channel key
+    pages"); their pages are ``QuantPages(..., block=block)``.
     """
 
     R: Optional[torch.Tensor] = None  # [Hkv, d, d] float32, orthogonal; None = identity
@@ -48,8 +51,11 @@ class HeadTransform:
     rope_mu: Optional[torch.Tensor] = None  # [Hkv, d] float32 pre-RoPE means of rope-centered heads; None = none
     rope_freq: Optional[torch.Tensor] = None  # [rotary_dim/2] float64 inverse frequencies (with rope_mu)
     rope_scaling: float = 1.0  # RoPE attention scaling (transformers' attention_scaling)
+    block: int = 0  # >0: per-channel keys over blocks of this many tokens
 
     def __post_init__(self) -> None:
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 0:
+            raise ValueError(f"block={self.block!r} must be 0 (per-token keys) or a positive number of tokens")
         if self.R is not None and (self.R.dim() != 3 or self.R.shape[1] != self.R.shape[2]):
             raise ValueError(f"R must be [Hkv, d, d] (one square rotation per KV head), got {_shape(self.R)}")
         for name in ("mu", "rope_mu"):
@@ -73,7 +79,7 @@ class HeadTransform:
             return None if x is None else x.to(device, dtype).contiguous()
 
         return HeadTransform(mv(self.R), mv(self.mu), mv(self.rho), mv(self.rope_mu), mv(self.rope_freq, torch.float64),
-                             self.rope_scaling)
+                             self.rope_scaling, self.block)
 
     @property
     def rope_centered(self) -> bool:
@@ -82,7 +88,7 @@ class HeadTransform:
 
     def without_rope(self) -> "HeadTransform":
         """The same transform without the rope-centered offset (for rows whose offsets are already subtracted)."""
-        return HeadTransform(self.R, self.mu, self.rho)
+        return HeadTransform(self.R, self.mu, self.rho, block=self.block)
 
 
 @dataclass(frozen=True, eq=False)

@@ -44,19 +44,23 @@ def model():
 def small(kind: str) -> CacheFormat:
     """A format of ``kind`` whose windows leave the middle of a 24-token prompt quantized."""
     fields = {"bf16": dict(), "rotated": dict(bits=2, group_size=D, sink=4, recent=8, page_size=4),
+              "rotated_channel": dict(bits=2, group_size=D, sink=4, recent=8, page_size=4, key_block=4,
+                                      layer_blocks=(4, 0)),  # layer 0 per-channel keys, layer 1 per-token
               "kivi": dict(bits=2, group_size=8, recent=8), "turboquant": dict(bits=2, group_size=D, sink=4, recent=8)}
     return format_for(kind, name=kind, **fields[kind])
 
 
-def rotations() -> list[LayerRotations]:
+def rotations(fmt: CacheFormat | None = None) -> list[LayerRotations]:
+    """Seeded rotations, means and clip ratios per layer; keys per channel where ``fmt`` says (``layer_key_block``)."""
+    blocks = [fmt.layer_key_block(i) if isinstance(fmt, RotatedFormat) else 0 for i in range(LAYERS)]
     return [LayerRotations(torch.stack([random_orthogonal(D, seed=10 * i + h, dtype=torch.float32) for h in range(HKV)]),
                            torch.stack([random_orthogonal(D, seed=10 * i + h + 5, dtype=torch.float32) for h in range(HKV)]),
                            0.1 * torch.randn(HKV, D, generator=torch.Generator().manual_seed(i)), None,
-                           torch.full((HKV,), 0.95), torch.full((HKV,), 0.95)) for i in range(LAYERS)]
+                           torch.full((HKV,), 0.95), torch.full((HKV,), 0.95), k_block=blocks[i]) for i in range(LAYERS)]
 
 
 def timed(fmt: CacheFormat, layout: str = "rows") -> tp.TimedCache:
-    return tp.TimedCache(fmt, transforms=tp.head_transforms(rotations()) if fmt.rotated else None, layout=layout)
+    return tp.TimedCache(fmt, transforms=tp.head_transforms(rotations(fmt)) if fmt.rotated else None, layout=layout)
 
 
 def prompt() -> torch.Tensor:
@@ -68,7 +72,7 @@ def prompt() -> torch.Tensor:
 
 def test_kinds_exist_once_in_the_registry():
     """No module outside the registry spells the tuple of kinds (or branches on a kind string)."""
-    assert KINDS == tuple(REGISTRY) == ("bf16", "rotated", "kivi", "turboquant")
+    assert KINDS == tuple(REGISTRY) == ("bf16", "rotated", "rotated_channel", "kivi", "turboquant")
     spelled = re.compile(r"""["'](bf16|rotated|kivi|turboquant)["']\s*,\s*["'](bf16|rotated|kivi|turboquant)["']""")
     branch = re.compile(r"""kind\s*(==|!=|in|not in)\s*\(?["'](bf16|rotated|kivi|turboquant)["']""")
     offenders = []
@@ -82,8 +86,8 @@ def test_kinds_exist_once_in_the_registry():
 
 def test_consumers_and_their_formats():
     assert served_kinds("torch") == KINDS
-    assert served_kinds("device") == ("bf16", "rotated")
-    assert served_kinds("pool") == ("rotated",)
+    assert served_kinds("device") == ("bf16", "rotated", "rotated_channel")
+    assert served_kinds("pool") == ("rotated", "rotated_channel")
     with pytest.raises(FormatNotServed, match=r"not served by the SGLang KV pool; it is served by: embedded"):
         small("kivi").check_served("pool")
     with pytest.raises(ValueError, match="consumer 'gpu' is not valid"):
@@ -91,7 +95,7 @@ def test_consumers_and_their_formats():
 
 
 def test_bad_formats_are_refused_by_name():
-    with pytest.raises(ValueError, match="cache kind 'fp8' is not valid; choose one of bf16, rotated, kivi, turboquant"):
+    with pytest.raises(ValueError, match="cache kind 'fp8' is not valid; choose one of bf16, rotated, rotated_channel, kivi, turboquant"):
         format_for("fp8", name="x")
     with pytest.raises(ValueError, match="bits=3 is not supported"):
         RotatedFormat(name="x", bits=3, group_size=64, recent=1)
@@ -174,14 +178,14 @@ def test_every_format_through_the_torch_cache(model, kind):
 
     fmt = small(kind)
     ids, steps = prompt(), 6
-    tok, lg = tp.reference_decode(model, ids, timed(fmt), steps, rotations())
+    tok, lg = tp.reference_decode(model, ids, timed(fmt), steps, rotations(fmt))
     _, ref = tp.reference_decode(model, ids, tp.TimedCache(BF16Format(name="bf16")), steps, [])
     assert torch.isfinite(lg).all()
     assert torch.equal(lg[:, 0], ref[:, 0])  # a serving prefill attends in BF16 for every format
     gap = (lg[:, 1] - ref[:, 1]).abs().max().item()  # the first decode step reads the quantized middle, same input
     assert (gap > 0) == fmt.quantized, gap
     attention.enable(model)
-    cache = new_cache(model, fmt.cache_spec(rotations()))
+    cache = new_cache(model, fmt.cache_spec(rotations(fmt)))
     with torch.no_grad():
         model(ids, use_cache=True, past_key_values=cache)
     bits = cache.bits_per_element()
@@ -198,7 +202,7 @@ def _device_matches_torch(model, fmt: CacheFormat, device: str, backend: str) ->
     if device == "cuda" and fmt.paged:  # the mma pages hold blocks of 16 tokens
         fmt = fmt.replace(page_size=16)
     t = timed(fmt, "auto" if device == "cuda" else "rows")
-    ref_tok, ref_lg = tp.reference_decode(model, ids, t, steps, rotations())
+    ref_tok, ref_lg = tp.reference_decode(model, ids, t, steps, rotations(fmt))
     cache = tp.new_device_cache(t, model, 2, ids.shape[1], extra_steps=steps, device=device, backend=backend,
                                 shuffle_pages=fmt.paged)
     assert cache.format == fmt

@@ -254,10 +254,22 @@ class DeviceOscarCache(DeviceCache):
         fmt.check_served("device")
         self.format = fmt
         sink, recent, page_size = fmt.sink, fmt.recent, fmt.page_size
-        if sink < 1 or recent < 1:
-            raise ValueError(f"sink={sink} and recent={recent} must be at least 1 on the device cache")
+        if sink < 0 or recent < 1:
+            raise ValueError(f"sink={sink} must be at least 0 and recent={recent} at least 1 on the device cache")
         if len(transforms) != num_layers:
             raise ValueError(f"{len(transforms)} layer transforms for {num_layers} layers")
+        # per-channel key layers (HeadTransform.block = T): K pages of blocks, a ring of W + T - 1 rows
+        self.blocks = [int(kt.block) for kt, _ in transforms]
+        for layer, block in enumerate(self.blocks):
+            try:
+                fmt.check_key_block(block)
+            except ValueError as exc:
+                raise ValueError(f"layer {layer}: {exc}") from exc
+            if block:
+                paged.check_channel_ring(recent, block)
+        if len({b for b in self.blocks if b}) > 1:
+            raise ValueError(f"per-channel key layers with several blocks {sorted(set(self.blocks))}; one cache takes one")
+        self.key_block = max(self.blocks, default=0)
         super().__init__(num_layers, batch, sink + recent + quant_capacity, device)
         self.sink, self.recent, self.page_size, self.backend = sink, recent, page_size, backend
         self.hkv, self.d, self.bits, self.group_size = num_kv_heads, head_dim, fmt.bits, fmt.group_size
@@ -271,13 +283,14 @@ class DeviceOscarCache(DeviceCache):
             order = order[torch.randperm(order.numel(), generator=torch.Generator().manual_seed(0))]
         self.page_table = order.reshape(batch, pages_per_seq).to(self.device)
         self.transforms = [(self._on_device(kt), self._on_device(vt)) for kt, vt in transforms]
-        pairs = [fmt.new_pages(num_pages, num_kv_heads, head_dim, self.device, self.layout) for _ in range(num_layers)]
+        pairs = [fmt.new_pages(num_pages, num_kv_heads, head_dim, self.device, self.layout, key_block=block)
+                 for block in self.blocks]
         self.k_pages = [k for k, _ in pairs]
         self.v_pages = [v for _, v in pairs]
-        # BF16 rows of a layer in one buffer [2 (K, V), B, Hkv, S0 + W, d]: sink and ring are views, so a
-        # step writes its new token (sink or ring slot) with one indexed store per tensor
-        self.bf16 = [torch.zeros(2, batch, num_kv_heads, sink + recent, head_dim, dtype=dtype, device=self.device)
-                     for _ in range(num_layers)]
+        # BF16 rows of a layer in one buffer [2 (K, V), B, Hkv, S0 + ring, d] (ring W, or W + T - 1 for per-channel
+        # keys): sink and ring are views, so a step writes its new token (sink or ring slot) with one indexed store
+        self.bf16 = [torch.zeros(2, batch, num_kv_heads, sink + recent + max(block - 1, 0), head_dim, dtype=dtype,
+                                 device=self.device) for block in self.blocks]
         self.sink_k = [buf[0, :, :, :sink] for buf in self.bf16]
         self.sink_v = [buf[1, :, :, :sink] for buf in self.bf16]
         self.recent_k = [buf[0, :, :, sink:] for buf in self.bf16]
@@ -318,6 +331,9 @@ class DeviceOscarCache(DeviceCache):
         ns = min(L, S0)
         self.sink_k[layer][:, :, :ns] = k[:, :, :ns].to(dt)
         self.sink_v[layer][:, :, :ns] = v[:, :, :ns].to(dt)
+        if self.blocks[layer]:
+            self._import_channel(layer, k, v)
+            return
         nq = max(0, L - S0 - W)
         if nq > 0:
             qpos = torch.arange(nq, device=self.device)[None, :].expand(B, -1)
@@ -331,6 +347,26 @@ class DeviceOscarCache(DeviceCache):
             ring = (torch.arange(start, L, device=self.device) - S0) % W
             self.recent_k[layer][:, :, ring] = k[:, :, start:L].to(dt)
             self.recent_v[layer][:, :, ring] = v[:, :, start:L].to(dt)
+
+    def _import_channel(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`import_prefill` of a per-channel key layer: whole blocks into the pages, the rest into the ring at the
+        slots of `oscar.cache.paged.channel_ring_slots`."""
+        B, _, L, _ = k.shape
+        S0, W, T = self.sink, self.recent, self.blocks[layer]
+        n = max(0, L - S0)
+        nq = max(0, (n - W) // T) * T
+        if nq > 0:
+            qpos = torch.arange(nq, device=self.device)[None, :].expand(B, -1)
+            slots = self._slots(qpos).reshape(-1)
+            rows_k = k[:, :, S0:S0 + nq].transpose(1, 2).reshape(B * nq, self.hkv, self.d).contiguous()
+            rows_v = v[:, :, S0:S0 + nq].transpose(1, 2).reshape(B * nq, self.hkv, self.d).contiguous()
+            self.format.write(rows_k, rows_v, slots, (self.k_pages[layer], self.v_pages[layer]), self.transforms[layer],
+                              backend=self.backend, positions=S0 + qpos.reshape(-1))
+        if n > nq:
+            r = torch.arange(nq, n, device=self.device)
+            ring = paged.channel_ring_slots(r, torch.tensor(n, device=self.device), W, T)
+            self.recent_k[layer][:, :, ring] = k[:, :, S0 + nq:L]
+            self.recent_v[layer][:, :, ring] = v[:, :, S0 + nq:L]
 
     def fill_random(self, length: int, generator: Optional[torch.Generator] = None) -> None:
         """Random codes, scales, zeros and BF16 rows in every slot (exact for timing: the kernels do the
@@ -364,15 +400,34 @@ class DeviceOscarCache(DeviceCache):
             "recent_len": (r + 1).clamp(min=0, max=W).to(torch.int32),
             "int_len": (r + 1 - W).clamp(min=0).to(torch.int32),
         }
+        T = self.key_block
+        if T:  # per-channel key layers: demotion by whole blocks (docs/DESIGN.md "Per-channel key pages")
+            ch = paged.channel_ring(r.clamp(min=0), W, T)
+            in_sink = r < 0
+            demote_b = ch["demote"] & ~in_sink
+            trash = self.trash_slot + torch.arange(T, device=self.device)
+            qslots = self._slots(ch["qpos"].clamp(max=max_q))
+            self.step.update({
+                "ch_write_idx": torch.where(in_sink, p, S0 + ch["write"]),
+                "ch_src": S0 + ch["src"],  # [B, T] rows of the demoted block in the BF16 buffer
+                "ch_slots": torch.where(demote_b[:, None], qslots, trash[None, :]).reshape(-1),
+                "ch_pos": (S0 + ch["qpos"]).reshape(-1),
+                "ch_move_src": S0 + ch["move_src"],
+                "ch_move_dst": S0 + ch["move_dst"],
+                "ch_demote": demote_b,
+                "ch_recent_len": torch.where(in_sink, 0, ch["recent_len"]).to(torch.int32),
+                "ch_int_len": torch.where(in_sink, 0, ch["int_len"]).to(torch.int32),
+            })
 
     def attend_and_write(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          scale: float) -> torch.Tensor:
         if not self.step:
             raise RuntimeError("DeviceOscarCache.prepare() must run before the forward of each step")
         st = self.step
+        if self.blocks[layer]:
+            return self._attend_and_write_channel(layer, query, key, value, scale)
         kt, vt = self.transforms[layer]
         rk, rv = self.recent_k[layer], self.recent_v[layer]
-        sk, sv = self.sink_k[layer], self.sink_v[layer]
         # 1. demote the ring's oldest row (where the ring is full) before the new token takes its slot
         pages = (self.k_pages[layer], self.v_pages[layer])
         self.format.write(rk, rv, st["demote_slot"], pages, (kt, vt), src_index=st["ring_idx"], backend=self.backend,
@@ -382,12 +437,41 @@ class DeviceOscarCache(DeviceCache):
         buf[0, self._rows, :, st["write_idx"]] = key[:, :, 0].to(buf.dtype)
         buf[1, self._rows, :, st["write_idx"]] = value[:, :, 0].to(buf.dtype)
         # 3. attend over the three segments
-        segments = paged.Segments(self.page_table, st["int_len"], sink_k=sk, sink_v=sv, sink_len=st["sink_len"],
-                                  recent_k=rk, recent_v=rv, recent_len=st["recent_len"],
-                                  int_pos0=self.sink if kt.rope_centered else None)
-        out = self.format.attend(query[:, :, 0], pages, segments, (kt, vt), sm_scale=scale, output_frame="original",
-                                 backend=self.backend, launch=self.launch)
+        return self._attend(layer, query, scale, st["int_len"], st["recent_len"])
+
+    def _attend(self, layer: int, query: torch.Tensor, scale: float, int_len: torch.Tensor,
+                recent_len: torch.Tensor) -> torch.Tensor:
+        kt, vt = self.transforms[layer]
+        sink = {} if self.sink == 0 else dict(sink_k=self.sink_k[layer], sink_v=self.sink_v[layer],
+                                              sink_len=self.step["sink_len"])
+        segments = paged.Segments(self.page_table, int_len, recent_k=self.recent_k[layer],
+                                  recent_v=self.recent_v[layer], recent_len=recent_len,
+                                  int_pos0=self.sink if kt.rope_centered else None, **sink)
+        out = self.format.attend(query[:, :, 0], (self.k_pages[layer], self.v_pages[layer]), segments, (kt, vt),
+                                 sm_scale=scale, output_frame="original", backend=self.backend, launch=self.launch)
         return out[:, :, None, :]
+
+    def _attend_and_write_channel(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                  scale: float) -> torch.Tensor:
+        """Decode step of a per-channel key layer: demote a whole block where the ring completes one (every sequence
+        writes ``T`` rows, into the trash page where nothing demotes: static shapes), move the ring's tail into the
+        freed slots, write the new token, attend (docs/DESIGN.md "Per-channel key pages")."""
+        st = self.step
+        buf = self.bf16[layer]
+        B, T = self.batch, self.blocks[layer]
+        bi = self._rows[:, None].expand(B, T)
+        rows_k = buf[0][bi, :, st["ch_src"]].reshape(B * T, self.hkv, self.d)  # [B, T, Hkv, d] gathered
+        rows_v = buf[1][bi, :, st["ch_src"]].reshape(B * T, self.hkv, self.d)
+        self.format.write(rows_k, rows_v, st["ch_slots"], (self.k_pages[layer], self.v_pages[layer]),
+                          self.transforms[layer], backend=self.backend, positions=st["ch_pos"])
+        if T > 1:
+            bm = self._rows[:, None].expand(B, T - 1)
+            moved = buf[:, bm, :, st["ch_move_src"]]  # [B, T-1, 2, Hkv, d]
+            kept = buf[:, bm, :, st["ch_move_dst"]]
+            buf[:, bm, :, st["ch_move_dst"]] = torch.where(st["ch_demote"][:, None, None, None, None], moved, kept)
+        buf[0, self._rows, :, st["ch_write_idx"]] = key[:, :, 0].to(buf.dtype)
+        buf[1, self._rows, :, st["ch_write_idx"]] = value[:, :, 0].to(buf.dtype)
+        return self._attend(layer, query, scale, st["ch_int_len"], st["ch_recent_len"])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ its kernel path, and a case in ``tests/test_formats.py`` that runs it through ev
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Optional, Sequence
 
@@ -84,8 +85,9 @@ class CacheFormat:
                    seed=int(_get(method_cfg, "seed", 0)))
 
     def to_meta(self) -> dict[str, Any]:
-        """The record of this format in an artifact's ``meta.json`` (``cache_format``)."""
-        return {"kind": self.kind, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+        """The record of this format in an artifact's ``meta.json`` (``cache_format``; tuples as lists)."""
+        return {"kind": self.kind, **{f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+                                      for f in dataclasses.fields(self)}}
 
     @staticmethod
     def from_meta(record: Mapping[str, Any]) -> "CacheFormat":
@@ -103,8 +105,8 @@ class CacheFormat:
         """The format an artifact was calibrated for: its ``cache_format`` record, or (artifacts written before
         formats were recorded) the format of its ``method`` on its model's head_dim."""
         if "cache_format" in meta:
-            return CacheFormat.from_meta(meta["cache_format"])
-        return CacheFormat.from_method(meta.get("method", {}), int(meta["model"]["head_dim"]))
+            return with_key_blocks(CacheFormat.from_meta(meta["cache_format"]), meta)
+        return with_key_blocks(CacheFormat.from_method(meta.get("method", {}), int(meta["model"]["head_dim"])), meta)
 
     def replace(self, **fields: Any) -> "CacheFormat":
         """The same format with other fields (windows, page size at serve time)."""
@@ -227,12 +229,29 @@ class RotatedFormat(CacheFormat):
             return False
         return True
 
-    def new_pages(self, num_pages: int, num_kv_heads: int, head_dim: int, device: Any, layout: str) -> tuple[Any, Any]:
+    def new_pages(self, num_pages: int, num_kv_heads: int, head_dim: int, device: Any, layout: str,
+                  key_block: int = 0) -> tuple[Any, Any]:
         """Empty K and V page stores (`oscar.cache.paged.QuantPages`) of ``num_pages`` pages in a resolved
-        ``layout`` (``rows`` or ``mma``: K and V in their fragment orders)."""
+        ``layout`` (``rows`` or ``mma``: K and V in their fragment orders); ``key_block`` > 0: the K pages of a layer
+        with per-channel keys (the layer's ``HeadTransform.block``; `check_key_block` says which this format takes)."""
+        self.check_key_block(key_block)
         k_layout, v_layout = ("rows", "rows") if layout == "rows" else ("mma_k", "mma_v")
-        return tuple(paged.QuantPages.empty(num_pages, num_kv_heads, self.page_size, head_dim, self.bits, self.group_size,
-                                            torch.device(device), lay) for lay in (k_layout, v_layout))  # type: ignore[return-value]
+        dev = torch.device(device)
+        return (paged.QuantPages.empty(num_pages, num_kv_heads, self.page_size, head_dim, self.bits, self.group_size,
+                                       dev, k_layout, key_block),
+                paged.QuantPages.empty(num_pages, num_kv_heads, self.page_size, head_dim, self.bits, self.group_size,
+                                       dev, v_layout))
+
+    def check_key_block(self, block: int) -> None:
+        """Refuse a layer's key block this format does not store (per-token keys only: 0)."""
+        if block:
+            raise ValueError(f"the {self.kind} format of method {self.name!r} stores per-token keys; a layer with "
+                             f"per-channel keys (block={block}) needs the rotated_channel format (record it in the "
+                             "artifact: oscar.cache.formats.record_format, read back by CacheFormat.of_artifact)")
+
+    def layer_key_block(self, layer: int) -> int:
+        """Tokens per per-channel key block of ``layer`` (0: per-token keys)."""
+        return 0
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: tuple[Any, Any],
               transforms: tuple[Any, Any], **options: Any) -> None:
@@ -258,6 +277,89 @@ class RotatedFormat(CacheFormat):
         cap = oscar_quant_capacity(context, self.sink, self.recent, self.page_size, extra_steps)
         return DeviceOscarCache(self, num_layers=num_layers, batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                 quant_capacity=cap, transforms=transforms, dtype=dtype, device=device, **options)
+
+
+@dataclass(frozen=True)
+class ChannelKeyFormat(RotatedFormat):
+    """OSCAR's paged format with per-channel keys in some or all layers (`auto` with ``method.channel_block=T``,
+    served KIVI-2): such a layer's keys are quantized per channel over blocks of ``key_block`` tokens, its K pages
+    carry bf16 scale/zero ``[P, Hkv, page_size/T, d]`` and its recent window holds ``W`` to ``W + T - 1`` rows
+    (docs/DESIGN.md "Per-channel key pages on the paged path"); values and the other layers as `RotatedFormat`.
+    ``layer_blocks``: the block of each layer (0: per-token keys; the artifact's ``meta["key_block"]``), or None when
+    every layer has per-channel keys. The per-layer choice travels with the transforms (``HeadTransform.block``)."""
+
+    kind: ClassVar[str] = "rotated_channel"
+
+    key_block: int = 32
+    layer_blocks: Optional[tuple[int, ...]] = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.layer_blocks is not None and not isinstance(self.layer_blocks, tuple):
+            object.__setattr__(self, "layer_blocks", tuple(int(b) for b in self.layer_blocks))
+        paged.check_key_block(self.key_block, self.page_size)
+        if self.key_block == 0:
+            raise ValueError("key_block=0: the rotated_channel format needs a positive block (per-token keys everywhere "
+                             "is the rotated format)")
+        bad = sorted({b for b in (self.layer_blocks or ()) if b not in (0, self.key_block)})
+        if bad:
+            raise ValueError(f"layer_blocks {bad} differ from key_block={self.key_block}; each layer takes 0 (per-token "
+                             f"keys) or {self.key_block}")
+        paged.check_channel_ring(self.recent, self.key_block)
+
+    def check_key_block(self, block: int) -> None:
+        if block not in (0, self.key_block):
+            raise ValueError(f"a layer's key block {block} is not one of this format's (0 or key_block={self.key_block})")
+
+    def layer_key_block(self, layer: int) -> int:
+        if self.layer_blocks is None:
+            return self.key_block
+        if not 0 <= layer < len(self.layer_blocks):
+            raise ValueError(f"layer {layer} is outside the {len(self.layer_blocks)} layers of layer_blocks")
+        return self.layer_blocks[layer]
+
+    def channel_share(self) -> float:
+        """Share of layers with per-channel keys."""
+        if self.layer_blocks is None:
+            return 1.0
+        return sum(1 for b in self.layer_blocks if b) / max(1, len(self.layer_blocks))
+
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        """Bytes one quantized token takes (all layers, K and V): per-channel key rows carry ``4 d / T`` bytes of
+        scale and zero per token (one bf16 pair per channel and block), rounded up over the whole token."""
+        per_row = head_dim * self.bits // 8 + 2 * 2 * (head_dim // self.group_size)
+        ch_row = head_dim * self.bits // 8 + 2 * 2 * head_dim / self.key_block
+        blocks = [self.layer_key_block(layer) for layer in range(num_layers)] if self.layer_blocks is not None else \
+            [self.key_block] * num_layers
+        k_bytes = sum(ch_row if b else per_row for b in blocks)
+        return int(math.ceil(num_kv_heads * (k_bytes + num_layers * per_row)))
+
+    def expected_bits(self, num_tokens: int, head_dim: int) -> float:
+        """Accounting bits per element of one sequence (pages full; windows of ``sink + recent`` tokens), averaged over
+        K and V and over the layers: per-channel keys ``b + 32/T`` per quantized element."""
+        tok = quant.bits_per_element(num_tokens, head_dim, self.bits, self.group_size, self.sink, self.recent)
+        n_full = min(num_tokens, self.sink + self.recent)
+        ch = ((num_tokens - n_full) * quant.channel_bits_per_element(head_dim, self.bits, self.key_block)
+              + n_full * 16) / num_tokens
+        f = self.channel_share()
+        return (tok + f * ch + (1 - f) * tok) / 2
+
+    def layer_rotations(self, num_layers: int, num_kv_heads: int, head_dim: int) -> list[Any]:
+        """Identity `oscar.cache.torch_cache.LayerRotations` with this format's key blocks (served KIVI-2: no
+        rotation, no centering, no clip)."""
+        from oscar.cache.torch_cache import LayerRotations  # local: torch_cache imports this module
+
+        out = []
+        for layer in range(num_layers):
+            r = LayerRotations.identity(num_kv_heads, head_dim)
+            out.append(LayerRotations(r.r_k, r.r_v, k_block=self.layer_key_block(layer)))
+        return out
+
+    def identity_transforms(self, num_layers: int) -> list[tuple[Any, Any]]:
+        """Per-layer ``(kt, vt)`` `HeadTransform` pairs without rotation, centering or clip, keys per channel where
+        this format says (served KIVI-2: the transforms of `oscar.cache.device_cache` and the SGLang pool)."""
+        return [(paged.HeadTransform(block=self.layer_key_block(layer)), paged.HeadTransform())
+                for layer in range(num_layers)]
 
 
 @dataclass(frozen=True)
@@ -322,6 +424,16 @@ class KiviFormat(SimulatedFormat):
                                            layer.hist_v[b, :, end - g : end].float(), self.bits, g, residual=0)
                 layer.fake_k[b, :, end - g : end] = kb
         layer.fake_v[idx, :, col] = vq[:, :, 0]
+
+    def served(self, head_dim: int, page_size: int = 64) -> ChannelKeyFormat:
+        """The paged format that serves KIVI-2 on the device cache and the SGLang pool: keys per channel over blocks of
+        ``group_size`` tokens, values per token in groups of ``min(group_size, head_dim)`` channels, no sink, the
+        residual as the recent window (W to W + T - 1 rows: K and V demote together), BF16 scale/zero, identity
+        transforms (`ChannelKeyFormat.identity_transforms`). docs/DESIGN.md "Served KIVI-2" says where it differs
+        from this simulated format."""
+        g = min(self.group_size, int(head_dim))
+        return ChannelKeyFormat(name=f"{self.name}_served", bits=self.bits, group_size=g, sink=0, recent=self.recent,
+                                page_size=page_size, seed=self.seed, key_block=self.group_size)
 
     def expected_bits(self, num_tokens: int, head_dim: int) -> float:
         n, d, g = num_tokens, head_dim, self.group_size
@@ -392,7 +504,7 @@ def register(cls: type[CacheFormat]) -> type[CacheFormat]:
     return cls
 
 
-for _cls in (BF16Format, RotatedFormat, KiviFormat, TurboQuantFormat):
+for _cls in (BF16Format, RotatedFormat, ChannelKeyFormat, KiviFormat, TurboQuantFormat):
     register(_cls)
 KINDS: tuple[str, ...] = tuple(REGISTRY)
 
@@ -419,9 +531,22 @@ def served_kinds(consumer: str) -> tuple[str, ...]:
 def record_format(artifact: Any, method_cfg: Any) -> CacheFormat:
     """Record in ``artifact.meta["cache_format"]`` the format of ``method_cfg`` on the artifact's model
     (what `CacheFormat.of_artifact` reads back); returns it. Called by every artifact writer."""
-    fmt = CacheFormat.from_method(method_cfg, int(artifact.meta["model"]["head_dim"]))
+    fmt = with_key_blocks(CacheFormat.from_method(method_cfg, int(artifact.meta["model"]["head_dim"])), artifact.meta)
     artifact.meta["cache_format"] = fmt.to_meta()
     return fmt
+
+
+def with_key_blocks(fmt: CacheFormat, meta: Mapping[str, Any]) -> CacheFormat:
+    """``fmt``, or, for a rotated format whose artifact has per-channel key layers (``meta["key_block"]``), the
+    `ChannelKeyFormat` with those layers' blocks (one block per artifact: `auto`'s ``method.channel_block``)."""
+    blocks = [int(b) for b in (meta.get("key_block") or [])]
+    if not any(blocks) or type(fmt) is not RotatedFormat:
+        return fmt
+    sizes = sorted({b for b in blocks if b})
+    if len(sizes) > 1:
+        raise ValueError(f"the artifact's key_block lists several per-channel blocks {sizes}; one format takes one")
+    return ChannelKeyFormat(**{f.name: getattr(fmt, f.name) for f in dataclasses.fields(fmt)}, key_block=sizes[0],
+                            layer_blocks=tuple(blocks))
 
 
 def group_of(method_cfg: Any, head_dim: int) -> int:
@@ -447,6 +572,7 @@ __all__ = [
     "BF16Format",
     "CONSUMERS",
     "CacheFormat",
+    "ChannelKeyFormat",
     "FormatNotServed",
     "KINDS",
     "KiviFormat",
@@ -461,4 +587,5 @@ __all__ = [
     "record_format",
     "register",
     "served_kinds",
+    "with_key_blocks",
 ]

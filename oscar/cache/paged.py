@@ -82,22 +82,45 @@ def _rope_rows(rows: torch.Tensor, t: HeadTransform, positions: Optional[torch.T
     return rows.to(torch.float32) - rope_offsets(t, positions.to(rows.device))
 
 
+def check_key_block(block: int, page_size: int) -> None:
+    """Refuse a per-channel key block that is not 0 or a power of two dividing ``page_size`` (a block lives in one
+    page; the kernels take powers of two), naming the valid values."""
+    if isinstance(block, bool) or not isinstance(block, int) or block < 0:
+        raise ValueError(f"key block={block!r} must be 0 (per-token keys) or a positive number of tokens")
+    if block and (block & (block - 1) or page_size % block):
+        valid = [2 ** i for i in range(page_size.bit_length()) if page_size % 2 ** i == 0]
+        raise ValueError(f"key block={block} must be a power of two dividing page_size={page_size} (a block lives in "
+                         f"one page); valid blocks: {valid}")
+
+
 @dataclass(frozen=True, eq=False)
 class QuantPages:
-    """One layer's paged storage for K or V (the fields the kernels read: ``oscar.kernels.segments.Pages``)."""
+    """One layer's paged storage for K or V (the fields the kernels read: ``oscar.kernels.segments.Pages``).
+
+    ``block`` > 0 (per-channel keys, docs/DESIGN.md "Per-channel key pages"): the same code bytes per slot, and
+    ``scale``/``zero`` bf16 ``[P, Hkv, page_size / block, d]``, one pair per block of ``block`` slots and channel."""
 
     codes: torch.Tensor  # uint8 [P, Hkv, page_size, d*bits//8]
-    scale: torch.Tensor  # bf16 [P, Hkv, page_size, d//G]
-    zero: torch.Tensor  # bf16 [P, Hkv, page_size, d//G]
+    scale: torch.Tensor  # bf16 [P, Hkv, page_size, d//G] ([P, Hkv, page_size/block, d] with block)
+    zero: torch.Tensor  # bf16, as scale
     bits: int
     group_size: int
     layout: str = "rows"  # "rows" (token rows, planar packing) or "mma_k"/"mma_v" (oscar.core.quant, fragment order)
+    block: int = 0  # 0: per-token groups; T > 0: per-channel keys over blocks of T slots
 
     def __post_init__(self) -> None:
         if self.layout not in quant.LAYOUTS:
             raise ValueError(f"layout={self.layout!r} is not valid; choose one of {quant.LAYOUTS}")
+        check_key_block(self.block, self.page_size)
+        if self.block and self.layout == "mma_v":
+            raise ValueError("per-channel blocks are a key format: pages in the 'mma_v' layout take block=0")
         if self.layout != "rows":
             quant.check_mma_layout(self.bits, self.group_size, self.head_dim, self.page_size)
+        meta = self.meta_shape
+        if tuple(self.scale.shape[1:]) != meta[1:] or self.zero.shape != self.scale.shape:
+            raise ValueError(f"scale/zero of shape {tuple(self.scale.shape)}/{tuple(self.zero.shape)} do not match "
+                             f"pages of {'block ' + str(self.block) if self.block else 'per-token groups'}: expected "
+                             f"[P, {meta[1]}, {meta[2]}, {meta[3]}]")
 
     @property
     def page_size(self) -> int:
@@ -109,15 +132,27 @@ class QuantPages:
         """Channels per row."""
         return int(self.codes.shape[3]) * 8 // self.bits
 
+    @property
+    def meta_shape(self) -> tuple[int, int, int, int]:
+        """Shape of ``scale``/``zero``: ``[P, Hkv, page_size, d//G]``, or ``[P, Hkv, page_size/block, d]``."""
+        p, h = int(self.codes.shape[0]), int(self.codes.shape[1])
+        if self.block:
+            return (p, h, self.page_size // self.block, self.head_dim)
+        return (p, h, self.page_size, self.head_dim // self.group_size)
+
     @staticmethod
     def empty(num_pages: int, num_kv_heads: int, page_size: int, head_dim: int, bits: int, group_size: int,
-              device: Union[str, torch.device] = "cpu", layout: str = "rows") -> "QuantPages":
-        """Zero-filled storage."""
+              device: Union[str, torch.device] = "cpu", layout: str = "rows", block: int = 0) -> "QuantPages":
+        """Zero-filled storage (``block`` > 0: per-channel key pages)."""
         quant.check_format(bits, group_size, head_dim)
+        check_key_block(block, page_size)
         codes = torch.zeros(num_pages, num_kv_heads, page_size, head_dim * bits // 8, dtype=torch.uint8, device=device)
-        meta = (num_pages, num_kv_heads, page_size, head_dim // group_size)
+        if block:
+            meta = (num_pages, num_kv_heads, page_size // block, head_dim)
+        else:
+            meta = (num_pages, num_kv_heads, page_size, head_dim // group_size)
         return QuantPages(codes, torch.zeros(meta, dtype=torch.bfloat16, device=device),
-                          torch.zeros(meta, dtype=torch.bfloat16, device=device), bits, group_size, layout)
+                          torch.zeros(meta, dtype=torch.bfloat16, device=device), bits, group_size, layout, block)
 
     def block_bytes(self, page: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
         """Flat byte offsets ``[N, d*bits/8]`` within ``codes[page, head]`` of the tokens at ``off`` (mma layouts)."""
@@ -151,19 +186,45 @@ def rotate_quantize_pack_torch(x: torch.Tensor, slots: torch.Tensor, pages: Quan
     if t.R is not None:
         xf = torch.einsum("nhd,hde->nhe", xf, t.R.to(xf.device, torch.float32))
     clip: quant.ClipRatio = 1.0 if t.rho is None else t.rho.to(xf.device, torch.float32)
-    q = quant.quantize(xf, pages.bits, pages.group_size, clip_ratio=clip)
     page, off = slots // pages.page_size, slots % pages.page_size
     heads = torch.arange(hkv, device=slots.device)
-    if pages.layout == "rows":
-        pages.codes[page[:, None], heads[None, :], off[:, None]] = q.codes
+    if pages.block:
+        T = pages.block
+        check_whole_blocks(slots, T)
+        blocks = xf.reshape(n // T, T, hkv, d).transpose(1, 2)  # [nb, hkv, T, d], one block per row group
+        qc = quant.quantize_channels(blocks, pages.bits, T, pages.group_size, clip)
+        q_codes = qc.codes.transpose(1, 2).reshape(n, hkv, -1)  # per-token packed rows, as quantize's
+        bp, bo = page[::T], off[::T] // T
+        pages.scale[bp[:, None], heads[None, :], bo[:, None]] = qc.scale[:, :, 0]
+        pages.zero[bp[:, None], heads[None, :], bo[:, None]] = qc.zero[:, :, 0]
     else:
-        codes = quant.unpack_codes(q.codes, pages.bits, pages.group_size)  # [n, hkv, d]
+        q = quant.quantize(xf, pages.bits, pages.group_size, clip_ratio=clip)
+        q_codes = q.codes
+        pages.scale[page[:, None], heads[None, :], off[:, None]] = q.scale
+        pages.zero[page[:, None], heads[None, :], off[:, None]] = q.zero
+    if pages.layout == "rows":
+        pages.codes[page[:, None], heads[None, :], off[:, None]] = q_codes
+    else:
+        codes = quant.unpack_codes(q_codes, pages.bits, pages.group_size)  # [n, hkv, d]
         packed = quant.pack_codes_mma(codes, (off % quant.MMA_BLOCK_TOKENS)[:, None].expand(n, hkv), pages.layout,
                                       pages.bits)
         flat = pages.codes.view(pages.codes.shape[0], hkv, -1)
         flat[page[:, None, None], heads[None, :, None], pages.block_bytes(page, off)[:, None, :]] = packed
-    pages.scale[page[:, None], heads[None, :], off[:, None]] = q.scale
-    pages.zero[page[:, None], heads[None, :], off[:, None]] = q.zero
+
+
+def check_whole_blocks(slots: torch.Tensor, block: int) -> None:
+    """Refuse slots that are not whole blocks: ``N % block == 0`` and each run of ``block`` slots consecutive from a
+    multiple of ``block`` (per-channel key pages are written a block at a time; reads the slots on the host)."""
+    n = int(slots.shape[0])
+    if n % block:
+        raise ValueError(f"per-channel key pages take whole blocks of {block} rows; got {n} rows")
+    runs = slots.reshape(-1, block)
+    steps = runs - runs[:, :1]
+    ok = bool((runs[:, 0] % block == 0).all()) and bool((steps == torch.arange(block, device=slots.device)).all())
+    if not ok:
+        bad = int((~((runs[:, 0] % block == 0) & (steps == torch.arange(block, device=slots.device)).all(1))).nonzero()[0])
+        raise ValueError(f"per-channel key pages take blocks of {block} consecutive slots starting at a multiple of "
+                         f"{block}; block {bad} has slots {runs[bad, :4].tolist()}...")
 
 
 def _select_rows(x: torch.Tensor, src_index: Optional[torch.Tensor]) -> torch.Tensor:
@@ -199,6 +260,12 @@ def rotate_quantize_pack(x: torch.Tensor, slots: torch.Tensor, pages: QuantPages
 
     if t.rope_centered:
         x, src_index, t = _rope_rows(_select_rows(x, src_index), t, positions), None, t.without_rope()
+    if pages.block:
+        from oscar.kernels.quantize import rotate_quantize_pack_channels  # local: keeps triton out of import time
+
+        rotate_quantize_pack_channels(_select_rows(x, src_index), slots, pages, t, token_map=_mma_map(pages),
+                                      launch=launch)
+        return
     kernel(x, slots, pages, t, src_index=src_index, token_map=_mma_map(pages), launch=launch)
 
 
@@ -219,7 +286,7 @@ def rotate_quantize_pack_kv(xk: torch.Tensor, xv: torch.Tensor, slots: torch.Ten
         xv = xv.to(xk.dtype)
         kt = kt.without_rope()
     same_kind = all((a is None) == (b is None) for a, b in ((kt.R, vt.R), (kt.mu, vt.mu), (kt.rho, vt.rho)))
-    same_kind = same_kind and (k_pages.layout == "rows") == (v_pages.layout == "rows")
+    same_kind = same_kind and (k_pages.layout == "rows") == (v_pages.layout == "rows") and not k_pages.block
     if backend == "torch" or not same_kind or xk.stride() != xv.stride() or xk.dtype != xv.dtype:
         rotate_quantize_pack(xk, slots, k_pages, kt, src_index=src_index, positions=positions, backend=backend,
                              launch=launch)
@@ -241,6 +308,55 @@ def slots_for(page_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, pa
     return page_table[seq, pos // page_size].long() * page_size + pos % page_size
 
 
+def check_channel_ring(recent: int, block: int) -> None:
+    """Refuse a recent window that the per-channel ring cannot hold: ``W`` a positive multiple of ``T``."""
+    if block <= 0 or recent < block or recent % block:
+        raise ValueError(f"recent={recent}: a layer with per-channel key blocks of {block} tokens needs a recent window "
+                         f"that is a positive multiple of {block} (docs/DESIGN.md 'Per-channel key pages'); e.g. "
+                         f"recent={max(block, recent // max(block, 1) * block)}")
+
+
+def channel_ring_slots(r: torch.Tensor, n: torch.Tensor, recent: int, block: int) -> torch.Tensor:
+    """Ring slot of token ``r`` (counted past the sink) of a per-channel layer whose sequence holds ``n`` tokens past
+    the sink (``r`` and ``n`` broadcast; docs/DESIGN.md "Per-channel key pages"): ``k*T + i`` for block ``k < m``,
+    ``(k % m)*T + i`` for a complete block ``k >= m``, ``m*T + i`` for the incomplete one (``m = W / T``)."""
+    T, m = block, recent // block
+    k, i = r // T, r % T
+    complete = (k + 1) * T <= n
+    return torch.where(k < m, k * T + i, torch.where(complete, (k % m) * T + i, m * T + i))
+
+
+def channel_ring(r: torch.Tensor, recent: int, block: int) -> dict[str, torch.Tensor]:
+    """Indices of the decode step that brings token ``r`` (int64 ``[B]``, counted past the sink, >= 0) into the recent
+    ring of a per-channel layer (``W = recent``, ``T = block``, ``C = W + T - 1`` slots; device ops, static shapes):
+
+    - ``write``: ring slot of the new token ``[B]``;
+    - ``demote`` bool ``[B]``: the step completes block ``k >= m`` and demotes block ``k - m``;
+    - ``src`` ``[B, T]``: ring slots of the demoted block (read before anything is written);
+    - ``qpos`` ``[B, T]``: its quantized positions (``(k - m)*T + j``; clamped at 0 where nothing demotes);
+    - ``move_src``/``move_dst`` ``[B, T - 1]``: the tail rows that move into the freed slots after the demotion
+      (where ``demote``);
+    - ``int_len``/``recent_len`` int32 ``[B]`` after the step.
+    """
+    T, m = block, recent // block
+    k, i = r // T, r % T
+    blk = k % m
+    demote = (k >= m) & (i == T - 1)
+    j = torch.arange(T, device=r.device)
+    n = r + 1
+    int_len = torch.div((n - recent).clamp(min=0), T, rounding_mode="floor") * T
+    return {
+        "write": channel_ring_slots(r, n, recent, block),
+        "demote": demote,
+        "src": blk[:, None] * T + j,
+        "qpos": (k - m).clamp(min=0)[:, None] * T + j,
+        "move_src": m * T + j[: T - 1].expand(r.shape[0], T - 1),
+        "move_dst": blk[:, None] * T + j[: T - 1],
+        "int_len": int_len.to(torch.int32),
+        "recent_len": (n - int_len).to(torch.int32),
+    }
+
+
 def gather_dequantize(pages: QuantPages, page_table: torch.Tensor, b: int, length: int) -> torch.Tensor:
     """Float32 rows ``[Hkv, length, d]`` (rotated frame) of sequence ``b``'s first ``length`` quantized tokens."""
     dev = pages.codes.device
@@ -257,6 +373,11 @@ def gather_dequantize(pages: QuantPages, page_table: torch.Tensor, b: int, lengt
         tb = (off % quant.MMA_BLOCK_TOKENS)[None].expand(hkv, length)
         codes = quant.pack_codes(quant.unpack_codes_mma(packed, tb, pages.layout, pages.bits), pages.bits,
                                  pages.group_size)
+    if pages.block:  # per-channel keys: the block's scale and zero of every channel
+        unpacked = quant.unpack_codes(codes, pages.bits, pages.group_size).to(torch.float32)
+        j = off // pages.block
+        return (unpacked * pages.scale[page, :, j].transpose(0, 1).to(torch.float32)
+                + pages.zero[page, :, j].transpose(0, 1).to(torch.float32))
     q = quant.QuantizedRows(codes=codes, scale=pages.scale[page, :, off].transpose(0, 1),
                             zero=pages.zero[page, :, off].transpose(0, 1), bits=pages.bits,
                             group_size=pages.group_size, d=pages.head_dim)
@@ -412,6 +533,10 @@ def decode_attention(
     if layout == "mma" and q.device.type != "cuda":
         raise ValueError("pages in the mma layout are read by a CUDA kernel; on a CPU use backend='torch' "
                          f"(q is on {q.device})")
+    if layout == "mma" and k_pages.block and not _mma_reads_channel_keys():
+        raise NotImplementedError(
+            f"per-channel key pages (block={k_pages.block}) in the mma layout are not read by the CUDA kernel "
+            "oscar.kernels.decode_mma yet (its CHANNEL_KEYS is false); use layout='rows' (Triton) or backend='torch'")
     if kt.rope_centered:
         if layout != "mma":
             raise ValueError("rope-centered keys are read by the mma-layout CUDA kernel (pages in the 'mma' layout, "
@@ -429,6 +554,13 @@ def decode_attention(
     out = paged_decode_attention_mma(qk, k_pages, v_pages, segments, kt, vt, sm_scale=sm_scale,
                                      output_frame=output_frame, launch=launch)
     return out if unpad is None else unpad(out)
+
+
+def _mma_reads_channel_keys() -> bool:
+    """Whether the CUDA mma kernel reads per-channel key pages (``oscar.kernels.decode_mma.CHANNEL_KEYS``)."""
+    from oscar.kernels import decode_mma  # local: keeps the CUDA launcher out of import time
+
+    return bool(getattr(decode_mma, "CHANNEL_KEYS", False))
 
 
 MMA_GQA = (1, 2, 4, 8)  # query heads per KV head that the mma kernel's template instances take
@@ -578,6 +710,11 @@ class PagedKVPool:
 __all__ = [
     "HeadTransform",
     "PagedKVPool",
+    "channel_ring",
+    "channel_ring_slots",
+    "check_channel_ring",
+    "check_key_block",
+    "check_whole_blocks",
     "QuantPages",
     "Segments",
     "decode_attention",

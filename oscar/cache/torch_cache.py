@@ -90,8 +90,9 @@ class LayerRotations:
 
         Rope-centered keys carry the pre-RoPE means and the layer's RoPE (`rope_mu`, `rope_freq`, `rope_scaling`):
         the writers then need the rows' positions and decode the position of the first quantized token.
+        Per-channel keys (`k_block`) carry their block (`HeadTransform.block`): their K pages are
+        `QuantPages(..., block=k_block)` (docs/DESIGN.md "Per-channel key pages on the paged path").
         """
-        self.check_channel_keys(where)
         if self.rope_k is not None and self.rope.head_dim != self.r_k.shape[-1]:
             raise ValueError(f"{where}: the RoPE of the rope-centered keys has head_dim {self.rope.head_dim}, the "
                              f"rotations {self.r_k.shape[-1]}")
@@ -108,17 +109,9 @@ class LayerRotations:
             dev = device if device is not None else self.r_k.device
             kt = paged.HeadTransform(kt.R, kt.mu, kt.rho, self.rope_k.to(dev, torch.float32),
                                      self.rope.inv_freq.to(dev, torch.float64), float(self.rope.scaling))
-        return kt, one(self.r_v, self.mu_v, self.rho_v)
-
-    def check_channel_keys(self, where: str) -> None:
-        """Refuse per-channel keys on the paged/Triton/CUDA path (their pages carry one scale and zero per
-        block and channel, which the kernels do not read yet), naming the setting that turns them off."""
         if self.k_block:
-            raise NotImplementedError(
-                f"{where}: per-channel keys (auto chose a '/ch{self.k_block}' key candidate) run on the torch path only; "
-                "the paged/Triton/CUDA kernels read per-token scales only. Use backend=torch without paged_decode, or "
-                "calibrate auto without per-channel candidates (method.channel_block=0)"
-            )
+            kt = paged.HeadTransform(kt.R, kt.mu, kt.rho, kt.rope_mu, kt.rope_freq, kt.rope_scaling, self.k_block)
+        return kt, one(self.r_v, self.mu_v, self.rho_v)
 
     def key_offsets(self, positions: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
         """`RoPE_p(rope_k[h])` `[B, Hkv, L, d]` for token positions `[B, L]` (-1: empty slot, zero offset),
@@ -283,7 +276,7 @@ class PagedRows:
 
     def quant_pages(self) -> Any:
         """The pages as an `oscar.cache.paged.QuantPages` view (same tensors: kernels write through it)."""
-        return paged.QuantPages(self.codes, self.scale, self.zero, self.bits, self.group_size)
+        return paged.QuantPages(self.codes, self.scale, self.zero, self.bits, self.group_size, block=self.block)
 
     def page_table(self) -> torch.Tensor:
         """int32 `[B, max_pages]`; unused entries hold 0."""
@@ -386,8 +379,6 @@ class OscarLayer(CacheLayerMixin):
                     f"layer {self.layer_idx}: rotations of shape {tuple(self.rot.r_k.shape)} / {tuple(self.rot.r_v.shape)} "
                     f"do not match the model's {hkv} KV heads of head_dim {d}"
                 )
-            if self.rot.k_block and (sp.backend == "triton" or sp.paged_decode):
-                self.rot.check_channel_keys(f"layer {self.layer_idx}")
             self.k_store = PagedRows(b, hkv, d, sp.bits, sp.group_size, sp.page_size, self.device, block=self.rot.k_block)
             self.v_store = PagedRows(b, hkv, d, sp.bits, sp.group_size, sp.page_size, self.device)
         self.keys = self.values = None
