@@ -69,3 +69,43 @@ def save_in_code_artifact(model_dir: Path, method: str, out: Path) -> Path:
                            head_dim=f["head_dim"], model_id=str(model_dir), config_hash=config_hash_of(hf))
     save_artifact(art, out)
     return out
+
+
+def forced_logprobs_batch(model: Any, prompts: list[list[int]], tokens: list[list[int]], make_cache: Any,
+                          pad_id: int = 0) -> list[Any]:
+    """`oscar.models.generate.forced_logprobs` for every prompt in one batch: the prompts left-padded and prefilled
+    together, then one forward per step for all of them (the way `generate_tokens` decodes a batch), so a
+    teacher-forced comparison costs `max(len(tokens))` forwards instead of their sum. Returns one float32
+    `[len(tokens[b]), vocab]` tensor per prompt (on the CPU). Batch shapes change the float reduction order, not
+    the arithmetic: against the one-prompt path it agrees to rounding (tests/test_serve_compare.py)."""
+    import torch
+
+    from oscar.models.generate import cache_kwarg, left_pad, positions_from_mask  # local: keeps torch out of `gpu --help`
+
+    if len(prompts) != len(tokens):
+        raise ValueError(f"{len(prompts)} prompts but {len(tokens)} token lists; give one token list per prompt")
+    device = next(model.parameters()).device
+    steps = max((len(t) for t in tokens), default=0)
+    ids, mask = left_pad(prompts, pad_id, device)
+    has_pad = bool((mask == 0).any())
+    pos = positions_from_mask(mask)
+    # a row whose forced tokens end early is fed its last token again (its rows past the end are dropped)
+    feed = torch.tensor([[t[min(i, len(t) - 1)] if t else pad_id for i in range(steps)] for t in tokens],
+                        dtype=torch.long, device=device)
+    kw, cache, rows = cache_kwarg(model), make_cache(), []
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask if has_pad else None, position_ids=pos, use_cache=True,
+                       **{kw: cache}).logits[:, -1]
+        next_pos = pos[:, -1:] + 1
+        for step in range(steps):
+            rows.append(torch.log_softmax(logits.float(), -1).cpu())
+            if step == steps - 1:
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            logits = model(input_ids=feed[:, step:step + 1], attention_mask=mask if has_pad else None,
+                           position_ids=next_pos, use_cache=True, **{kw: cache}).logits[:, -1]
+            next_pos = next_pos + 1
+    if not rows:
+        return [torch.empty(0) for _ in prompts]
+    stacked = torch.stack(rows, dim=1)  # [B, steps, vocab]
+    return [stacked[b, :len(t)] for b, t in enumerate(tokens)]
