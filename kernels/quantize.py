@@ -214,6 +214,87 @@ def _rotate_quantize_kernel(
     tl.store(zero_ptr + s_off, zero_bf, mask=rmask[:, None])
 
 
+@triton.jit
+def _channel_quantize_kernel(
+    x_ptr, slot_ptr, stride_xn, stride_xh,
+    r_ptr, mu_ptr, rho_ptr, perm_ptr, bidx_ptr,
+    codes_ptr, scale_ptr, zero_ptr,
+    stride_cp, stride_ch, stride_cs, stride_sp, stride_sh, stride_ss,
+    PAGE_SIZE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, T: tl.constexpr,
+    HAS_ROT: tl.constexpr, HAS_MU: tl.constexpr, CLIP: tl.constexpr, PRECISION: tl.constexpr, MMA: tl.constexpr,
+):
+    """Program ``(block, KV head)``: ``T`` consecutive rows quantized per channel (docs/DESIGN.md "Per-channel key
+    pages"): ``x = (row - mu) @ R`` (columns in the layout's channel order), per-channel clip over the block's ``T``
+    values, per-channel bf16 scale/zero, per-token packed codes at the rows' slots, scale/zero at the block's row
+    of its page (actual channel index ``perm[k]`` of kernel column ``k``)."""
+    blk = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = blk * T + tl.arange(0, T)
+    cols = tl.arange(0, D)
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xn + h * stride_xh + cols[None, :]).to(tl.float32)
+    if HAS_MU:
+        x = x - tl.load(mu_ptr + h * D + cols)[None, :]
+    if HAS_ROT:
+        rot = tl.load(r_ptr + h * D * D + cols[:, None] * D + cols[None, :])
+        if T >= 16:
+            x = tl.dot(x, rot, input_precision=PRECISION)
+        else:  # tl.dot takes M >= 16: small blocks as broadcast sums
+            x = tl.sum(x[:, :, None] * rot[None, :, :], axis=1)
+    if CLIP:  # per channel: the rho-quantile of |x| over the block's T values (radix select, torch.quantile linear)
+        abits = tl.abs(x).to(tl.int32, bitcast=True)
+        pos = tl.load(rho_ptr + h).to(tl.float32) * (T - 1)
+        lo_f = tl.floor(pos)
+        w = pos - lo_f
+        lo = lo_f.to(tl.int32)
+        hi = tl.ceil(pos).to(tl.int32)
+        ans_lo = tl.zeros([D], dtype=tl.int32)
+        ans_hi = tl.zeros([D], dtype=tl.int32)
+        for i in range(31):
+            bit = 1 << (30 - i)
+            c_lo = ans_lo | bit
+            c_hi = ans_hi | bit
+            n_lo = tl.sum((abits < c_lo[None, :]).to(tl.int32), axis=0)
+            n_hi = tl.sum((abits < c_hi[None, :]).to(tl.int32), axis=0)
+            ans_lo = tl.where(n_lo <= lo, c_lo, ans_lo)
+            ans_hi = tl.where(n_hi <= hi, c_hi, ans_hi)
+        s_lo = ans_lo.to(tl.float32, bitcast=True)
+        s_hi = ans_hi.to(tl.float32, bitcast=True)
+        tau = tl.where(w < 0.5, s_lo + w * (s_hi - s_lo), s_hi - (s_hi - s_lo) * (1.0 - w))
+        x = tl.minimum(tl.maximum(x, -tau[None, :]), tau[None, :])
+    PER: tl.constexpr = 8 // BITS
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    NG: tl.constexpr = D // G
+    mn = tl.min(x, axis=0)
+    mx = tl.max(x, axis=0)
+    scale = _round_bf16(tl.math.div_rn(mx - mn, tl.full([D], QMAX, tl.float32)))
+    zero = _round_bf16(mn)
+    nonzero = scale != 0.0
+    safe = tl.where(nonzero, scale, 1.0)
+    code = tl.floor(tl.math.div_rn(x - zero[None, :], tl.broadcast_to(safe[None, :], (T, D))) + 0.5)
+    code = tl.minimum(tl.maximum(code, 0.0), QMAX * 1.0)
+    code = tl.where(nonzero[None, :], code, 0.0)
+    planes = tl.reshape(code.to(tl.int32), (T, NG, PER, G // PER))
+    shifts = tl.arange(0, PER) * BITS
+    packed = tl.sum(planes << shifts[None, None, :, None], axis=2)
+    packed = tl.reshape(packed, (T, D // PER)).to(tl.uint8)
+    slot = tl.load(slot_ptr + rows).to(tl.int64)
+    page = slot // PAGE_SIZE
+    off = slot % PAGE_SIZE
+    bcols = tl.arange(0, D // PER)
+    if MMA:
+        tb = off % 16
+        boff = tl.load(bidx_ptr + tb[:, None] * (D // PER) + bcols[None, :])
+        c_off = page[:, None] * stride_cp + h * stride_ch + (off - tb)[:, None] * stride_cs + boff
+    else:
+        c_off = page[:, None] * stride_cp + h * stride_ch + off[:, None] * stride_cs + bcols[None, :]
+    tl.store(codes_ptr + c_off, packed)
+    s0 = tl.load(slot_ptr + blk * T).to(tl.int64)
+    chan = tl.load(perm_ptr + cols)
+    m_off = (s0 // PAGE_SIZE) * stride_sp + h * stride_sh + ((s0 % PAGE_SIZE) // T) * stride_ss + chan
+    tl.store(scale_ptr + m_off, scale.to(tl.bfloat16))
+    tl.store(zero_ptr + m_off, zero.to(tl.bfloat16))
+
+
 _MMA_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -397,4 +478,94 @@ def rotate_quantize_pack_pair(
     _launch(a, b, slots, src_index, launch)
 
 
-__all__ = ["ROW_PATH_MAX_ROWS", "rotate_quantize_pack", "rotate_quantize_pack_pair"]
+_IDENTITY_PERMS: dict[tuple, torch.Tensor] = {}
+
+
+def rotate_quantize_pack_channels(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    pages: Pages,
+    transform: HeadTransform,
+    *,
+    token_map: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    launch: Optional[QuantizeLaunch] = None,
+) -> None:
+    """Quantize whole blocks of rows per channel into per-channel key pages (``pages.block = T``) in place (Triton);
+    the torch twin is ``oscar.cache.paged.rotate_quantize_pack_torch`` on the same pages.
+
+    ``x`` ``[N, Hkv, d]`` rows in the original frame, ``N % T == 0``, rows ``i*T .. i*T + T - 1`` one block in token
+    order; ``slots`` ``[N]`` int, each block's ``T`` slots consecutive from a multiple of ``T`` (not checked here:
+    ``oscar.cache.paged.check_whole_blocks``). ``transform`` without rope-centered offsets. ``token_map``: for
+    ``mma_k`` pages, their map (``oscar.core.quant.mma_token_map``). ``launch`` is accepted for symmetry (one program
+    per block and head)."""
+    check(launch is None or isinstance(launch, QuantizeLaunch), f"launch={launch!r} is not a QuantizeLaunch")
+    T = int(pages.block)
+    check(T > 0 and is_pow2(T), f"per-channel pages need a power-of-two block, got block={T}")
+    check(not transform.rope_centered, "the Triton writer takes rows whose rope-centered offsets are already "
+          "subtracted: pass the transform without rope_mu (oscar.cache.paged.rotate_quantize_pack does both)")
+    check(x.dim() == 3, f"x must be [N, Hkv, d], got shape {tuple(x.shape)}")
+    n, hkv, d = (int(v) for v in x.shape)
+    check(n % T == 0, f"per-channel key pages take whole blocks of {T} rows; got N={n}")
+    codes, scale, zero, bits, group_size = pages.codes, pages.scale, pages.zero, pages.bits, pages.group_size
+    check(bits in (2, 4), f"bits={bits} is not supported; valid values are 2 and 4")
+    check(is_pow2(d) and is_pow2(group_size) and group_size <= d and group_size % (8 // bits) == 0,
+          f"head_dim={d} and group_size={group_size} must be powers of two, group_size <= head_dim and a multiple of "
+          f"{8 // bits}")
+    npages, hkv_c, page_size, nbytes = (int(v) for v in codes.shape)
+    check(codes.dtype == torch.uint8 and nbytes == d * bits // 8 and hkv_c == hkv,
+          f"codes must be uint8 [P, {hkv}, page_size, {d * bits // 8}], got {codes.dtype} {tuple(codes.shape)}")
+    check(page_size % T == 0, f"block={T} must divide page_size={page_size}")
+    meta = (npages, hkv, page_size // T, d)
+    check(tuple(scale.shape) == meta and zero.shape == scale.shape and scale.dtype == torch.bfloat16
+          and zero.dtype == torch.bfloat16 and scale.stride() == zero.stride() and scale.stride(-1) == 1,
+          f"scale/zero must be bf16 {list(meta)} with equal strides, got {scale.dtype} {tuple(scale.shape)} and "
+          f"{zero.dtype} {tuple(zero.shape)}")
+    check(codes.stride(-1) == 1, "codes must be contiguous in their last dim")
+    check(x.stride(-1) == 1 and x.dtype in (torch.float32, torch.float16, torch.bfloat16),
+          f"x must be float32/float16/bfloat16 contiguous in d, got {x.dtype} strides {x.stride()}")
+    check(slots.shape == (n,), f"slots must be [N={n}], got {tuple(slots.shape)}")
+    dev = x.device
+    for name, t in (("slots", slots), ("codes", codes), ("scale", scale), ("zero", zero)):
+        check(t.device == dev, f"{name} is on {t.device} but x is on {dev}")
+    check((pages.layout == "rows") == (token_map is None),
+          f"pages in the {pages.layout!r} layout need " + ("no token_map" if pages.layout == "rows" else "its token_map"))
+    R, mu, rho = transform.R, transform.mu, transform.rho
+    if R is not None:
+        check(tuple(R.shape) == (hkv, d, d), f"R must be [{hkv}, {d}, {d}], got {tuple(R.shape)}")
+    bidx = None
+    if token_map is not None:
+        check(group_size == d and d in (64, 128) and page_size % 16 == 0,
+              f"the mma layouts need one group per row, d 64/128 and pages of 16k slots; got group_size={group_size}, "
+              f"d={d}, page_size={page_size}")
+        bidx, perm = _mma_tables(token_map, d, dev, bits)
+        R = _permuted_rotation(R, perm, hkv, d, dev)
+        perm32 = perm.to(device=dev, dtype=torch.int32).contiguous()
+    else:
+        if R is not None:
+            R = R.to(device=dev, dtype=torch.float32).contiguous()
+        key = (d, dev)
+        if key not in _IDENTITY_PERMS:
+            _IDENTITY_PERMS[key] = torch.arange(d, dtype=torch.int32, device=dev)
+        perm32 = _IDENTITY_PERMS[key]
+    if mu is not None:
+        check(tuple(mu.shape) == (hkv, d), f"mu must be [{hkv}, {d}], got {tuple(mu.shape)}")
+        mu = mu.to(device=dev, dtype=torch.float32).contiguous()
+    if rho is not None:
+        check(tuple(rho.shape) == (hkv,), f"rho must be [{hkv}], got {tuple(rho.shape)}")
+        rho = rho.to(device=dev, dtype=torch.float32).contiguous()
+    if n == 0:
+        return
+    dummy = perm32
+    launchable(_channel_quantize_kernel, dev)[(n // T, hkv)](
+        x, slots, x.stride(0), x.stride(1),
+        R if R is not None else dummy, mu if mu is not None else dummy, rho if rho is not None else dummy, perm32,
+        bidx if bidx is not None else dummy,
+        codes, scale, zero, codes.stride(0), codes.stride(1), codes.stride(2),
+        scale.stride(0), scale.stride(1), scale.stride(2),
+        PAGE_SIZE=page_size, D=d, G=group_size, BITS=bits, T=T, HAS_ROT=R is not None, HAS_MU=mu is not None,
+        CLIP=rho is not None, PRECISION="ieee" if dev.type != "cuda" else "tf32x3", MMA=bidx is not None,
+        num_warps=4,
+    )
+
+
+__all__ = ["ROW_PATH_MAX_ROWS", "rotate_quantize_pack", "rotate_quantize_pack_channels", "rotate_quantize_pack_pair"]
