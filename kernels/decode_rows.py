@@ -193,22 +193,39 @@ def _block_rows(pt_row, t, end, rows, kvh, stride_cp, stride_ch, stride_mp, stri
 
 
 @triton.jit
-def _load_block(kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, cvec, mvec, nmask, wcols, gcols, NG: tl.constexpr):
-    """Codes (int32 words) and scales/zeros of K and V for one block of rows."""
+def _kblock_rows(pt_row, t, end, rows, kvh, stride_kmp, stride_kmh,
+                 PAGE_SIZE: tl.constexpr, D: tl.constexpr, KBLOCK: tl.constexpr):
+    """Element offset of each row's per-channel key block (``[page, h, slot // KBLOCK, 0]``) for block ``t``."""
+    toks = t + rows
+    pgs = tl.load(pt_row + toks // PAGE_SIZE, mask=toks < end, other=0).to(tl.int64)
+    return pgs * stride_kmp + kvh * stride_kmh + ((toks % PAGE_SIZE) // KBLOCK) * D
+
+
+@triton.jit
+def _load_block(kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, cvec, mvec, nmask, wcols, gcols, NG: tl.constexpr,
+                kvec=None, cperm=None, KBLOCK: tl.constexpr = 0):
+    """Codes (int32 words) and scales/zeros of K and V for one block of rows; per-channel keys (``KBLOCK``): the
+    K scales/zeros ``[BLOCK_N, D]`` of each row's block, in the kernel's channel order ``cperm``."""
     c_off = cvec[:, None] + wcols[None, :]
     kc = tl.load(kc_ptr + c_off, mask=nmask[:, None], other=0)
     vc = tl.load(vc_ptr + c_off, mask=nmask[:, None], other=0)
     if NG == 1:
-        ks = tl.load(ks_ptr + mvec, mask=nmask, other=0.0)
-        kz = tl.load(kz_ptr + mvec, mask=nmask, other=0.0)
         vs = tl.load(vs_ptr + mvec, mask=nmask, other=0.0)
         vz = tl.load(vz_ptr + mvec, mask=nmask, other=0.0)
+        if KBLOCK == 0:
+            ks = tl.load(ks_ptr + mvec, mask=nmask, other=0.0)
+            kz = tl.load(kz_ptr + mvec, mask=nmask, other=0.0)
     else:
         m_off = mvec[:, None] + gcols[None, :]
-        ks = tl.load(ks_ptr + m_off, mask=nmask[:, None], other=0.0)
-        kz = tl.load(kz_ptr + m_off, mask=nmask[:, None], other=0.0)
         vs = tl.load(vs_ptr + m_off, mask=nmask[:, None], other=0.0)
         vz = tl.load(vz_ptr + m_off, mask=nmask[:, None], other=0.0)
+        if KBLOCK == 0:
+            ks = tl.load(ks_ptr + m_off, mask=nmask[:, None], other=0.0)
+            kz = tl.load(kz_ptr + m_off, mask=nmask[:, None], other=0.0)
+    if KBLOCK > 0:
+        k_off = kvec[:, None] + cperm[None, :]
+        ks = tl.load(ks_ptr + k_off, mask=nmask[:, None], other=0.0)
+        kz = tl.load(kz_ptr + k_off, mask=nmask[:, None], other=0.0)
     return kc, vc, ks, kz, vs, vz
 
 
@@ -224,9 +241,11 @@ def _int_split(
     tokens_per_split, s_total,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
-    ROW_GATHER: tl.constexpr,
+    ROW_GATHER: tl.constexpr, stride_kmp=0, stride_kmh=0, KBLOCK: tl.constexpr = 0,
 ):
-    """One split of the quantized segment for one (sequence, KV head): normalized output + LSE."""
+    """One split of the quantized segment for one (sequence, KV head): normalized output + LSE. Per-channel keys
+    (``KBLOCK`` > 0, K scale/zero ``[P, Hkv, page/KBLOCK, D]`` with strides ``stride_kmp``, ``stride_kmh``): each
+    row's codes are dequantized with its block's per-channel scale and zero before the product."""
     b = pid // HKV
     kvh = pid % HKV
     H: tl.constexpr = HKV * REP
@@ -258,8 +277,11 @@ def _int_split(
     pt_row = pt_ptr + b * stride_ptb
     cvec, mvec, nmask = _block_rows(pt_row, start, end, rows, kvh, stride_cp, stride_ch, stride_mp, stride_mh,
                                     PAGE_SIZE, NW, NG, ROW_GATHER)
+    kvec = None
+    if KBLOCK > 0:
+        kvec = _kblock_rows(pt_row, start, end, rows, kvh, stride_kmp, stride_kmh, PAGE_SIZE, D, KBLOCK)
     kc_n, vc_n, ks_n, kz_n, vs_n, vz_n = _load_block(kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, cvec, mvec,
-                                                     nmask, wcols, gcols, NG)
+                                                     nmask, wcols, gcols, NG, kvec, cperm, KBLOCK)
     for t0 in range(start, end, BLOCK_N):
         # this block was loaded one iteration ago; issue the next one now
         kc = kc_n
@@ -271,13 +293,17 @@ def _int_split(
         tmask = nmask
         cvec, mvec, nmask = _block_rows(pt_row, t0 + BLOCK_N, end, rows, kvh, stride_cp, stride_ch, stride_mp,
                                         stride_mh, PAGE_SIZE, NW, NG, ROW_GATHER)
+        if KBLOCK > 0:
+            kvec = _kblock_rows(pt_row, t0 + BLOCK_N, end, rows, kvh, stride_kmp, stride_kmh, PAGE_SIZE, D, KBLOCK)
         kc_n, vc_n, ks_n, kz_n, vs_n, vz_n = _load_block(kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, cvec,
-                                                         mvec, nmask, wcols, gcols, NG)
+                                                         mvec, nmask, wcols, gcols, NG, kvec, cperm, KBLOCK)
         if FAST_UNPACK:
             kcode = _unpack_fp16_asm(kc, BLOCK_N, D, BITS)
         else:
             kcode = _unpack_fp16(kc, BLOCK_N, D, BITS)
-        if NG == 1:
+        if KBLOCK > 0:  # per-channel keys: dequantize with the row's block scale/zero (kernel channel order)
+            s = tl.dot((kcode.to(tl.float32) * ks + kz).to(tl.float16), q16T)
+        elif NG == 1:
             s = tl.dot(kcode, q16T) * ks[:, None] + kz[:, None] * qsum[None, :]
         else:
             k3 = tl.reshape(kcode, (BLOCK_N, NG, G)).to(tl.float32) * ks[:, :, None] + kz[:, :, None]
@@ -688,6 +714,7 @@ def _partial_kernel(
     ROW_GATHER: tl.constexpr,
     FUSE_BF16: tl.constexpr, BF_BLOCK: tl.constexpr, CHUNK: tl.constexpr, HAS_SINK: tl.constexpr,
     HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr, WIN_ROWS: tl.constexpr,
+    stride_kmp=0, stride_kmh=0, KBLOCK: tl.constexpr = 0,
 ):
     """Program ``(sequence * Hkv + KV head, split)``: a quantized split; with ``FUSE_BF16`` the programs past
     ``num_splits`` take the BF16 chunks instead (one launch fewer)."""
@@ -705,13 +732,13 @@ def _partial_kernel(
                        stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
                        o_ptr, lse_ptr, tokens_per_split, s_total,
                        HKV, REP, HP, D, G, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK,
-                       ROW_GATHER)
+                       ROW_GATHER, stride_kmp, stride_kmh, KBLOCK)
     else:
         _int_split(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                    stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
                    o_ptr, lse_ptr, tokens_per_split, s_total,
                    HKV, REP, HP, D, G, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK,
-                   ROW_GATHER)
+                   ROW_GATHER, stride_kmp, stride_kmh, KBLOCK)
 
 
 @triton.jit
@@ -902,12 +929,20 @@ def _check_pages(k_pages: Pages, v_pages: Pages, d: int) -> tuple[int, int, int]
     check(v_codes.shape == k_codes.shape and v_codes.stride() == k_codes.stride(),
           f"V codes {tuple(v_codes.shape)} must match K codes {tuple(k_codes.shape)} in shape and strides")
     meta_shape = (npages, hkv, page_size, d // group_size)
-    for name, t in (("k_scale", k_scale), ("k_zero", k_pages.zero), ("v_scale", v_pages.scale),
-                    ("v_zero", v_pages.zero)):
-        check(tuple(t.shape) == meta_shape and t.dtype == torch.bfloat16 and t.stride() == k_scale.stride(),
-              f"{name} must be bf16 {meta_shape} with the strides of k_scale, got {t.dtype} {tuple(t.shape)}")
-    check(k_codes.stride(-1) == 1 and k_codes.stride(-2) == nbytes and k_scale.stride(-1) == 1
-          and k_scale.stride(-2) == d // group_size,
+    kblock = int(getattr(k_pages, "block", 0))
+    check(int(getattr(v_pages, "block", 0)) == 0, "V pages are per token (block=0); per-channel blocks are for keys")
+    check(kblock == 0 or (is_pow2(kblock) and page_size % kblock == 0),
+          f"per-channel key block={kblock} must be a power of two dividing page_size={page_size}")
+    k_meta = (npages, hkv, page_size // kblock, d) if kblock else meta_shape
+    metas = (("k_scale", k_scale, k_meta), ("k_zero", k_pages.zero, k_meta), ("v_scale", v_pages.scale, meta_shape),
+             ("v_zero", v_pages.zero, meta_shape))
+    for name, t, shape in metas:
+        ref = k_scale if name.startswith("k") else v_pages.scale
+        check(tuple(t.shape) == shape and t.dtype == torch.bfloat16 and t.stride() == ref.stride() and t.stride(-1) == 1,
+              f"{name} must be bf16 {shape} with the strides of {name[0]}_scale, got {t.dtype} {tuple(t.shape)}")
+    check(kblock or k_scale.stride() == v_pages.scale.stride(), "K and V scales must have equal strides")
+    check(k_codes.stride(-1) == 1 and k_codes.stride(-2) == nbytes and v_pages.scale.stride(-2) == d // group_size
+          and (kblock or k_scale.stride(-2) == d // group_size) and (not kblock or k_scale.stride(-2) == d),
           "codes and scales must be contiguous within a page (slot stride = row size)")
     check(is_pow2(page_size), f"page_size={page_size} must be a power of two")
     return hkv, page_size, nbytes
@@ -959,9 +994,12 @@ def paged_decode_attention_rows(
           f"page_table must be int32 [B={B}, M], got {page_table.dtype} {tuple(page_table.shape)}")
     check(int_len.shape[0] >= B and int_len.dtype == torch.int32, f"int_len must be int32 [B={B}], got {int_len.dtype}")
     check(output_frame in ("original", "rotated"), f"output_frame={output_frame!r} must be 'original' or 'rotated'")
+    kblock = int(getattr(k_pages, "block", 0))
     planes = launch.planes
+    check(not (planes and kblock), f"per-channel key pages (block={kblock}) are read by the word path; "
+          "RowsLaunch(planes=True) is refused for them")
     if planes is None:  # bit-plane path where measured faster: one group per row, planes of >= 32 channels
-        planes = group_size == d and d * bits // 8 >= 32
+        planes = group_size == d and d * bits // 8 >= 32 and not kblock
     check(not planes or (group_size == d and d * bits // 8 >= 32),
           f"the bit-plane path needs one group per row and at least 32 bytes per row (int8 scores), got "
           f"group_size={group_size}, d={d}, INT{bits}")
@@ -1074,12 +1112,13 @@ def paged_decode_attention_rows(
             q_rot, qmu,
             kw, k_scale, k_zero, vw, v_scale, v_zero,
             kw.stride(0), kw.stride(1),
-            k_scale.stride(0), k_scale.stride(1),
+            v_scale.stride(0), v_scale.stride(1),  # per-token meta strides (K's too, unless per-channel keys)
             page_table, page_table.stride(0), int_len,
             o_part, lse_part, tps, s_total,
             *bf_args, num_splits, sink_chunks, num_bf,
             HKV=hkv, REP=rep, HP=hp, D=d, G=group_size, BITS=bits, PAGE_SIZE=page_size, BLOCK_N=block_n,
             FAST_UNPACK=fast_unpack, ROW_GATHER=page_size < block_n, FUSE_BF16=fuse_bf16, BF_BLOCK=32, **bf_flags,
+            stride_kmp=k_scale.stride(0), stride_kmh=k_scale.stride(1), KBLOCK=kblock,
             num_warps=launch.warps, num_stages=launch.stages, **reg_cap,
         )
         if not fuse_bf16:
