@@ -1,0 +1,315 @@
+"""Decode attention v11 (issue 31): a warp-specialized INT2 decode over one record per (page, KV head), CUDA sm_90.
+
+The record (``RecordLayout``; written by ``pack_records``, the torch twin writer, read back by ``unpack_records``)
+holds a page's K codes (``mma_k`` fragment order), V codes (``mma_v``) and their per-token scale/zero, 16-byte
+aligned, so one ``cp.async.bulk`` moves a page. In the kernel (``decode_v11.cu``) a producer warp reads the page
+table and issues those copies into a shared-memory ring (mbarriers); four math warps score 64 tokens per softmax
+step (tokens in the MMA M dimension) with no global loads, then split-K partials, the BF16 windows' CTAs and the
+last-CTA merge as in v10 (``decode_mma``). Compiled at first use by NVRTC (``torch.cuda._utils``), as v10.
+
+The torch twin (the specification) is ``oscar.cache.paged.decode_attention_torch`` on the pages that
+``unpack_records`` returns; tests/test_kernels_v11.py emulates the kernel's fragment arithmetic on the CPU.
+Not served yet: v11 replaces v10 only where it is measured faster everywhere (reports/kernels/v11/README.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ._runtime import check
+from .segments import HeadTransform, Segments
+
+LOG2E = 1.4426950408889634
+MAX_PARTIALS = 256  # SMAX in decode_v11.cu
+SOURCE = Path(__file__).with_name("decode_v11.cu")
+TILE = 16  # tokens of an mma tile (a 16-token block of the fragment-order layout)
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """Byte layout of one (page, KV head) record; every section starts 16-byte aligned.
+
+    ``[k_off, +PS*d*b/8)`` K codes (the page's ``mma_k`` bytes), ``[v_off, ...)`` V codes (``mma_v``),
+    ``[meta_off, +PS*8)`` per-token meta: per 16-token tile 8 entries of 16 bytes, entry ``g`` = bf16
+    ``{ks[g], ks[g+8], kz[g], kz[g+8], vs[g], vs[g+8], vz[g], vz[g+8]}`` (the 4 lanes ``(g, t)`` of a warp read it with
+    one 16-byte load). Per-channel key pages (docs/DESIGN.md, ``key_block = T > 0``): the K words of the entries stay
+    zero and ``[chan_off, +(PS/T)*4*d)`` holds per block of ``T`` tokens bf16 ``scale[d]`` then ``zero[d]`` (channel
+    order of the rotated frame); the kernel reads ``key_block = 0`` only so far. Rope-centered keys need no bytes
+    (the rope term depends on positions only)."""
+
+    d: int
+    page_size: int
+    bits: int = 2
+    key_block: int = 0
+
+    def __post_init__(self) -> None:
+        check(self.d in (64, 128), f"RecordLayout(d={self.d}): head_dim must be 64 or 128")
+        check(self.bits == 2, f"RecordLayout(bits={self.bits}): records hold INT2 codes (INT4: not yet)")
+        ps = self.page_size
+        check(ps in (16, 32, 64, 128), f"RecordLayout(page_size={ps}): must be 16, 32, 64 or 128")
+        kb = self.key_block
+        check(kb == 0 or (kb % TILE == 0 and ps % kb == 0),
+              f"RecordLayout(key_block={kb}): 0 (per-token keys) or a multiple of 16 dividing page_size={ps}")
+
+    @property
+    def code_bytes(self) -> int:
+        return self.page_size * self.d * self.bits // 8
+
+    @property
+    def k_off(self) -> int:
+        return 0
+
+    @property
+    def v_off(self) -> int:
+        return self.code_bytes
+
+    @property
+    def meta_off(self) -> int:
+        return 2 * self.code_bytes
+
+    @property
+    def chan_off(self) -> int:
+        return self.meta_off + 8 * self.page_size
+
+    @property
+    def chan_bytes(self) -> int:
+        return 0 if self.key_block == 0 else (self.page_size // self.key_block) * 4 * self.d
+
+    @property
+    def bytes(self) -> int:
+        return -(-(self.chan_off + self.chan_bytes) // 16) * 16
+
+
+def _meta_perm(ps: int) -> torch.Tensor:
+    """Index of each meta bf16 into ``cat([ks, kz, vs, vz])`` of a page (``[4 * ps]``), in record order."""
+    tiles = torch.arange(ps // TILE).view(-1, 1, 1, 1)
+    g = torch.arange(8).view(1, -1, 1, 1)
+    arr = torch.arange(4).view(1, 1, -1, 1)  # ks, kz, vs, vz
+    half = torch.arange(2).view(1, 1, 1, -1)  # token g, g + 8
+    return (arr * ps + tiles * TILE + g + 8 * half).reshape(-1)
+
+
+def pack_records(k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
+                 v_scale: torch.Tensor, v_zero: torch.Tensor, layout: RecordLayout) -> torch.Tensor:
+    """The torch twin writer: mma-layout pages (codes uint8 ``[P, Hkv, PS, d/4]`` in ``mma_k``/``mma_v``, scale/zero
+    bf16 ``[P, Hkv, PS, 1]``) -> records uint8 ``[P, Hkv, layout.bytes]`` (per-token keys)."""
+    P, hkv, ps, nb = (int(s) for s in k_codes.shape)
+    check(layout.key_block == 0, "pack_records writes per-token keys (key_block=0); per-channel records: not yet")
+    check(ps == layout.page_size and nb == layout.d * layout.bits // 8 and v_codes.shape == k_codes.shape,
+          f"codes {tuple(k_codes.shape)} / {tuple(v_codes.shape)} do not match {layout}")
+    for name, t in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
+        check(tuple(t.shape) == (P, hkv, ps, 1) and t.dtype == torch.bfloat16,
+              f"{name} must be bf16 [{P}, {hkv}, {ps}, 1] (one group per row), got {t.dtype} {tuple(t.shape)}")
+    rec = torch.zeros(P, hkv, layout.bytes, dtype=torch.uint8, device=k_codes.device)
+    cb = layout.code_bytes
+    rec[..., layout.k_off:layout.k_off + cb] = k_codes.reshape(P, hkv, cb)
+    rec[..., layout.v_off:layout.v_off + cb] = v_codes.reshape(P, hkv, cb)
+    meta = torch.cat([t.reshape(P, hkv, ps) for t in (k_scale, k_zero, v_scale, v_zero)], dim=-1)
+    meta = meta[..., _meta_perm(ps).to(meta.device)].contiguous()
+    rec[..., layout.meta_off:layout.meta_off + 8 * ps] = meta.view(torch.uint8)
+    return rec
+
+
+def unpack_records(records: torch.Tensor, layout: RecordLayout) -> tuple[torch.Tensor, ...]:
+    """Records -> ``(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)`` as ``pack_records`` took them (exact)."""
+    P, hkv, nbytes = (int(s) for s in records.shape)
+    check(nbytes == layout.bytes and records.dtype == torch.uint8,
+          f"records must be uint8 [P, Hkv, {layout.bytes}] for {layout}, got {records.dtype} {tuple(records.shape)}")
+    ps, cb, nb = layout.page_size, layout.code_bytes, layout.d * layout.bits // 8
+    kc = records[..., layout.k_off:layout.k_off + cb].reshape(P, hkv, ps, nb).contiguous()
+    vc = records[..., layout.v_off:layout.v_off + cb].reshape(P, hkv, ps, nb).contiguous()
+    meta = records[..., layout.meta_off:layout.meta_off + 8 * ps].contiguous().view(torch.bfloat16)
+    flat = torch.empty_like(meta)
+    flat[..., _meta_perm(ps).to(meta.device)] = meta
+    ks, kz, vs, vz = (flat[..., i * ps:(i + 1) * ps].reshape(P, hkv, ps, 1).contiguous() for i in range(4))
+    return kc, ks, kz, vc, vs, vz
+
+
+@dataclass(frozen=True)
+class V11Launch:
+    """Launch of the v11 kernel: ``num_splits`` split-K CTAs per (sequence, KV head) (default
+    ``default_num_splits``), ``warps`` math warps (plus one producer), ``stages`` records in the ring (a multiple
+    of ``warps``), ``min_blocks`` CTAs per SM the register allocation must allow."""
+
+    num_splits: Optional[int] = None
+    warps: int = 4
+    stages: int = 8
+    min_blocks: int = 3
+
+    def __post_init__(self) -> None:
+        check(self.num_splits is None or (isinstance(self.num_splits, int) and 1 <= self.num_splits <= 254),
+              f"V11Launch(num_splits={self.num_splits!r}) must be None or an int in [1, 254]")
+        check(self.warps in (2, 4, 8), f"V11Launch(warps={self.warps!r}) must be one of 2, 4, 8")
+        check(isinstance(self.stages, int) and self.stages >= self.warps and self.stages % self.warps == 0
+              and self.stages <= 32, f"V11Launch(stages={self.stages!r}) must be a multiple of warps={self.warps} "
+              "in [warps, 32]")
+        check(self.min_blocks in (1, 2, 3, 4), f"V11Launch(min_blocks={self.min_blocks!r}) must be in 1-4")
+
+
+_POINTERS = ("q", "rec", "page_table", "int_len", "rk", "muk", "rot_out", "muv", "sink_k", "sink_v", "sink_len",
+             "rec_k", "rec_v", "rec_len", "part_o", "part_ml", "counters", "out", "win_row")
+_INTS = ("hkv", "pt_stride", "s_int", "s_total", "has_sink", "has_rec", "out_rotated", "pad_")
+_LONGS = ("rs_p", "rs_h", "sk_b", "sk_h", "sk_t", "sk_max", "rk_b", "rk_h", "rk_t", "rk_max")
+
+
+class Params11(ctypes.Structure):
+    """Mirror of ``struct Params11`` in ``decode_v11.cu`` (same order; C alignment rules)."""
+
+    _fields_ = ([(n, ctypes.c_void_p) for n in _POINTERS] + [("sc", ctypes.c_float)]
+                + [(n, ctypes.c_int) for n in _INTS] + [(n, ctypes.c_longlong) for n in _LONGS])
+
+
+def kernel_name(d: int, page_size: int, rep: int, warps: int, stages: int, min_blocks: int) -> str:
+    return f"oscar_decode_v11<{d},{page_size},{rep},{warps},{stages},{min_blocks}>"
+
+
+def dynamic_bytes(layout: RecordLayout, rep: int, launch: V11Launch) -> int:
+    """The ring of records, then (aliased) the math warps' outputs."""
+    return max(launch.stages * layout.bytes, launch.warps * rep * layout.d * 4)
+
+
+def default_num_splits(batch: int, num_kv_heads: int, pages_per_seq: int, launch: V11Launch,
+                       num_sms: int = 132) -> int:
+    """About one wave of CTAs (two from 64 (sequence, KV head) pairs), each math warp at least one page."""
+    pairs = max(batch * num_kv_heads, 1)
+    waves = 1.0 if pairs < 64 else 2.0
+    want = math.ceil(waves * num_sms * launch.min_blocks / pairs)
+    most = max(1, math.ceil(pages_per_seq / launch.warps))
+    return int(max(1, min(want, most, MAX_PARTIALS - 2)))
+
+
+_KERNELS: dict[tuple, ctypes.c_void_p] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _function(name: str, dev: torch.device) -> ctypes.c_void_p:
+    key = (name, dev)
+    if key not in _KERNELS:
+        from torch.cuda._utils import _cuda_load_module, _nvrtc_compile
+
+        with torch.cuda.device(dev):
+            major, minor = torch.cuda.get_device_capability(dev)
+            check(major >= 9, f"the v11 decode kernel needs compute capability >= 9.0 (cp.async.bulk), got "
+                  f"{major}.{minor}")
+            cubin, mangled = _nvrtc_compile(SOURCE.read_text(), name, f"{major}{minor}", None, ["-std=c++17"])
+            _KERNELS[key] = _cuda_load_module(cubin, [mangled])[mangled].func
+    return _KERNELS[key]
+
+
+def _counters(dev: torch.device, n: int) -> torch.Tensor:
+    buf = _COUNTERS.get(dev)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=dev)
+        _COUNTERS[dev] = buf
+    return buf
+
+
+def paged_decode_attention_v11(q: torch.Tensor, records: torch.Tensor, layout: RecordLayout, segments: Segments,
+                               k_t: HeadTransform, v_t: HeadTransform, *, sm_scale: Optional[float] = None,
+                               output_frame: str = "original", launch: Optional[V11Launch] = None) -> torch.Tensor:
+    """Decode attention ``[B, H, d]`` over BF16 sink + INT2 page records + BF16 recent; the result of
+    ``oscar.cache.paged.decode_attention_torch`` on ``unpack_records(records, layout)`` (GQA 1/2/4/8, per-token keys,
+    keys not rope-centered)."""
+    from .decode_mma import _derived, _launch, _window, mma_b_fragments
+
+    launch = V11Launch() if launch is None else launch
+    check(isinstance(launch, V11Launch), f"launch={launch!r} is not a V11Launch")
+    check(q.is_cuda and q.dim() == 3, f"q must be a CUDA [B, H, d] tensor, got {tuple(q.shape)} on {q.device}")
+    B, H, d = (int(s) for s in q.shape)
+    check(d == layout.d, f"q's head_dim {d} differs from the records' {layout.d}")
+    check(layout.key_block == 0, "the v11 kernel reads per-token key records only (key_block=0)")
+    check(not k_t.rope_centered, "the v11 kernel does not read rope-centered keys yet (use decode_mma)")
+    dev = q.device
+    check(records.dtype == torch.uint8 and records.dim() == 3 and records.shape[2] == layout.bytes
+          and records.is_contiguous() and records.device == dev,
+          f"records must be contiguous uint8 [P, Hkv, {layout.bytes}] on {dev}, got {records.dtype} "
+          f"{tuple(records.shape)}")
+    hkv = int(records.shape[1])
+    check(H % hkv == 0 and H // hkv in (1, 2, 4, 8), f"GQA ratio H={H} / Hkv={hkv} must be 1, 2, 4 or 8")
+    rep = H // hkv
+    page_table, int_len, window_rows = segments.page_table, segments.int_len, segments.window_rows
+    check(page_table.dtype == torch.int32 and page_table.dim() == 2 and page_table.shape[0] >= B
+          and page_table.stride(1) == 1 and page_table.device == dev, "page_table must be int32 [>= B, pages] on "
+          f"{dev} with contiguous rows")
+    check(int_len.dtype == torch.int32 and int_len.numel() >= B and int_len.device == dev,
+          f"int_len must be int32 [>= {B}] on {dev}")
+    check(output_frame in ("original", "rotated"), f"output_frame={output_frame!r} must be 'original' or 'rotated'")
+    check(32 * launch.warps >= d // 2 and (d // 8) % launch.warps == 0,
+          f"V11Launch(warps={launch.warps}) must divide d/8={d // 8}")
+    rows = window_rows is not None
+    sink = rec = None
+    for name, k, v, n in segments.windows:
+        seg = _window(name, k, v, n, B, hkv, d, dev, rows)
+        if name == "sink":
+            sink = seg
+        else:
+            rec = seg
+    out = torch.empty(B, H, d, dtype=torch.bfloat16, device=dev)
+    if B == 0:
+        return out.to(q.dtype)
+
+    def f32(t, name):
+        if t is None:
+            return None
+        check(tuple(t.shape) == (hkv, d), f"{name} must be [{hkv}, {d}], got {tuple(t.shape)}")
+        return _derived(t, "f32", lambda x: x.to(device=dev, dtype=torch.float32).contiguous())
+
+    def frags(t, kind, name):
+        if t is None:
+            return None
+        check(tuple(t.shape) == (hkv, d, d), f"{name} must be [{hkv}, {d}, {d}], got {tuple(t.shape)}")
+        make = (lambda x: mma_b_fragments(x.to(dev, torch.float32).transpose(1, 2))) if kind == "T" else \
+            (lambda x: mma_b_fragments(x.to(dev, torch.float32)))
+        return _derived(t, "frag" + kind, make)
+
+    pages_per_seq = int(page_table.shape[1])
+    s_int = launch.num_splits or default_num_splits(B, hkv, pages_per_seq, launch)
+    s_total = s_int + (sink is not None) + (rec is not None)
+    check(s_total <= MAX_PARTIALS, f"num_splits={s_int} must be at most {MAX_PARTIALS - 2}")
+    part_o = torch.empty(B, hkv, s_total, rep, d, dtype=torch.float32, device=dev)
+    part_ml = torch.empty(B, hkv, s_total, rep, 2, dtype=torch.float32, device=dev)
+    counters = _counters(dev, B * hkv)
+    qb = q.to(torch.bfloat16).contiguous()
+    scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
+
+    p = Params11()
+    keep = []
+
+    def ptr(name, t):
+        if t is not None:
+            keep.append(t)
+            setattr(p, name, t.data_ptr())
+
+    for name, t in (("q", qb), ("rec", records), ("page_table", page_table), ("int_len", int_len),
+                    ("rk", frags(k_t.R, "", "R_K")), ("muk", f32(k_t.mu, "mu_K")),
+                    ("rot_out", frags(v_t.R, "T" if output_frame == "original" else "", "R_V")),
+                    ("muv", f32(v_t.mu, "mu_V")), ("part_o", part_o), ("part_ml", part_ml), ("counters", counters),
+                    ("out", out), ("win_row", window_rows if sink or rec else None)):
+        ptr(name, t)
+    for prefix, seg in (("sink", sink), ("rec", rec)):
+        if seg is not None:
+            ptr(prefix + "_k", seg[0])
+            ptr(prefix + "_v", seg[1])
+            ptr(prefix + "_len", seg[2])
+            short = "sk" if prefix == "sink" else "rk"
+            for i, field in enumerate(("b", "h", "t")):
+                setattr(p, f"{short}_{field}", int(seg[0].stride(i)))
+            setattr(p, f"{short}_max", int(seg[0].shape[2]))
+    p.sc = scale * LOG2E
+    p.hkv, p.pt_stride, p.s_int, p.s_total = hkv, int(page_table.stride(0)), s_int, s_total
+    p.has_sink, p.has_rec, p.out_rotated = int(sink is not None), int(rec is not None), int(output_frame == "rotated")
+    p.rs_p, p.rs_h = int(records.stride(0)), int(records.stride(1))
+    name = kernel_name(d, layout.page_size, rep, launch.warps, launch.stages, launch.min_blocks)
+    _launch(_function(name, dev), (s_total, hkv, B), 32 * (launch.warps + 1), p, dev,
+            dynamic_bytes(layout, rep, launch))
+    return out if q.dtype == torch.bfloat16 else out.to(q.dtype)
+
+
+__all__ = ["Params11", "RecordLayout", "V11Launch", "default_num_splits", "dynamic_bytes", "kernel_name",
+           "pack_records", "paged_decode_attention_v11", "unpack_records"]
