@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from ._runtime import check
+from .decode_mma import _derived, _launch, _window, mma_b_fragments
 from .segments import HeadTransform, Segments
 
 LOG2E = 1.4426950408889634
@@ -216,8 +217,6 @@ def paged_decode_attention_v11(q: torch.Tensor, records: torch.Tensor, layout: R
     """Decode attention ``[B, H, d]`` over BF16 sink + INT2 page records + BF16 recent; the result of
     ``oscar.cache.paged.decode_attention_torch`` on ``unpack_records(records, layout)`` (GQA 1/2/4/8, per-token keys,
     keys not rope-centered)."""
-    from .decode_mma import _derived, _launch, _window, mma_b_fragments
-
     launch = V11Launch() if launch is None else launch
     check(isinstance(launch, V11Launch), f"launch={launch!r} is not a V11Launch")
     check(q.is_cuda and q.dim() == 3, f"q must be a CUDA [B, H, d] tensor, got {tuple(q.shape)} on {q.device}")

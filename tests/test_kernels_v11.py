@@ -56,7 +56,7 @@ def _case(*, B, H, hkv, d, ps, int_lens, seed, windows=False, dev="cpu"):
         for name, n in (("sink", 64), ("recent", 256)):
             seg[f"{name}_k"] = torch.randn(B, hkv, n, d, device=dev, generator=gen).to(torch.bfloat16)
             seg[f"{name}_v"] = torch.randn(B, hkv, n, d, device=dev, generator=gen).to(torch.bfloat16)
-            seg[f"{name}_len"] = torch.randint(0, n + 1, (B,), device=dev, generator=gen).to(torch.int32)
+            seg[f"{name}_len"] = torch.randint(1, n + 1, (B,), device=dev, generator=gen).to(torch.int32)
     q = (2.0 * torch.randn(B, H, d, device=dev, generator=gen)).to(torch.bfloat16)
     segs = Segments(page_table, torch.tensor(int_lens, dtype=torch.int32, device=dev), **seg)
     layout = RecordLayout(d, ps)
