@@ -1,12 +1,16 @@
 """SGLang attention backend ``oscar``: attention over BF16 sink + INT pages + BF16 recent, writing the OSCAR pool.
 
 - Extend (prefill, and each chunk of a chunked prefill): causal attention of the chunk's queries over the
-  request's cached prefix as the cache holds it (BF16 sink, dequantized pages, BF16 ring; nothing for a
-  first chunk) and the chunk's own rows rounded to BF16 (without a prefix and with a BF16 model, exactly
-  SGLang's ``torch_native`` computation); then the rows go to the pool (``OscarTokenToKVPool.write``).
-  A prefix from the radix cache (computed by another request: the request slot changed hands since its
-  windows were written) gets its BF16 sink rows from the pool's sink store and is read quantized past the
-  sink (this slot's ring never held it); the plugin caps a match so that the extend covers the recent window.
+  request's cached prefix as the cache holds it (BF16 sink, INT pages, BF16 ring; nothing for a first chunk)
+  and the chunk's own rows rounded to BF16 (without a prefix and with a BF16 model, exactly SGLang's
+  ``torch_native`` computation); then the rows go to the pool (``OscarTokenToKVPool.write``). A prefix with
+  quantized rows is read in place (``oscar.cache.extend.extend_attention``: the Triton kernel
+  ``oscar.kernels.extend_paged`` on ``OSCAR_KERNELS=triton``, its twin otherwise), in the pages' rotated frame:
+  the queries and the ``S0 + W + n`` BF16 rows are transformed, no prefix row is dequantized into memory or
+  rotated back, so the cost is the ``n x prefix`` attention. A prefix from the radix cache (computed by another
+  request: the request slot changed hands since its windows were written) gets its BF16 sink rows from the
+  pool's sink store and is read quantized past the sink (this slot's ring never held it); the plugin caps a
+  match so that the extend covers the recent window.
 - Decode: write the new row (quantized into its token slot, BF16 into its window column), then attend over
   the three segments with ``oscar.cache.paged.decode_attention``: on CUDA the v9 mma kernel over fragment-order
   pages (or the Triton row kernel for other formats), on a CPU the torch twin. The metadata (window
@@ -20,9 +24,6 @@
   ``int_pos0 = S0`` (quantized row ``t`` is position ``S0 + t``), constant under CUDA graphs.
 - With the value rotation folded into ``o_proj`` (``OSCAR_FOLD``, on by default) every path returns
   ``(o - mu_V) @ R_V`` per KV head, which the folded ``o_proj`` maps back.
-
-A cached prefix of another request (radix cache) is refused at start-up (``oscar.serve.plugin``): the pool
-keeps no BF16 sink rows for it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.functional import scaled_dot_product_attention
 
+from oscar.cache.extend import extend_attention
 from oscar.kernels.launch import MmaLaunch
 from oscar.kernels.segments import Segments
 from oscar.serve.pool import OscarTokenToKVPool
@@ -67,6 +69,7 @@ class DecodeMeta:
     page_table: torch.Tensor  # [B, pages past the sink] int32
     seq_lens: Optional[list[int]] = None  # host copy (eager CPU window path only)
     pos: Optional[torch.Tensor] = None  # [B] int64 position of the new row (rope-centered keys' writes)
+    blocks: Optional[Any] = None  # the per-channel key layers' lengths, ring and block indices (pool.block_meta)
 
 
 def decode_metadata(pool: Any, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -88,12 +91,14 @@ def decode_metadata(pool: Any, req_to_token: torch.Tensor, req_pool_indices: tor
     if out is None or out.pos is not None:
         vals["pos"] = L - 1
     if out is None:
-        return DecodeMeta(**vals, page_table=pool.page_table(req_to_token, real))
+        return DecodeMeta(**vals, page_table=pool.page_table(req_to_token, real),
+                          blocks=pool.block_meta(L, req, pad, out_cache_loc))
     B = L.shape[0]
     for name, v in vals.items():
         getattr(out, name)[:B].copy_(v)
     pool.page_table(req_to_token, real, out=out.page_table)
-    return DecodeMeta(**{name: getattr(out, name)[:B] for name in vals}, page_table=out.page_table[:B])
+    blocks = None if out.blocks is None else pool.block_meta(L, req, pad, out_cache_loc, out=out.blocks)
+    return DecodeMeta(**{name: getattr(out, name)[:B] for name in vals}, page_table=out.page_table[:B], blocks=blocks)
 
 
 class OscarAttnBackend(AttentionBackend):
@@ -194,7 +199,8 @@ class OscarAttnBackend(AttentionBackend):
                                 win_row=torch.full((max_bs,), self.pool.pad_slot, dtype=torch.int32, device=dev),
                                 col=i64(),
                                 sink_len=i32(), recent_len=i32(), int_len=i32(),
-                                page_table=torch.zeros(max_bs, cols, dtype=torch.int32, device=dev), pos=i64())
+                                page_table=torch.zeros(max_bs, cols, dtype=torch.int32, device=dev), pos=i64(),
+                                blocks=self.pool.block_meta_buffers(max_bs))
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
@@ -208,7 +214,7 @@ class OscarAttnBackend(AttentionBackend):
         g = self.graph
         self.meta = DecodeMeta(req=g.req[:B], win_row=g.win_row[:B], col=g.col[:B], sink_len=g.sink_len[:B],
                                recent_len=g.recent_len[:B], int_len=g.int_len[:B], page_table=g.page_table[:B],
-                               pos=g.pos[:B])
+                               pos=g.pos[:B], blocks=None if g.blocks is None else g.blocks.view(B))
 
     def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
         """Inside the capture (recorded, so each replay recomputes it): the decode metadata into the buffers."""
@@ -278,13 +284,17 @@ class OscarAttnBackend(AttentionBackend):
         out = torch.empty_like(q3)
         r2t = self.req_to_token_pool.req_to_token
         for start, n, p, r, hit, ids in zip(m.starts, m.lens, m.prefix, m.req_slots, m.hit, m.sink_ids):
+            if ids is not None:  # a prefix-cache hit: its BF16 sink rows from the sink store
+                self.pool.restore_sink(layer.layer_id, r, ids)
+            if self._pages_in_place(layer.layer_id, p, hit):
+                out[start : start + n] = self._extend_over_pages(q3[start : start + n], kb[start : start + n],
+                                                                 vb[start : start + n], layer, r2t, r, p, hit)
+                continue
             qs = q3[start : start + n].movedim(0, 1)  # [H, n, d]
             ks = kb[start : start + n].movedim(0, 1).to(q.dtype)
             vs = vb[start : start + n].movedim(0, 1).to(q.dtype)
             mask = None
-            if ids is not None:  # a prefix-cache hit: its BF16 sink rows from the sink store
-                self.pool.restore_sink(layer.layer_id, r, ids)
-            if p > 0:  # an earlier chunk of this request, or a cached prefix: its rows as the cache holds them
+            if p > 0:  # an earlier chunk within the windows (or per-channel keys): its rows as the cache holds them
                 pk, pv = self.pool.cached_rows(layer.layer_id, r2t, r, p, ring=not hit)
                 ks = torch.cat([pk.to(q.dtype), ks], dim=1)
                 vs = torch.cat([pv.to(q.dtype), vs], dim=1)
@@ -297,12 +307,42 @@ class OscarAttnBackend(AttentionBackend):
                 ks, vs, gqa = ks.repeat_interleave(H // Hkv, dim=0), vs.repeat_interleave(H // Hkv, dim=0), False
             o = scaled_dot_product_attention(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=mask,
                                              enable_gqa=gqa, scale=layer.scaling, is_causal=mask is None)
-            out[start : start + n] = o.squeeze(0).movedim(1, 0)
+            o = o.squeeze(0).movedim(1, 0)
+            out[start : start + n] = self._to_folded(o, layer.layer_id) if self.folded else o
         if save_kv_cache:
             self.pool.write(layer.layer_id, kb, vb, forward_batch.out_cache_loc.long(), m.req, m.pos, m.seq_len)
-        if self.folded:
-            out = self._to_folded(out, layer.layer_id)
         return out.reshape(q3.shape[0], H * d)
+
+    def _prefix_split(self, p: int, hit: bool) -> tuple[int, int]:
+        """``(n_sink, q_end)`` of a cached prefix of ``p`` positions: sink ``[0, n_sink)``, quantized pages
+        ``[S0, q_end)``, ring ``[q_end, p)``. A later chunk's ring holds the last ``W`` positions; a hit's ring
+        holds nothing of the prefix (the match cap leaves the window to the extend), so its pages run to ``p``."""
+        S0, W = self.pool.sink, self.pool.recent
+        return min(p, S0), max(S0, p if hit else p - W)
+
+    def _pages_in_place(self, layer_id: int, p: int, hit: bool) -> bool:
+        """Whether this extend's prefix has quantized rows read in place (``_extend_over_pages``); per-channel key
+        layers (``pool.key_blocks``) keep ``cached_rows``."""
+        blocks = getattr(self.pool, "key_blocks", None)
+        per_channel = bool(blocks) and bool(blocks[layer_id - self.pool.start_layer])
+        return p > 0 and not per_channel and self._prefix_split(p, hit)[1] > self.pool.sink
+
+    def _extend_over_pages(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, r2t: torch.Tensor,
+                           r: int, p: int, hit: bool) -> torch.Tensor:
+        """One request's extend ``[n, H, d]`` over its cached prefix with quantized rows: the BF16 sink and ring
+        rows of the prefix and the chunk's own rows (causal) beside the pages read in place
+        (``oscar.cache.extend.extend_attention``: the Triton kernel or its twin, in the pages' rotated frame)."""
+        pool, i = self.pool, layer.layer_id - self.pool.start_layer
+        n_sink, q_end = self._prefix_split(p, hit)
+        ring = pool.window_index(torch.arange(q_end, p, device=q.device))
+        bk = torch.cat([pool.win_k[i][r, :, :n_sink], pool.win_k[i][r][:, ring], k.movedim(0, 1)], dim=1)
+        bv = torch.cat([pool.win_v[i][r, :, :n_sink], pool.win_v[i][r][:, ring], v.movedim(0, 1)], dim=1)
+        table = pool.page_table(r2t, torch.tensor([r], device=r2t.device))[0]
+        kt, vt = pool.transforms[i]
+        return extend_attention(q, pool.k_pages[i], pool.v_pages[i], table, q_end - pool.sink, bk, bv,
+                                n_sink + p - q_end, kt, vt, sm_scale=layer.scaling,
+                                output_frame="rotated" if self.folded else "original", int_pos0=pool.sink,
+                                backend=pool.kernels)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, forward_batch: Any,
                        save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
@@ -313,13 +353,14 @@ class OscarAttnBackend(AttentionBackend):
         pool, i = self.pool, layer.layer_id - self.pool.start_layer
         if save_kv_cache:
             pool.write_decode(layer.layer_id, k.view(-1, Hkv, d), v.view(-1, Hkv, d),
-                              forward_batch.out_cache_loc.long(), m.req, m.col, m.pos)
+                              forward_batch.out_cache_loc.long(), m.req, m.col, m.pos, blocks=m.blocks)
         if m.seq_lens is not None and max(m.seq_lens, default=0) <= pool.sink + pool.recent:
             out = self._decode_windows(q3, layer, m, i)
             if self.folded:
                 out = self._to_folded(out, layer.layer_id)
             return out.reshape(q3.shape[0], H * d)
-        segments = Segments(m.page_table, m.int_len, **self._window_segments(m, i),
+        segments = Segments(m.page_table, pool.lengths(i, m.int_len, m.recent_len, m.blocks)[0],
+                            **self._window_segments(m, i),
                             int_pos0=pool.sink if pool.rope_centered else None)  # INT row t: token S0 + t
         out = pool.format.attend(q3, (pool.k_pages[i], pool.v_pages[i]), segments, pool.transforms[i],
                                  sm_scale=layer.scaling, output_frame="rotated" if self.folded else "original",
@@ -331,7 +372,8 @@ class OscarAttnBackend(AttentionBackend):
         (the request slot; no gather)."""
         sk, sv = self.pool.sink_view(i)
         rk, rv = self.pool.ring_view(i)
-        segs = dict(recent_k=rk, recent_v=rv, recent_len=m.recent_len, window_rows=m.win_row)
+        segs = dict(recent_k=rk, recent_v=rv, recent_len=self.pool.lengths(i, m.int_len, m.recent_len, m.blocks)[1],
+                    window_rows=m.win_row)
         if self.pool.sink:
             segs.update(sink_k=sk, sink_v=sv, sink_len=m.sink_len)
         return segs

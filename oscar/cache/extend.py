@@ -1,0 +1,149 @@
+"""Extend attention over a cached quantized prefix: ``n`` new queries of one request over its pages as they are.
+
+An extend whose request already has a prefix in the cache (a later chunk of a chunked prefill, a radix-cache hit)
+attends over three kinds of rows: the BF16 sink, the quantized pages ``[S0, S0 + int_len)`` and a BF16 tail (the
+prefix's rows still in the recent window, then the chunk's own rows, causal). The work is done in the pages'
+rotated frame, so that no prefix row is rotated back or materialized in float: the queries become
+``q_rot = q @ R_K`` and ``qmu = q . mu_K`` (``n`` rows), the BF16 rows ``(k - mu_K) @ R_K`` and ``(v - mu_V) @ R_V``
+(``S0 + W + n`` rows), and the pages are read by ``oscar.kernels.extend_paged`` (Triton; the tile's codes unpacked
+in registers once for all the queries of a block) or by its twin ``extend_paged_attention_torch`` (the
+specification). The cost is the attention itself, ``O(n x prefix)``, plus ``O((n + S0 + W) d^2)`` of transforms;
+the old path dequantized, un-rotated and copied the whole prefix into a dense float tensor per layer.
+
+``DEQUANTIZED_ROWS`` counts the prefix rows the torch twin dequantizes into memory (the Triton path: none), so
+tests can assert what is computed rather than time it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from oscar.cache import paged
+from oscar.core import quant
+from oscar.kernels.segments import HeadTransform, Pages
+
+DEQUANTIZED_ROWS = [0]  # prefix rows (per KV head, K and V counted once) the torch twin has dequantized into memory
+
+
+def extend_paged_attention_torch(
+    q_rot: torch.Tensor,
+    qmu: torch.Tensor,
+    k_pages: Pages,
+    v_pages: Pages,
+    page_table: torch.Tensor,
+    int_len: int,
+    bf_k: torch.Tensor,
+    bf_v: torch.Tensor,
+    n_fixed: int,
+    *,
+    sm_scale: float,
+    token_maps: tuple = (None, None),
+    num_splits: Optional[int] = None,
+    rope: Optional[tuple[torch.Tensor, HeadTransform, int]] = None,
+    query_block: int = 512,
+) -> torch.Tensor:
+    """Torch twin of ``oscar.kernels.extend_paged.extend_paged_attention`` (same arguments; ``token_maps`` and
+    ``num_splits`` are the kernel's and ignored): float32 ``[n, H, d]`` in the rotated frame. Query ``i``'s logits
+    are ``sm_scale * (q_rot . k' + qmu)`` over the ``int_len`` dequantized page rows (page table ``[M]``) and BF16
+    rows ``j <= n_fixed + i`` of ``bf_k``; ``rope`` = ``(q, kt, pos0)`` adds ``q . RoPE_p(kt.rope_mu)`` to the
+    logit of page row ``t`` (position ``p = pos0 + t``: rope-centered keys). Queries go in blocks of
+    ``query_block`` (memory ``query_block x (int_len + T)`` logits per head)."""
+    n, H, d = q_rot.shape
+    hkv = int(k_pages.codes.shape[1])
+    rep = H // hkv
+    table = page_table.reshape(1, -1)
+    kh = paged.gather_dequantize(k_pages, table, 0, int_len) if int_len else q_rot.new_zeros(hkv, 0, d)
+    vh = paged.gather_dequantize(v_pages, table, 0, int_len) if int_len else q_rot.new_zeros(hkv, 0, d)
+    DEQUANTIZED_ROWS[0] += int_len
+    keys = torch.cat([kh, bf_k.float()], dim=1)  # [Hkv, int_len + T, d]
+    vals = torch.cat([vh, bf_v.float()], dim=1)
+    T = int(bf_k.shape[1])
+    j = torch.arange(T, device=q_rot.device)
+    out = torch.empty(n, H, d, dtype=torch.float32, device=q_rot.device)
+    for s in range(0, n, query_block):
+        e = min(n, s + query_block)
+        qs = q_rot[s:e].float().reshape(e - s, hkv, rep, d)
+        lg = torch.einsum("nhrd,htd->nhrt", qs, keys) + qmu[s:e].float().reshape(e - s, hkv, rep, 1)
+        if rope is not None and int_len:
+            q, kt, pos0 = rope
+            offs = paged.rope_offsets(kt, pos0 + torch.arange(int_len, device=q.device))  # [int_len, Hkv, d]
+            lg[..., :int_len] += torch.einsum("nhrd,thd->nhrt", q[s:e].float().reshape(e - s, hkv, rep, d), offs)
+        visible = j[None, :] <= n_fixed + torch.arange(s, e, device=q_rot.device)[:, None]  # [n, T]
+        lg[..., int_len:] = lg[..., int_len:].masked_fill(~visible[:, None, None, :], float("-inf"))
+        p = torch.softmax(lg * sm_scale, dim=-1)
+        out[s:e] = torch.einsum("nhrt,htd->nhrd", p, vals).reshape(e - s, H, d)
+    return out
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_pages: paged.QuantPages,
+    v_pages: paged.QuantPages,
+    page_table: torch.Tensor,
+    int_len: int,
+    bf_k: torch.Tensor,
+    bf_v: torch.Tensor,
+    n_fixed: int,
+    kt: HeadTransform,
+    vt: HeadTransform,
+    *,
+    sm_scale: Optional[float] = None,
+    output_frame: str = "original",
+    int_pos0: int = 0,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """Attention ``[n, H, d]`` (``q.dtype``) of one request's ``n`` extend queries ``q`` ``[n, H, d]`` over its
+    quantized pages (``page_table`` int ``[M]``, ``int_len`` tokens, the first at position ``int_pos0``) and BF16
+    rows ``bf_k``/``bf_v`` ``[Hkv, T, d]`` in the original frame: the first ``n_fixed`` (sink, ring) seen by every
+    query, then the queries' own rows (query ``i`` sees own rows ``0..i``). ``output_frame="rotated"`` returns
+    ``(o - mu_V) @ R_V`` (the folded ``o_proj``'s frame). ``backend="triton"``: ``oscar.kernels.extend_paged``
+    (rope-centered keys and per-channel key pages go to the twin, which adds the offsets and reads the blocks)."""
+    paged._check_backend(backend)
+    if output_frame not in ("original", "rotated"):
+        raise ValueError(f"output_frame={output_frame!r} must be 'original' or 'rotated'")
+    n, H, d = q.shape
+    hkv = int(k_pages.codes.shape[1])
+    if H % hkv:
+        raise ValueError(f"query heads H={H} must be a multiple of KV heads Hkv={hkv}")
+    rep = H // hkv
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    q32 = q.float().reshape(n, hkv, rep, d)
+    q_rot = q32 if kt.R is None else torch.einsum("nhrd,hde->nhre", q32, kt.R.to(q.device, torch.float32))
+    qmu = (torch.einsum("nhrd,hd->nhr", q32, kt.mu.to(q.device, torch.float32)) if kt.mu is not None
+           else q32.new_zeros(n, hkv, rep))
+    bk, bv = _rotate_rows(bf_k, kt), _rotate_rows(bf_v, vt)
+    args = (q_rot.reshape(n, H, d).contiguous(), qmu.reshape(n, H).contiguous(), k_pages, v_pages,
+            page_table.to(torch.int32).contiguous(), int(int_len), bk, bv, int(n_fixed))
+    if backend == "triton" and not kt.rope_centered and not getattr(k_pages, "block", 0):
+        from oscar.kernels.extend_paged import extend_paged_attention  # local: keeps triton out of import time
+
+        maps = tuple(None if p.layout == "rows" else quant.mma_token_map(p.head_dim, p.layout, p.bits)
+                     for p in (k_pages, v_pages))
+        o = extend_paged_attention(*args, sm_scale=scale, token_maps=maps)
+    else:
+        rope = (q.float(), kt, int(int_pos0)) if kt.rope_centered else None
+        o = extend_paged_attention_torch(*args, sm_scale=scale, rope=rope)
+    if output_frame == "original":
+        o = o.reshape(n, hkv, rep, d)
+        if vt.R is not None:
+            o = torch.einsum("nhre,hde->nhrd", o, vt.R.to(q.device, torch.float32))
+        if vt.mu is not None:
+            o = o + vt.mu.to(q.device, torch.float32)[None, :, None, :]
+        o = o.reshape(n, H, d)
+    return o.to(q.dtype)
+
+
+def _rotate_rows(x: torch.Tensor, t: HeadTransform) -> torch.Tensor:
+    """BF16 rows ``[Hkv, T, d]`` (original frame) -> float32 ``(x - mu) @ R``, contiguous (the pages' frame)."""
+    y = x.float()
+    if t.mu is not None:
+        y = y - t.mu.to(x.device, torch.float32)[:, None, :]
+    if t.R is not None:
+        y = torch.einsum("htd,hde->hte", y, t.R.to(x.device, torch.float32))
+    return y.contiguous()
+
+
+__all__ = ["DEQUANTIZED_ROWS", "extend_attention", "extend_paged_attention_torch"]
