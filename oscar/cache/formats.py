@@ -307,6 +307,11 @@ class ChannelKeyFormat(RotatedFormat):
                              f"keys) or {self.key_block}")
         paged.check_channel_ring(self.recent, self.key_block)
 
+    def mma_supported(self, head_dim: int) -> bool:
+        """The fragment-order layout where it covers the format and the CUDA kernel reads per-channel key pages
+        (``oscar.kernels.decode_mma.CHANNEL_KEYS``); ``layout="auto"`` resolves to rows until then."""
+        return super().mma_supported(head_dim) and paged._mma_reads_channel_keys()
+
     def check_key_block(self, block: int) -> None:
         if block not in (0, self.key_block):
             raise ValueError(f"a layer's key block {block} is not one of this format's (0 or key_block={self.key_block})")

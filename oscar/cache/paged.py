@@ -530,13 +530,13 @@ def decode_attention(
         return decode_attention_torch(q, k_pages, v_pages, segments, kt, vt, sm_scale=sm_scale,
                                       output_frame=output_frame)
     layout = _pair_layout(k_pages, v_pages)
-    if layout == "mma" and q.device.type != "cuda":
-        raise ValueError("pages in the mma layout are read by a CUDA kernel; on a CPU use backend='torch' "
-                         f"(q is on {q.device})")
     if layout == "mma" and k_pages.block and not _mma_reads_channel_keys():
         raise NotImplementedError(
             f"per-channel key pages (block={k_pages.block}) in the mma layout are not read by the CUDA kernel "
             "oscar.kernels.decode_mma yet (its CHANNEL_KEYS is false); use layout='rows' (Triton) or backend='torch'")
+    if layout == "mma" and q.device.type != "cuda":
+        raise ValueError("pages in the mma layout are read by a CUDA kernel; on a CPU use backend='torch' "
+                         f"(q is on {q.device})")
     if kt.rope_centered:
         if layout != "mma":
             raise ValueError("rope-centered keys are read by the mma-layout CUDA kernel (pages in the 'mma' layout, "
