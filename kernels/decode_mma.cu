@@ -16,6 +16,10 @@
 // sum_i A'_i cos(x w_i) + B'_i sin(x w_i) with (A', B') = (A, B) turned by -P w_i. A warp turns (A, B) once per RT
 // of its blocks (P = the first token of the first; angles reduced in fp64) into fp16 B fragments, and one more
 // MMA per 16 channels scores them against a constant table of cos/sin(x w_i), x = 16 W k + j (k < RT, j < 16).
+// Per-channel keys (CT > 0: K scale/zero bf16 [P, Hkv, page/CT, D], one pair per channel and block of CT tokens): a
+// warp takes CT/16 consecutive 16-token blocks at a time (one channel block), and at the first of them turns the
+// block's scales into the query's B fragments (q_r * s, fp16) and adds q_r . z (bf16 MMAs of the zeros against q_r
+// split into bf16 hi + lo): logit = (q_r * s) . c + q_r . z + q.mu_K (+ the rope term), values per token as always.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -55,6 +59,12 @@ __device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+  u32 r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
 __device__ __forceinline__ u32 movtrans(u32 x) {
   u32 r;
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
@@ -85,6 +95,13 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
   u32 r;
   asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
   return r;
+}
+
+// Four 8x8 b16 matrices at shared address a; lane 4g + t gets row g, columns 2t, 2t+1 of matrix i in r[i] (rows from
+// lanes 8i..8i+7).
+__device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, u32 a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a) : "memory");
 }
 
 template <int BYTES>
@@ -143,6 +160,7 @@ struct Params {
   float rope_scaling;     // RoPE attention scaling
   int rope_half, rope_pos_add;  // rotary_dim / 2; added to every position
   const int* win_row;     // [B] row of the sink/recent tensors that sequence b reads (per-slot windows), or null (b)
+  long long kss_p, kss_h;  // K scale strides (elements): ss_p, ss_h (per token) or of [P, Hkv, page/CT, D] (CT > 0)
 };
 
 constexpr int SMAX = 256;  // most partials per (sequence, KV head); the launcher checks
@@ -209,16 +227,20 @@ struct Raw {
 };
 
 // A warp's ring stage for one block: K codes, V codes (16 * D/4 bytes each, lane L's at L * D/8), then the
-// block's 16 bf16 K scales, K zeros, V scales, V zeros.
-template <int D, int BITS>
+// block's 16 bf16 K scales, K zeros, V scales, V zeros; per-channel keys (CT > 0): the 16 V scales, V zeros, then
+// (first block of a channel block only) the channel block's D bf16 K scales and D K zeros at KC.
+template <int D, int BITS, int CT>
 struct Stage {
   static constexpr int CB = 16 * D * BITS / 8;
-  static constexpr int BYTES = 2 * CB + 128;
+  static constexpr int KC = 2 * CB + 64;
+  static constexpr int BYTES = CT ? KC + 4 * D : 2 * CB + 128;
 };
 
-template <int D, int BITS>
-__device__ __forceinline__ void issue_block(unsigned char* st, const Params& P, int page, int kvh, int off, int lane) {
-  constexpr int CB = Stage<D, BITS>::CB, LB = D * BITS / 16, LC = LB > 16 ? 16 : LB;
+// kzs (CT > 0): this lane's part of the K scales (lanes 0-15) or zeros (16-31) of KV head kvh, page 0, block 0.
+template <int D, int BITS, int CT>
+__device__ __forceinline__ void issue_block(unsigned char* st, const Params& P, int page, int kvh, int off, int lane,
+                                            const u16* kzs) {
+  constexpr int CB = Stage<D, BITS, CT>::CB, LB = D * BITS / 16, LC = LB > 16 ? 16 : LB;
   const long long cbase = (long long)page * P.cs_p + (long long)kvh * P.cs_h + (long long)off * (D * BITS / 8) + lane * LB;
 #pragma unroll
   for (int c = 0; c < LB / LC; ++c) {
@@ -226,13 +248,23 @@ __device__ __forceinline__ void issue_block(unsigned char* st, const Params& P, 
     cp_async<LC>(st + CB + lane * LB + c * LC, P.vc + cbase + c * LC);
   }
   const int a = lane >> 3;  // 4 bytes (2 tokens) of one of the four scale/zero arrays per lane
-  const u16* src = a == 0 ? P.ks : a == 1 ? P.kz : a == 2 ? P.vs : P.vz;
-  cp_async<4>(st + 2 * CB + 4 * lane, src + (long long)page * P.ss_p + (long long)kvh * P.ss_h + off + 2 * (lane & 7));
+  if (CT == 0) {
+    const u16* src = a == 0 ? P.ks : a == 1 ? P.kz : a == 2 ? P.vs : P.vz;
+    cp_async<4>(st + 2 * CB + 4 * lane, src + (long long)page * P.ss_p + (long long)kvh * P.ss_h + off + 2 * (lane & 7));
+  } else {
+    if (a >= 2)
+      cp_async<4>(st + 2 * CB + 4 * (lane - 16), (a == 2 ? P.vs : P.vz) + (long long)page * P.ss_p + (long long)kvh * P.ss_h +
+                                                   off + 2 * (lane & 7));
+    if ((off & (CT - 1)) == 0) {  // the channel block's K scales (lanes 0-15) and zeros (16-31), D/8 bytes per lane
+      constexpr int KB = D / 8;
+      cp_async<KB>(st + Stage<D, BITS, CT>::KC + lane * KB, kzs + (long long)page * P.kss_p + (off / (CT ? CT : 1)) * D);
+    }
+  }
 }
 
-template <int D, int BITS>
+template <int D, int BITS, int CT>
 __device__ __forceinline__ void read_block(Raw<D, BITS>& raw, const unsigned char* st, int lane) {
-  constexpr int CB = Stage<D, BITS>::CB, LB = D * BITS / 16;
+  constexpr int CB = Stage<D, BITS, CT>::CB, LB = D * BITS / 16;
   if (LB >= 16) {
 #pragma unroll
     for (int c = 0; c < LB / 16; ++c) {
@@ -251,17 +283,66 @@ __device__ __forceinline__ void read_block(Raw<D, BITS>& raw, const unsigned cha
   const int g = lane >> 2;
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
-    raw.ks[n] = sc[g + 8 * n];
-    raw.kz[n] = sc[16 + g + 8 * n];
-    raw.vs[n] = sc[32 + g + 8 * n];
-    raw.vz[n] = sc[48 + g + 8 * n];
+    if (CT == 0) {
+      raw.ks[n] = sc[g + 8 * n];
+      raw.kz[n] = sc[16 + g + 8 * n];
+    }
+    raw.vs[n] = sc[(CT ? 0 : 32) + g + 8 * n];
+    raw.vz[n] = sc[(CT ? 16 : 48) + g + 8 * n];
   }
+}
+
+// Per-channel keys, at the first block of a channel block: qb <- the query's fp16 B fragments (from s_qf: q_r times the
+// slots' 4^-J) times the block's scales, qz[k] <- q_r . z of head 2t + k. kc: the stage's D bf16 K scales, D K zeros;
+// the scales turn to fp16 in place (each lane D/64 words), then each lane reads the words of its fragments with
+// ldmatrix (all 8 row addresses of a matrix the same 8 channels: row g is every lane's copy; kc_s: kc's shared
+// address). The zeros stay bf16 (exact) and are the B operand (every column the zero vector) of bf16 MMAs whose A rows
+// are q_r's bf16 hi (rows 0-7: head g) and lo parts (rows 8-15) (s_qz: those A fragments); q_r . z of head g is the
+// sum of rows g and g + 8, moved to the lanes of heads 2t, 2t + 1 by two shuffles.
+template <int D>
+__device__ __forceinline__ void channel_frags(u32 (&qb)[D / 16][2], float (&qz)[2], unsigned char* kc, u32 kc_s,
+                                              const uint4* s_qf, const uint4* s_qz, int lane) {
+  u32* w = reinterpret_cast<u32*>(kc);
+#pragma unroll
+  for (int i = 0; i < D / 64; ++i) {
+    const u32 x = w[lane + 32 * i];
+    w[lane + 32 * i] = pack_f16(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
+  }
+  __syncwarp();
+#pragma unroll
+  for (int c = 0; c < D / 32; ++c) {  // matrix i of call c: channels 8 (4c + i) .. + 7, i.e. chunk 2c + i/2, half i%2
+    u32 s0, s1, s2, s3;
+    ldsm_x4(s0, s1, s2, s3, kc_s + 16 * (4 * c + (lane >> 3)));
+    const uint4 f = s_qf[c * 32 + lane];
+    qb[2 * c][0] = hmul2(f.x, s0);
+    qb[2 * c][1] = hmul2(f.y, s1);
+    qb[2 * c + 1][0] = hmul2(f.z, s2);
+    qb[2 * c + 1][1] = hmul2(f.w, s3);
+  }
+  float za[2][4];
+#pragma unroll
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) za[n][i] = 0.f;
+#pragma unroll
+  for (int c = 0; c < D / 32; ++c) {
+    u32 z0, z1, z2, z3;
+    ldsm_x4(z0, z1, z2, z3, kc_s + 2 * D + 16 * (4 * c + (lane >> 3)));
+    const uint4 a0 = s_qz[(2 * c) * 32 + lane], a1 = s_qz[(2 * c + 1) * 32 + lane];
+    mma_bf16(za[0], a0.x, a0.y, a0.z, a0.w, z0, z1);
+    mma_bf16(za[1], a1.x, a1.y, a1.z, a1.w, z2, z3);
+  }
+  const float v = (za[0][0] + za[1][0]) + (za[0][2] + za[1][2]);  // head g: hi + lo
+  const int t = lane & 3;
+  qz[0] = __shfl_sync(FULL, v, 8 * t);
+  qz[1] = __shfl_sync(FULL, v, 8 * t + 4);
 }
 
 // qb: the query's B fragments (head g; channels 16j + 2t + {0,1}, + 8) times 4^-J of the slot they meet.
 // qs/qm: sum(q) and q.mu_K of heads 2t, 2t+1, times sc. ksc = sc * 2^24 (the codes' subnormal scale).
 // ub/tab (ROPE): the block's rope-term B fragments and its table rows (rope_frags).
-template <int D, int BITS, bool ROPE>
+// CT > 0 (per-channel keys): qb already carries the block's scales and qm is sc (q_r . z + q . mu_K).
+template <int D, int BITS, bool ROPE, int CT>
 __device__ __forceinline__ void int_block(State<D>& st, const Raw<D, BITS>& raw, const u32 (&qb)[D / 16][2], const float (&qs)[2],
                                           const float (&qm)[2], float ksc, int tok0, int end, int lane,
                                           const u32 (&ub)[D / 16][2], const uint4* __restrict__ tab) {
@@ -301,10 +382,11 @@ __device__ __forceinline__ void int_block(State<D>& st, const Raw<D, BITS>& raw,
 #pragma unroll
   for (int n = 0; n < 2; ++n) {  // token g + 8n
     const bool ok = tok0 + 8 * n + g < end;
-    const float sk = bf16f(raw.ks[n]) * ksc, zk = bf16f(raw.kz[n]);
+    const float sk = CT ? ksc : bf16f(raw.ks[n]) * ksc, zk = CT ? 0.f : bf16f(raw.kz[n]);
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
-      const float base = ROPE ? fmaf(zk, qs[k], qm[k]) + (racc[0][2 * n + k] + racc[1][2 * n + k]) : fmaf(zk, qs[k], qm[k]);
+      const float b0 = CT ? qm[k] : fmaf(zk, qs[k], qm[k]);
+      const float base = ROPE ? b0 + (racc[0][2 * n + k] + racc[1][2 * n + k]) : b0;
       lg[2 * n + k] = ok ? fmaf(acc[0][2 * n + k] + acc[1][2 * n + k], sk, base) : NEG_INF;
     }
     sv[n] = ok ? bf16f(raw.vs[n]) : 0.f;
@@ -442,20 +524,25 @@ __device__ __forceinline__ void rotate_rows(float* x, const uint2* __restrict__ 
 }
 
 // ST: stages of each warp's cp.async ring (ST - 1 blocks in flight while one is computed). RT: blocks of a warp per
-// turn of the rope term's fragments (0: keys not rope-centered).
+// turn of the rope term's fragments (0: keys not rope-centered). CT: tokens per channel block of per-channel keys (0:
+// per-token keys); a warp's work unit is a channel block of CT/16 consecutive blocks (one block when CT = 0), units
+// lo + warp + k W of its split (RT a multiple of CT/16, so a rope turn starts on a unit).
 // BITS: 2 or 4 (codes per byte 4 or 2). Dynamic shared memory: the rings, then the warps' outputs,
 // max(W * ST * Stage::BYTES, W * REP * D * 4) bytes (the launcher passes it).
-template <int D, int BITS, int REP, int W, int ST, int MINB, int RT>
+template <int D, int BITS, int REP, int W, int ST, int MINB, int RT, int CT = 0>
 __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P) {
   constexpr int NT = W * 32;
-  using Stg = Stage<D, BITS>;
+  constexpr int R = CT ? CT / 16 : 1;  // blocks per unit
+  using Stg = Stage<D, BITS, CT>;
   __shared__ float s_q[REP * D];
   extern __shared__ __align__(16) unsigned char s_buf[];  // the rings, then the warps' outputs
   float* s_o = reinterpret_cast<float*>(s_buf);
   unsigned char* ring = s_buf + (threadIdx.x >> 5) * ST * Stg::BYTES;
+  const u32 ring_s = CT ? smem_addr(ring) : 0u;
   __shared__ float s_m[W][2 * REP], s_l[W][2 * REP];
   __shared__ float s_f[REP][SMAX];
   __shared__ float s_u[RT ? REP * (D + 4) : 1];  // rope term: A, B per head (rope_frags)
+  __shared__ uint4 s_qc[CT ? 3 * D : 1];  // per-channel keys: the query's fragments (channel_frags), s_qf then s_qz
   __shared__ int s_last;
 
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
@@ -466,23 +553,27 @@ __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P)
   // ---- the first blocks' copies go out before the query work
   int len = 0, lo = 0, n_w = 0, pv_cur = 0, pv_next = 0;
   const int* pt = P.page_table + (long long)b * P.pt_stride;
+  const u16* kzs = CT ? (lane < 16 ? P.ks : P.kz) + (long long)kvh * P.kss_h + (lane & 15) * (D / 16) : nullptr;
   const int pmask = (1 << P.page_shift) - 1;
+  auto blk = [&](int kk) -> int { return (lo + warp + (kk / R) * W) * R + kk % R; };  // this warp's kk-th block
   auto page_of = [&](int kk) -> int {  // page of this warp's kk-th block
-    return kk < n_w ? __ldg(pt + (((lo + warp + kk * W) * 16) >> P.page_shift)) : 0;
+    return kk < n_w ? __ldg(pt + ((blk(kk) * 16) >> P.page_shift)) : 0;
   };
   if (is_int) {
     len = __ldg(P.int_len + b);
-    const int nblk = (len + 15) >> 4;
-    const int per = (nblk + P.s_int - 1) / P.s_int;
+    const int nblk = (len + 15) >> 4, nu = (nblk + R - 1) / R;
+    const int per = (nu + P.s_int - 1) / P.s_int;
     lo = split * per;
-    const int hi = min(nblk, lo + per);
-    n_w = hi > lo + warp ? (hi - lo - warp + W - 1) / W : 0;  // blocks of this warp: lo + warp + k W
+    const int hi = min(nu, lo + per);
+    const int n_u = hi > lo + warp ? (hi - lo - warp + W - 1) / W : 0;  // units of this warp: lo + warp + k W
+    n_w = n_u * R;
+    if (R > 1 && n_u > 0) n_w -= max(0, (lo + warp + (n_u - 1) * W + 1) * R - nblk);  // the last unit may be short
     pv_cur = page_of(lane);  // pages of blocks 0..31 (lane k holds block k), then 32..63
     pv_next = page_of(32 + lane);
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {
       if (s < n_w)
-        issue_block<D, BITS>(ring + s * Stg::BYTES, P, __shfl_sync(FULL, pv_cur, s), kvh, ((lo + warp + s * W) * 16) & pmask, lane);
+        issue_block<D, BITS, CT>(ring + s * Stg::BYTES, P, __shfl_sync(FULL, pv_cur, s), kvh, (blk(s) * 16) & pmask, lane, kzs);
       cp_commit();
     }
   }
@@ -543,6 +634,25 @@ __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P)
   qmu += __shfl_xor_sync(FULL, qmu, 2);
   const float qs[2] = {__shfl_sync(FULL, qsum, 8 * t) * P.sc, __shfl_sync(FULL, qsum, 8 * t + 4) * P.sc};
   const float qm[2] = {__shfl_sync(FULL, qmu, 8 * t) * P.sc, __shfl_sync(FULL, qmu, 8 * t + 4) * P.sc};
+  if (CT && is_int) {  // per-channel keys: the query's fragments for channel_frags, the same in every warp
+    if (warp == 0) {
+#pragma unroll
+      for (int c = 0; c < D / 32; ++c) s_qc[c * 32 + lane] = make_uint4(qb[2 * c][0], qb[2 * c][1], qb[2 * c + 1][0], qb[2 * c + 1][1]);
+#pragma unroll
+      for (int j = 0; j < D / 16; ++j) {
+        u32 hl[2][2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int ch = 16 * j + 2 * t + 8 * h;
+          const float x0 = g < REP ? s_q[g * D + ch] : 0.f, x1 = g < REP ? s_q[g * D + ch + 1] : 0.f;
+          hl[0][h] = pack_bf16(x0, x1);
+          hl[1][h] = pack_bf16(x0 - bf16f(hl[0][h]), x1 - bf16f(hl[0][h] >> 16));
+        }
+        s_qc[D + j * 32 + lane] = make_uint4(hl[0][0], hl[1][0], hl[0][1], hl[1][1]);  // A: hi rows g, lo rows g + 8
+      }
+    }
+    __syncthreads();
+  }
 
   State<D> st;
 #pragma unroll
@@ -561,7 +671,9 @@ __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P)
     int rs = 0, ws = ST - 1;  // ring stage read and written this iteration
     u32 ub[D / 16][2];
     long long rpos = 0;  // position of this warp's first block
-    if (RT) rpos = (long long)(P.rope_pos0 != nullptr ? __ldg(P.rope_pos0 + b) : 0) + P.rope_pos_add + (long long)(lo + warp) * 16;
+    if (RT) rpos = (long long)(P.rope_pos0 != nullptr ? __ldg(P.rope_pos0 + b) : 0) + P.rope_pos_add + (long long)blk(0) * 16;
+    u32 qc[D / 16][2];  // per-channel keys: the query's B fragments times the current channel block's scales
+    float qzm[2] = {qm[0], qm[1]};  // the logit's offset: sc q . mu_K, plus sc q_r . z of the channel block (CT > 0)
     for (int k = 0; k < n_w; ++k) {
       const int kn = k + ST - 1;
       if (kn >= 32 && (kn & 31) == 0) {  // next 32 pages
@@ -570,16 +682,22 @@ __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P)
       }
       __syncwarp();  // every lane is done with the stage about to be refilled
       if (kn < n_w)
-        issue_block<D, BITS>(ring + ws * Stg::BYTES, P, __shfl_sync(FULL, pv_cur, kn & 31), kvh,
-                       ((lo + warp + kn * W) * 16) & pmask, lane);
+        issue_block<D, BITS, CT>(ring + ws * Stg::BYTES, P, __shfl_sync(FULL, pv_cur, kn & 31), kvh, (blk(kn) * 16) & pmask,
+                                 lane, kzs);
       cp_commit();
       cp_wait<ST - 1>();  // block k has landed
       __syncwarp();
       if (RT && k % (RT ? RT : 1) == 0) rope_frags<D, REP>(ub, s_u, P.rope_w, rpos + (long long)k * W * 16, lane);
+      if (CT && k % R == 0) {
+        float qz[2];
+        channel_frags<D>(qc, qz, ring + rs * Stg::BYTES + Stg::KC, ring_s + rs * Stg::BYTES + Stg::KC, s_qc, s_qc + D, lane);
+        qzm[0] = fmaf(qz[0], P.sc, qm[0]);
+        qzm[1] = fmaf(qz[1], P.sc, qm[1]);
+      }
       Raw<D, BITS> raw;
-      read_block<D, BITS>(raw, ring + rs * Stg::BYTES, lane);
-      int_block<D, BITS, (RT > 0)>(st, raw, qb, qs, qm, ksc, (lo + warp + k * W) * 16, len, lane, ub,
-                             P.rope_tab + (RT ? (k % (RT ? RT : 1)) * (D / 16) * 32 : 0));
+      read_block<D, BITS, CT>(raw, ring + rs * Stg::BYTES, lane);
+      int_block<D, BITS, (RT > 0), CT>(st, raw, CT ? qc : qb, qs, qzm, ksc, blk(k) * 16, len, lane, ub,
+                                       P.rope_tab + (RT ? (k % (RT ? RT : 1)) * (D / 16) * 32 : 0));
       rs = rs + 1 == ST ? 0 : rs + 1;
       ws = ws + 1 == ST ? 0 : ws + 1;
     }

@@ -5,14 +5,15 @@ each lane of a warp loads the codes of its ``mma.sync`` operands with one 8- or 
 tokens and turns them into fp16 registers with one ``lop3`` and one ``fma`` per two codes; no shared
 memory on the way. One launch does everything (``decode_mma.cu``): ``num_splits`` CTAs per sequence and
 KV head over the quantized tokens (query rotated in the CTA, scores ``s_K (q.c) + z_K sum(q) + q.mu_K``,
-output ``sum (p s_V) c + sum p z_V``), one CTA per BF16 window (sink, recent; bf16 tensor cores), and the
+output ``sum (p s_V) c + sum p z_V``; per-channel keys, ``QuantPages.block = T``: scores ``(q_r s) . c + q_r . z``
+with ``s``, ``z`` of the token's block of ``T``, the query scaled once per block), one CTA per BF16 window (sink, recent; bf16 tensor cores), and the
 log-sum-exp merge with the change of frame done by the last CTA of each (sequence, KV head) (an atomic
 ticket; the counter is reset by that CTA, so the grid is fixed and the call can be captured in a CUDA graph).
 
 Compiled at first use by NVRTC (``torch.cuda._utils``); CUDA only. Launcher: ``paged_decode_attention_mma``;
 launch settings: ``oscar.kernels.launch.MmaLaunch``; torch twin (the specification):
 ``oscar.cache.paged.decode_attention_torch`` on the same pages; CPU tests emulate the fragment arithmetic
-(tests/test_kernels_decode_mma.py, tests/test_kernels_decode_rope.py).
+(tests/test_kernels_decode_mma.py, tests/test_kernels_decode_rope.py, tests/test_kernels_decode_mma_channel.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .segments import HeadTransform, Pages, Segments
 LOG2E = 1.4426950408889634
 MAX_PARTIALS = 256  # SMAX in decode_mma.cu: split-K partials plus BF16 windows per (sequence, KV head)
 SOURCE = Path(__file__).with_name("decode_mma.cu")
+CHANNEL_KEYS = True  # reads per-channel key pages (QuantPages.block > 0; docs/DESIGN.md "Per-channel key pages")
 _POINTERS = ("q", "kc", "vc", "ks", "kz", "vs", "vz", "page_table", "int_len", "rk", "muk", "rot_out", "muv",
              "sink_k", "sink_v", "sink_len", "rec_k", "rec_v", "rec_len", "part_o", "part_ml", "counters", "out")
 _INTS = ("hkv", "pt_stride", "page_shift", "s_int", "s_total", "has_sink", "has_rec", "out_rotated")
@@ -45,7 +47,8 @@ class Params(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_void_p) for n in _POINTERS] + [("sc", ctypes.c_float)]
                 + [(n, ctypes.c_int) for n in _INTS] + [(n, ctypes.c_longlong) for n in _LONGS]
                 + [(n, ctypes.c_void_p) for n in _ROPE_POINTERS] + [("rope_scaling", ctypes.c_float)]
-                + [("rope_half", ctypes.c_int), ("rope_pos_add", ctypes.c_int), ("win_row", ctypes.c_void_p)])
+                + [("rope_half", ctypes.c_int), ("rope_pos_add", ctypes.c_int), ("win_row", ctypes.c_void_p)]
+                + [("kss_p", ctypes.c_longlong), ("kss_h", ctypes.c_longlong)])
 
 
 _KERNELS: dict[tuple, ctypes.c_void_p] = {}
@@ -54,23 +57,33 @@ _COPIES: dict[tuple, tuple] = {}
 
 
 def kernel_name(d: int, rep: int, num_warps: int, stages: int, min_blocks: int, rope_blocks: int = 0,
-                bits: int = 2) -> str:
+                bits: int = 2, block: int = 0) -> str:
     """The template instance: head_dim, code bits, GQA ratio, warps per CTA, stages of each warp's cp.async ring
     (blocks of 16 tokens; stages - 1 in flight), the CTAs per SM the register allocation must allow
-    (``__launch_bounds__``) and, for rope-centered keys, a warp's blocks per turn of the rope term (0: none)."""
-    return f"oscar_decode_mma<{d},{bits},{rep},{num_warps},{stages},{min_blocks},{rope_blocks}>"
+    (``__launch_bounds__``), for rope-centered keys a warp's blocks per turn of the rope term (0: none), and the
+    tokens per channel block of per-channel keys (0: per-token keys)."""
+    return f"oscar_decode_mma<{d},{bits},{rep},{num_warps},{stages},{min_blocks},{rope_blocks},{block}>"
 
 
-def dynamic_bytes(d: int, rep: int, num_warps: int, stages: int, bits: int = 2) -> int:
+def stage_bytes(d: int, bits: int = 2, block: int = 0) -> int:
+    """One stage of a warp's ring (``Stage`` in decode_mma.cu): K and V codes of 16 tokens, their per-token
+    scales/zeros (V only with per-channel keys), and with per-channel keys a channel block's K scales and zeros."""
+    codes = 2 * 16 * d * bits // 8
+    return codes + (64 + 4 * d if block else 128)
+
+
+def dynamic_bytes(d: int, rep: int, num_warps: int, stages: int, bits: int = 2, block: int = 0) -> int:
     """Dynamic shared memory of a launch: the warps' cp.async rings, then (aliased) their outputs."""
-    return max(num_warps * stages * (2 * 16 * d * bits // 8 + 128), num_warps * rep * d * 4)
+    return max(num_warps * stages * stage_bytes(d, bits, block), num_warps * rep * d * 4)
 
 
-def shared_bytes(d: int, rep: int, num_warps: int, stages: int, rope: bool = False, bits: int = 2) -> int:
+def shared_bytes(d: int, rep: int, num_warps: int, stages: int, rope: bool = False, bits: int = 2,
+                 block: int = 0) -> int:
     """Shared memory of a CTA, static plus dynamic (mirrors decode_mma.cu)."""
     rope_u = 4 * rep * (d + 4) if rope else 4
-    static = 4 * rep * d + 4 * rep * MAX_PARTIALS + 2 * 4 * num_warps * 2 * rep + rope_u + 16  # + alignment
-    return static + dynamic_bytes(d, rep, num_warps, stages, bits)
+    query_frags = 48 * d if block else 16  # s_qc: the query's fragments for per-channel keys
+    static = 4 * rep * d + 4 * rep * MAX_PARTIALS + 2 * 4 * num_warps * 2 * rep + rope_u + query_frags + 16
+    return static + dynamic_bytes(d, rep, num_warps, stages, bits, block)
 
 
 def shared_limit(bits: int, min_blocks: int) -> int:
@@ -80,15 +93,20 @@ def shared_limit(bits: int, min_blocks: int) -> int:
     return min(227 * 1024, 228 * 1024 // max(1, min_blocks) - 1024)
 
 
-def rope_table(inv_freq: torch.Tensor, d: int, num_warps: int, rope_blocks: int) -> torch.Tensor:
+def rope_table(inv_freq: torch.Tensor, d: int, num_warps: int, rope_blocks: int, unit_blocks: int = 1) -> torch.Tensor:
     """The rope term's constant A fragments (fp16 in int32 ``[RT, d/16, 32, 4]``): entry ``[k, kc, 4g + t, r]`` packs
     ``E[k, j, c], E[k, j, c + 1]`` with ``j = g + 8 (r & 1)``, ``c = 16 kc + 2t + 8 (r >> 1)``, where
-    ``E[k, j, c] = cos(x w_c)`` for ``c < d/2`` and ``sin(x w_{c - d/2})`` above, ``x = 16 num_warps k + j`` and
-    ``w`` the inverse frequencies padded with zeros to ``d/2`` (float64, then fp16)."""
+    ``E[k, j, c] = cos(x w_c)`` for ``c < d/2`` and ``sin(x w_{c - d/2})`` above, ``x = 16 (num_warps U (k // U) + k % U)
+    + j`` (``U = unit_blocks``: a warp's consecutive blocks, ``block / 16`` for per-channel keys, else 1; the k-th
+    block of a turn sits that far after its first) and ``w`` the inverse frequencies padded with zeros to ``d/2``
+    (float64, then fp16)."""
+    if rope_blocks % unit_blocks:
+        raise ValueError(f"rope_blocks={rope_blocks} must be a multiple of unit_blocks={unit_blocks}")
     w = torch.zeros(d // 2, dtype=torch.float64)
     w[: inv_freq.numel()] = inv_freq.detach().to("cpu", torch.float64)
-    x = (16 * num_warps * torch.arange(rope_blocks, dtype=torch.float64)[:, None]
-         + torch.arange(16, dtype=torch.float64)[None, :])  # [RT, 16]
+    k = torch.arange(rope_blocks, dtype=torch.float64)
+    start = 16 * (num_warps * unit_blocks * torch.div(k, unit_blocks, rounding_mode="floor") + k % unit_blocks)
+    x = start[:, None] + torch.arange(16, dtype=torch.float64)[None, :]  # [RT, 16]
     ang = x[..., None] * w  # [RT, 16, d/2]
     E = torch.cat([ang.cos(), ang.sin()], dim=-1).to(torch.float16)  # [RT, 16, d]
     ar = lambda n, at: torch.arange(n).view([-1 if i == at else 1 for i in range(5)])  # noqa: E731
@@ -99,14 +117,14 @@ def rope_table(inv_freq: torch.Tensor, d: int, num_warps: int, rope_blocks: int)
 
 
 def _function(d: int, rep: int, num_warps: int, stages: int, min_blocks: int, dev: torch.device,
-              rope_blocks: int = 0, bits: int = 2) -> ctypes.c_void_p:
-    key = (d, rep, num_warps, stages, min_blocks, rope_blocks, bits, dev)
+              rope_blocks: int = 0, bits: int = 2, block: int = 0) -> ctypes.c_void_p:
+    key = (d, rep, num_warps, stages, min_blocks, rope_blocks, bits, block, dev)
     if key not in _KERNELS:
         try:
             from torch.cuda._utils import _cuda_load_module, _nvrtc_compile
         except ImportError as err:  # pragma: no cover - depends on the torch build
             raise RuntimeError("the mma decode kernel needs torch.cuda._utils (NVRTC), absent in this torch") from err
-        name = kernel_name(d, rep, num_warps, stages, min_blocks, rope_blocks, bits)
+        name = kernel_name(d, rep, num_warps, stages, min_blocks, rope_blocks, bits, block)
         with torch.cuda.device(dev):
             major, minor = torch.cuda.get_device_capability(dev)
             check(major >= 8, f"the mma decode kernel needs compute capability >= 8.0, got {major}.{minor}")
@@ -232,6 +250,11 @@ def paged_decode_attention_mma(
     for heads that are not centered, ``rope_freq`` the inverse frequencies ``[r/2]`` of the rotate-half RoPE,
     ``rope_scaling``) with ``segments.int_pos0`` (position of each sequence's first quantized token: int, or int32
     ``[B]``) add ``q . RoPE_p(m)`` to each quantized logit.
+
+    Per-channel keys (``k_pages.block = T``, a power of two from 16 dividing the page size; ``k_pages.scale``/``zero``
+    bf16 ``[P, Hkv, page_size/T, d]``, contiguous): the logit of a token of block ``j`` is
+    ``(q_r * scale[j]) . code + q_r . zero[j]`` (+ ``q . mu_K``, + the rope term; ``launch.rope_blocks`` a multiple of
+    ``T/16``); the products ``q_r * scale`` are fp16 (scales below 6e-5 lose precision there, above 65504 overflow).
     """
     launch = MmaLaunch() if launch is None else launch
     check(isinstance(launch, MmaLaunch), f"launch={launch!r} is not an MmaLaunch (the mma kernel's settings)")
@@ -243,6 +266,9 @@ def paged_decode_attention_mma(
           f"{v_pages.layout!r} (row-layout pages: oscar.kernels.decode_rows)")
     bits = k_pages.bits
     check(v_pages.bits == bits, f"K and V pages need one format, got INT{bits} and INT{v_pages.bits}")
+    block = int(getattr(k_pages, "block", 0))
+    check(int(getattr(v_pages, "block", 0)) == 0, "V pages are per token (block=0); per-channel blocks are a key format, "
+          f"got V pages with block={getattr(v_pages, 'block', 0)}")
     k_codes, k_scale, k_zero = k_pages.codes, k_pages.scale, k_pages.zero
     v_codes, v_scale, v_zero = v_pages.codes, v_pages.scale, v_pages.zero
     check(q.is_cuda, f"the mma decode kernel runs on CUDA tensors, q is on {q.device}")
@@ -258,6 +284,9 @@ def paged_decode_attention_mma(
     check(nbytes == d * bits // 8, f"codes rows must be d*bits/8={d * bits // 8} bytes (INT{bits}), got {nbytes}")
     check(page_size % 16 == 0 and page_size & (page_size - 1) == 0,
           f"page_size={page_size} must be a power of two >= 16 for the mma layout")
+    check(block == 0 or (block >= 16 and block & (block - 1) == 0 and page_size % block == 0),
+          f"per-channel key block={block} must be 0 (per-token keys) or a power of two >= 16 dividing "
+          f"page_size={page_size} (the kernel takes whole 16-token blocks of one channel block)")
     check(H % hkv == 0 and H // hkv in (1, 2, 4, 8),
           f"query heads H={H} over KV heads Hkv={hkv}: GQA ratio must be 1, 2, 4 or 8")
     rep = H // hkv
@@ -269,15 +298,24 @@ def paged_decode_attention_mma(
     stages = launch.stages
     if stages is None:
         stages = 4
-        while stages > 2 and shared_bytes(d, rep, num_warps, stages, rope, bits) > limit:
+        while stages > 2 and shared_bytes(d, rep, num_warps, stages, rope, bits, block) > limit:
             stages -= 1
-    check(2 <= stages <= 6 and shared_bytes(d, rep, num_warps, stages, rope, bits) <= limit,
+    check(2 <= stages <= 6 and shared_bytes(d, rep, num_warps, stages, rope, bits, block) <= limit,
           f"stages={stages} must be in 2-6 and fit {limit} bytes of shared memory "
-          f"({shared_bytes(d, rep, num_warps, stages, rope, bits)} bytes at d={d}, INT{bits}, GQA {rep}, "
-          f"{num_warps} warps)")
+          f"({shared_bytes(d, rep, num_warps, stages, rope, bits, block)} bytes at d={d}, INT{bits}, GQA {rep}, "
+          f"{num_warps} warps{f', key block {block}' if block else ''})")
+    check(not (rope and block) or rope_blocks % (block // 16) == 0,
+          f"MmaLaunch(rope_blocks={rope_blocks}) must be a multiple of block/16={block // 16} for per-channel keys "
+          f"of block {block} (a rope turn starts on a channel block)")
     for name, t in (("k_codes", k_codes), ("v_codes", v_codes)):
         check(t.is_contiguous() and t.device == dev, f"{name} must be contiguous on {dev}")
     for name, t in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
+        if block and name[0] == "k":
+            check(tuple(t.shape) == (npages, hkv, page_size // block, d) and t.dtype == torch.bfloat16
+                  and t.is_contiguous() and t.device == dev and t.data_ptr() % 16 == 0,
+                  f"{name} of per-channel keys must be contiguous, 16-byte aligned bf16 [{npages}, {hkv}, "
+                  f"{page_size // block}, {d}] on {dev} (block {block}), got {t.dtype} {tuple(t.shape)}")
+            continue
         check(tuple(t.shape) == (npages, hkv, page_size, 1) and t.dtype == torch.bfloat16 and t.is_contiguous()
               and t.device == dev, f"{name} must be contiguous bf16 [{npages}, {hkv}, {page_size}, 1] on {dev} "
               f"(one group per row), got {t.dtype} {tuple(t.shape)}")
@@ -361,7 +399,8 @@ def paged_decode_attention_mma(
     p.s_int, p.s_total, p.has_sink, p.has_rec = s_int, s_total, int(sink is not None), int(rec is not None)
     p.out_rotated = int(output_frame == "rotated")
     p.cs_p, p.cs_h = int(k_codes.stride(0)), int(k_codes.stride(1))
-    p.ss_p, p.ss_h = int(k_scale.stride(0)), int(k_scale.stride(1))
+    p.ss_p, p.ss_h = int(v_scale.stride(0)), int(v_scale.stride(1))
+    p.kss_p, p.kss_h = int(k_scale.stride(0)), int(k_scale.stride(1))
     rt = 0
     if rope:
         rt = rope_blocks
@@ -372,8 +411,9 @@ def paged_decode_attention_mma(
         ptr("rope_m", f32(k_t.rope_mu, (hkv, d), "rope_mu"))
         ptr("rope_w", _derived(rope_freq, f"ropew{d}", lambda x: torch.nn.functional.pad(
             x.to(dev, torch.float64), (0, d // 2 - x.numel())).contiguous()))
-        ptr("rope_tab", _derived(rope_freq, f"ropetab{d},{num_warps},{rt},{dev}",
-                                 lambda x: rope_table(x, d, num_warps, rt).to(dev)))
+        unit = max(1, block // 16)
+        ptr("rope_tab", _derived(rope_freq, f"ropetab{d},{num_warps},{rt},{unit},{dev}",
+                                 lambda x: rope_table(x, d, num_warps, rt, unit).to(dev)))
         if isinstance(rope_pos0, torch.Tensor):
             check(rope_pos0.dtype == torch.int32 and rope_pos0.numel() >= B and rope_pos0.device == dev,
                   f"int_pos0 must be an int or int32 [>= {B}] on {dev}, got {rope_pos0.dtype} {tuple(rope_pos0.shape)}")
@@ -382,10 +422,10 @@ def paged_decode_attention_mma(
             check(0 <= int(rope_pos0) < 2**30, f"int_pos0={rope_pos0} must be a position in [0, 2^30)")
             p.rope_pos_add = int(rope_pos0)
         p.rope_scaling, p.rope_half = float(k_t.rope_scaling), h
-    _launch(_function(d, rep, num_warps, stages, min_blocks, dev, rt, bits), (s_total, hkv, B), 32 * num_warps, p, dev,
-            dynamic_bytes(d, rep, num_warps, stages, bits), launch.carveout)
+    _launch(_function(d, rep, num_warps, stages, min_blocks, dev, rt, bits, block), (s_total, hkv, B), 32 * num_warps,
+            p, dev, dynamic_bytes(d, rep, num_warps, stages, bits, block), launch.carveout)
     return out if q.dtype == torch.bfloat16 else out.to(q.dtype)
 
 
-__all__ = ["Params", "ROPE_BLOCKS", "default_num_splits", "dynamic_bytes", "kernel_name", "mma_b_fragments",
-           "paged_decode_attention_mma", "rope_table", "shared_bytes", "shared_limit"]
+__all__ = ["CHANNEL_KEYS", "Params", "ROPE_BLOCKS", "default_num_splits", "dynamic_bytes", "kernel_name",
+           "mma_b_fragments", "paged_decode_attention_mma", "rope_table", "shared_bytes", "shared_limit", "stage_bytes"]
