@@ -180,20 +180,27 @@ def test_decode_equivalent_prefill_equals_step_by_step_decoding_with_per_channel
     assert (stepped - per_token).abs().max() > 1e-3  # the layer really reads per-channel blocks
 
 
-def test_paged_paths_refuse_per_channel_keys_naming_the_setting() -> None:
+def test_paged_paths_take_per_channel_keys() -> None:
+    """Per-channel key layers reach the paged path (issue 33, docs/DESIGN.md "Per-channel key pages on the paged
+    path"): their transforms carry the block, and decode steps through `paged.decode_attention` (paged_decode) give
+    the torch cache's stepwise logits (tests/test_channel_pages.py pins the pages, kernels and device cache)."""
     from oscar.cache.torch_cache import spec_for_model
     from oscar.models.engine import new_cache
     from oscar.serve.settings import head_transforms as serve_transforms
     from oscar.bench.throughput import head_transforms
 
     model, rots = _llama_with(4)
-    with pytest.raises(NotImplementedError, match=r"layer 0: per-channel keys .*method.channel_block=0"):
-        head_transforms(rots)
-    with pytest.raises(NotImplementedError, match="OSCAR KV pool: per-channel keys"):
-        serve_transforms(rots[0], torch.device("cpu"))
-    sp = spec_for_model(model, kind="rotated", rotations=rots, sink=1, recent=2, group_size=8, paged_decode=True)
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="channel_block=0"):
-        model(torch.zeros(1, 4, dtype=torch.long), cache=new_cache(model, sp))
+    assert [kt.block for kt, _ in head_transforms(rots)] == [4, 0]
+    assert serve_transforms(rots[0], torch.device("cpu"))[0].block == 4
+    ids = torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(5))
+    kw = dict(kind="rotated", rotations=rots, sink=1, recent=4, group_size=8, page_size=8)
+    with torch.no_grad():
+        outs = []
+        for paged_decode in (False, True):
+            cache = new_cache(model, spec_for_model(model, paged_decode=paged_decode, **kw))
+            outs.append(torch.cat([model(ids[:, t : t + 1], cache=cache).logits for t in range(24)], dim=1))
+        assert cache.layers[0].int_lengths() == [16] and cache.layers[1].int_lengths() == [19]
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="page_size=4 is not a multiple of the per-channel key block 8"):
         from tests.test_cache import _layer_harness, _step
 
