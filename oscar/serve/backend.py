@@ -69,6 +69,7 @@ class DecodeMeta:
     page_table: torch.Tensor  # [B, pages past the sink] int32
     seq_lens: Optional[list[int]] = None  # host copy (eager CPU window path only)
     pos: Optional[torch.Tensor] = None  # [B] int64 position of the new row (rope-centered keys' writes)
+    blocks: Optional[Any] = None  # the per-channel key layers' lengths, ring and block indices (pool.block_meta)
 
 
 def decode_metadata(pool: Any, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -90,12 +91,14 @@ def decode_metadata(pool: Any, req_to_token: torch.Tensor, req_pool_indices: tor
     if out is None or out.pos is not None:
         vals["pos"] = L - 1
     if out is None:
-        return DecodeMeta(**vals, page_table=pool.page_table(req_to_token, real))
+        return DecodeMeta(**vals, page_table=pool.page_table(req_to_token, real),
+                          blocks=pool.block_meta(L, req, pad, out_cache_loc))
     B = L.shape[0]
     for name, v in vals.items():
         getattr(out, name)[:B].copy_(v)
     pool.page_table(req_to_token, real, out=out.page_table)
-    return DecodeMeta(**{name: getattr(out, name)[:B] for name in vals}, page_table=out.page_table[:B])
+    blocks = None if out.blocks is None else pool.block_meta(L, req, pad, out_cache_loc, out=out.blocks)
+    return DecodeMeta(**{name: getattr(out, name)[:B] for name in vals}, page_table=out.page_table[:B], blocks=blocks)
 
 
 class OscarAttnBackend(AttentionBackend):
@@ -196,7 +199,8 @@ class OscarAttnBackend(AttentionBackend):
                                 win_row=torch.full((max_bs,), self.pool.pad_slot, dtype=torch.int32, device=dev),
                                 col=i64(),
                                 sink_len=i32(), recent_len=i32(), int_len=i32(),
-                                page_table=torch.zeros(max_bs, cols, dtype=torch.int32, device=dev), pos=i64())
+                                page_table=torch.zeros(max_bs, cols, dtype=torch.int32, device=dev), pos=i64(),
+                                blocks=self.pool.block_meta_buffers(max_bs))
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
@@ -210,7 +214,7 @@ class OscarAttnBackend(AttentionBackend):
         g = self.graph
         self.meta = DecodeMeta(req=g.req[:B], win_row=g.win_row[:B], col=g.col[:B], sink_len=g.sink_len[:B],
                                recent_len=g.recent_len[:B], int_len=g.int_len[:B], page_table=g.page_table[:B],
-                               pos=g.pos[:B])
+                               pos=g.pos[:B], blocks=None if g.blocks is None else g.blocks.view(B))
 
     def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
         """Inside the capture (recorded, so each replay recomputes it): the decode metadata into the buffers."""
@@ -349,13 +353,14 @@ class OscarAttnBackend(AttentionBackend):
         pool, i = self.pool, layer.layer_id - self.pool.start_layer
         if save_kv_cache:
             pool.write_decode(layer.layer_id, k.view(-1, Hkv, d), v.view(-1, Hkv, d),
-                              forward_batch.out_cache_loc.long(), m.req, m.col, m.pos)
+                              forward_batch.out_cache_loc.long(), m.req, m.col, m.pos, blocks=m.blocks)
         if m.seq_lens is not None and max(m.seq_lens, default=0) <= pool.sink + pool.recent:
             out = self._decode_windows(q3, layer, m, i)
             if self.folded:
                 out = self._to_folded(out, layer.layer_id)
             return out.reshape(q3.shape[0], H * d)
-        segments = Segments(m.page_table, m.int_len, **self._window_segments(m, i),
+        segments = Segments(m.page_table, pool.lengths(i, m.int_len, m.recent_len, m.blocks)[0],
+                            **self._window_segments(m, i),
                             int_pos0=pool.sink if pool.rope_centered else None)  # INT row t: token S0 + t
         out = pool.format.attend(q3, (pool.k_pages[i], pool.v_pages[i]), segments, pool.transforms[i],
                                  sm_scale=layer.scaling, output_frame="rotated" if self.folded else "original",
@@ -367,7 +372,8 @@ class OscarAttnBackend(AttentionBackend):
         (the request slot; no gather)."""
         sk, sv = self.pool.sink_view(i)
         rk, rv = self.pool.ring_view(i)
-        segs = dict(recent_k=rk, recent_v=rv, recent_len=m.recent_len, window_rows=m.win_row)
+        segs = dict(recent_k=rk, recent_v=rv, recent_len=self.pool.lengths(i, m.int_len, m.recent_len, m.blocks)[1],
+                    window_rows=m.win_row)
         if self.pool.sink:
             segs.update(sink_k=sk, sink_v=sv, sink_len=m.sink_len)
         return segs

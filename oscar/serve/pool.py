@@ -30,6 +30,20 @@ Rope-centered keys (an ``auto`` artifact's ``+rope`` heads): a key row at positi
 ``cached_rows`` adds it back; served by the mma-layout CUDA kernel and the torch twins, refused (naming the
 format) where the pool would use the row-layout Triton kernels.
 
+Per-channel keys (an artifact whose ``meta.json`` ``key_block[l] = T > 0``: ``auto``'s ``/ch<T>`` candidates, KIVI-2;
+docs/DESIGN.md "Per-channel key pages"): such a layer's K pages are ``QuantPages(..., block=T)`` (one BF16 scale and
+zero per block of ``T`` slots and channel; ``T`` divides ``P``, so a block lives in one page, and the sink is whole
+pages, so blocks are aligned at ``S0``). Its ring has ``W + T - 1`` columns and holds the ``W`` to ``W + T - 1``
+newest rows as a prefix of the ring (``oscar.cache.paged.channel_ring_slots``: complete blocks in ``m = W / T``
+block slots, the incomplete block in the tail); ``int_len = T * floor((n - W) / T)`` for ``n`` rows past the sink.
+Write-through by blocks: the step whose row completes block ``k`` quantizes the block's ``T`` keys and values at
+once into their slots (``fmt.write``; quantizing at completion and at demotion give the same codes, so the demotion
+of block ``k - m`` costs only the move of the tail's ``T - 1`` rows into its ring slots). Under CUDA graphs every
+entry of the batch runs the block write (``T`` rows) and the move with fixed shapes: an entry that completes no
+block writes into SGLang's padding page 0 and moves the rows of the padding request slot. The decode metadata of
+these layers (`BlockMeta`) is computed once per step; per-token layers of the same model keep their own
+``int_len``/``recent_len``.
+
 Prefix (radix) cache: the quantized rows of a cached prefix already sit in its token slots (write-through), so a
 request that hits it reads them through its own ``req_to_token`` row. Its BF16 sink rows lived in the windows of
 the request slot that computed them; they are kept in a **sink store** indexed by SGLang page (``S0 % P == 0``:
@@ -38,12 +52,17 @@ the radix tree takes its pages (``store_sink``, a hook before the tree's insert)
 frees the page (``release_sink_pages``, a hook on the allocator), copied into the sink columns of a request
 that hits the prefix (``sink_ids`` / ``restore_sink``). The recent window of a request that hits a prefix
 comes from its own extend: the plugin caps every match at ``input_len - W`` (a hook on the request's
-largest prefix), so the last ``W`` rows are always computed by the request itself.
+largest prefix), so the last ``W`` rows are always computed by the request itself. Per-channel layers: a match is
+whole SGLang pages past a sink of whole pages, so whole key blocks (``T`` divides ``P``), and every block of a cached
+page was quantized when its last row arrived (write-through by blocks): the rule is that a prefix is reused up to
+its last whole page at or before ``input_len - W``, which is never past ``S0 + int_len`` of the request, so the
+request's ring rows are all its own and the cached blocks are read as the donor wrote them.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 import torch
@@ -75,6 +94,7 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         layout = oscar_layout if self.kernels == "triton" or oscar_layout != "auto" else "rows"
         self.layout = self.format.resolve_layout(layout, head_dim, device)
         self.num_req_slots = 0
+        self.static_block_writes = False  # True: the fixed-shape block writes of a CUDA-graph capture, also eager
         self.window_dtype = torch.bfloat16
         self.prefix_cache = bool(state.get("prefix_cache", False))  # the radix cache is on: keep sink pages
         self.sink_k: list[torch.Tensor] = []
@@ -103,13 +123,24 @@ class OscarTokenToKVPool(MHATokenToKVPool):
             "(BF16 KV: %d, %.2fx more tokens per byte); #tokens %d, pages %d bytes; kernels=%s",
             self.bits, self.group_size, self.sink, self.recent, page_size, self.layout, bpt, bf16, bf16 / bpt, size,
             self.pages_nbytes(), self.kernels)
+        if self.block:
+            logger.info("OSCAR KV pool: per-channel keys over blocks of %d tokens in layers %s (rings of %d rows)",
+                        self.block, [first + i for i, t in enumerate(self.key_blocks) if t], self.recent + self.block - 1)
 
     # -- storage -----------------------------------------------------------------------------------
 
     def _create_buffers(self) -> None:
+        first = int(self.start_layer or 0)
+        self.key_blocks = [self.format.layer_key_block(first + i) for i in range(self.layer_num)]
+        rot_blocks = [int(getattr(self.rotations[first + i], "k_block", 0) or 0) for i in range(self.layer_num)]
+        if rot_blocks != self.key_blocks:
+            raise OscarServeError(f"{ENV_ARTIFACT}: the served format's key blocks {self.key_blocks} (layers {first}..) "
+                                  f"disagree with the artifact's rotations {rot_blocks} (meta.json key_block)")
+        self.block = check_key_blocks(self.key_blocks, self.format, self.page_size, first)
         n = (self.size + self.page_size + self.page_size - 1) // self.page_size
-        pairs = [self.format.new_pages(n, self.head_num, self.head_dim, self.device, self.layout)
-                 for _ in range(self.layer_num)]
+        pairs = [self.format.new_pages(n, self.head_num, self.head_dim, self.device, self.layout, key_block=t)
+                 if t else self.format.new_pages(n, self.head_num, self.head_dim, self.device, self.layout)
+                 for t in self.key_blocks]
         self.k_pages = [k for k, _ in pairs]
         self.v_pages = [v for _, v in pairs]
         # SGLang code that probes the BF16 buffers gets an explicit refusal (properties below).
@@ -122,10 +153,13 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         padding slot ``num_req_slots``."""
         if num_req_slots <= self.num_req_slots:
             return
-        shape = (num_req_slots + 1, self.head_num, self.sink + self.recent, self.head_dim)
-        z = lambda: torch.zeros(shape, dtype=self.window_dtype, device=self.device)  # noqa: E731
-        self.win_k = [z() for _ in range(self.layer_num)]
-        self.win_v = [z() for _ in range(self.layer_num)]
+        def z(i: int) -> torch.Tensor:  # a per-channel layer's ring has W + T - 1 columns
+            cols = self.sink + self.ring_size(i)
+            return torch.zeros((num_req_slots + 1, self.head_num, cols, self.head_dim), dtype=self.window_dtype,
+                               device=self.device)
+
+        self.win_k = [z(i) for i in range(self.layer_num)]
+        self.win_v = [z(i) for i in range(self.layer_num)]
         self.num_req_slots = num_req_slots
         logger.info("OSCAR KV pool: BF16 windows for %d request slots: %.3f GB", num_req_slots,
                     self.windows_nbytes() / 2**30)
@@ -145,6 +179,10 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         """Recent-window ring K and V ``[R + 1, Hkv, W, d]`` of local layer ``i`` (views)."""
         return self.win_k[i][:, :, self.sink :], self.win_v[i][:, :, self.sink :]
 
+    def ring_size(self, i: int) -> int:
+        """Columns of local layer ``i``'s ring: ``W``, or ``W + T - 1`` for per-channel keys over blocks of ``T``."""
+        return self.recent + max(self.key_blocks[i] - 1, 0)
+
     def window_index(self, pos: torch.Tensor) -> torch.Tensor:
         """Window column of position ``pos``: ``pos`` in the sink, ``S0 + (pos - S0) % W`` in the ring."""
         S0, W = self.sink, self.recent
@@ -160,9 +198,12 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         return sum(t.numel() * t.element_size() for t in (*self.win_k, *self.win_v))
 
     def window_bytes_per_request(self) -> int:
-        """Window bytes one request slot costs (what pool sizing reserves per running request)."""
-        return self.format.window_bytes(self.layer_num, self.head_num, self.head_dim,
-                                        torch.empty((), dtype=self.window_dtype).element_size())
+        """Window bytes one request slot costs (what pool sizing reserves per running request; the rings of
+        per-channel layers hold ``T - 1`` rows more)."""
+        item = torch.empty((), dtype=self.window_dtype).element_size()
+        extra = sum(self.ring_size(i) - self.recent for i in range(self.layer_num))
+        return (self.format.window_bytes(self.layer_num, self.head_num, self.head_dim, item)
+                + 2 * self.head_num * extra * self.head_dim * item)
 
     def get_kv_size_bytes(self) -> tuple[int, int]:
         k = sum(t.numel() * t.element_size() for p in self.k_pages for t in (p.codes, p.scale, p.zero))
@@ -311,6 +352,9 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         the recent window also into the BF16 windows."""
         i = self._local(layer_id)
         kb, vb = k.to(self.window_dtype), v.to(self.window_dtype)
+        if self.key_blocks[i]:
+            self._write_blocks(i, kb, vb, loc, req, pos, seq_len)
+            return
         quant = pos >= self.sink
         if bool(quant.any()):
             self.format.write(kb[quant], vb[quant], loc[quant], (self.k_pages[i], self.v_pages[i]), self.transforms[i],
@@ -321,8 +365,61 @@ class OscarTokenToKVPool(MHATokenToKVPool):
             self.win_k[i][r, :, col] = kb[keep]
             self.win_v[i][r, :, col] = vb[keep]
 
+    def _write_blocks(self, i: int, kb: torch.Tensor, vb: torch.Tensor, loc: torch.Tensor, req: torch.Tensor,
+                      pos: torch.Tensor, seq_len: torch.Tensor) -> None:
+        """`write` of a per-channel layer (an extend, eager): sink rows into the sink columns; per request, the rows
+        past the sink of positions ``[S0 + int_len(L), L)`` into the ring (earlier rows still in the ring move to
+        their columns at the new length), and every key block whose last row arrives in this forward quantized
+        whole, keys and values (``fmt.write``), from the ring's earlier rows and this forward's rows."""
+        S0, T = self.sink, self.key_blocks[i]
+        sink = pos < S0
+        if bool(sink.any()):
+            self.win_k[i][req[sink], :, pos[sink]] = kb[sink]
+            self.win_v[i][req[sink], :, pos[sink]] = vb[sink]
+        past = ~sink
+        if not bool(past.any()):
+            return
+        kb, vb, loc, req, pos, seq_len = kb[past], vb[past], loc[past], req[past], pos[past], seq_len[past]
+        # rows of one request are contiguous and in position order (SGLang's extend layout)
+        slots = req.tolist()
+        starts = [0] + [j for j in range(1, len(slots)) if slots[j] != slots[j - 1]] + [len(slots)]
+        blocks_k, blocks_v, blocks_slot, blocks_pos = [], [], [], []
+        for a, b in zip(starts[:-1], starts[1:]):
+            r, p0, L = slots[a], int(pos[a]), int(seq_len[a])
+            n_old, n = p0 - S0, L - S0
+            lo = S0 + min(self.int_length(n, T), (n_old // T) * T)  # the new ring's first row, the first open block's
+            old_cols = S0 + paged.channel_ring_slots(torch.arange(lo - S0, n_old, device=self.device), n_old,
+                                                     self.recent, T)
+            rows_k = torch.cat([self.win_k[i][r][:, old_cols].transpose(0, 1), kb[a:b]])  # positions lo..L-1
+            rows_v = torch.cat([self.win_v[i][r][:, old_cols].transpose(0, 1), vb[a:b]])
+            keep = S0 + self.int_length(n, T)
+            cols = S0 + paged.channel_ring_slots(torch.arange(keep - S0, n, device=self.device), n, self.recent, T)
+            self.win_k[i][r][:, cols] = rows_k[keep - lo :].transpose(0, 1)
+            self.win_v[i][r][:, cols] = rows_v[keep - lo :].transpose(0, 1)
+            for end in range((n_old // T + 1) * T, n + 1, T):  # blocks completed by this forward (past-sink ends)
+                j = end - T + S0 - lo
+                last = int(loc[a + (S0 + end - 1 - p0)])
+                blocks_k.append(rows_k[j : j + T])
+                blocks_v.append(rows_v[j : j + T])
+                blocks_slot.append(torch.arange(last - T + 1, last + 1, device=self.device))
+                blocks_pos.append(torch.arange(S0 + end - T, S0 + end, device=self.device))
+        if blocks_k:
+            self.format.write(torch.cat(blocks_k), torch.cat(blocks_v), torch.cat(blocks_slot),
+                              (self.k_pages[i], self.v_pages[i]), self.transforms[i], backend=self.kernels,
+                              positions=torch.cat(blocks_pos) if self.rope_centered else None)
+
+    def int_length(self, n: Any, block: int) -> Any:
+        """Quantized rows read of a sequence with ``n`` rows past the sink (int or int tensor): ``n - W``, for
+        per-channel keys over blocks of ``T`` rounded down to whole blocks (``T * floor((n - W) / T)``), at least 0."""
+        if isinstance(n, torch.Tensor):
+            past = (n - self.recent).clamp(min=0)
+            return torch.div(past, block, rounding_mode="floor") * block if block else past
+        past = max(0, n - self.recent)
+        return past // block * block if block else past
+
     def write_decode(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, req: torch.Tensor,
-                     col: torch.Tensor, pos: Optional[torch.Tensor] = None) -> None:
+                     col: torch.Tensor, pos: Optional[torch.Tensor] = None, blocks: Optional["BlockMeta"] = None
+                     ) -> None:
         """A decode step's new rows ``[B, Hkv, d]`` at positions ``pos`` ``[B]`` (needed for rope-centered
         keys): quantized into their token slots ``loc`` and BF16 into window column ``col`` of request slot
         ``req`` (device ops of fixed shapes: graph-capturable). A sink row's codes land in its slot too and are
@@ -330,10 +427,106 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         the padding slots."""
         i = self._local(layer_id)
         kb, vb = k.to(self.window_dtype), v.to(self.window_dtype)
-        self.format.write(kb, vb, loc, (self.k_pages[i], self.v_pages[i]), self.transforms[i], backend=self.kernels,
-                          positions=pos if self.rope_centered else None)
+        if self.key_blocks[i]:
+            if blocks is None:
+                raise RuntimeError(f"OSCAR KV pool: layer {layer_id} has per-channel keys; its decode write needs the "
+                                   "step's BlockMeta (decode_metadata computes it)")
+            self._write_decode_blocks(i, kb, vb, req, blocks)
+            col = blocks.col
+        else:
+            self.format.write(kb, vb, loc, (self.k_pages[i], self.v_pages[i]), self.transforms[i],
+                              backend=self.kernels, positions=pos if self.rope_centered else None)
         self.win_k[i][req, :, col] = kb
         self.win_v[i][req, :, col] = vb
+
+    def _write_decode_blocks(self, i: int, kb: torch.Tensor, vb: torch.Tensor, req: torch.Tensor,
+                             m: "BlockMeta") -> None:
+        """A decode step of a per-channel layer, before the new rows ``[B, Hkv, d]`` take their ring columns: the
+        entries whose row completes a key block quantize it (the block's first ``T - 1`` rows from the ring, then
+        the new row) into its slots, and those past the first ``m`` blocks move the tail into the block slot of
+        the block that leaves the window (already quantized). Fixed shapes under CUDA graph capture (the other
+        entries write SGLang's padding page and move the padding slot's rows); eager, only the entries that
+        complete a block."""
+        T = self.key_blocks[i]
+        j = torch.arange(T - 1, device=kb.device)
+        static = self.static_block_writes or (kb.is_cuda and torch.cuda.is_current_stream_capturing())
+        idx = None if static else m.done.nonzero().flatten()
+        if idx is not None and idx.numel() == 0:
+            return
+        sel = (lambda t: t) if idx is None else (lambda t: t[idx])  # noqa: E731
+        r, src = sel(req), sel(m.src)
+        win_k, win_v = self.win_k[i], self.win_v[i]
+        cols = src[:, None] + j  # [N, T - 1]: the block's earlier rows in the ring
+        rows_k = torch.cat([win_k[r[:, None], :, cols], sel(kb)[:, None]], dim=1)  # [N, T, Hkv, d]
+        rows_v = torch.cat([win_v[r[:, None], :, cols], sel(vb)[:, None]], dim=1)
+        slots = sel(m.slot0)[:, None] + torch.arange(T, device=kb.device)
+        positions = (sel(m.pos)[:, None] - (T - 1) + torch.arange(T, device=kb.device)).clamp(min=0)
+        self.format.write(rows_k.flatten(0, 1), rows_v.flatten(0, 1), slots.flatten(), (self.k_pages[i], self.v_pages[i]),
+                          self.transforms[i], backend=self.kernels,
+                          positions=positions.flatten() if self.rope_centered else None)
+        mv, dst = sel(m.move_row), sel(m.move_dst)
+        tail = self.sink + self.recent + j  # the tail's T - 1 rows
+        for win in (win_k, win_v):
+            win[mv[:, None], :, dst[:, None] + j] = win[mv[:, None], :, tail[None, :].expand(mv.shape[0], T - 1)]
+
+    # -- per-channel decode metadata ----------------------------------------------------------------
+
+    def block_meta(self, L: torch.Tensor, req: torch.Tensor, pad: torch.Tensor, loc: torch.Tensor,
+                   out: Optional["BlockMeta"] = None) -> Optional["BlockMeta"]:
+        """The decode step's `BlockMeta` of the per-channel layers (None without such layers): device ops of fixed
+        shapes from the sequence lengths ``L`` after the step (``[B]`` int64, 1 for padded entries), request slots
+        ``req`` (padded entries: the padding slot), ``pad`` and the new rows' token slots ``loc``; into ``out``'s
+        buffers when given (CUDA graphs)."""
+        if not self.block:
+            return None
+        S0, W, T = self.sink, self.recent, self.block
+        mb = W // T
+        n = L - S0  # rows past the sink after the step
+        r = n - 1  # the new row, counted past the sink (< 0: a sink row)
+        rr = r.clamp(min=0)
+        k, i = torch.div(rr, T, rounding_mode="floor"), rr % T
+        int_len = torch.where(pad, torch.zeros_like(n), self.int_length(n.clamp(min=0), T))
+        done = (r >= 0) & (i == T - 1) & ~pad
+        move = done & (k >= mb)
+        ring = torch.where(k < mb, k * T + i, torch.where(done, (k % mb) * T + i, mb * T + i))
+        vals = dict(
+            int_len=int_len.to(torch.int32),
+            recent_len=(n.clamp(min=0) - int_len).to(torch.int32),
+            col=torch.where(r < 0, L - 1, S0 + ring),
+            done=done,
+            src=S0 + torch.where(k < mb, k * T, torch.full_like(k, mb * T)),
+            slot0=torch.where(done, loc.to(torch.int64) - (T - 1), torch.zeros_like(n)),
+            pos=L - 1,
+            move_row=torch.where(move, req, torch.full_like(req, self.pad_slot)),
+            move_dst=S0 + (k % mb) * T,
+        )
+        if out is None:
+            return BlockMeta(**vals)
+        B = L.shape[0]
+        for name, v in vals.items():
+            getattr(out, name)[:B].copy_(v)
+        return out.view(B)
+
+    def block_meta_buffers(self, max_bs: int) -> Optional["BlockMeta"]:
+        """Fixed buffers of `BlockMeta` for CUDA-graph batches of up to ``max_bs`` entries (None without per-channel
+        layers)."""
+        if not self.block:
+            return None
+        i64 = lambda: torch.zeros(max_bs, dtype=torch.int64, device=self.device)  # noqa: E731
+        i32 = lambda: torch.zeros(max_bs, dtype=torch.int32, device=self.device)  # noqa: E731
+        return BlockMeta(int_len=i32(), recent_len=i32(), col=i64(), done=torch.zeros(max_bs, dtype=torch.bool,
+                         device=self.device), src=i64(), slot0=i64(), pos=i64(),
+                         move_row=torch.full((max_bs,), self.pad_slot, dtype=torch.int64, device=self.device),
+                         move_dst=i64())
+
+    def lengths(self, i: int, int_len: torch.Tensor, recent_len: torch.Tensor, blocks: Optional["BlockMeta"]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(int_len, recent_len)`` of local layer ``i`` in a decode step: the step's per-token lengths, or its
+        `BlockMeta`'s for a per-channel layer."""
+        if self.key_blocks[i]:
+            assert blocks is not None
+            return blocks.int_len, blocks.recent_len
+        return int_len, recent_len
 
     def page_columns(self, req_to_token: torch.Tensor) -> torch.Tensor:
         """The view of ``req_to_token`` holding, for each request slot, the first token slot of each page
@@ -349,6 +542,23 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         out[: pages.shape[0]].copy_(pages)
         return out[: pages.shape[0]]
 
+    def quantized_end(self, i: int, length: int, ring: bool = True) -> int:
+        """End (exclusive position) of the quantized rows of a sequence of ``length`` positions in local layer ``i``:
+        ``S0 + int_len`` (whole key blocks for a per-channel layer) while its ring holds the rest; with
+        ``ring=False`` (a cached prefix of another request: the ring holds none of it) ``length``; at least ``S0``."""
+        if not ring or length <= self.sink:
+            return max(self.sink, length)
+        return self.sink + self.int_length(length - self.sink, self.key_blocks[i])
+
+    def ring_columns(self, i: int, pos: torch.Tensor, length: int) -> torch.Tensor:
+        """Window columns of positions ``pos`` (in the ring: ``>= quantized_end``) of a sequence of ``length``
+        positions in local layer ``i``: ``S0 + (p - S0) % W``, or for per-channel keys the ring slot of
+        ``oscar.cache.paged.channel_ring_slots``."""
+        T = self.key_blocks[i]
+        if not T:
+            return self.window_index(pos)
+        return self.sink + paged.channel_ring_slots(pos - self.sink, length - self.sink, self.recent, T)
+
     def cached_rows(self, layer_id: int, req_to_token: torch.Tensor, r: int, length: int, ring: bool = True
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[Hkv, length, d]`` (float32, original frame) of positions ``0..length-1`` of request slot
@@ -356,8 +566,8 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         their offsets added back), BF16 ring. With ``ring=False`` (a cached prefix computed by another request:
         this slot's ring does not hold it) the pages up to ``length``."""
         i = self._local(layer_id)
-        S0, W = self.sink, self.recent
-        n_sink, q_end = min(length, S0), max(S0, length - W if ring else length)
+        S0 = self.sink
+        n_sink, q_end = min(length, S0), self.quantized_end(i, length, ring)
         parts_k = [self.win_k[i][r, :, :n_sink].float()]
         parts_v = [self.win_v[i][r, :, :n_sink].float()]
         if q_end > S0:
@@ -373,10 +583,53 @@ class OscarTokenToKVPool(MHATokenToKVPool):
                     x = x + paged.rope_offsets(t, torch.arange(S0, q_end, device=x.device)).transpose(0, 1)
                 out.append(x)
         if length > q_end:
-            cols = self.window_index(torch.arange(q_end, length, device=self.device))
+            cols = self.ring_columns(i, torch.arange(q_end, length, device=self.device), length)
             parts_k.append(self.win_k[i][r][:, cols].float())
             parts_v.append(self.win_v[i][r][:, cols].float())
         return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
+
+
+@dataclass
+class BlockMeta:
+    """Decode metadata of the per-channel layers of one step (device tensors ``[B]``; `OscarTokenToKVPool.block_meta`)."""
+
+    int_len: torch.Tensor  # int32 quantized rows read (whole blocks)
+    recent_len: torch.Tensor  # int32 ring rows read (W .. W + T - 1 once the sequence is past S0 + W)
+    col: torch.Tensor  # int64 window column of the new row (after the step's move)
+    done: torch.Tensor  # bool the new row completes a key block: the step quantizes it
+    src: torch.Tensor  # int64 ring column of that block's first row
+    slot0: torch.Tensor  # int64 token slot of the block's first row (0: SGLang's padding page)
+    pos: torch.Tensor  # int64 position of the new row
+    move_row: torch.Tensor  # int64 request slot whose tail moves (the padding slot where none does)
+    move_dst: torch.Tensor  # int64 first window column the tail moves to
+
+    def view(self, batch: int) -> "BlockMeta":
+        """The first ``batch`` entries (views)."""
+        return BlockMeta(**{f.name: getattr(self, f.name)[:batch] for f in fields(self)})
+
+
+def check_key_blocks(blocks: list[int], fmt: Any, page_size: int, first: int = 0) -> int:
+    """The one per-channel key block ``T`` of the served layers (0: none); refuses what the pool does not serve,
+    naming it: two block sizes in one artifact, a block that is not a power of two dividing ``--page-size``, a
+    recent window that is not a multiple of ``T``."""
+    sizes = sorted({t for t in blocks if t})
+    if not sizes:
+        return 0
+    where = [first + i for i, t in enumerate(blocks) if t]
+    if len(sizes) > 1:
+        raise OscarServeError(f"{ENV_ARTIFACT}: per-channel keys with block sizes {sizes} in one artifact (layers "
+                              f"{where}); the SGLang pool serves one block size per artifact")
+    T = sizes[0]
+    try:
+        paged.check_key_block(T, page_size)
+    except ValueError as err:
+        raise OscarServeError(f"{ENV_ARTIFACT}: per-channel keys over blocks of {T} tokens (layers {where}) need "
+                              f"--page-size a multiple of {T}: {err}") from None
+    try:
+        paged.check_channel_ring(int(fmt.recent), T)
+    except ValueError as err:
+        raise OscarServeError(f"{ENV_ARTIFACT}: {err} (OSCAR_RECENT, else the artifact's format)") from None
+    return T
 
 
 def sink_store_pages(num_req_slots: int, sink: int, page_size: int) -> int:
@@ -385,4 +638,4 @@ def sink_store_pages(num_req_slots: int, sink: int, page_size: int) -> int:
     return 2 * num_req_slots * (sink // page_size)
 
 
-__all__ = ["OscarTokenToKVPool", "sink_store_pages"]
+__all__ = ["BlockMeta", "OscarTokenToKVPool", "check_key_blocks", "sink_store_pages"]

@@ -183,7 +183,9 @@ def load_rotations(settings: ServeSettings, hf_config: Any) -> tuple[list[Any], 
 
     ``auto`` artifacts (per-head rotations and targets, centering ``mu_K``/``mu_V``, rope-centered keys) are
     served; the pool refuses rope-centered keys where its kernels do not take token positions
-    (`oscar.serve.pool.OscarTokenToKVPool`). Per-channel keys (``method.channel_block > 0``) are refused here."""
+    (`oscar.serve.pool.OscarTokenToKVPool`). Per-channel keys (``meta.json`` ``key_block``: ``auto`` with
+    ``method.channel_block > 0``, KIVI-2) are served in pages of per-channel blocks (one block size per artifact; the
+    pool checks it against ``--page-size`` and the recent window)."""
     from oscar.models.engine import layer_rotations  # local: keeps transformers out of import time
 
     cfg = getattr(hf_config, "text_config", None) or hf_config
@@ -195,20 +197,22 @@ def load_rotations(settings: ServeSettings, hf_config: Any) -> tuple[list[Any], 
         art = load_artifact(path, model=cfg)
     except (ArtifactMismatch, FileNotFoundError) as err:
         raise OscarServeError(f"{ENV_ARTIFACT}: {err}") from None
-    channel_layers = [layer for layer in range(art.num_layers) if art.key_block(layer)]
-    if channel_layers:
+    blocks = sorted({art.key_block(layer) for layer in range(art.num_layers)} - {0})
+    if len(blocks) > 1:
         raise OscarServeError(
-            f"{ENV_ARTIFACT}={str(path)!r} has per-channel keys in layers {channel_layers} (auto chose '/ch"
-            f"{art.key_block(channel_layers[0])}' key candidates, method.channel_block="
-            f"{art.key_block(channel_layers[0])}), which the SGLang pool does not serve (its pages carry one scale "
-            "and zero per token); calibrate it with method.channel_block=0 (the default)"
-        )
+            f"{ENV_ARTIFACT}={str(path)!r} has per-channel keys over blocks of {blocks} tokens; the SGLang pool serves "
+            "one block size per artifact (calibrate with one method.channel_block)")
     try:
         fmt = settings.cache_format(CacheFormat.of_artifact(art.meta))
     except OscarServeError:
         raise
     except ValueError as err:
         raise OscarServeError(f"{ENV_ARTIFACT}={str(path)!r}: {err}") from None
+    if blocks and (fmt.recent < blocks[0] or fmt.recent % blocks[0]):
+        raise OscarServeError(
+            f"{ENV_ARTIFACT}={str(path)!r} has per-channel keys over blocks of {blocks[0]} tokens: the recent window "
+            f"({fmt.recent}: OSCAR_RECENT, else the artifact's format) must be a positive multiple of {blocks[0]} "
+            "(the ring holds W to W + T - 1 rows and releases whole blocks)")
     if (fmt.bits, fmt.group_size) != (int(art.meta["bits"]), int(art.meta["group_size"])):
         raise OscarServeError(f"{ENV_ARTIFACT}={str(path)!r}: its cache_format (INT{fmt.bits}, group {fmt.group_size}) "
                               f"disagrees with the artifact's bits {art.meta['bits']} and group {art.meta['group_size']}")

@@ -10,6 +10,7 @@ is refused by the pool with the consumers that do serve it.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -26,7 +27,8 @@ S0, W, PROMPT, STEPS = 16, 32, 90, 5
 
 def _format(kind: str):
     fields = {"bf16": dict(), "rotated": dict(bits=2, group_size=D, sink=S0, recent=W, page_size=PAGE),
-              "kivi": dict(bits=2, group_size=32, recent=W), "turboquant": dict(bits=2, group_size=D, sink=S0, recent=W)}
+              "kivi": dict(bits=2, group_size=32, recent=W), "turboquant": dict(bits=2, group_size=D, sink=S0, recent=W),
+              "rotated_channel": dict(bits=2, group_size=D, sink=S0, recent=W, page_size=PAGE, key_block=PAGE)}
     return format_for(kind, name=kind, **fields[kind])
 
 
@@ -34,6 +36,8 @@ def _pool(fmt):
     from oscar.serve.pool import OscarTokenToKVPool
 
     state = {**_state(S0, W), "format": fmt}
+    if fmt.kind == "rotated_channel":  # the artifact's rotations carry the layers' key blocks
+        state["rotations"] = [dataclasses.replace(r, k_block=fmt.layer_key_block(i)) for i, r in enumerate(state["rotations"])]
     pool = OscarTokenToKVPool(512, PAGE, torch.bfloat16, HKV, D, 1, "cpu", False, oscar_state=state, oscar_layout="rows")
     pool.bind_requests(4)
     return pool, state["rotations"][0]
@@ -70,7 +74,8 @@ def test_every_format_through_the_pool(kind):
     v = torch.randn(L, HKV, D, generator=gen).to(torch.bfloat16)
     meta = write_history(pool, r2t, 1, PROMPT, STEPS, k, v)
     q = torch.randn(1, H, D, generator=gen).to(torch.bfloat16)
-    segments = Segments(meta.page_table, meta.int_len, **_backend(pool, r2t)._window_segments(meta, 0))
+    int_len = pool.lengths(0, meta.int_len, meta.recent_len, meta.blocks)[0]  # per-channel keys: whole blocks
+    segments = Segments(meta.page_table, int_len, **_backend(pool, r2t)._window_segments(meta, 0))
     out = pool.format.attend(q, (pool.k_pages[0], pool.v_pages[0]), segments, pool.transforms[0],
                              sm_scale=D**-0.5, output_frame="original", backend="torch")[0].float()
     ref = _torch_cache_output(fmt, rot, k, v, q[0])

@@ -111,7 +111,7 @@ def write_history(pool, r2t, r: int, prompt: int, steps: int, k: torch.Tensor, v
         loc = r2t[r, L - 1 : L].long()
         meta = decode_metadata(pool, r2t, torch.tensor([r]), torch.tensor([L]), loc)
         assert meta.pos.tolist() == [L - 1]
-        pool.write_decode(0, k[L - 1 : L], v[L - 1 : L], loc, meta.req, meta.col, meta.pos)
+        pool.write_decode(0, k[L - 1 : L], v[L - 1 : L], loc, meta.req, meta.col, meta.pos, blocks=meta.blocks)
     return meta
 
 

@@ -171,10 +171,11 @@ def test_rope_centered_keys_are_refused_where_the_kernel_takes_no_positions():
     _pool(False, kernels="triton", layout="rows")  # without rope centering the row kernels serve it
 
 
-def test_per_channel_keys_are_refused_naming_channel_block(monkeypatch):
+def test_two_per_channel_key_blocks_are_refused(monkeypatch):
+    """Per-channel keys are served (tests/serve/test_pool_channel.py), one block size per artifact."""
     from oscar.serve import settings
 
-    art = SimpleNamespace(num_layers=2, key_block=lambda layer: 64 if layer == 1 else 0)
+    art = SimpleNamespace(num_layers=3, key_block=lambda layer: (0, 64, 32)[layer])
     monkeypatch.setattr(settings, "load_artifact", lambda *a, **k: art)
-    with pytest.raises(OscarServeError, match=r"per-channel keys in layers \[1\].*method.channel_block=0"):
+    with pytest.raises(OscarServeError, match=r"per-channel keys over blocks of \[32, 64\] tokens.*one block size"):
         settings.load_rotations(ServeSettings(artifact=Path(__file__).parent), SimpleNamespace())
