@@ -398,11 +398,28 @@ __global__ void __launch_bounds__((W + 1) * 32, MINB) oscar_decode_v11(const Par
     }
   }
   __syncthreads();
-  if (is_int && producer && lane == 0) {  // the first ST records go out before the query work
-    for (int i = 0; i < min(n, ST); ++i) {
-      mbar_expect_tx(&s_full[i], REC);
-      bulk_copy(s_buf + i * REC, rbase + (long long)__ldg(pt + lo + i) * P.rs_p, REC, &s_full[i]);
+  int pv = 0;  // producer lanes: page ids of pages 32 c + lane of the current chunk c
+  auto produce = [&](int from, int to) {  // the whole producer warp; lane 0 waits on the ring and issues the copies
+    for (int i = from; i < to; ++i) {
+      if ((i & 31) == 0) pv = i + lane < n ? __ldg(pt + lo + i + lane) : 0;
+      const int page = __shfl_sync(FULL, pv, i & 31);
+      if (lane == 0) {
+        const int s = i % ST;
+        if (i >= ST) mbar_wait(&s_empty[s], ((i / ST) + 1) & 1);  // phase i/ST - 1 of the stage's release
+        mbar_expect_tx(&s_full[s], REC);
+        bulk_copy(s_buf + s * REC, rbase + (long long)page * P.rs_p, REC, &s_full[s]);
+      }
+      __syncwarp();
     }
+  };
+  if (is_int && producer) produce(0, min(n, ST));  // the first ST records go out before the query work
+  if (P.rot_out != nullptr) {  // the merge's rotation: its fragments to L2 now (one CTA of the pair will read them)
+    const char* rf = reinterpret_cast<const char*>(P.rot_out + (long long)kvh * D * D / 4);
+    for (int i = tid; i < D * D * 2 / 128; i += NT) asm volatile("prefetch.global.L2 [%0];" ::"l"(rf + 128 * i));
+  }
+  if (is_int && P.rk != nullptr) {  // the query rotation's fragments to L1 while the query loads
+    const char* rf = reinterpret_cast<const char*>(P.rk + (long long)kvh * D * D / 4);
+    for (int i = tid; i < D * D * 2 / 128; i += NT) asm volatile("prefetch.global.L1 [%0];" ::"l"(rf + 128 * i));
   }
 
   // ---- query of this KV head's REP heads (rotated for the quantized splits)
@@ -429,16 +446,7 @@ __global__ void __launch_bounds__((W + 1) * 32, MINB) oscar_decode_v11(const Par
     for (int i = 0; i < 4; ++i) st.o[m][i] = 0.f;
 
   if (producer) {
-    if (is_int && lane == 0) {
-      for (int i = ST; i < n; ++i) {
-        const int s = i % ST;
-        const int page = __ldg(pt + lo + i);
-        mbar_wait(&s_empty[s], ((i / ST) + 1) & 1);  // phase i/ST - 1 of the stage's release
-        mbar_expect_tx(&s_full[s], REC);
-        bulk_copy(s_buf + s * REC, rbase + (long long)page * P.rs_p, REC, &s_full[s]);
-      }
-    }
-    __syncwarp();
+    if (is_int) produce(ST, n);
   } else {
     u32 qb[D / 16][2];
     float qsum = 0.f;

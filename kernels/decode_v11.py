@@ -177,12 +177,19 @@ def dynamic_bytes(layout: RecordLayout, rep: int, launch: V11Launch) -> int:
 
 def default_num_splits(batch: int, num_kv_heads: int, pages_per_seq: int, launch: V11Launch,
                        num_sms: int = 132) -> int:
-    """About one wave of CTAs (two from 64 (sequence, KV head) pairs), each math warp at least one page."""
+    """Split-K CTAs per (sequence, KV head): the fewest whose quantized CTAs fill at least 90% of a whole number of
+    waves of SM slots (``num_sms * min_blocks``; the BF16 windows' CTAs are short and left out), else the best
+    filling count; each math warp at least one page."""
     pairs = max(batch * num_kv_heads, 1)
-    waves = 1.0 if pairs < 64 else 2.0
-    want = math.ceil(waves * num_sms * launch.min_blocks / pairs)
-    most = max(1, math.ceil(pages_per_seq / launch.warps))
-    return int(max(1, min(want, most, MAX_PARTIALS - 2)))
+    slots = num_sms * launch.min_blocks
+    most = max(1, min(MAX_PARTIALS - 2, math.ceil(pages_per_seq / launch.warps)))
+
+    def fill(s: int) -> float:
+        waves = pairs * s / slots
+        return waves / math.ceil(waves) if waves >= 1 else waves
+
+    good = [s for s in range(1, most + 1) if fill(s) >= 0.9]
+    return good[0] if good else max(range(1, most + 1), key=lambda s: (fill(s), -s))
 
 
 _KERNELS: dict[tuple, ctypes.c_void_p] = {}

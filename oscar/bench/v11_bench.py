@@ -10,7 +10,8 @@ and the v11 kernel (``oscar.kernels.decode_v11``) on records packed from the sam
 table does (``oscar.bench.kernel_bench.time_calls``: CUDA-graph replays over input sets several times the L2,
 median per call). Before timing, v11 and v10 are checked against the float32 twin (batch 4, 8k). Bandwidth: the
 INT2 bytes read (codes, scale/zero, both windows) per second against the measured device copy bandwidth (read +
-write). Writes ``DIR/v11.csv`` (one row per shape and kernel) and ``DIR/v11_env.json``.
+write). Writes ``DIR/<name>.csv`` (one row per shape and kernel) and ``DIR/<name>_env.json``. ``--ncu B,T``: only
+a few calls of the first variant at one shape, to run under Nsight Compute.
 """
 
 from __future__ import annotations
@@ -33,10 +34,19 @@ H, HKV, D = 32, 8, 128
 
 
 def _variant(spec: str) -> tuple[str, V11Launch]:
-    """``NAME:warps,stages,min_blocks``."""
+    """``NAME:warps,stages,min_blocks[,num_splits]``."""
     name, _, vals = spec.partition(":")
-    w, s, m = (int(x) for x in vals.split(","))
-    return name, V11Launch(warps=w, stages=s, min_blocks=m)
+    w, s, m, *sp = (int(x) for x in vals.split(","))
+    return name, V11Launch(warps=w, stages=s, min_blocks=m, num_splits=sp[0] if sp else None)
+
+
+def ncu_target(B: int, T: int, launch: V11Launch) -> None:
+    """A few v11 calls at one shape, for ``ncu -k regex:oscar_decode_v11 --launch-skip 3 --launch-count 1``."""
+    inp = decode_inputs(B, T, H, HKV, D, OPTS, 1)
+    rec, lay = _records(inp)
+    for _ in range(5):
+        paged_decode_attention_v11(inp["qs"][0], rec, lay, inp["segs"][0], inp["kt"], inp["vt"], launch=launch)
+    torch.cuda.synchronize()
 
 
 def _records(inp: dict) -> tuple[torch.Tensor, RecordLayout]:
@@ -103,14 +113,21 @@ def main() -> int:
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--variants", default="v11:4,8,3", help="NAME:warps,stages,min_blocks;...")
     ap.add_argument("--budget_s", type=float, default=0, help="stop before the next shape after this many seconds")
+    ap.add_argument("--name", default="v11", help="stem of the CSV and JSON files")
+    ap.add_argument("--no-check", action="store_true", help="skip the accuracy check against the twin")
+    ap.add_argument("--ncu", default="", help="B,T: only run the first variant a few times at that shape (for ncu)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     variants = dict(_variant(v) for v in args.variants.split(";") if v)
+    if args.ncu:
+        B, T = (int(x) for x in args.ncu.split(","))
+        ncu_target(B, T, next(iter(variants.values())))
+        return 0
     prop = torch.cuda.get_device_properties(0)
     l2 = int(getattr(prop, "L2_cache_size", 50 * 2**20))
     bw = copy_bandwidth()
-    errs = accuracy(variants)
+    errs = {} if args.no_check else accuracy(variants)
     env = {"device": prop.name, "sms": prop.multi_processor_count, "torch": torch.__version__,
            "cuda": torch.version.cuda, "copy_bandwidth_TBps": bw / 1e12, "rel_err_vs_twin_b4_8k": errs,
            "variants": {k: vars(v) if hasattr(v, "__dict__") else str(v) for k, v in variants.items()},
@@ -135,12 +152,12 @@ def main() -> int:
             rows.extend(shape)
             print(" | ".join(f"B={B} T={T} {r['kernel']} {r['us']:.1f}us {r['frac_copy']:.2f}copy "
                              f"{r['x_cudnn']:.2f}x_cudnn {r['status']}" for r in shape), flush=True)
-            with open(args.out / "v11.csv", "w") as f:
+            with open(args.out / f"{args.name}.csv", "w") as f:
                 f.write(",".join(fields) + "\n")
                 for r in rows:
                     f.write(",".join(_fmt(r.get(k, "")) for k in fields) + "\n")
     env["seconds"] = time.time() - t0
-    (args.out / "v11_env.json").write_text(json.dumps(env, indent=1, default=str))
+    (args.out / f"{args.name}_env.json").write_text(json.dumps(env, indent=1, default=str))
     return 0
 
 
