@@ -11,7 +11,8 @@ step captured and replayed in a CUDA graph), and compares the backend's attentio
 gathered windows, both output frames, random rotations with means) with ``oscar.cache.paged.decode_attention_torch`` on
 the same pages and windows. With plain keys (mean-centered), with rope-centered keys (a pre-RoPE mean ``m`` per
 head: the writers take each row's position, the kernel adds ``q . RoPE_p(m)`` at ``int_pos0 = S0``), and with
-rope-centered keys in SmolLM2-135M's geometry (3 KV heads of 3 query heads, padded to 4 for the kernel; d 64).
+rope-centered keys in SmolLM2-135M's geometry (3 KV heads of 3 query heads, padded to 4 for the kernel; d 64), and
+with QuaRot's served state in that geometry (one Hadamard for keys and values, no means, no clip).
 Prints one JSON line; exit status 1 when a relative error exceeds 2e-2.
 """
 
@@ -30,12 +31,14 @@ from oscar.cache.formats import format_for
 from oscar.cache.torch_cache import LayerRotations
 from oscar.core.files import atomic_write_text
 from oscar.core.rope import RopeSpec
+from oscar.core.rotation import hadamard
 from oscar.kernels.launch import MmaLaunch
 from oscar.serve.settings import ServeSettings
 
 
-def check(rope: bool, device: str = "cuda", heads: tuple[int, int, int] = (8, 32, 128)) -> dict:
-    """One pool (plain or rope-centered keys): the relative error of both output frames against the twin
+def check(rope: bool, device: str = "cuda", heads: tuple[int, int, int] = (8, 32, 128), quarot: bool = False) -> dict:
+    """One pool (plain or rope-centered keys; ``quarot``: QuaRot's served state, one normalized Hadamard for every
+    head's keys and values, no means, no clip): the relative error of both output frames against the twin
     (``device="cpu"``: the twin through the same calls, eager: a smoke test of the script without a GPU)."""
     from oscar.serve.backend import DecodeMeta, decode_metadata  # local: keeps sglang out of import time
     from oscar.serve.pool import OscarTokenToKVPool  # local: keeps sglang out of import time
@@ -49,6 +52,9 @@ def check(rope: bool, device: str = "cuda", heads: tuple[int, int, int] = (8, 32
     rope_k = 4.0 * torch.randn(hkv, d, generator=gen) if rope else None  # a k_proj bias turned by RoPE
     rot = LayerRotations(orth(), orth(), 0.3 * torch.randn(hkv, d, generator=gen), 0.2 * torch.randn(hkv, d, generator=gen),
                          rope_k=rope_k, rope=spec if rope else None)
+    if quarot:
+        had = hadamard(d, torch.float32).expand(hkv, d, d).contiguous()
+        rot = LayerRotations(had, had.clone())
     state = dict(settings=ServeSettings(artifact=Path("unused"), sink=S0, recent=W, kernels="triton" if cuda else "torch"),
                  rotations=[rot], format=format_for("rotated", name="int2", bits=2, group_size=d, sink=S0, recent=W,
                                                     page_size=P), fold=True)
@@ -127,7 +133,9 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     results = {"plain": check(False, a.device), "rope_centered": check(True, a.device),
                # SmolLM2-135M's heads: GQA 3 (query heads padded to 4 for the kernel), head_dim 64
-               "rope_centered_gqa3_d64": check(True, a.device, (3, 9, 64))}
+               "rope_centered_gqa3_d64": check(True, a.device, (3, 9, 64)),
+               # served QuaRot on SmolLM2-135M: Hadamard keys and values, no means, no clip
+               "quarot_gqa3_d64": check(False, a.device, (3, 9, 64), quarot=True)}
     line = json.dumps(results)
     print(line)
     if a.out is not None:
