@@ -84,7 +84,10 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         state = oscar_state if oscar_state is not None else current_state()
         self.settings: ServeSettings = state["settings"]
         self.rotations = state["rotations"]
-        self.format = state["format"].replace(page_size=page_size)  # SGLang's pages are the format's pages
+        try:
+            self.format = state["format"].replace(page_size=page_size)  # SGLang's pages are the format's pages
+        except ValueError as err:  # per-channel keys: a block lives in one page
+            raise OscarServeError(f"{ENV_ARTIFACT}: the served format does not fit --page-size {page_size}: {err}") from None
         self.format.check_served("pool")
         self.bits, self.group_size = self.format.bits, self.format.group_size
         self.sink, self.recent = self.format.sink, self.format.recent

@@ -184,8 +184,10 @@ def load_rotations(settings: ServeSettings, hf_config: Any) -> tuple[list[Any], 
     ``auto`` artifacts (per-head rotations and targets, centering ``mu_K``/``mu_V``, rope-centered keys) are
     served; the pool refuses rope-centered keys where its kernels do not take token positions
     (`oscar.serve.pool.OscarTokenToKVPool`). Per-channel keys (``meta.json`` ``key_block``: ``auto`` with
-    ``method.channel_block > 0``, KIVI-2) are served in pages of per-channel blocks (one block size per artifact; the
-    pool checks it against ``--page-size`` and the recent window)."""
+    ``method.channel_block > 0``) are served in pages of per-channel blocks (one block size per artifact; the
+    pool checks it against ``--page-size`` and the recent window). A KIVI-2 artifact (``python -m oscar calibrate
+    method=kivi2``: identity, ``cache_format`` kind ``kivi``) is served as its paged twin (``KiviFormat.served``:
+    per-channel keys over blocks of its group, per-token values, no sink, its residual as the recent window)."""
     from oscar.models.engine import layer_rotations  # local: keeps transformers out of import time
 
     cfg = getattr(hf_config, "text_config", None) or hf_config
@@ -202,8 +204,15 @@ def load_rotations(settings: ServeSettings, hf_config: Any) -> tuple[list[Any], 
         raise OscarServeError(
             f"{ENV_ARTIFACT}={str(path)!r} has per-channel keys over blocks of {blocks} tokens; the SGLang pool serves "
             "one block size per artifact (calibrate with one method.channel_block)")
+    recorded = CacheFormat.of_artifact(art.meta)
+    rotations = None
+    if hasattr(recorded, "served") and "pool" not in recorded.served_by:
+        # a simulated format with a servable twin (KIVI-2 -> per-channel key pages, identity transforms,
+        # KiviFormat.served): the artifact of `python -m oscar calibrate method=kivi2` is served as that format
+        recorded = recorded.served(art.head_dim)
+        rotations = recorded.layer_rotations(art.num_layers, art.num_kv_heads, art.head_dim)
     try:
-        fmt = settings.cache_format(CacheFormat.of_artifact(art.meta))
+        fmt = settings.cache_format(recorded)
     except OscarServeError:
         raise
     except ValueError as err:
@@ -216,7 +225,7 @@ def load_rotations(settings: ServeSettings, hf_config: Any) -> tuple[list[Any], 
     if (fmt.bits, fmt.group_size) != (int(art.meta["bits"]), int(art.meta["group_size"])):
         raise OscarServeError(f"{ENV_ARTIFACT}={str(path)!r}: its cache_format (INT{fmt.bits}, group {fmt.group_size}) "
                               f"disagrees with the artifact's bits {art.meta['bits']} and group {art.meta['group_size']}")
-    return layer_rotations(art), fmt
+    return (layer_rotations(art) if rotations is None else rotations), fmt
 
 
 def validate(settings: ServeSettings, hf_config: Any) -> tuple[list[Any], Any]:

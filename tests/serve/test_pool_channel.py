@@ -168,3 +168,104 @@ def test_decode_steps_across_blocks_agree_with_the_torch_cache(sink, recent, blo
             mid, exact = got[:, sink:q_end], ref[sink:q_end].transpose(0, 1).float()
             rel = ((mid - exact).norm(dim=-1) / exact.norm(dim=-1)).mean().item()
             assert 0.05 < rel < 0.6, rel
+
+
+def test_graph_writes_equal_eager_writes_with_padding():
+    """The fixed-shape decode write of a CUDA-graph batch (every entry writes a block and moves a tail; the entries
+    that complete none into SGLang's padding page and the padding slot) leaves the same pages and windows as the
+    eager write of only the entries that complete a block (exact: the same rows through the same quantizer)."""
+    from oscar.serve.backend import DecodeMeta, decode_metadata
+
+    gen = torch.Generator().manual_seed(2)
+    S0, W, T, P = 16, 32, 16, 16
+    lengths = {0: 40, 2: 75, 3: 57}
+    steps = 2 * T + 3
+    r2t = _req_to_token({r: n + steps for r, n in lengths.items()}, P)
+    rows = {r: _rows(n + steps, gen) for r, n in lengths.items()}
+    pools = [_pool(S0, W, [T], P) for _ in range(2)]
+    pools[1].static_block_writes = True
+    req = torch.tensor([2, 0, 3, 0, 0])  # two padded entries
+    for pool in pools:
+        for r, n in lengths.items():
+            _prefill(pool, r2t, r, *rows[r], 0, n)
+    cols = pools[0].page_columns(r2t).shape[1]
+    for s in range(steps):
+        seq = torch.tensor([lengths[2] + s + 1, lengths[0] + s + 1, lengths[3] + s + 1, 1, 1])
+        loc = torch.tensor([int(r2t[r, int(L) - 1]) for r, L in zip(req[:3].tolist(), seq[:3])] + [0, 0])
+        k = torch.stack([rows[r][0][int(L) - 1] for r, L in zip(req[:3].tolist(), seq[:3])] + [rows[0][0][0]] * 2)
+        v = torch.stack([rows[r][1][int(L) - 1] for r, L in zip(req[:3].tolist(), seq[:3])] + [rows[0][1][0]] * 2)
+        eager = decode_metadata(pools[0], r2t, req[:3], seq[:3], loc[:3])
+        pools[0].write_decode(0, k[:3], v[:3], loc[:3], eager.req, eager.col, eager.pos, blocks=eager.blocks)
+        bufs = DecodeMeta(req=torch.zeros(8, dtype=torch.int64), win_row=torch.zeros(8, dtype=torch.int32),
+                          col=torch.zeros(8, dtype=torch.int64), sink_len=torch.zeros(8, dtype=torch.int32),
+                          recent_len=torch.zeros(8, dtype=torch.int32), int_len=torch.zeros(8, dtype=torch.int32),
+                          page_table=torch.zeros(8, cols, dtype=torch.int32), pos=torch.zeros(8, dtype=torch.int64),
+                          blocks=pools[1].block_meta_buffers(8))
+        graph = decode_metadata(pools[1], r2t, req, seq, loc, out=bufs)
+        for name in ("int_len", "recent_len", "col", "done", "src", "slot0", "pos", "move_row", "move_dst"):
+            assert torch.equal(getattr(graph.blocks, name)[:3], getattr(eager.blocks, name)), name
+        assert graph.blocks.done[3:].tolist() == [False, False] and graph.blocks.int_len[3:].tolist() == [0, 0]
+        pools[1].write_decode(0, k, v, loc, graph.req, graph.col, graph.pos, blocks=graph.blocks)
+    used = sorted({int(x) // P for r, n in lengths.items() for x in r2t[r, : n + steps]})
+    for a, b in ((pools[0].k_pages[0], pools[1].k_pages[0]), (pools[0].v_pages[0], pools[1].v_pages[0])):
+        for t in ("codes", "scale", "zero"):
+            assert torch.equal(getattr(a, t)[used], getattr(b, t)[used]), t
+    for r in lengths:
+        assert torch.equal(pools[0].win_k[0][r], pools[1].win_k[0][r])
+        assert torch.equal(pools[0].win_v[0][r], pools[1].win_v[0][r])
+
+
+def test_chunked_prefill_leaves_the_pool_as_one_extend():
+    """Chunks that end inside key blocks and past the window: the blocks are quantized when their last row arrives
+    (from the ring's earlier rows and the chunk's), the ring moves with the length; the same pages and windows as one
+    extend of the prompt (exact)."""
+    gen = torch.Generator().manual_seed(3)
+    S0, W, T, P, n = 32, 32, 16, 32, 150
+    r2t = _req_to_token({1: n}, P)
+    k, v = _rows(n, gen)
+    pools = [_pool(S0, W, [T], P) for _ in range(2)]
+    _prefill(pools[0], r2t, 1, k, v, 0, n)
+    bounds = (0, 10, 37, 53, 101, 119, n)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        _prefill(pools[1], r2t, 1, k, v, a, b)
+    pages = sorted({int(x) // P for x in r2t[1, :n]})
+    for a, b in ((pools[0].k_pages[0], pools[1].k_pages[0]), (pools[0].v_pages[0], pools[1].v_pages[0])):
+        for t in ("codes", "scale", "zero"):
+            assert torch.equal(getattr(a, t)[pages], getattr(b, t)[pages]), t
+    c0, c1 = pools[0].cached_rows(0, r2t, 1, n), pools[1].cached_rows(0, r2t, 1, n)
+    assert torch.equal(c0[0], c1[0]) and torch.equal(c0[1], c1[1])
+    q_end = pools[0].quantized_end(0, n)
+    assert q_end == S0 + (n - S0 - W) // T * T
+    assert torch.equal(c0[0][:, q_end:], k[q_end:].transpose(0, 1).float())
+
+
+def test_radix_hit_reads_the_donors_blocks_as_written():
+    """A hit on a page-aligned prefix (whole blocks past a sink of whole pages) reads the donor's quantized blocks,
+    including blocks still in the donor's ring when the tree took them (written when their last row arrived): the
+    same codes the donor reads once the blocks leave its window."""
+    gen = torch.Generator().manual_seed(4)
+    S0, W, T, P = 16, 32, 16, 16
+    donor, shared, steps = 80, 64, 20  # the donor's pages hold [16, 48) released and [48, 64) still in its ring
+    pool = _pool(S0, W, [T], P, prefix_cache=True)
+    r2t = _req_to_token({1: donor + steps, 2: shared + 40}, P)
+    r2t[2, :shared] = r2t[1, :shared]
+    k, v = _rows(donor + steps, gen)
+    _prefill(pool, r2t, 1, k, v, 0, donor)
+    assert pool.quantized_end(0, donor) == 48 < shared
+    hk, hv = pool.cached_rows(0, r2t, 2, shared, ring=False)  # what a hit extend reads of the prefix
+    for s in range(steps):
+        L = donor + s + 1
+        _decode_step(pool, r2t, 1, L, k[L - 1 : L], v[L - 1 : L])
+    assert pool.quantized_end(0, donor + steps) >= shared
+    dk, dv = pool.cached_rows(0, r2t, 1, donor + steps)
+    assert torch.equal(hk[:, S0:shared], dk[:, S0:shared]) and torch.equal(hv[:, S0:shared], dv[:, S0:shared])
+    rel = ((hk[:, S0:shared] - k[S0:shared].transpose(0, 1).float()).norm(dim=-1)
+           / k[S0:shared].transpose(0, 1).float().norm(dim=-1)).mean().item()
+    assert 0.05 < rel < 0.6, rel  # quantized, not garbage
+
+
+def test_refusals_name_the_setting():
+    with pytest.raises(OscarServeError, match=r"--page-size 16.*block=32"):
+        _pool(16, 64, [32], 16)
+    with pytest.raises((OscarServeError, ValueError), match=r"recent=48.*multiple of 32"):
+        _pool(0, 48, [32], 32)
