@@ -79,21 +79,23 @@ def test_writer_twin_is_quantize_channels(layout):
 
 
 @triton_cpu
-@pytest.mark.parametrize("layout,d,group,block,bits", [("rows", 64, 32, 16, 2), ("mma_k", 64, 64, 16, 2),
-                                                      ("rows", 32, 16, 4, 2), ("rows", 64, 64, 32, 4)])
-def test_triton_writer_matches_the_twin(layout, d, group, block, bits):
-    """Same rows, same slots: the Triton writer's pages against the twin's (a rotation sums in another order, so a
-    code may move one step at a rounding boundary: dequantized rows within one step of the block's scale)."""
+@pytest.mark.parametrize("layout,d,group,block,bits,rope", [("rows", 64, 32, 16, 2, True), ("mma_k", 64, 64, 16, 2, True),
+                                                           ("rows", 32, 16, 4, 2, False), ("rows", 64, 64, 32, 4, False)])
+def test_triton_writer_matches_the_twin(layout, d, group, block, bits, rope):
+    """Same rows, same slots (rope-centered keys: same positions): the Triton writer's pages against the twin's (a
+    rotation sums in another order, so a code may move one step at a rounding boundary: dequantized rows within one
+    step of the block's scale)."""
     page = 32
-    kt = key_transform(d, block)
+    kt = key_transform(d, block, rope=rope)
     a = paged.QuantPages.empty(6, HKV, page, d, bits, group, "cpu", layout, block)
     b = paged.QuantPages.empty(6, HKV, page, d, bits, group, "cpu", layout, block)
     table = torch.tensor([[5, 2, 3]], dtype=torch.int32)
     n = 2 * block
     x = torch.randn(n, HKV, d).to(torch.bfloat16)
     slots = block_slots(table[0], n, page)
-    paged.rotate_quantize_pack(x, slots, a, kt, backend="torch")
-    paged.rotate_quantize_pack(x, slots, b, kt, backend="triton")
+    pos = 5 + torch.arange(n)
+    paged.rotate_quantize_pack(x, slots, a, kt, backend="torch", positions=pos)
+    paged.rotate_quantize_pack(x, slots, b, kt, backend="triton", positions=pos)
     torch.testing.assert_close(a.scale.float(), b.scale.float(), rtol=1e-2, atol=1e-3)
     assert (a.codes != b.codes).float().mean() <= 0.01
     step = a.scale.float().max().item()
