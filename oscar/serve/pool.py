@@ -204,9 +204,8 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         """Window bytes one request slot costs (what pool sizing reserves per running request; the rings of
         per-channel layers hold ``T - 1`` rows more)."""
         item = torch.empty((), dtype=self.window_dtype).element_size()
-        extra = sum(self.ring_size(i) - self.recent for i in range(self.layer_num))
-        return (self.format.window_bytes(self.layer_num, self.head_num, self.head_dim, item)
-                + 2 * self.head_num * extra * self.head_dim * item)
+        cols = sum(self.sink + self.ring_size(i) for i in range(self.layer_num))
+        return 2 * self.head_num * cols * self.head_dim * item
 
     def get_kv_size_bytes(self) -> tuple[int, int]:
         k = sum(t.numel() * t.element_size() for p in self.k_pages for t in (p.codes, p.scale, p.zero))
