@@ -424,7 +424,15 @@ __global__ void __launch_bounds__((W + 1) * 32, MINB) oscar_decode_v11(const Par
 
   // ---- query of this KV head's REP heads (rotated for the quantized splits)
   const u16* qg = P.q + ((long long)b * P.hkv * REP + (long long)kvh * REP) * D;
-  for (int i = tid; i < REP * D; i += NT) s_q[i] = bf16f(qg[i]);
+  for (int i = tid; i < REP * D / 8; i += NT) {  // 8 bf16 per thread and load (one round trip at REP * D <= 8 NT)
+    const uint4 x = __ldg(reinterpret_cast<const uint4*>(qg) + i);
+    const u32 w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      s_q[8 * i + 2 * k] = bf_lo(w[k]);
+      s_q[8 * i + 2 * k + 1] = bf_hi(w[k]);
+    }
+  }
   __syncthreads();
   float qmu = 0.f;
   if (is_int && P.muk != nullptr && g < REP && !producer) {

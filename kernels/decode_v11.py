@@ -136,12 +136,13 @@ def unpack_records(records: torch.Tensor, layout: RecordLayout) -> tuple[torch.T
 class V11Launch:
     """Launch of the v11 kernel: ``num_splits`` split-K CTAs per (sequence, KV head) (default
     ``default_num_splits``), ``warps`` math warps (plus one producer), ``stages`` records in the ring (a multiple
-    of ``warps``), ``min_blocks`` CTAs per SM the register allocation must allow."""
+    of ``warps``), ``min_blocks`` CTAs per SM the register allocation must allow (default ``default_min_blocks``:
+    2 below 64 (sequence, KV head) pairs, where each CTA's latency counts, 3 from there)."""
 
     num_splits: Optional[int] = None
     warps: int = 4
     stages: int = 8
-    min_blocks: int = 3
+    min_blocks: Optional[int] = None
 
     def __post_init__(self) -> None:
         check(self.num_splits is None or (isinstance(self.num_splits, int) and 1 <= self.num_splits <= 254),
@@ -150,7 +151,14 @@ class V11Launch:
         check(isinstance(self.stages, int) and self.stages >= self.warps and self.stages % self.warps == 0
               and self.stages <= 32, f"V11Launch(stages={self.stages!r}) must be a multiple of warps={self.warps} "
               "in [warps, 32]")
-        check(self.min_blocks in (1, 2, 3, 4), f"V11Launch(min_blocks={self.min_blocks!r}) must be in 1-4")
+        check(self.min_blocks is None or self.min_blocks in (1, 2, 3, 4),
+              f"V11Launch(min_blocks={self.min_blocks!r}) must be None or in 1-4")
+
+
+def default_min_blocks(batch: int, num_kv_heads: int) -> int:
+    """CTAs per SM for the register allocation: 2 (no spills in the prologue and merge) below 64 (sequence, KV head)
+    pairs, 3 (12 math warps per SM for the streaming loop) from there (H200, reports/kernels/v11/README.md)."""
+    return 2 if batch * num_kv_heads < 64 else 3
 
 
 _POINTERS = ("q", "rec", "page_table", "int_len", "rk", "muk", "rot_out", "muv", "sink_k", "sink_v", "sink_len",
@@ -177,19 +185,16 @@ def dynamic_bytes(layout: RecordLayout, rep: int, launch: V11Launch) -> int:
 
 def default_num_splits(batch: int, num_kv_heads: int, pages_per_seq: int, launch: V11Launch,
                        num_sms: int = 132) -> int:
-    """Split-K CTAs per (sequence, KV head): the fewest whose quantized CTAs fill at least 90% of a whole number of
-    waves of SM slots (``num_sms * min_blocks``; the BF16 windows' CTAs are short and left out), else the best
-    filling count; each math warp at least one page."""
+    """Split-K CTAs per (sequence, KV head): about 0.9 of a wave of SM slots (``num_sms * min_blocks``) below 64
+    (sequence, KV head) pairs (more splits lengthen the merge, which is on the critical path there) and two waves
+    from there (short CTAs balance the tail), each math warp at least 2 pages (measured on the H200,
+    reports/kernels/v11/README.md)."""
     pairs = max(batch * num_kv_heads, 1)
-    slots = num_sms * launch.min_blocks
-    most = max(1, min(MAX_PARTIALS - 2, math.ceil(pages_per_seq / launch.warps)))
-
-    def fill(s: int) -> float:
-        waves = pairs * s / slots
-        return waves / math.ceil(waves) if waves >= 1 else waves
-
-    good = [s for s in range(1, most + 1) if fill(s) >= 0.9]
-    return good[0] if good else max(range(1, most + 1), key=lambda s: (fill(s), -s))
+    minb = launch.min_blocks or default_min_blocks(batch, num_kv_heads)
+    waves = 0.9 if pairs < 64 else 2.0
+    want = math.ceil(waves * num_sms * minb / pairs)
+    most = max(1, min(MAX_PARTIALS - 2, math.ceil(pages_per_seq / (2 * launch.warps))))
+    return int(max(1, min(want, most)))
 
 
 _KERNELS: dict[tuple, ctypes.c_void_p] = {}
@@ -311,11 +316,12 @@ def paged_decode_attention_v11(q: torch.Tensor, records: torch.Tensor, layout: R
     p.hkv, p.pt_stride, p.s_int, p.s_total = hkv, int(page_table.stride(0)), s_int, s_total
     p.has_sink, p.has_rec, p.out_rotated = int(sink is not None), int(rec is not None), int(output_frame == "rotated")
     p.rs_p, p.rs_h = int(records.stride(0)), int(records.stride(1))
-    name = kernel_name(d, layout.page_size, rep, launch.warps, launch.stages, launch.min_blocks)
+    minb = launch.min_blocks or default_min_blocks(B, hkv)
+    name = kernel_name(d, layout.page_size, rep, launch.warps, launch.stages, minb)
     _launch(_function(name, dev), (s_total, hkv, B), 32 * (launch.warps + 1), p, dev,
             dynamic_bytes(layout, rep, launch))
     return out if q.dtype == torch.bfloat16 else out.to(q.dtype)
 
 
-__all__ = ["Params11", "RecordLayout", "V11Launch", "default_num_splits", "dynamic_bytes", "kernel_name",
+__all__ = ["Params11", "RecordLayout", "V11Launch", "default_min_blocks", "default_num_splits", "dynamic_bytes", "kernel_name",
            "pack_records", "paged_decode_attention_v11", "unpack_records"]

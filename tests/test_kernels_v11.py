@@ -104,6 +104,21 @@ def test_twin_writer_round_trips_and_places_the_meta(d, ps):
         assert torch.equal(meta[:, :, j, g, 2 * a + 1], t[:, :, 16 * j + g + 8, 0])
 
 
+@pytest.mark.parametrize("bad", [dict(warps=3), dict(warps=4, stages=6), dict(num_splits=0), dict(min_blocks=5)])
+def test_launch_refuses_bad_values(bad):
+    with pytest.raises(ValueError, match="V11Launch"):
+        V11Launch(**bad)
+
+
+@pytest.mark.parametrize("batch,pages", [(1, 59), (1, 2044), (8, 512), (32, 2044), (128, 3)])
+def test_default_splits_give_each_math_warp_two_pages(batch, pages):
+    launch = V11Launch()
+    s = default_num_splits(batch, 8, pages, launch)
+    assert 1 <= s <= max(1, math.ceil(pages / (2 * launch.warps)))
+    if batch * 8 >= 64 and pages >= 2 * launch.warps * s:  # two waves of SM slots from 64 pairs, when pages allow
+        assert batch * 8 * s >= 2 * 132 * 3
+
+
 # ------------------------------------------------------------------ the kernel's lanes, emulated on the CPU
 
 

@@ -95,6 +95,8 @@ CUDA_CASES = [
      "8 warps, 4 stages, 2 CTAs/SM (the served default)"),
     ("v11_d128_ps64_gqa4", "decode_v11.cu", "oscar_decode_v11<128,64,4,4,8,3>", 4,
      "4 math warps + 1 producer, 8 records in flight, 3 CTAs/SM"),
+    ("v11_d128_ps64_gqa4_minb2", "decode_v11.cu", "oscar_decode_v11<128,64,4,4,8,2>", 4,
+     "4 math warps + 1 producer, 8 records in flight, 2 CTAs/SM (the default below 64 sequence x KV head pairs)"),
     ("v11_d128_ps64_gqa8", "decode_v11.cu", "oscar_decode_v11<128,64,8,4,8,3>", 4,
      "4 math warps + 1 producer, 8 records in flight, 3 CTAs/SM"),
     ("v11_d64_ps64_gqa4", "decode_v11.cu", "oscar_decode_v11<64,64,4,4,8,3>", 4,

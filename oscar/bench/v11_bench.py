@@ -34,10 +34,10 @@ H, HKV, D = 32, 8, 128
 
 
 def _variant(spec: str) -> tuple[str, V11Launch]:
-    """``NAME:warps,stages,min_blocks[,num_splits]``."""
+    """``NAME:warps,stages,min_blocks[,num_splits]`` (min_blocks 0: the launcher's default)."""
     name, _, vals = spec.partition(":")
     w, s, m, *sp = (int(x) for x in vals.split(","))
-    return name, V11Launch(warps=w, stages=s, min_blocks=m, num_splits=sp[0] if sp else None)
+    return name, V11Launch(warps=w, stages=s, min_blocks=m or None, num_splits=sp[0] if sp else None)
 
 
 def ncu_target(B: int, T: int, launch: V11Launch) -> None:
@@ -111,7 +111,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--contexts", default="4096,32768,131072")
-    ap.add_argument("--variants", default="v11:4,8,3", help="NAME:warps,stages,min_blocks;...")
+    ap.add_argument("--variants", default="v11:4,8,0", help="NAME:warps,stages,min_blocks;...")
     ap.add_argument("--budget_s", type=float, default=0, help="stop before the next shape after this many seconds")
     ap.add_argument("--name", default="v11", help="stem of the CSV and JSON files")
     ap.add_argument("--no-check", action="store_true", help="skip the accuracy check against the twin")
