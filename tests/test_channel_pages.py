@@ -271,9 +271,16 @@ def test_device_cache_on_the_triton_kernels(model):
     (tests/test_formats.py, CUDA_LOGIT_TOL)."""
     fmt = ChannelKeyFormat(name="ch", bits=2, group_size=D, sink=4, recent=8, page_size=8, key_block=4,
                            layer_blocks=(4, 0))
+    from oscar.cache import device_cache as dc
+    from tests.test_device_cache import _SyncCounter
+
     ids = torch.randint(0, 320, (1, 22), generator=torch.Generator().manual_seed(3))
-    _, _, lg, _, ref_lg = _device_vs_torch(model, fmt, mixed_rotations((4, 0)), ids, 3, "triton")
+    cache, tok, lg, _, ref_lg = _device_vs_torch(model, fmt, mixed_rotations((4, 0)), ids, 3, "triton")
     assert (lg - ref_lg).abs().max().item() <= 0.1
+    counter = _SyncCounter()  # a whole step (block demotion, ring move, attention) reads nothing back: graph-safe
+    with counter, torch.no_grad():
+        dc.decode_step(model, cache, tok[:, -1], advance=False)
+    assert counter.ops == []
 
 
 # -- KIVI-2 served -------------------------------------------------------------------------------------
