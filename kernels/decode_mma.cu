@@ -17,9 +17,10 @@
 // of its blocks (P = the first token of the first; angles reduced in fp64) into fp16 B fragments, and one more
 // MMA per 16 channels scores them against a constant table of cos/sin(x w_i), x = 16 W k + j (k < RT, j < 16).
 // Per-channel keys (CT > 0: K scale/zero bf16 [P, Hkv, page/CT, D], one pair per channel and block of CT tokens): a
-// warp takes CT/16 consecutive 16-token blocks at a time (one channel block), and at the first of them turns the
-// block's scales into the query's B fragments (q_r * s, fp16) and adds q_r . z (bf16 MMAs of the zeros against q_r
-// split into bf16 hi + lo): logit = (q_r * s) . c + q_r . z + q.mu_K (+ the rope term), values per token as always.
+// warp takes a contiguous run of 16-token blocks, and at its first block and at the first block of each channel block
+// turns the channel block's scales into the query's B fragments (q_r * s, fp16) and adds q_r . z (bf16 MMAs of the
+// zeros against q_r split into bf16 hi + lo): logit = (q_r * s) . c + q_r . z + q.mu_K (+ the rope term), values per
+// token as always.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -236,10 +237,11 @@ struct Stage {
   static constexpr int BYTES = CT ? KC + 4 * D : 2 * CB + 128;
 };
 
-// kzs (CT > 0): this lane's part of the K scales (lanes 0-15) or zeros (16-31) of KV head kvh, page 0, block 0.
+// kzs (CT > 0): this lane's part of the K scales (lanes 0-15) or zeros (16-31) of KV head kvh, page 0, block 0;
+// first: the warp's first block (it reads its channel block's scales wherever the block sits in it).
 template <int D, int BITS, int CT>
 __device__ __forceinline__ void issue_block(unsigned char* st, const Params& P, int page, int kvh, int off, int lane,
-                                            const u16* kzs) {
+                                            const u16* kzs, bool first) {
   constexpr int CB = Stage<D, BITS, CT>::CB, LB = D * BITS / 16, LC = LB > 16 ? 16 : LB;
   const long long cbase = (long long)page * P.cs_p + (long long)kvh * P.cs_h + (long long)off * (D * BITS / 8) + lane * LB;
 #pragma unroll
@@ -255,7 +257,7 @@ __device__ __forceinline__ void issue_block(unsigned char* st, const Params& P, 
     if (a >= 2)
       cp_async<4>(st + 2 * CB + 4 * (lane - 16), (a == 2 ? P.vs : P.vz) + (long long)page * P.ss_p + (long long)kvh * P.ss_h +
                                                    off + 2 * (lane & 7));
-    if ((off & (CT - 1)) == 0) {  // the channel block's K scales (lanes 0-15) and zeros (16-31), D/8 bytes per lane
+    if (first || (off & (CT - 1)) == 0) {  // the channel block's K scales (lanes 0-15) and zeros (16-31), D/8 bytes per lane
       constexpr int KB = D / 8;
       cp_async<KB>(st + Stage<D, BITS, CT>::KC + lane * KB, kzs + (long long)page * P.kss_p + (off / (CT ? CT : 1)) * D);
     }
@@ -525,14 +527,15 @@ __device__ __forceinline__ void rotate_rows(float* x, const uint2* __restrict__ 
 
 // ST: stages of each warp's cp.async ring (ST - 1 blocks in flight while one is computed). RT: blocks of a warp per
 // turn of the rope term's fragments (0: keys not rope-centered). CT: tokens per channel block of per-channel keys (0:
-// per-token keys); a warp's work unit is a channel block of CT/16 consecutive blocks (one block when CT = 0), units
-// lo + warp + k W of its split (RT a multiple of CT/16, so a rope turn starts on a unit).
+// per-token keys). A warp's k-th block of its split: lo + warp + k W (per-token keys), lo + k (per-channel keys: lo
+// the start of the warp's contiguous run, as balanced as blocks allow); the rope table's block stride is W or 1.
 // BITS: 2 or 4 (codes per byte 4 or 2). Dynamic shared memory: the rings, then the warps' outputs,
 // max(W * ST * Stage::BYTES, W * REP * D * 4) bytes (the launcher passes it).
 template <int D, int BITS, int REP, int W, int ST, int MINB, int RT, int CT = 0>
 __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P) {
   constexpr int NT = W * 32;
-  constexpr int R = CT ? CT / 16 : 1;  // blocks per unit
+  constexpr int R = CT ? CT / 16 : 1;  // blocks per channel block
+  constexpr int BS = CT ? 1 : W;       // blocks between a warp's consecutive blocks
   using Stg = Stage<D, BITS, CT>;
   __shared__ float s_q[REP * D];
   extern __shared__ __align__(16) unsigned char s_buf[];  // the rings, then the warps' outputs
@@ -555,25 +558,30 @@ __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P)
   const int* pt = P.page_table + (long long)b * P.pt_stride;
   const u16* kzs = CT ? (lane < 16 ? P.ks : P.kz) + (long long)kvh * P.kss_h + (lane & 15) * (D / 16) : nullptr;
   const int pmask = (1 << P.page_shift) - 1;
-  auto blk = [&](int kk) -> int { return (lo + warp + (kk / R) * W) * R + kk % R; };  // this warp's kk-th block
+  auto blk = [&](int kk) -> int { return CT ? lo + kk : lo + warp + kk * W; };  // this warp's kk-th block
   auto page_of = [&](int kk) -> int {  // page of this warp's kk-th block
     return kk < n_w ? __ldg(pt + ((blk(kk) * 16) >> P.page_shift)) : 0;
   };
   if (is_int) {
     len = __ldg(P.int_len + b);
-    const int nblk = (len + 15) >> 4, nu = (nblk + R - 1) / R;
-    const int per = (nu + P.s_int - 1) / P.s_int;
+    const int nblk = (len + 15) >> 4;
+    const int per = (nblk + P.s_int - 1) / P.s_int;
     lo = split * per;
-    const int hi = min(nu, lo + per);
-    const int n_u = hi > lo + warp ? (hi - lo - warp + W - 1) / W : 0;  // units of this warp: lo + warp + k W
-    n_w = n_u * R;
-    if (R > 1 && n_u > 0) n_w -= max(0, (lo + warp + (n_u - 1) * W + 1) * R - nblk);  // the last unit may be short
+    const int hi = min(nblk, lo + per);
+    if (CT) {  // a contiguous run of ceil((hi - lo) / W) blocks per warp
+      const int c = (max(0, hi - lo) + W - 1) / W;
+      lo += warp * c;
+      n_w = max(0, min(hi, lo + c) - lo);
+    } else {
+      n_w = hi > lo + warp ? (hi - lo - warp + W - 1) / W : 0;  // blocks of this warp: lo + warp + k W
+    }
     pv_cur = page_of(lane);  // pages of blocks 0..31 (lane k holds block k), then 32..63
     pv_next = page_of(32 + lane);
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {
       if (s < n_w)
-        issue_block<D, BITS, CT>(ring + s * Stg::BYTES, P, __shfl_sync(FULL, pv_cur, s), kvh, (blk(s) * 16) & pmask, lane, kzs);
+        issue_block<D, BITS, CT>(ring + s * Stg::BYTES, P, __shfl_sync(FULL, pv_cur, s), kvh, (blk(s) * 16) & pmask, lane, kzs,
+                                 s == 0);
       cp_commit();
     }
   }
@@ -683,12 +691,12 @@ __global__ void __launch_bounds__(W * 32, MINB) oscar_decode_mma(const Params P)
       __syncwarp();  // every lane is done with the stage about to be refilled
       if (kn < n_w)
         issue_block<D, BITS, CT>(ring + ws * Stg::BYTES, P, __shfl_sync(FULL, pv_cur, kn & 31), kvh, (blk(kn) * 16) & pmask,
-                                 lane, kzs);
+                                 lane, kzs, kn == 0);
       cp_commit();
       cp_wait<ST - 1>();  // block k has landed
       __syncwarp();
-      if (RT && k % (RT ? RT : 1) == 0) rope_frags<D, REP>(ub, s_u, P.rope_w, rpos + (long long)k * W * 16, lane);
-      if (CT && k % R == 0) {
+      if (RT && k % (RT ? RT : 1) == 0) rope_frags<D, REP>(ub, s_u, P.rope_w, rpos + (long long)k * BS * 16, lane);
+      if (CT && (k == 0 || (blk(k) & (R - 1)) == 0)) {  // a run's first block, a channel block's first
         float qz[2];
         channel_frags<D>(qc, qz, ring + rs * Stg::BYTES + Stg::KC, ring_s + rs * Stg::BYTES + Stg::KC, s_qc, s_qc + D, lane);
         qzm[0] = fmaf(qz[0], P.sc, qm[0]);

@@ -93,20 +93,16 @@ def shared_limit(bits: int, min_blocks: int) -> int:
     return min(227 * 1024, 228 * 1024 // max(1, min_blocks) - 1024)
 
 
-def rope_table(inv_freq: torch.Tensor, d: int, num_warps: int, rope_blocks: int, unit_blocks: int = 1) -> torch.Tensor:
+def rope_table(inv_freq: torch.Tensor, d: int, num_warps: int, rope_blocks: int) -> torch.Tensor:
     """The rope term's constant A fragments (fp16 in int32 ``[RT, d/16, 32, 4]``): entry ``[k, kc, 4g + t, r]`` packs
     ``E[k, j, c], E[k, j, c + 1]`` with ``j = g + 8 (r & 1)``, ``c = 16 kc + 2t + 8 (r >> 1)``, where
-    ``E[k, j, c] = cos(x w_c)`` for ``c < d/2`` and ``sin(x w_{c - d/2})`` above, ``x = 16 (num_warps U (k // U) + k % U)
-    + j`` (``U = unit_blocks``: a warp's consecutive blocks, ``block / 16`` for per-channel keys, else 1; the k-th
-    block of a turn sits that far after its first) and ``w`` the inverse frequencies padded with zeros to ``d/2``
-    (float64, then fp16)."""
-    if rope_blocks % unit_blocks:
-        raise ValueError(f"rope_blocks={rope_blocks} must be a multiple of unit_blocks={unit_blocks}")
+    ``E[k, j, c] = cos(x w_c)`` for ``c < d/2`` and ``sin(x w_{c - d/2})`` above, ``x = 16 num_warps k + j`` and
+    ``w`` the inverse frequencies padded with zeros to ``d/2`` (float64, then fp16). ``num_warps`` is the stride in
+    blocks between a warp's consecutive blocks: the warps of a CTA (per-token keys), 1 (per-channel keys)."""
     w = torch.zeros(d // 2, dtype=torch.float64)
     w[: inv_freq.numel()] = inv_freq.detach().to("cpu", torch.float64)
-    k = torch.arange(rope_blocks, dtype=torch.float64)
-    start = 16 * (num_warps * unit_blocks * torch.div(k, unit_blocks, rounding_mode="floor") + k % unit_blocks)
-    x = start[:, None] + torch.arange(16, dtype=torch.float64)[None, :]  # [RT, 16]
+    x = (16 * num_warps * torch.arange(rope_blocks, dtype=torch.float64)[:, None]
+         + torch.arange(16, dtype=torch.float64)[None, :])  # [RT, 16]
     ang = x[..., None] * w  # [RT, 16, d/2]
     E = torch.cat([ang.cos(), ang.sin()], dim=-1).to(torch.float16)  # [RT, 16, d]
     ar = lambda n, at: torch.arange(n).view([-1 if i == at else 1 for i in range(5)])  # noqa: E731
@@ -253,8 +249,9 @@ def paged_decode_attention_mma(
 
     Per-channel keys (``k_pages.block = T``, a power of two from 16 dividing the page size; ``k_pages.scale``/``zero``
     bf16 ``[P, Hkv, page_size/T, d]``, contiguous): the logit of a token of block ``j`` is
-    ``(q_r * scale[j]) . code + q_r . zero[j]`` (+ ``q . mu_K``, + the rope term; ``launch.rope_blocks`` a multiple of
-    ``T/16``); the products ``q_r * scale`` are fp16 (scales below 6e-5 lose precision there, above 65504 overflow).
+    ``(q_r * scale[j]) . code + q_r . zero[j]`` (+ ``q . mu_K``, + the rope term); each warp reads a contiguous run of
+    blocks and turns the query at its first block and at each block's first 16 tokens; the products ``q_r * scale`` are
+    fp16 (scales below 6e-5 lose precision there, above 65504 overflow).
     """
     launch = MmaLaunch() if launch is None else launch
     check(isinstance(launch, MmaLaunch), f"launch={launch!r} is not an MmaLaunch (the mma kernel's settings)")
@@ -304,9 +301,6 @@ def paged_decode_attention_mma(
           f"stages={stages} must be in 2-6 and fit {limit} bytes of shared memory "
           f"({shared_bytes(d, rep, num_warps, stages, rope, bits, block)} bytes at d={d}, INT{bits}, GQA {rep}, "
           f"{num_warps} warps{f', key block {block}' if block else ''})")
-    check(not (rope and block) or rope_blocks % (block // 16) == 0,
-          f"MmaLaunch(rope_blocks={rope_blocks}) must be a multiple of block/16={block // 16} for per-channel keys "
-          f"of block {block} (a rope turn starts on a channel block)")
     for name, t in (("k_codes", k_codes), ("v_codes", v_codes)):
         check(t.is_contiguous() and t.device == dev, f"{name} must be contiguous on {dev}")
     for name, t in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
@@ -411,9 +405,9 @@ def paged_decode_attention_mma(
         ptr("rope_m", f32(k_t.rope_mu, (hkv, d), "rope_mu"))
         ptr("rope_w", _derived(rope_freq, f"ropew{d}", lambda x: torch.nn.functional.pad(
             x.to(dev, torch.float64), (0, d // 2 - x.numel())).contiguous()))
-        unit = max(1, block // 16)
-        ptr("rope_tab", _derived(rope_freq, f"ropetab{d},{num_warps},{rt},{unit},{dev}",
-                                 lambda x: rope_table(x, d, num_warps, rt, unit).to(dev)))
+        stride = 1 if block else num_warps  # blocks between a warp's consecutive blocks
+        ptr("rope_tab", _derived(rope_freq, f"ropetab{d},{stride},{rt},{dev}",
+                                 lambda x: rope_table(x, d, stride, rt).to(dev)))
         if isinstance(rope_pos0, torch.Tensor):
             check(rope_pos0.dtype == torch.int32 and rope_pos0.numel() >= B and rope_pos0.device == dev,
                   f"int_pos0 must be an int or int32 [>= {B}] on {dev}, got {rope_pos0.dtype} {tuple(rope_pos0.shape)}")

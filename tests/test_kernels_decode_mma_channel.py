@@ -4,8 +4,8 @@ CPU: the kernel's per-channel arithmetic emulated lane by lane from its fragment
 bf16 hi/lo fragments as the CTA stores them, the stage's scales turned to fp16 in place and read by ``ldmatrix``, the
 ``mul.rn.f16x2`` products, the codes' fp16 subnormals in the score MMAs, the zeros' bf16 MMAs) against the logits of
 the torch twin on pages written by the twin writer, within the bound the roundings give; the kernel's split of the
-quantized blocks into channel-block units (every block once, a unit's first block where the scales are read, the
-rope turns' positions) and the rope table of such units. CUDA: the kernel against the float32 twin on per-channel
+quantized blocks into contiguous runs per warp (every block once, balanced to a block, the query turned at each
+channel block a run touches). CUDA: the kernel against the float32 twin on per-channel
 pages (tests/test_kernels_decode_mma.py's tolerance), with rope-centered keys, launch options, a CUDA graph, and
 pages written by the writer.
 """
@@ -229,65 +229,48 @@ def test_emulated_kernel_logits_match_the_twin(d, bits, block, ps, rep):
     assert float(k_hat.abs().mean()) > 2.0 and worst > 0.0
 
 
-def _units(nblk: int, s_int: int, W: int, R: int) -> list[list[int]]:
-    """The kernel's split of ``nblk`` 16-token blocks: for each (split, warp), its blocks in loop order
-    (units of R blocks, unit lo + warp + k W of the split's range; the last unit of the sequence may be short)."""
-    nu = -(-nblk // R)
-    per = -(-nu // s_int)
+def _runs(nblk: int, s_int: int, W: int, R: int) -> list[list[int]]:
+    """The kernel's split of ``nblk`` 16-token blocks of per-channel keys: for each (split, warp) its blocks in loop
+    order (a contiguous run of ceil(split blocks / W)), and the loop steps where it turns the query (channel_frags:
+    the run's first block, each channel block's first)."""
+    per = -(-nblk // s_int)
     out = []
     for split in range(s_int):
-        lo = split * per
-        hi = min(nu, lo + per)
+        lo, hi = split * per, min(nblk, split * per + per)
+        c = -(-max(0, hi - lo) // W)
+        start = lo + 0
         for warp in range(W):
-            n_u = (hi - lo - warp + W - 1) // W if hi > lo + warp else 0
-            n_w = n_u * R
-            if R > 1 and n_u > 0:
-                n_w -= max(0, (lo + warp + (n_u - 1) * W + 1) * R - nblk)
-            out.append([(lo + warp + (k // R) * W) * R + k % R for k in range(n_w)])
+            first = start + warp * c
+            n_w = max(0, min(hi, first + c) - first)
+            blocks = [first + k for k in range(n_w)]
+            turns = [k for k in range(n_w) if k == 0 or blocks[k] % R == 0]
+            out.append((blocks, turns))
     return out
 
 
-@pytest.mark.parametrize("nblk,s_int,W,R", [(1, 1, 8, 4), (37, 3, 8, 2), (2048, 16, 8, 4), (61, 7, 4, 4),
-                                            (9, 2, 2, 1), (513, 5, 8, 8)])
-def test_kernel_units_cover_every_block_once(nblk, s_int, W, R):
-    """Every block is read once; a warp's k-th block with k % R == 0 is the first of its channel block (where the
-    kernel reads the scales), the next R - 1 follow it; a rope turn of RT blocks (RT a multiple of R) starting at
-    k = 0 mod RT puts block k at 16 (W R (k' // R) + k' % R) tokens after the turn's first (k' = k mod RT), the
-    position ``rope_table(..., unit_blocks=R)`` holds."""
-    lists = _units(nblk, s_int, W, R)
-    seen = sorted(b for blocks in lists for b in blocks)
-    assert seen == list(range(nblk))
-    RT = max(R, 8)
-    for blocks in lists:
-        for k, b in enumerate(blocks):
-            assert (b % R == 0) == (k % R == 0)
-            if k % R:
-                assert b == blocks[k - 1] + 1
-            kk = k % RT
-            assert b - blocks[k - kk] == W * R * (kk // R) + kk % R
-            assert b * 16 == blocks[0] * 16 + k // RT * RT * W * 16 + 16 * (W * R * (kk // R) + kk % R)
-
-
-@pytest.mark.parametrize("d,W,RT,R", [(128, 8, 8, 4), (64, 4, 16, 2)])
-def test_rope_table_of_channel_units(d, W, RT, R):
-    """Entry [k, kc, 4g + t, r] half e of the table is cos/sin(x w) at x = 16 (W R (k // R) + k % R) + row."""
-    inv = 1.0 / 10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    tab = decode_mma.rope_table(inv, d, W, RT, R).view(torch.float16).reshape(RT, d // 16, 32, 4, 2)
-    for k, kc, lane, r, e in ((0, 0, 0, 0, 0), (RT - 1, d // 16 - 1, 31, 3, 1), (R + 1, 2, 13, 2, 0), (R, d // 16 - 2, 7, 1, 1)):
-        g, t = divmod(lane, 4)
-        row, c = g + 8 * (r & 1), 16 * kc + 2 * t + 8 * (r >> 1) + e
-        x = 16 * (W * R * (k // R) + k % R) + row
-        want = math.cos(x * inv[c]) if c < d // 2 else math.sin(x * inv[c - d // 2])
-        assert abs(float(tab[k, kc, lane, r, e]) - want) < 1e-3
-    with pytest.raises(ValueError, match="multiple"):
-        decode_mma.rope_table(inv, d, W, 4, 8)
+@pytest.mark.parametrize("nblk,s_int,W,R", [(1, 1, 8, 4), (37, 3, 8, 2), (2028, 9, 8, 4), (8172, 33, 8, 2),
+                                            (61, 7, 4, 4), (9, 2, 2, 1), (513, 5, 8, 8)])
+def test_kernel_runs_cover_every_block_once(nblk, s_int, W, R):
+    """Every block is read once, a warp's run is contiguous and at most one block longer than the split's mean over
+    its warps (the per-token kernel's balance), and the query is turned once per channel block the run touches (its
+    first block's and each later channel block's), so every block sees its own channel block's scales."""
+    runs = _runs(nblk, s_int, W, R)
+    assert sorted(b for blocks, _ in runs for b in blocks) == list(range(nblk))
+    per = -(-nblk // s_int)
+    for blocks, turns in runs:
+        assert blocks == list(range(blocks[0], blocks[0] + len(blocks))) if blocks else True
+        assert len(blocks) <= -(-per // W)
+        for k, b in enumerate(blocks):  # the latest turn at or before k is in b's channel block
+            last = max(x for x in turns if x <= k)
+            assert blocks[last] // R == b // R
+        assert len(turns) == len({b // R for b in blocks})
 
 
 def test_channel_launch_sizes():
     """The per-channel stage holds the V scales/zeros of 16 tokens and a channel block's K scales and zeros."""
     assert decode_mma.stage_bytes(128, 2, 64) == 2 * 512 + 64 + 512
     assert decode_mma.stage_bytes(128, 2) == 2 * 512 + 128
-    assert decode_mma.kernel_name(128, 4, 8, 4, 2, 0, 2, 64) == "oscar_decode_mma<128,2,4,8,4,2,0,64>"
+    assert decode_mma.kernel_name(128, 4, 8, 4, 2, 8, 2, 64) == "oscar_decode_mma<128,2,4,8,4,2,8,64>"
     assert decode_mma.shared_bytes(128, 4, 8, 4, block=64) <= decode_mma.shared_limit(2, 2)
     assert decode_mma.CHANNEL_KEYS
 
@@ -390,9 +373,10 @@ def test_cuda_channel_keys_launch_options(launch, d):
 
 
 @CUDA
-@pytest.mark.parametrize("block,rope_blocks,d", [(64, 8, 128), (32, 16, 128), (16, 4, 64)])
-def test_cuda_channel_keys_with_rope_term(block, rope_blocks, d):
-    spec = dict(CASES[0], block=block, ps=64, d=d)
+@pytest.mark.parametrize("block,rope_blocks,d,ps", [(64, 8, 128, 64), (32, 16, 128, 64), (16, 4, 64, 64), (128, 4, 128, 128)])
+def test_cuda_channel_keys_with_rope_term(block, rope_blocks, d, ps):
+    """Rope turns of any length over a warp's contiguous run (the table's block stride is 1 for per-channel keys)."""
+    spec = dict(CASES[0], block=block, ps=ps, d=d)
     q, kp, vp, pt, il, kt, vt, seg = _channel_case(seed=block + d, **spec)
     gen = torch.Generator(device="cuda").manual_seed(3)
     m = 3.0 * torch.randn(kt.mu.shape, device="cuda", generator=gen)
@@ -406,16 +390,6 @@ def test_cuda_channel_keys_with_rope_term(block, rope_blocks, d):
     assert _rel(out, ref) < REL_TOL
     plain = decode_attention_torch(q, kp, vp, segs, kt, vt)
     assert _rel(plain, ref) > 5 * REL_TOL  # the term matters here
-
-
-@CUDA
-def test_cuda_channel_keys_refuse_a_rope_turn_shorter_than_a_channel_block():
-    q, kp, vp, pt, il, kt, vt, seg = _channel_case(seed=4, **CASES[3])  # block 128: 8 blocks of 16 per unit
-    inv = 1.0 / 1e6 ** (torch.arange(0, 64, dtype=torch.float64, device="cuda") / 64)
-    kr = HeadTransform(kt.R, kt.mu, rope_mu=torch.ones_like(kt.mu), rope_freq=inv, block=128)
-    segs = Segments(pt, il, int_pos0=0, **seg)
-    with pytest.raises(ValueError, match="rope_blocks"):
-        decode_attention(q, kp, vp, segs, kr, vt, backend="triton", launch=MmaLaunch(rope_blocks=4))
 
 
 @CUDA
