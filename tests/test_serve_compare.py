@@ -33,3 +33,41 @@ def test_batched_forced_logprobs_equal_one_prompt_at_a_time_to_rounding() -> Non
                        for b, p, t in zip(batched, prompts, tokens)])
     assert float(diffs.median()) < 1e-4, diffs
     assert float((diffs < 1e-4).float().mean()) >= 0.9, diffs
+
+
+def test_served_run_comparison_and_its_table() -> None:
+    """`compare_served` on a synthetic served run: SGLang's top-256 log-probabilities taken from a row that differs
+    from the embedded one by a known shift at one step; the table row and the CSV rows carry what it measured."""
+    from oscar.bench.gpu_correctness import summary_rows
+    from oscar.bench.serve_correctness import TOP, compare_served, render
+
+    gen = torch.Generator().manual_seed(0)
+    emb = [torch.log_softmax(3 * torch.randn(4, 300, generator=gen), -1) for _ in range(2)]
+    bf16 = [torch.log_softmax(e + 0.1 * torch.randn(e.shape, generator=gen), -1) for e in emb]
+    served_rows_ = [e.clone() for e in emb]
+    served_rows_[1][2] = torch.log_softmax(served_rows_[1][2] + torch.where(torch.arange(300) == 7, 2.0, 0.0), -1)
+    toks = [[int(r.argmax()) for r in s] for s in served_rows_]
+
+    def entry(row, t):
+        top = row.topk(TOP)
+        return [[float(v), int(i), None] for v, i in zip(top.values, top.indices)], [float(row[t]), t, None]
+
+    logprobs = []
+    for s, tk in zip(served_rows_, toks):
+        tops, chosen = zip(*(entry(s[i], t) for i, t in enumerate(tk)))
+        logprobs.append({"output_top_logprobs": list(tops), "output_token_logprobs": list(chosen)})
+    c = compare_served({"output_ids": toks, "logprobs": logprobs}, emb, bf16)
+    shifted = served_rows_[1][2] - emb[1][2]
+    assert c["steps"] == 8 and c["median_logprob_diff"] < 1e-5
+    compared = [toks[1][2], *served_rows_[1][2].topk(2).indices.tolist()]  # SGLang's token and its top 2
+    assert abs(c["max_logprob_diff"] - float(shifted[compared].abs().max())) < 1e-4 and c["max_logprob_diff"] > 0.01
+    assert c["agreement_with_embedded_int2"] == (8 - int(toks[1][2] != int(emb[1][2].argmax()))) / 8
+    assert 0 < c["kl_served_vs_embedded_top_mean"] < 1 and c["teacher_forced_ok"]
+    report = {"device": "cpu", "model": "m", "prompts": 2, "prompt_tokens": [5, 6], "new_tokens": 4, "torch": "t",
+              "runs": {"oscar_quarot": {"start_s": 3.0, "generate_s": 1.0}}, "methods": {"quarot": c},
+              "timings": {"model_load_s": 2.0}, "total_s": 9.0}
+    md = render(report)
+    assert f"| quarot | 8 | {c['agreement_with_embedded_int2']:.3f} [" in md and "model_load 2.0" in md
+    rows = summary_rows(report, {})
+    assert [r["check"] for r in rows][:2] == ["quarot: teacher-forced check (largest log-prob difference)",
+                                             "quarot: median log-prob difference"]
