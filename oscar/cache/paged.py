@@ -5,7 +5,10 @@ Layout (docs/DESIGN.md, "Paged INT2 pool layout"), per layer and per tensor (K a
 ``[num_pages, Hkv, page_size, d//G]``. One page table int32 ``[max_batch, max_pages_per_seq]`` and
 one length vector ``int_len`` int32 ``[max_batch]`` (quantized tokens per sequence) serve every
 layer: quantized token ``t`` of sequence ``b`` lives at page ``page_table[b, t // page_size]``,
-slot ``t % page_size``. A *slot* is ``page * page_size + offset`` (int64).
+slot ``t % page_size``. A *slot* is ``page * page_size + offset`` (int64). Per-channel key pages
+(``QuantPages(..., block=T)``, docs/DESIGN.md "Per-channel key pages on the paged path") keep the code bytes and put
+one bf16 scale/zero pair per block of ``T`` slots and channel in ``scale``/``zero`` ``[num_pages, Hkv, page_size/T,
+d]``; they are written whole blocks at a time, and ``channel_ring`` gives the decode step's recent-ring indices.
 
 API (every kernel-backed function takes ``backend="torch"|"triton"``; the torch twin is the spec)::
 
