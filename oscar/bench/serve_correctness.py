@@ -360,7 +360,7 @@ def run(a: argparse.Namespace) -> int:
         if m in given:
             artifacts[m] = (Path(given[m]), tuple(a.method_override))
         elif m not in ("bf16", "int2"):
-            if needs_statistics(compose([f"method={m}"]).method):
+            if needs_statistics(compose([f"method={m}", *IN_CODE_OVERRIDES]).method):
                 raise SystemExit(f"--methods names {m!r}, which needs a calibration artifact: give --artifact {m}=DIR "
                                  f"(python -m oscar calibrate model=smollm2-135m method={m}) or leave it out")
             artifacts[m] = (save_in_code_artifact(Path(path), m, out / f"art_{m}"), IN_CODE_OVERRIDES)
