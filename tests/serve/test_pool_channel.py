@@ -269,3 +269,121 @@ def test_refusals_name_the_setting():
         _pool(16, 64, [32], 16)
     with pytest.raises((OscarServeError, ValueError), match=r"recent=48.*multiple of 32"):
         _pool(0, 48, [32], 32)
+
+
+# -- through SGLang's Engine (slow: two engine start-ups) ------------------------------------------------------
+
+NEW = 40
+
+
+def _channel_artifact(model_dir: Path, method: str, out: Path, key_block: list[int], overrides: tuple[str, ...] = ()):
+    """An in-code artifact of ``method`` whose layers' keys are per channel over ``key_block[l]`` tokens (0: per token),
+    its ``cache_format`` recorded from them (`oscar.cache.formats.record_format`)."""
+    from transformers import AutoConfig
+
+    from oscar.cache.formats import record_format
+    from oscar.config import compose
+    from oscar.core.artifact import config_hash_of, model_config_fields, save_artifact
+    from oscar.models.methods import in_code_artifact
+
+    hf = AutoConfig.from_pretrained(str(model_dir))
+    f = model_config_fields(hf)
+    cfg = compose([f"method={method}", "method.clip=paper", *overrides])
+    art = in_code_artifact(cfg.method, num_layers=f["num_layers"], num_kv_heads=f["num_kv_heads"], head_dim=f["head_dim"],
+                           model_id=str(model_dir), config_hash=config_hash_of(hf))
+    art.meta["key_block"] = list(key_block)
+    record_format(art, cfg.method)
+    save_artifact(art, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def channel_served(tiny_llama, tmp_path_factory):
+    import random
+
+    from serve_helpers import run_driver, save_in_code_artifact
+
+    tmp = tmp_path_factory.mktemp("channel_served")
+    mixed = _channel_artifact(tiny_llama, "quarot", tmp / "mixed", [0, 32])
+    kivi = save_in_code_artifact(tiny_llama, "kivi2", tmp / "kivi2")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 300) for _ in range(n)] for n in (5, 45, 111)]
+    sampling = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+    common = {"model_path": str(tiny_llama), "attention_backend": "oscar", "dtype": "float32", "page_size": 32}
+    logprobs = {"return_logprob": True, "top_logprobs_num": 2}
+    runs = [
+        {"name": "mixed", "engine_args": {**common, "chunked_prefill_size": 32},
+         "env": {"OSCAR_ARTIFACT": str(mixed), "OSCAR_SINK": 32, "OSCAR_RECENT": 32},
+         "input_ids": prompts, "sampling": sampling, "generate_args": logprobs},
+        {"name": "kivi2", "engine_args": common, "env": {"OSCAR_ARTIFACT": str(kivi), "OSCAR_RECENT": 64},
+         "input_ids": prompts, "sampling": sampling, "generate_args": logprobs},
+    ]
+    results, log = run_driver(runs, tmp)
+    return results, log, mixed, prompts, tmp
+
+
+@pytest.mark.slow
+def test_mixed_artifact_served_agrees_with_the_embedded_engine(channel_served, tiny_llama):
+    """Layer 0 per-token keys, layer 1 per-channel keys over blocks of 32 (pages of 32, sink 32, window 32, chunked
+    prefill of 32): teacher-forced along SGLang's tokens, the embedded engine with the same artifact (its torch cache
+    quantizes layer 1's keys per channel over the same blocks) agrees within the INT2 tolerances."""
+    from transformers import AutoModelForCausalLM
+
+    from serve_helpers import check_teacher_forced, embedded_forced_logprobs
+
+    results, log, mixed, prompts, _ = channel_served
+    assert "per-channel keys over blocks of 32 tokens in layers [1]" in log
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype="float32").eval()
+    run = results["mixed"]
+    forced = embedded_forced_logprobs(model, "quarot", mixed, 32, 32, prompts, run["output_ids"])
+    check_teacher_forced(run, forced)
+
+
+@pytest.mark.slow
+def test_kivi2_served_agrees_with_kivi2_embedded(channel_served, tiny_llama):
+    """The KIVI-2 artifact served (per-channel keys over 32, per-token values in groups of 32, no sink, residual 64):
+    teacher-forced, the embedded engine's torch cache of the same paged format (identity rotations, ``key_block``
+    32, group 32) agrees within the INT2 tolerances."""
+    from transformers import AutoModelForCausalLM
+
+    from serve_helpers import check_teacher_forced, embedded_forced_logprobs
+
+    results, log, _, prompts, tmp = channel_served
+    assert "per-channel keys over blocks of 32 tokens in layers [0, 1]" in log
+    twin = _channel_artifact(tiny_llama, "int2", tmp / "kivi2_twin", [32, 32], ("method.group_size=32",))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype="float32").eval()
+    run = results["kivi2"]
+    forced = embedded_forced_logprobs(model, "int2", twin, 0, 64, prompts, run["output_ids"],
+                                      overrides=("method.clip=paper", "method.group_size=32"))
+    check_teacher_forced(run, forced)
+
+
+def test_later_chunk_attends_over_the_blocks_and_the_ring_as_the_cache_holds_them():
+    """Through the backend's extend: a later chunk of a per-channel layer attends over the BF16 sink, the quantized
+    blocks, the ring's rows (complete blocks in their slots, then the tail) and its own rows, causal: attention over
+    the cached rows (``cached_rows``: float reduction order only)."""
+    from test_pool_paged import _backend, _extend
+
+    gen = torch.Generator().manual_seed(6)
+    S0, W, T, P, n, first = 32, 32, 16, 32, 137, 100  # after the first chunk: blocks [32, 64), ring 2 blocks + 4 rows
+    pool = _pool(S0, W, [T], P)
+    r2t = _req_to_token({1: n}, P)
+    be = _backend(pool, r2t)
+    layer = SimpleNamespace(layer_id=0, tp_q_head_num=H, tp_k_head_num=HKV, qk_head_dim=D, v_head_dim=D,
+                            scaling=D**-0.5, sliding_window_size=-1, logit_cap=0)
+    q = torch.randn(n, H * D, generator=gen).to(torch.bfloat16)
+    k, v = (t.reshape(n, HKV * D) for t in _rows(n, gen))
+    _extend(be, layer, q[:first], k[:first], v[:first], 1, 0, first, r2t)
+    assert pool.quantized_end(0, first) == 64
+    ck, cv = pool.cached_rows(0, r2t, 1, first)
+    assert torch.equal(ck[:, 64:], k[64:first].reshape(-1, HKV, D).transpose(0, 1).float())
+    out = _extend(be, layer, q[first:], k[first:], v[first:], 1, first, n - first, r2t).float()
+    keys = torch.cat([ck, k[first:].reshape(-1, HKV, D).transpose(0, 1).float()], dim=1)
+    vals = torch.cat([cv, v[first:].reshape(-1, HKV, D).transpose(0, 1).float()], dim=1)
+    qs = q[first:].float().reshape(-1, HKV, H // HKV, D)
+    mask = torch.ones(n - first, n, dtype=torch.bool).tril(first)
+    s = torch.einsum("nhrd,htd->nhrt", qs, keys) * D**-0.5
+    p = torch.softmax(s.masked_fill(~mask[:, None, None, :], float("-inf")), dim=-1)
+    ref = torch.einsum("nhrt,htd->nhrd", p, vals).reshape(n - first, H * D)
+    rel = ((out - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+    assert rel < 2e-2, rel  # bf16 outputs
