@@ -71,3 +71,17 @@ def test_served_run_comparison_and_its_table() -> None:
     rows = summary_rows(report, {})
     assert [r["check"] for r in rows][:2] == ["quarot: teacher-forced check (largest log-prob difference)",
                                              "quarot: median log-prob difference"]
+
+
+def test_rebuilt_correctness_report_keeps_the_quarot_finding(tmp_path) -> None:
+    import json
+
+    from oscar.commands import gpu
+
+    rep = {"device": "cpu", "model": "m", "prompts": 1, "prompt_tokens": [5], "new_tokens": 4, "torch": "t", "runs": {},
+           "methods": {}, "timings": {}, "total_s": 1.0}
+    (tmp_path / "gpu_correctness.json").write_text(json.dumps(rep))
+    (tmp_path / "gpu_correctness.md").write_text("# old\n\n## Runs\n\nold rows\n\n## QuaRot\n\nthe finding, 86%\n")
+    assert gpu.main(["correctness", "report_only=true", "tracking=false", f"out={tmp_path}"]) == 0
+    md = (tmp_path / "gpu_correctness.md").read_text()
+    assert md.startswith("# GPU correctness") and "old rows" not in md and md.endswith("## QuaRot\n\nthe finding, 86%\n")

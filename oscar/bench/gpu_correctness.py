@@ -167,6 +167,18 @@ def summary_rows(report: dict[str, Any], check: dict[str, Any]) -> list[dict[str
     return rows
 
 
+KEPT = ("## QuaRot",)  # hand-written findings under these headings survive a rebuilt report
+
+
+def kept_sections(path: Path) -> str:
+    """The sections of an existing report whose headings are in ``KEPT`` (to the next ``## `` heading), in order."""
+    if not path.is_file():
+        return ""
+    parts = path.read_text().split("\n## ")
+    found = ["## " + p.rstrip() + "\n" for p in parts[1:] if any(("## " + p).startswith(k) for k in KEPT)]
+    return "\n" + "\n".join(found) if found else ""
+
+
 def report(out: Path, opts: dict[str, Any]) -> list[Path]:
 
     path = out / "gpu_correctness.json"
@@ -183,7 +195,7 @@ def report(out: Path, opts: dict[str, Any]) -> list[Path]:
                  for case, res in check.items() if isinstance(res, dict) and "original" in res]
         md += ("\n## The pool's CUDA path against the torch twin (largest relative error per output row)\n\n"
                + "\n".join(lines) + "\n")
-    atomic_write_text(out / "gpu_correctness.md", md)
+    atomic_write_text(out / "gpu_correctness.md", md + kept_sections(out / "gpu_correctness.md"))
     atomic_write_csv(out / "gpu_correctness.csv", summary_rows(rep, check), ["check", "value", "bound", "holds"])
     return [out / "gpu_correctness.md", out / "gpu_correctness.csv"]
 
