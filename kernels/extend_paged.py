@@ -3,9 +3,10 @@
 The extend of a request whose prefix is cached (a chunked prefill's later chunk, a radix-cache hit) attends
 ``n`` new queries over the prefix's quantized rows (pages, any page table order) plus a BF16 segment (the sink,
 the ring rows of the prefix still in the window, and the chunk's own rows, causal). Everything is in the rotated
-frame of the pages: queries ``q_rot = q @ R_K`` with ``qmu = q . mu_K`` (the logit of a key row is
-``sm_scale * (q_rot . k' + qmu)``, ``k'`` the dequantized code row or ``(k - mu_K) @ R_K`` for a BF16 row) and
-values ``(v - mu_V) @ R_V``, so one accumulator serves both segments and the output is ``(o - mu_V) @ R_V``.
+frame of the pages: queries ``q_rot = q @ R_K``, keys ``k'`` the dequantized code rows or ``(k - mu_K) @ R_K`` for
+a BF16 row (``q . k = q_rot . k' + q . mu_K``: the last term is the same for every key of a query, so the softmax
+drops it) and values ``(v - mu_V) @ R_V``, so one accumulator serves both segments and the output is
+``(o - mu_V) @ R_V``.
 
 A program takes ``BLOCK_M`` query rows (query ``i``, head ``r`` of the KV head's group, flattened ``i * REP + r``)
 of one KV head and a range of the quantized tokens (split-K), unpacks each ``BLOCK_N``-token tile of codes once
@@ -34,7 +35,7 @@ from oscar.kernels.segments import Pages
 
 @triton.jit
 def _extend_kernel(
-    q_ptr, qmu_ptr, o_ptr, m_ptr, l_ptr,
+    q_ptr, o_ptr, m_ptr, l_ptr,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
     kmapb_ptr, kmaps_ptr, vmapb_ptr, vmaps_ptr,
     pt_ptr, bk_ptr, bv_ptr,
@@ -43,7 +44,7 @@ def _extend_kernel(
     stride_bh, stride_bt,
     H: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, G: tl.constexpr, WB: tl.constexpr,
     PAGE: tl.constexpr, MAPB: tl.constexpr, BITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F16: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -54,7 +55,8 @@ def _extend_kernel(
     rmask = qi < n_q
     cols = tl.arange(0, D)
     q = tl.load(q_ptr + (qi * H + head)[:, None] * D + cols[None, :], mask=rmask[:, None], other=0.0)
-    qmu = tl.load(qmu_ptr + qi * H + head, mask=rmask, other=0.0)
+    if DOT_F16:  # tensor-core products on FP16 operands (as the decode kernels' codes), float32 accumulation
+        q = q.to(tl.float16)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -76,7 +78,9 @@ def _extend_kernel(
         ksc = tl.load(ks_ptr + mbase[:, None] + grp[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
         kze = tl.load(kz_ptr + mbase[:, None] + grp[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
         k = kcode.to(tl.float32) * ksc + kze
-        s = (tl.dot(q, tl.trans(k)) + qmu[:, None]) * sm_scale
+        if DOT_F16:
+            k = k.to(tl.float16)
+        s = tl.dot(q, tl.trans(k)) * sm_scale
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
@@ -87,6 +91,9 @@ def _extend_kernel(
         vsc = tl.load(vs_ptr + mbase[:, None] + grp[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
         vze = tl.load(vz_ptr + mbase[:, None] + grp[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
         v = vcode.to(tl.float32) * vsc + vze
+        if DOT_F16:
+            v = v.to(tl.float16)
+            p = p.to(tl.float16)
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
     if split == 0:  # the BF16 segment (sink, ring rows of the prefix, the chunk's own rows: causal)
@@ -97,7 +104,9 @@ def _extend_kernel(
             jmask = j < j_hi
             bptr = kvh * stride_bh + j[:, None] * stride_bt + cols[None, :]
             k = tl.load(bk_ptr + bptr, mask=jmask[:, None], other=0.0)
-            s = (tl.dot(q, tl.trans(k)) + qmu[:, None]) * sm_scale
+            if DOT_F16:
+                k = k.to(tl.float16)
+            s = tl.dot(q, tl.trans(k)) * sm_scale
             visible = jmask[None, :] & (j[None, :] <= n_fixed + qi[:, None])
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -105,6 +114,9 @@ def _extend_kernel(
             p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(bv_ptr + bptr, mask=jmask[:, None], other=0.0)
+            if DOT_F16:
+                v = v.to(tl.float16)
+                p = p.to(tl.float16)
             acc = acc * alpha[:, None] + tl.dot(p, v)
             m_i = m_new
     out = (split * n_q * H + qi * H + head)
@@ -164,7 +176,6 @@ def default_splits(n_q: int, rep: int, hkv: int, int_len: int, block_m: int, blo
 
 def extend_paged_attention(
     q_rot: torch.Tensor,
-    qmu: torch.Tensor,
     k_pages: Pages,
     v_pages: Pages,
     page_table: torch.Tensor,
@@ -178,18 +189,21 @@ def extend_paged_attention(
     num_splits: Optional[int] = None,
     block_m: int = 64,
     block_n: int = 32,
-    num_warps: int = 4,
+    num_warps: Optional[int] = None,
+    dot_f16: Optional[bool] = None,
 ) -> torch.Tensor:
     """Extend attention of ``n`` queries over one request's quantized prefix and BF16 segment, in the rotated
     frame: returns float32 ``[n, H, d]`` = ``sum_j p_j v'_j`` (see the module docstring).
 
-    ``q_rot`` float32 ``[n, H, d]``; ``qmu`` float32 ``[n, H]``; ``k_pages``/``v_pages``: ``QuantPages`` (rows or
+    ``q_rot`` float32 ``[n, H, d]``; ``k_pages``/``v_pages``: ``QuantPages`` (rows or
     mma layouts; INT2/INT4); ``page_table`` int32 ``[M]``: quantized token ``t`` at page ``page_table[t // P]``;
     ``int_len`` quantized tokens; ``bf_k``/``bf_v`` float32 ``[Hkv, T, d]`` rotated BF16 rows, the first
     ``n_fixed`` visible to every query, row ``n_fixed + i`` the ``i``-th query's own; rope-centered keys are not
     read here (the twin adds their offsets). ``token_maps``: ``(None, None)`` for row-layout pages, else the K and
     V maps of ``oscar.core.quant.mma_token_map``; ``num_splits``: split-K programs over the quantized tokens
-    (default ``default_splits``); ``block_m`` query rows and ``block_n`` tokens per tile.
+    (default ``default_splits``); ``block_m`` query rows and ``block_n`` tokens per tile; ``num_warps`` (default 4,
+    8 at d >= 128); ``dot_f16``: products on FP16 operands (11-bit significands; the BF16 SDPA this replaces had 8) with
+    float32 accumulation, default on CUDA; float32 operands elsewhere.
     """
     check(q_rot.dim() == 3 and q_rot.dtype == torch.float32 and q_rot.is_contiguous(),
           f"q_rot must be contiguous float32 [n, H, d], got {q_rot.dtype} {tuple(q_rot.shape)}")
@@ -197,8 +211,6 @@ def extend_paged_attention(
     hkv = int(k_pages.codes.shape[1])
     check(H % hkv == 0, f"query heads H={H} must be a multiple of KV heads Hkv={hkv}")
     check(d >= 16 and d == next_pow2(d), f"head_dim d={d} must be a power of two >= 16")
-    check(tuple(qmu.shape) == (n, H) and qmu.dtype == torch.float32 and qmu.is_contiguous(),
-          f"qmu must be contiguous float32 [n={n}, H={H}], got {qmu.dtype} {tuple(qmu.shape)}")
     _check_pages(k_pages, "k_pages", hkv, d)
     _check_pages(v_pages, "v_pages", hkv, d)
     check(k_pages.codes.shape == v_pages.codes.shape and k_pages.bits == v_pages.bits
@@ -224,6 +236,8 @@ def extend_paged_attention(
     kmap = code_map(d, k_pages.bits, k_pages.group_size, token_maps[0], dev)
     vmap = code_map(d, v_pages.bits, v_pages.group_size, token_maps[1], dev)
     rep = H // hkv
+    num_warps = (8 if d >= 128 else 4) if num_warps is None else num_warps
+    dot_f16 = dev.type == "cuda" if dot_f16 is None else bool(dot_f16)
     if num_splits is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
         num_splits = default_splits(n, rep, hkv, int_len, block_m, block_n, sms)
@@ -238,7 +252,7 @@ def extend_paged_attention(
     grid = (triton.cdiv(n * rep, block_m), hkv, num_splits)
     kp, vp = k_pages, v_pages
     launchable(_extend_kernel, dev)[grid](
-        q_rot, qmu, o, m, lsum,
+        q_rot, o, m, lsum,
         kp.codes, kp.scale, kp.zero, vp.codes, vp.scale, vp.zero,
         kmap[0], kmap[1], vmap[0], vmap[1],
         page_table, bf_k, bf_v,
@@ -246,7 +260,8 @@ def extend_paged_attention(
         kp.codes.stride(0), kp.codes.stride(1), kp.scale.stride(0), kp.scale.stride(1), kp.scale.stride(2),
         bf_k.stride(0), bf_k.stride(1),
         H=H, REP=rep, D=d, G=kp.group_size, WB=int(kp.codes.shape[3]), PAGE=page,
-        MAPB=1 if layout == "rows" else 16, BITS=kp.bits, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        MAPB=1 if layout == "rows" else 16, BITS=kp.bits, BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_F16=dot_f16, num_warps=num_warps,
     )
     if num_splits == 1:
         return o[0] / lsum[0, ..., None]

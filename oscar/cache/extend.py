@@ -4,8 +4,8 @@ An extend whose request already has a prefix in the cache (a later chunk of a ch
 attends over three kinds of rows: the BF16 sink, the quantized pages ``[S0, S0 + int_len)`` and a BF16 tail (the
 prefix's rows still in the recent window, then the chunk's own rows, causal). The work is done in the pages'
 rotated frame, so that no prefix row is rotated back or materialized in float: the queries become
-``q_rot = q @ R_K`` and ``qmu = q . mu_K`` (``n`` rows), the BF16 rows ``(k - mu_K) @ R_K`` and ``(v - mu_V) @ R_V``
-(``S0 + W + n`` rows), and the pages are read by ``oscar.kernels.extend_paged`` (Triton; the tile's codes unpacked
+``q_rot = q @ R_K`` (``n`` rows; ``q . mu_K`` is the same for every key of a query, so the softmax drops it), the
+BF16 rows ``(k - mu_K) @ R_K`` and ``(v - mu_V) @ R_V`` (``S0 + W + n`` rows), and the pages are read by ``oscar.kernels.extend_paged`` (Triton; the tile's codes unpacked
 in registers once for all the queries of a block) or by its twin ``extend_paged_attention_torch`` (the
 specification). The cost is the attention itself, ``O(n x prefix)``, plus ``O((n + S0 + W) d^2)`` of transforms;
 the old path dequantized, un-rotated and copied the whole prefix into a dense float tensor per layer.
@@ -20,6 +20,7 @@ import math
 from typing import Optional
 
 import torch
+from torch.nn.functional import scaled_dot_product_attention
 
 from oscar.cache import paged
 from oscar.core import quant
@@ -30,7 +31,6 @@ DEQUANTIZED_ROWS = [0]  # prefix rows (per KV head, K and V counted once) the to
 
 def extend_paged_attention_torch(
     q_rot: torch.Tensor,
-    qmu: torch.Tensor,
     k_pages: Pages,
     v_pages: Pages,
     page_table: torch.Tensor,
@@ -43,39 +43,34 @@ def extend_paged_attention_torch(
     token_maps: tuple = (None, None),
     num_splits: Optional[int] = None,
     rope: Optional[tuple[torch.Tensor, HeadTransform, int]] = None,
-    query_block: int = 512,
 ) -> torch.Tensor:
     """Torch twin of ``oscar.kernels.extend_paged.extend_paged_attention`` (same arguments; ``token_maps`` and
-    ``num_splits`` are the kernel's and ignored): float32 ``[n, H, d]`` in the rotated frame. Query ``i``'s logits
-    are ``sm_scale * (q_rot . k' + qmu)`` over the ``int_len`` dequantized page rows (page table ``[M]``) and BF16
-    rows ``j <= n_fixed + i`` of ``bf_k``; ``rope`` = ``(q, kt, pos0)`` adds ``q . RoPE_p(kt.rope_mu)`` to the
-    logit of page row ``t`` (position ``p = pos0 + t``: rope-centered keys). Queries go in blocks of
-    ``query_block`` (memory ``query_block x (int_len + T)`` logits per head)."""
+    ``num_splits`` are the kernel's and ignored): float32 ``[n, H, d]`` in the rotated frame, the softmax over
+    ``sm_scale * q_rot . k'`` of the ``int_len`` dequantized page rows (page table ``[M]``) and the BF16 rows
+    ``j <= n_fixed + i`` of ``bf_k`` for query ``i``. ``rope`` = ``(q, kt, pos0)`` adds ``q . RoPE_p(kt.rope_mu)``
+    to the logit of page row ``t`` (position ``p = pos0 + t``: rope-centered keys)."""
     n, H, d = q_rot.shape
     hkv = int(k_pages.codes.shape[1])
-    rep = H // hkv
     table = page_table.reshape(1, -1)
-    kh = paged.gather_dequantize(k_pages, table, 0, int_len) if int_len else q_rot.new_zeros(hkv, 0, d)
-    vh = paged.gather_dequantize(v_pages, table, 0, int_len) if int_len else q_rot.new_zeros(hkv, 0, d)
+    kh = paged.gather_dequantize(k_pages, table, 0, int_len)  # [Hkv, int_len, d], rotated frame
+    vh = paged.gather_dequantize(v_pages, table, 0, int_len)
     DEQUANTIZED_ROWS[0] += int_len
     keys = torch.cat([kh, bf_k.float()], dim=1)  # [Hkv, int_len + T, d]
     vals = torch.cat([vh, bf_v.float()], dim=1)
     T = int(bf_k.shape[1])
-    j = torch.arange(T, device=q_rot.device)
-    out = torch.empty(n, H, d, dtype=torch.float32, device=q_rot.device)
-    for s in range(0, n, query_block):
-        e = min(n, s + query_block)
-        qs = q_rot[s:e].float().reshape(e - s, hkv, rep, d)
-        lg = torch.einsum("nhrd,htd->nhrt", qs, keys) + qmu[s:e].float().reshape(e - s, hkv, rep, 1)
-        if rope is not None and int_len:
-            q, kt, pos0 = rope
-            offs = paged.rope_offsets(kt, pos0 + torch.arange(int_len, device=q.device))  # [int_len, Hkv, d]
-            lg[..., :int_len] += torch.einsum("nhrd,thd->nhrt", q[s:e].float().reshape(e - s, hkv, rep, d), offs)
-        visible = j[None, :] <= n_fixed + torch.arange(s, e, device=q_rot.device)[:, None]  # [n, T]
-        lg[..., int_len:] = lg[..., int_len:].masked_fill(~visible[:, None, None, :], float("-inf"))
-        p = torch.softmax(lg * sm_scale, dim=-1)
-        out[s:e] = torch.einsum("nhrt,htd->nhrd", p, vals).reshape(e - s, H, d)
-    return out
+    dev = q_rot.device
+    visible = torch.cat([torch.ones(n, int_len, dtype=torch.bool, device=dev),
+                         torch.arange(T, device=dev)[None, :] <= n_fixed + torch.arange(n, device=dev)[:, None]], 1)
+    mask: torch.Tensor = visible
+    if rope is not None and int_len:
+        q, kt, pos0 = rope
+        offs = paged.rope_offsets(kt, pos0 + torch.arange(int_len, device=dev))  # [int_len, Hkv, d]
+        bias = torch.einsum("nhrd,thd->hrnt", q.float().reshape(n, hkv, H // hkv, d), offs) * sm_scale
+        mask = torch.zeros(H, n, int_len + T, dtype=torch.float32, device=dev).masked_fill(~visible, float("-inf"))
+        mask[..., :int_len] += bias.reshape(H, n, int_len)
+    o = scaled_dot_product_attention(q_rot.float().movedim(0, 1)[None], keys[None], vals[None], attn_mask=mask,
+                                     scale=sm_scale, enable_gqa=H != hkv)
+    return o[0].movedim(1, 0)
 
 
 def extend_attention(
@@ -112,10 +107,8 @@ def extend_attention(
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     q32 = q.float().reshape(n, hkv, rep, d)
     q_rot = q32 if kt.R is None else torch.einsum("nhrd,hde->nhre", q32, kt.R.to(q.device, torch.float32))
-    qmu = (torch.einsum("nhrd,hd->nhr", q32, kt.mu.to(q.device, torch.float32)) if kt.mu is not None
-           else q32.new_zeros(n, hkv, rep))
     bk, bv = _rotate_rows(bf_k, kt), _rotate_rows(bf_v, vt)
-    args = (q_rot.reshape(n, H, d).contiguous(), qmu.reshape(n, H).contiguous(), k_pages, v_pages,
+    args = (q_rot.reshape(n, H, d).contiguous(), k_pages, v_pages,
             page_table.to(torch.int32).contiguous(), int(int_len), bk, bv, int(n_fixed))
     if backend == "triton" and not kt.rope_centered and not getattr(k_pages, "block", 0):
         from oscar.kernels.extend_paged import extend_paged_attention  # local: keeps triton out of import time

@@ -107,6 +107,7 @@ class OscarAttnBackend(AttentionBackend):
     mma_waves: Optional[int] = None  # OSCAR_MMA (oscar.serve.settings): split-K waves or fixed splits, launch options
     mma_splits: Optional[int] = None
     mma_options: Optional[dict] = None
+    extend_in_place_max: int = 4096  # extends of up to this many tokens read a quantized prefix in place
 
     def __init__(self, model_runner: Any) -> None:
         super().__init__()
@@ -286,7 +287,7 @@ class OscarAttnBackend(AttentionBackend):
         for start, n, p, r, hit, ids in zip(m.starts, m.lens, m.prefix, m.req_slots, m.hit, m.sink_ids):
             if ids is not None:  # a prefix-cache hit: its BF16 sink rows from the sink store
                 self.pool.restore_sink(layer.layer_id, r, ids)
-            if self._pages_in_place(layer.layer_id, p, hit):
+            if self._pages_in_place(layer.layer_id, p, n, hit):
                 out[start : start + n] = self._extend_over_pages(q3[start : start + n], kb[start : start + n],
                                                                  vb[start : start + n], layer, r2t, r, p, hit)
                 continue
@@ -320,12 +321,16 @@ class OscarAttnBackend(AttentionBackend):
         S0, W = self.pool.sink, self.pool.recent
         return min(p, S0), max(S0, p if hit else p - W)
 
-    def _pages_in_place(self, layer_id: int, p: int, hit: bool) -> bool:
-        """Whether this extend's prefix has quantized rows read in place (``_extend_over_pages``); per-channel key
-        layers (``pool.key_blocks``) keep ``cached_rows``."""
+    def _pages_in_place(self, layer_id: int, p: int, n: int, hit: bool) -> bool:
+        """Whether this extend of ``n`` tokens reads its prefix's quantized rows in place (``_extend_over_pages``):
+        up to ``extend_in_place_max`` tokens (a hit's window, short chunks). A longer extend dequantizes the prefix
+        once (``cached_rows``), a cost of at most ``1 / extend_in_place_max`` prefix rows per query beside its
+        attention, and keeps SGLang's flash SDPA for its long causal part; per-channel key layers
+        (``pool.key_blocks``) keep ``cached_rows`` too."""
         blocks = getattr(self.pool, "key_blocks", None)
         per_channel = bool(blocks) and bool(blocks[layer_id - self.pool.start_layer])
-        return p > 0 and not per_channel and self._prefix_split(p, hit)[1] > self.pool.sink
+        return (p > 0 and n <= self.extend_in_place_max and not per_channel
+                and self._prefix_split(p, hit)[1] > self.pool.sink)
 
     def _extend_over_pages(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, r2t: torch.Tensor,
                            r: int, p: int, hit: bool) -> torch.Tensor:
@@ -334,7 +339,7 @@ class OscarAttnBackend(AttentionBackend):
         (``oscar.cache.extend.extend_attention``: the Triton kernel or its twin, in the pages' rotated frame)."""
         pool, i = self.pool, layer.layer_id - self.pool.start_layer
         n_sink, q_end = self._prefix_split(p, hit)
-        ring = pool.window_index(torch.arange(q_end, p, device=q.device))
+        ring = pool.ring_columns(i, torch.arange(q_end, p, device=q.device), p)  # per-channel layers: block slots
         bk = torch.cat([pool.win_k[i][r, :, :n_sink], pool.win_k[i][r][:, ring], k.movedim(0, 1)], dim=1)
         bv = torch.cat([pool.win_v[i][r, :, :n_sink], pool.win_v[i][r][:, ring], v.movedim(0, 1)], dim=1)
         table = pool.page_table(r2t, torch.tensor([r], device=r2t.device))[0]
