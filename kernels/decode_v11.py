@@ -132,6 +132,34 @@ def unpack_records(records: torch.Tensor, layout: RecordLayout) -> tuple[torch.T
     return kc, ks, kz, vc, vs, vz
 
 
+def write_tokens(records: torch.Tensor, layout: RecordLayout, slots: torch.Tensor, k_bytes: torch.Tensor,
+                 v_bytes: torch.Tensor, k_meta: torch.Tensor, v_meta: torch.Tensor, token_maps: tuple) -> None:
+    """The torch twin writer for single tokens (prefill, demotion): token ``n`` goes to slot ``slots[n]``
+    (``page * PS + offset``) of every KV head. ``k_bytes``/``v_bytes``: uint8 ``[N, Hkv, d/4]``, each token's codes
+    packed for its position in a 16-token tile (``oscar.core.quant.pack_codes_mma``); ``k_meta``/``v_meta``: bf16
+    ``[N, Hkv, 2]`` (scale, zero); ``token_maps``: the byte tables ``mma_token_map(d, "mma_k")[1]`` and
+    ``(d, "mma_v")[1]`` (``[16, d/4]``; the kernels may not import ``oscar.core``). A token's bytes are its own, so
+    writers of different tokens never touch the same byte."""
+    ps, hkv = layout.page_size, int(records.shape[1])
+    n = int(slots.numel())
+    check(k_bytes.shape == (n, hkv, layout.d // 4) and v_bytes.shape == k_bytes.shape,
+          f"k_bytes/v_bytes must be uint8 [{n}, {hkv}, {layout.d // 4}], got {tuple(k_bytes.shape)}")
+    check(k_meta.shape == (n, hkv, 2) and v_meta.shape == k_meta.shape and k_meta.dtype == torch.bfloat16,
+          f"k_meta/v_meta must be bf16 [{n}, {hkv}, 2], got {k_meta.dtype} {tuple(k_meta.shape)}")
+    dev = records.device
+    slots = slots.to(dev, torch.int64)
+    page, off = slots // ps, slots % ps
+    tile, tb = off // TILE, off % TILE
+    heads = torch.arange(hkv, device=dev)
+    for base, tb_map, data in ((layout.k_off, token_maps[0], k_bytes), (layout.v_off, token_maps[1], v_bytes)):
+        pos = base + tile[:, None] * (TILE * layout.d // 4) + tb_map.to(dev)[tb]  # [N, d/4]
+        records[page[:, None, None], heads[None, :, None], pos[:, None, :]] = data.to(dev)
+    ent = layout.meta_off // 2 + tile * 64 + (tb % 8) * 8 + tb // 8  # bf16 index of ks in the token's entry
+    bf = records.view(torch.bfloat16)  # the same bytes as bf16 pairs [P, Hkv, bytes/2]
+    for a, src in enumerate((k_meta[..., 0], k_meta[..., 1], v_meta[..., 0], v_meta[..., 1])):
+        bf[page[:, None], heads[None, :], (ent + 2 * a)[:, None]] = src.to(dev)
+
+
 @dataclass(frozen=True)
 class V11Launch:
     """Launch of the v11 kernel: ``num_splits`` split-K CTAs per (sequence, KV head) (default
@@ -324,4 +352,4 @@ def paged_decode_attention_v11(q: torch.Tensor, records: torch.Tensor, layout: R
 
 
 __all__ = ["Params11", "RecordLayout", "V11Launch", "default_min_blocks", "default_num_splits", "dynamic_bytes", "kernel_name",
-           "pack_records", "paged_decode_attention_v11", "unpack_records"]
+           "pack_records", "paged_decode_attention_v11", "unpack_records", "write_tokens"]

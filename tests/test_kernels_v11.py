@@ -17,7 +17,8 @@ import torch
 
 from oscar.cache.paged import QuantPages, decode_attention_torch
 from oscar.core import quant
-from oscar.kernels.decode_v11 import RecordLayout, V11Launch, default_num_splits, pack_records, unpack_records
+from oscar.kernels.decode_v11 import (RecordLayout, V11Launch, default_num_splits, pack_records, unpack_records,
+                                      write_tokens)
 from oscar.kernels.segments import HeadTransform, Segments
 
 REL_TOL = 1.5e-2
@@ -102,6 +103,30 @@ def test_twin_writer_round_trips_and_places_the_meta(d, ps):
     for a, t in enumerate((kp.scale, kp.zero, vp.scale, vp.zero)):
         assert torch.equal(meta[:, :, j, g, 2 * a], t[:, :, 16 * j + g, 0])
         assert torch.equal(meta[:, :, j, g, 2 * a + 1], t[:, :, 16 * j + g + 8, 0])
+
+
+@pytest.mark.parametrize("d,ps", [(128, 64), (64, 32)])
+def test_token_writer_fills_records_as_the_page_writer(d, ps):
+    c = _case(B=1, H=4, hkv=2, d=d, ps=ps, int_lens=[2 * ps], seed=11)
+    kp, vp, lay = c["kp"], c["vp"], c["layout"]
+    npages, hkv = kp.codes.shape[:2]
+    slots = torch.randperm(npages * ps, generator=torch.Generator().manual_seed(0))  # any order
+    page, off = slots // ps, slots % ps
+    tb = off % 16
+
+    def token_bytes(codes, name):  # [N, Hkv, d] codes -> each token's packed bytes for its tile position
+        return quant.pack_codes_mma(codes[page, :, off], tb[:, None].expand(-1, hkv), f"mma_{name}", 2)
+
+    def meta(pages):
+        return torch.stack([pages.scale[page, :, off, 0], pages.zero[page, :, off, 0]], dim=-1)
+
+    rec = torch.zeros_like(c["rec"])
+    maps = (quant.mma_token_map(d, "mma_k")[1], quant.mma_token_map(d, "mma_v")[1])
+    for chunk in torch.arange(slots.numel()).split(37):  # several calls, as steps of a cache would
+        sl = chunk.tolist()
+        write_tokens(rec, lay, slots[sl], token_bytes(c["k_codes"], "k")[sl], token_bytes(c["v_codes"], "v")[sl],
+                     meta(kp)[sl], meta(vp)[sl], maps)
+    assert torch.equal(rec, c["rec"])
 
 
 @pytest.mark.parametrize("bad", [dict(warps=3), dict(warps=4, stages=6), dict(num_splits=0), dict(min_blocks=5)])
