@@ -37,7 +37,7 @@ from oscar.kernels.segments import Pages
 def _extend_kernel(
     q_ptr, o_ptr, m_ptr, l_ptr,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-    kmapb_ptr, kmaps_ptr, vmapb_ptr, vmaps_ptr,
+    kmap_ptr, vmap_ptr,
     pt_ptr, bk_ptr, bv_ptr,
     n_q, int_len, n_bf, n_fixed, tokens_per_split, sm_scale,
     stride_cp, stride_ch, stride_mp, stride_mh, stride_mt,
@@ -73,8 +73,9 @@ def _extend_kernel(
         base = page * stride_cp + kvh * stride_ch + (off - tb) * WB
         mbase = page * stride_mp + kvh * stride_mh + off * stride_mt
         mi = tb[:, None] * D + cols[None, :]
-        kb = tl.load(kc_ptr + base[:, None] + tl.load(kmapb_ptr + mi), mask=tmask[:, None], other=0)
-        kcode = (kb.to(tl.int32) >> tl.load(kmaps_ptr + mi)) & MASK
+        km = tl.load(kmap_ptr + mi)  # byte * 8 + shift
+        kb = tl.load(kc_ptr + base[:, None] + (km >> 3), mask=tmask[:, None], other=0)
+        kcode = (kb.to(tl.int32) >> (km & 7)) & MASK
         ksc = tl.load(ks_ptr + mbase[:, None] + grp[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
         kze = tl.load(kz_ptr + mbase[:, None] + grp[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
         k = kcode.to(tl.float32) * ksc + kze
@@ -86,8 +87,9 @@ def _extend_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        vb = tl.load(vc_ptr + base[:, None] + tl.load(vmapb_ptr + mi), mask=tmask[:, None], other=0)
-        vcode = (vb.to(tl.int32) >> tl.load(vmaps_ptr + mi)) & MASK
+        vm = tl.load(vmap_ptr + mi)
+        vb = tl.load(vc_ptr + base[:, None] + (vm >> 3), mask=tmask[:, None], other=0)
+        vcode = (vb.to(tl.int32) >> (vm & 7)) & MASK
         vsc = tl.load(vs_ptr + mbase[:, None] + grp[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
         vze = tl.load(vz_ptr + mbase[:, None] + grp[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
         v = vcode.to(tl.float32) * vsc + vze
@@ -125,12 +127,12 @@ def _extend_kernel(
     tl.store(l_ptr + out, l_i, mask=rmask)
 
 
-_MAPS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_MAPS: dict[tuple, torch.Tensor] = {}
 
 
 def code_map(d: int, bits: int, group_size: int, token_map: Optional[tuple[torch.Tensor, torch.Tensor]],
-             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(byte, shift)`` int32 ``[MAPB, d]``: channel ``c`` of the token at position ``tb`` of its block
+             device: torch.device) -> torch.Tensor:
+    """int32 ``[MAPB, d]`` holding ``byte * 8 + shift``: channel ``c`` of the token at position ``tb`` of its block
     (``MAPB`` = 1 for token rows, 16 for the fragment-order layouts) is bits ``shift`` of byte ``byte`` counted
     from the block's first byte. Token rows: ``oscar.core.quant.pack_codes`` (planar within each group); the
     fragment order: ``token_map`` = ``oscar.core.quant.mma_token_map`` (the storage contract, passed in)."""
@@ -148,7 +150,7 @@ def code_map(d: int, bits: int, group_size: int, token_map: Optional[tuple[torch
             slot = torch.arange(d)
             byte.scatter_(1, order, byte_index[:, slot // per])
             shift.scatter_(1, order, (bits * (slot % per)).expand_as(order).contiguous())
-        _MAPS[key] = (byte.to(device, torch.int32).contiguous(), shift.to(device, torch.int32).contiguous())
+        _MAPS[key] = (byte * 8 + shift).to(device, torch.int32).contiguous()
     return _MAPS[key]
 
 
@@ -254,7 +256,7 @@ def extend_paged_attention(
     launchable(_extend_kernel, dev)[grid](
         q_rot, o, m, lsum,
         kp.codes, kp.scale, kp.zero, vp.codes, vp.scale, vp.zero,
-        kmap[0], kmap[1], vmap[0], vmap[1],
+        kmap, vmap,
         page_table, bf_k, bf_v,
         n, int_len, int(bf_k.shape[1]), n_fixed, per_split, float(sm_scale),
         kp.codes.stride(0), kp.codes.stride(1), kp.scale.stride(0), kp.scale.stride(1), kp.scale.stride(2),
