@@ -6,9 +6,10 @@ tokens and turns them into fp16 registers with one ``lop3`` and one ``fma`` per 
 memory on the way. One launch does everything (``decode_mma.cu``): ``num_splits`` CTAs per sequence and
 KV head over the quantized tokens (query rotated in the CTA, scores ``s_K (q.c) + z_K sum(q) + q.mu_K``,
 output ``sum (p s_V) c + sum p z_V``; per-channel keys, ``QuantPages.block = T``: scores ``(q_r s) . c + q_r . z``
-with ``s``, ``z`` of the token's block of ``T``, the query scaled once per block), one CTA per BF16 window (sink, recent; bf16 tensor cores), and the
-log-sum-exp merge with the change of frame done by the last CTA of each (sequence, KV head) (an atomic
-ticket; the counter is reset by that CTA, so the grid is fixed and the call can be captured in a CUDA graph).
+with ``s``, ``z`` of the token's block of ``T``, the query scaled once per block), one CTA per BF16 window (sink,
+recent; bf16 tensor cores), and the log-sum-exp merge with the change of frame done by the last CTA of each
+(sequence, KV head) (an atomic ticket; the counter is reset by that CTA, so the grid is fixed and the call can be
+captured in a CUDA graph).
 
 Compiled at first use by NVRTC (``torch.cuda._utils``); CUDA only. Launcher: ``paged_decode_attention_mma``;
 launch settings: ``oscar.kernels.launch.MmaLaunch``; torch twin (the specification):
@@ -264,8 +265,8 @@ def paged_decode_attention_mma(
     bits = k_pages.bits
     check(v_pages.bits == bits, f"K and V pages need one format, got INT{bits} and INT{v_pages.bits}")
     block = int(getattr(k_pages, "block", 0))
-    check(int(getattr(v_pages, "block", 0)) == 0, "V pages are per token (block=0); per-channel blocks are a key format, "
-          f"got V pages with block={getattr(v_pages, 'block', 0)}")
+    check(int(getattr(v_pages, "block", 0)) == 0, "V pages are per token (block=0); per-channel blocks are a key "
+          f"format, got V pages with block={getattr(v_pages, 'block', 0)}")
     k_codes, k_scale, k_zero = k_pages.codes, k_pages.scale, k_pages.zero
     v_codes, v_scale, v_zero = v_pages.codes, v_pages.scale, v_pages.zero
     check(q.is_cuda, f"the mma decode kernel runs on CUDA tensors, q is on {q.device}")

@@ -13,6 +13,7 @@ pages written by the writer.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -99,7 +100,8 @@ def emulate_block_logits(q_r: torch.Tensor, block_bytes: torch.Tensor, ks: torch
     """Base-2 logits ``[16 tokens, rep]`` of one 16-token block of per-channel keys, as decode_mma.cu computes them.
 
     ``q_r`` float32 ``[rep, D]`` (rotated query), ``block_bytes`` uint8 ``[16 * D * bits / 8]`` (the block in the
-    ``mma_k`` layout), ``ks``/``kz`` bf16 ``[D]`` (its channel block's scales and zeros), ``qm`` ``[rep]`` = sc q . mu_K.
+    ``mma_k`` layout), ``ks``/``kz`` bf16 ``[D]`` (its channel block's scales and zeros), ``qm`` ``[rep]``:
+    sc q . mu_K.
     """
     rep, D = q_r.shape
     q = q_r.numpy().astype(np.float32)
@@ -114,7 +116,8 @@ def emulate_block_logits(q_r: torch.Tensor, block_bytes: torch.Tensor, ks: torch
         for j in range(D // 16):
             for h in range(2):
                 ch, f = 16 * j + 2 * t + 8 * h, _slot_factor(bits, j, h)
-                qb[lane, j, h] = _f16_pair(np.float32(qv(g, ch)) * np.float32(f), np.float32(qv(g, ch + 1)) * np.float32(f))
+                x0, x1 = np.float32(qv(g, ch)) * np.float32(f), np.float32(qv(g, ch + 1)) * np.float32(f)
+                qb[lane, j, h] = _f16_pair(x0, x1)
     s_qf = {(c, lane): (qb[lane, 2 * c, 0], qb[lane, 2 * c, 1], qb[lane, 2 * c + 1, 0], qb[lane, 2 * c + 1, 1])
             for c in range(D // 32) for lane in range(32)}
     s_qz = {}
@@ -177,7 +180,7 @@ def emulate_block_logits(q_r: torch.Tensor, block_bytes: torch.Tensor, ks: torch
 
 
 def _written_pages(d: int, hkv: int, ps: int, block: int, bits: int, n: int, gen: torch.Generator,
-                   layout: str = "mma_k", R: torch.Tensor = None):
+                   layout: str = "mma_k", R: Optional[torch.Tensor] = None):
     """Key pages of ``n`` tokens (whole blocks, pages in shuffled order) written by the twin writer from rows with
     large per-channel offsets (what per-channel keys are for), and the page table."""
     npages = -(-n // ps) + 2
@@ -284,7 +287,8 @@ def _channel_case(*, B, H, hkv, d, ps, block, int_lens, S0, W, seed, bits=2, rot
     gen = torch.Generator(device=dev).manual_seed(seed)
     max_pages = max(1, max(-(-n // ps) for n in int_lens))
     npages = B * max_pages + 3
-    page_table = torch.randperm(npages, device=dev, generator=gen)[: B * max_pages].to(torch.int32).reshape(B, max_pages)
+    perm = torch.randperm(npages, device=dev, generator=gen)
+    page_table = perm[: B * max_pages].to(torch.int32).reshape(B, max_pages)
     nb = d * bits // 8
 
     def mma_codes(layout):
@@ -362,8 +366,10 @@ def test_cuda_channel_keys_match_twin(case, frame):
 
 
 @CUDA
-@pytest.mark.parametrize("launch,d", [(MmaLaunch(num_splits=1), 128), (MmaLaunch(num_splits=7, warps=4, min_blocks=1, stages=6), 128),
-                                      (MmaLaunch(warps=2, stages=2), 64), (MmaLaunch(stages=3, num_splits=64, min_blocks=1), 128)])
+@pytest.mark.parametrize("launch,d", [(MmaLaunch(num_splits=1), 128),
+                                      (MmaLaunch(num_splits=7, warps=4, min_blocks=1, stages=6), 128),
+                                      (MmaLaunch(warps=2, stages=2), 64),
+                                      (MmaLaunch(stages=3, num_splits=64, min_blocks=1), 128)])
 def test_cuda_channel_keys_launch_options(launch, d):
     spec = dict(CASES[0], d=d) if d == 128 else dict(CASES[2])
     q, kp, vp, pt, il, kt, vt, seg = _channel_case(seed=11, rotate=False, **spec)
@@ -373,7 +379,8 @@ def test_cuda_channel_keys_launch_options(launch, d):
 
 
 @CUDA
-@pytest.mark.parametrize("block,rope_blocks,d,ps", [(64, 8, 128, 64), (32, 16, 128, 64), (16, 4, 64, 64), (128, 4, 128, 128)])
+@pytest.mark.parametrize("block,rope_blocks,d,ps", [(64, 8, 128, 64), (32, 16, 128, 64), (16, 4, 64, 64),
+                                                    (128, 4, 128, 128)])
 def test_cuda_channel_keys_with_rope_term(block, rope_blocks, d, ps):
     """Rope turns of any length over a warp's contiguous run (the table's block stride is 1 for per-channel keys)."""
     spec = dict(CASES[0], block=block, ps=ps, d=d)
@@ -438,8 +445,10 @@ def test_cuda_channel_keys_written_by_the_writer(d, block, bits):
     ref = decode_attention_torch(q, kr, v_rows, Segments(table, il), kt, vt)
     assert torch.equal(ref, decode_attention_torch(q, kp, v_mma, Segments(table, il), kt, vt))  # same codes
     dev = "cuda"
-    mv = lambda p: QuantPages(p.codes.to(dev), p.scale.to(dev), p.zero.to(dev), p.bits, p.group_size, p.layout,  # noqa: E731
-                              p.block)
+
+    def mv(p):
+        return QuantPages(p.codes.to(dev), p.scale.to(dev), p.zero.to(dev), p.bits, p.group_size, p.layout, p.block)
+
     out = decode_attention(q.to(dev), mv(kp), mv(v_mma), Segments(table.to(dev), il.to(dev)), kt.to(dev), vt.to(dev),
                            backend="triton")
     assert _rel(out.cpu(), ref) < REL_TOL
