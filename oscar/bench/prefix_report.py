@@ -60,9 +60,10 @@ def check_lines(checks: list[dict[str, Any]]) -> list[str]:
     for c in checks:
         a, b = c["cold_tokens"], c["hit_tokens"]
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        gap = c.get("first_logprob_gap")
         out.append(f"| {c['tag']} | {c['input_len']} | {c['cold_cached']} | {c['hit_cached']} | "
-                   f"{sum(x == y for x, y in zip(a, b))}/{min(len(a), len(b))} | {'none' if first is None else first} | "
-                   f"{c['cold_ttft_s']:.2f} | {c['hit_ttft_s']:.2f} |")
+                   f"{sum(x == y for x, y in zip(a, b))}/{min(len(a), len(b))} | "
+                   f"{'none' if first is None else first} | {'-' if gap is None else f'{gap:.3g}'} | {c['cold_ttft_s']:.2f} | {c['hit_ttft_s']:.2f} |")
     return out
 
 
@@ -124,8 +125,10 @@ def write_report(paths: list[Path], out: Path, env: dict[str, Any] | None = None
     ck = check_lines(checks)
     if ck:
         md += ["", "## Greedy tokens without and with a prefix hit (one prompt, 99% of it then cached)", "",
-               "| tag | input | cached (cold) | cached (hit) | equal tokens | first difference | TTFT cold s | "
-               "TTFT hit s |", "|---|---|---|---|---|---|---|---|", *ck]
+               "| tag | input | cached (cold) | cached (hit) | equal tokens | first difference | first-token top-2 "
+               "log-prob gap | TTFT cold s | TTFT hit s |", "|---|---|---|---|---|---|---|---|---|", *ck,
+               "", "A hit reads its prefix as the cache holds it (INT past the sink) where the cold prefill read BF16 "
+               "rows (docs/SERVING.md, \"Prefix hits\"): OSCAR's tokens may part; BF16's do not."]
     if notes is not None and notes.is_file():
         md += ["", notes.read_text().rstrip()]
     atomic_write_text(out / "prefix_sweep.md", "\n".join(md) + "\n")

@@ -11,7 +11,8 @@ scheduler computes the shared prefix once and later requests hit it in the tree.
 ``job_s`` (first submit to last token), ``job_tokens_per_s`` (prompt + output tokens / job_s), ``ttft_mean_s`` /
 ``ttft_p50_s`` / ``ttft_max_s``, ``cached_tokens`` (SGLang's own count of prompt tokens served from the cache),
 and the greedy tokens of the last request. ``--check-hit``: also one prompt of the ``0.99`` shape generated twice
-(cold, then hitting its own cached prefix) -> ``check`` row with both token lists.
+(cold, then hitting its own cached prefix) -> ``check`` row with both token lists and ``first_logprob_gap``, the
+largest difference of the first token's top-2 log-probabilities between the two.
 
 The oscar plugin is loaded through its ``sglang.srt.plugins`` entry point (the checkout installed with
 ``pip install --no-deps -e .``; ``python -m oscar gpu prefix`` checks it). ``python -m oscar gpu prefix`` runs
@@ -48,22 +49,37 @@ def prompts(n: int, length: int, ratio: float, seed: int, vocab: int = 30000) ->
     return [shared + [rng.randrange(100, vocab) for _ in range(length - len(shared))] for _ in range(n)]
 
 
-async def _one(engine: Any, ids: list[int], sampling: dict, t0: float) -> dict[str, Any]:
+async def _one(engine: Any, ids: list[int], sampling: dict, t0: float, **extra: Any) -> dict[str, Any]:
     first, out, meta = None, [], {}
-    gen = await engine.async_generate(input_ids=ids, sampling_params=sampling, stream=True)
+    gen = await engine.async_generate(input_ids=ids, sampling_params=sampling, stream=True, **extra)
+    first_top = None
     async for chunk in gen:
         if first is None:
             first = time.perf_counter() - t0
+        if first_top is None:  # the first token's top log-probabilities (cumulative or incremental streaming)
+            first_top = (chunk.get("meta_info", {}).get("output_top_logprobs") or [None])[0]
         ids = list(chunk.get("output_ids") or [])
         out = ids if ids[: len(out)] == out else out + ids  # cumulative or incremental streaming
         meta = chunk.get("meta_info", meta)
-    return dict(ttft=first, end=time.perf_counter() - t0, output_ids=out, cached=int(meta.get("cached_tokens", 0)))
+    return dict(ttft=first, end=time.perf_counter() - t0, output_ids=out, cached=int(meta.get("cached_tokens", 0)),
+                first_top=first_top)
 
 
-async def _job(engine: Any, batch: list[list[int]], sampling: dict) -> tuple[float, list[dict[str, Any]]]:
+async def _job(engine: Any, batch: list[list[int]], sampling: dict,
+               **extra: Any) -> tuple[float, list[dict[str, Any]]]:
     t0 = time.perf_counter()
-    res = await asyncio.gather(*(_one(engine, ids, sampling, t0) for ids in batch))
+    res = await asyncio.gather(*(_one(engine, ids, sampling, t0, **extra) for ids in batch))
     return max(r["end"] for r in res), list(res)
+
+
+def first_logprob_gap(cold: Any, hit: Any) -> Any:
+    """Largest difference of the first generated token's top-2 log-probabilities (SGLang's ``output_top_logprobs``
+    entries ``(logprob, token id, text)``) over the tokens both runs list; None when either is missing."""
+    if not cold or not hit:
+        return None
+    a, b = ({int(t[1]): float(t[0]) for t in top} for top in (cold, hit))
+    common = set(a) & set(b)
+    return max(abs(a[t] - b[t]) for t in common) if common else None
 
 
 def main(argv: list[str]) -> int:
@@ -127,11 +143,13 @@ def main(argv: list[str]) -> int:
         if a.check_hit:
             engine.flush_cache()
             (ids,) = prompts(1, a.input_len, 0.99, a.seed + 777, a.vocab)
-            _, (cold,) = loop.run_until_complete(_job(engine, [ids], sampling))
-            _, (hit,) = loop.run_until_complete(_job(engine, [ids], sampling))
+            lp = dict(return_logprob=True, top_logprobs_num=2)
+            _, (cold,) = loop.run_until_complete(_job(engine, [ids], sampling, **lp))
+            _, (hit,) = loop.run_until_complete(_job(engine, [ids], sampling, **lp))
             write(dict(base, kind="check", cold_tokens=cold["output_ids"], hit_tokens=hit["output_ids"],
                        cold_cached=cold["cached"], hit_cached=hit["cached"], cold_ttft_s=cold["ttft"],
-                       hit_ttft_s=hit["ttft"], equal=cold["output_ids"] == hit["output_ids"]))
+                       hit_ttft_s=hit["ttft"], equal=cold["output_ids"] == hit["output_ids"],
+                       first_logprob_gap=first_logprob_gap(cold["first_top"], hit["first_top"])))
         for ratio in (float(x) for x in a.ratios.split(",")):
             if a.time_limit and time.perf_counter() - t_start > a.time_limit:
                 write(dict(base, kind="sweep", ratio=ratio, status="skipped (time limit)"))
