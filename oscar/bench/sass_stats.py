@@ -34,7 +34,7 @@ import oscar.kernels.decode_rows as da
 import oscar.kernels.quantize as qz
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-DIV16 = {"stride_cp", "stride_ch", "stride_mp", "stride_mh", "tokens_per_split", "stride_sb", "stride_sh", "stride_st",
+DIV16 = {"stride_kmp", "stride_kmh", "stride_cp", "stride_ch", "stride_mp", "stride_mh", "tokens_per_split", "stride_sb", "stride_sh", "stride_st",
          "stride_rb", "stride_rh", "stride_rt", "stride_xn", "stride_xh", "stride_xt", "stride_cs", "stride_sp",
          "stride_ss"}
 
@@ -171,7 +171,7 @@ def main() -> int:
               CHUNK=64, HAS_SINK=True, HAS_RECENT=True, DOT_T=tl.bfloat16, WIN_ROWS=False)
     plane = dict(HAS_RK=True, HAS_MUK=True, ROT_OUT=True, HAS_MUV=True, **da.plane_sources(2))
     word_ptrs = {**ptrs, "kc_ptr": "*i32", "vc_ptr": "*i32", "rk_ptr": "*bf16", "rv_ptr": "*bf16"}
-    word = dict(G=128)
+    word = dict(G=128, KBLOCK=0)  # per-token keys (per-channel key pages: KBLOCK = T)
     cases = [
         ("v8_planes_b128_r128", da._planes_kernel, ptrs, {**bf, **plane, "BLOCK_N": 128, "ROW_GATHER": True},
          dict(num_warps=4, num_stages=2, maxnreg=128), 128),
