@@ -193,19 +193,22 @@ def _block_rows(pt_row, t, end, rows, kvh, stride_cp, stride_ch, stride_mp, stri
 
 
 @triton.jit
-def _kblock_rows(pt_row, t, end, rows, kvh, stride_kmp, stride_kmh,
+def _kblock_rows(pt_row, t, end, grows, kvh, stride_kmp, stride_kmh,
                  PAGE_SIZE: tl.constexpr, D: tl.constexpr, KBLOCK: tl.constexpr):
-    """Element offset of each row's per-channel key block (``[page, h, slot // KBLOCK, 0]``) for block ``t``."""
-    toks = t + rows
-    pgs = tl.load(pt_row + toks // PAGE_SIZE, mask=toks < end, other=0).to(tl.int64)
-    return pgs * stride_kmp + kvh * stride_kmh + ((toks % PAGE_SIZE) // KBLOCK) * D
+    """Element offset of the per-channel key block (``[page, h, slot // KBLOCK, 0]``) of each row group of tile ``t``
+    (groups start at rows ``grows``; a group lies in one key block: tiles start at multiples of the tile size and
+    both sizes are powers of two), and the groups' mask."""
+    toks = t + grows
+    gmask = toks < end
+    pgs = tl.load(pt_row + toks // PAGE_SIZE, mask=gmask, other=0).to(tl.int64)
+    return pgs * stride_kmp + kvh * stride_kmh + ((toks % PAGE_SIZE) // KBLOCK) * D, gmask
 
 
 @triton.jit
 def _load_block(kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, cvec, mvec, nmask, wcols, gcols, NG: tl.constexpr,
-                kvec=None, cperm=None, KBLOCK: tl.constexpr = 0):
+                kvec=None, kmask=None, cperm=None, KBLOCK: tl.constexpr = 0):
     """Codes (int32 words) and scales/zeros of K and V for one block of rows; per-channel keys (``KBLOCK``): the
-    K scales/zeros ``[BLOCK_N, D]`` of each row's block, in the kernel's channel order ``cperm``."""
+    K scales/zeros ``[row groups, D]`` of each row group's key block, in the kernel's channel order ``cperm``."""
     c_off = cvec[:, None] + wcols[None, :]
     kc = tl.load(kc_ptr + c_off, mask=nmask[:, None], other=0)
     vc = tl.load(vc_ptr + c_off, mask=nmask[:, None], other=0)
@@ -224,8 +227,8 @@ def _load_block(kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, cvec, mvec, nmas
             kz = tl.load(kz_ptr + m_off, mask=nmask[:, None], other=0.0)
     if KBLOCK > 0:
         k_off = kvec[:, None] + cperm[None, :]
-        ks = tl.load(ks_ptr + k_off, mask=nmask[:, None], other=0.0)
-        kz = tl.load(kz_ptr + k_off, mask=nmask[:, None], other=0.0)
+        ks = tl.load(ks_ptr + k_off, mask=kmask[:, None], other=0.0)
+        kz = tl.load(kz_ptr + k_off, mask=kmask[:, None], other=0.0)
     return kc, vc, ks, kz, vs, vz
 
 
@@ -277,11 +280,16 @@ def _int_split(
     pt_row = pt_ptr + b * stride_ptb
     cvec, mvec, nmask = _block_rows(pt_row, start, end, rows, kvh, stride_cp, stride_ch, stride_mp, stride_mh,
                                     PAGE_SIZE, NW, NG, ROW_GATHER)
+    # per-channel keys: rows in groups of TT consecutive rows of one key block, one scale/zero row per group
+    TT: tl.constexpr = KBLOCK if 0 < KBLOCK < BLOCK_N else BLOCK_N
+    NBK: tl.constexpr = BLOCK_N // TT
+    grows = tl.arange(0, NBK) * TT
     kvec = None
+    kmask = None
     if KBLOCK > 0:
-        kvec = _kblock_rows(pt_row, start, end, rows, kvh, stride_kmp, stride_kmh, PAGE_SIZE, D, KBLOCK)
+        kvec, kmask = _kblock_rows(pt_row, start, end, grows, kvh, stride_kmp, stride_kmh, PAGE_SIZE, D, KBLOCK)
     kc_n, vc_n, ks_n, kz_n, vs_n, vz_n = _load_block(kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, cvec, mvec,
-                                                     nmask, wcols, gcols, NG, kvec, cperm, KBLOCK)
+                                                     nmask, wcols, gcols, NG, kvec, kmask, cperm, KBLOCK)
     for t0 in range(start, end, BLOCK_N):
         # this block was loaded one iteration ago; issue the next one now
         kc = kc_n
@@ -294,15 +302,17 @@ def _int_split(
         cvec, mvec, nmask = _block_rows(pt_row, t0 + BLOCK_N, end, rows, kvh, stride_cp, stride_ch, stride_mp,
                                         stride_mh, PAGE_SIZE, NW, NG, ROW_GATHER)
         if KBLOCK > 0:
-            kvec = _kblock_rows(pt_row, t0 + BLOCK_N, end, rows, kvh, stride_kmp, stride_kmh, PAGE_SIZE, D, KBLOCK)
+            kvec, kmask = _kblock_rows(pt_row, t0 + BLOCK_N, end, grows, kvh, stride_kmp, stride_kmh, PAGE_SIZE, D,
+                                       KBLOCK)
         kc_n, vc_n, ks_n, kz_n, vs_n, vz_n = _load_block(kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, cvec,
-                                                         mvec, nmask, wcols, gcols, NG, kvec, cperm, KBLOCK)
+                                                         mvec, nmask, wcols, gcols, NG, kvec, kmask, cperm, KBLOCK)
         if FAST_UNPACK:
             kcode = _unpack_fp16_asm(kc, BLOCK_N, D, BITS)
         else:
             kcode = _unpack_fp16(kc, BLOCK_N, D, BITS)
-        if KBLOCK > 0:  # per-channel keys: dequantize with the row's block scale/zero (kernel channel order)
-            s = tl.dot((kcode.to(tl.float32) * ks + kz).to(tl.float16), q16T)
+        if KBLOCK > 0:  # per-channel keys: dequantize each row group with its block's scale/zero (kernel order)
+            k3 = tl.reshape(kcode.to(tl.float32), (NBK, TT, D)) * ks[:, None, :] + kz[:, None, :]
+            s = tl.dot(tl.reshape(k3, (BLOCK_N, D)).to(tl.float16), q16T)
         elif NG == 1:
             s = tl.dot(kcode, q16T) * ks[:, None] + kz[:, None] * qsum[None, :]
         else:

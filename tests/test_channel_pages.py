@@ -19,6 +19,7 @@ from oscar.cache.formats import BF16Format, CacheFormat, ChannelKeyFormat, KiviF
 from oscar.cache.torch_cache import LayerRotations
 from oscar.core import quant
 from oscar.core.rotation import random_orthogonal
+from oscar.kernels.launch import RowsLaunch
 
 LAYERS, HEADS, HKV, D = 2, 4, 2, 64
 LOGIT_TOL = 0.05  # one bf16 step of these models' logits (< 8 in magnitude), as tests/test_device_cache.py
@@ -145,6 +146,9 @@ def test_rows_kernel_reads_per_channel_key_pages(d, group, block, bits, heads, h
         twin = paged.decode_attention(q, kp, vp, seg, kt, vt, backend="torch", output_frame=frame)
         kern = paged.decode_attention(q, kp, vp, seg, kt, vt, backend="triton", output_frame=frame)
         assert (twin - kern).abs().max().item() <= ATTN_TOL
+    if block > 16:  # key blocks longer than the kernel's tiles of rows
+        kern = paged.decode_attention(q, kp, vp, seg, kt, vt, backend="triton", launch=RowsLaunch(block_n=16))
+        assert (paged.decode_attention(q, kp, vp, seg, kt, vt) - kern).abs().max().item() <= ATTN_TOL
     # the twin is dequantize-then-attend: sequence 1, no windows, in float64
     k_rot = paged.gather_dequantize(kp, table, 1, lens[1]).double()
     v_rot = paged.gather_dequantize(vp, table, 1, lens[1]).double()
