@@ -106,3 +106,45 @@ def test_summarize_pairs_metrics_with_pass_rates():
     rho = {ln["candidate"]: ln["spearman"] for ln in lines}
     assert rho["kl_task"] == pytest.approx(1.0) and rho["kl_code2k"] == pytest.approx(1.0)
     assert set(rho) == set(metric.CANDIDATES)
+
+
+def _stats(seed: int = 0):
+    from oscar.core.stats import CalibrationStats, attention_output
+
+    h, hkv, t, d = 4, 2, 64, 64
+    stats = CalibrationStats(1, h, hkv, d, max_samples=64)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, h, t, d, generator=gen, dtype=torch.float64) * torch.linspace(2.0, 0.2, d, dtype=torch.float64)
+    k = torch.randn(1, hkv, t, d, generator=gen, dtype=torch.float64) * torch.linspace(0.3, 2.5, d, dtype=torch.float64) + 0.5
+    v = torch.randn(1, hkv, t, d, generator=gen, dtype=torch.float64)
+    stats.update(0, q, k, v, attention_output(q, k, v))
+    stats.add_samples(0, k.float(), v.float())
+    return stats
+
+
+def test_select_by_hook_replaces_the_distortion_in_auto(single_thread):
+    from oscar.core.clipfit import select_layer
+
+    stats = _stats()
+    grid = [0.8, 1.0]
+    plain = select_layer(stats, 0, "key", grid, bits=2, group_size=64, channel_block=32)
+    for s in plain:  # default: the least distortion, and the score is that distortion
+        assert s.score == pytest.approx(min(e["distortion"] for e in s.table if bool(e.get("block")) == bool(s.candidate.block)))
+    calls = []
+
+    def select_by(layer, head, side):
+        def score(cand, rho):
+            calls.append((layer, head, side, cand.name, rho))
+            return 0.0 if (cand.target, cand.block) == ("hadamard", 0) else 1.0
+        return score
+
+    chosen = select_layer(stats, 0, "key", grid, bits=2, group_size=64, channel_block=32, select_by=select_by)
+    assert [s.candidate.target for s in chosen] == ["hadamard", "hadamard"]
+    assert all(s.score == 0.0 and all("score" in e for e in s.table) for s in chosen)
+    assert {c[1] for c in calls} == {0, 1} and all(c[4] in grid for c in calls)
+
+    def per_channel(layer, head, side):
+        return lambda cand, rho: 0.0 if cand.block else 1.0
+
+    chosen = select_layer(stats, 0, "key", grid, bits=2, group_size=64, channel_block=32, select_by=per_channel)
+    assert all(s.candidate.block == 32 for s in chosen)  # the layer's key format follows the score too

@@ -25,6 +25,7 @@ from oscar.core.clipfit import (
     VALUE_TARGETS,
     Candidate,
     ClipFit,
+    SelectBy,
     Selection,
     candidates,
     fit_clip_ratio,
@@ -75,6 +76,7 @@ def build_artifact(
     model_id: str = "",
     config_hash: str = "",
     calibration: dict[str, Any] | None = None,
+    select_by: SelectBy | None = None,
 ) -> CalibrationArtifact:
     """Rotations, means and clip ratios of every layer for a method config (dict or DictConfig).
 
@@ -85,7 +87,9 @@ def build_artifact(
     candidate (`oscar.core.clipfit.candidates`) with the lowest measured distortion, each candidate
     with its own fitted clip ratio, and records the choices in the metadata. `channel_block` (`auto`
     only; 0 = off) adds the per-channel key candidates over blocks of that many tokens; a layer whose keys
-    take them is listed in `meta["key_block"]` (per layer: the block, 0 for per-token keys).
+    take them is listed in `meta["key_block"]` (per layer: the block, 0 for per-token keys). `select_by`
+    (`oscar.core.clipfit.SelectBy`, opt-in, `auto` only): each (layer, KV head, side) chooses by its score
+    instead of the measured distortion.
     """
     bits = int(_get(method, "bits", 2))
     clip = str(_get(method, "clip", "fit"))
@@ -130,7 +134,7 @@ def build_artifact(
                 grid = grids[side] if clip == "fit" else [fixed[side] if clip == "fixed" else 1.0]
                 centers = None if rope_center or side == "value" else (False, True)
                 sel = select_layer(stats, layer, side, grid, bits=bits, group_size=group_size, centers=centers,  # type: ignore[arg-type]
-                                   channel_block=channel_block)
+                                   channel_block=channel_block, select_by=select_by)
                 rot = {
                     "R": torch.stack([s.candidate.R for s in sel]),
                     "mu": torch.stack([s.candidate.mu for s in sel]),

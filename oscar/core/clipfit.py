@@ -51,7 +51,7 @@ Keys have a third mode where the model's RoPE is known (`oscar.core.rope`, stati
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -368,6 +368,15 @@ class Selection:
     candidate: Candidate
     clip: ClipFit
     table: list[dict] = field(default_factory=list)
+    score: float = float("nan")  # what the selection minimized: the distortion, or the `select_by` score
+
+
+# Selection hook: `score(candidate, rho) -> float` (lower is better) replaces the measured distortion as what
+# `auto` minimizes among its candidates (each still at its distortion-fitted clip ratio); e.g. a task metric
+# measured with only this (layer, KV head, side) quantized by the candidate (oscar.studies.metric_select).
+CandidateScore = Callable[[Candidate, float], float]
+# `select_by(layer, head, side) -> CandidateScore | None` for every (layer, KV head, side) of a calibration.
+SelectBy = Callable[[int, int, str], "CandidateScore | None"]
 
 
 def select_candidate(
@@ -378,20 +387,27 @@ def select_candidate(
     *,
     bits: int = 2,
     group_size: int = 128,
+    score: CandidateScore | None = None,
 ) -> Selection:
-    """Fit the clip ratio of each candidate on `rows`, keep the lowest measured distortion."""
+    """Fit the clip ratio of each candidate on `rows`, keep the lowest measured distortion (or, with `score`,
+    the lowest score of the candidate at its fitted ratio; the table then lists both)."""
     if not cands:
         raise ValueError("no candidates to select from")
     best: Selection | None = None
+    best_value = float("inf")
     table = []
     for cand in cands:
         fit = fit_clip_ratio(rows, cand.R, metric, grid, mu=cand.scoring_mean, bits=bits, group_size=group_size, block=cand.block)
+        value = fit.distortion if score is None else float(score(cand, fit.rho))
         entry = {"target": cand.target, "center": cand.center, "rho": fit.rho, "distortion": fit.distortion}
+        if score is not None:
+            entry["score"] = value
         table.append(entry if not cand.block else {**entry, "block": cand.block})
-        if best is None or fit.distortion < best.clip.distortion:
-            best = Selection(cand, fit)
+        if best is None or value < best_value:
+            best, best_value = Selection(cand, fit), value
     assert best is not None
     best.table = table
+    best.score = best_value
     return best
 
 
@@ -475,24 +491,28 @@ def select_layer(
     targets: Sequence[str] | None = None,
     centers: Sequence[Center] | None = None,
     channel_block: int = 0,
+    select_by: SelectBy | None = None,
 ) -> list[Selection]:
     """`auto` for one layer and side: the best candidate of every KV head on held-back rows. With
     `channel_block > 0` (keys) the layer's key format is the one (per-token or per-channel) whose per-head
     best candidates distort less in total, and each head takes its best candidate of that format; every
-    head's table still lists all candidates."""
+    head's table still lists all candidates. `select_by` (the selection hook, opt-in): each head's candidates
+    and the layer's key format are chosen by its score instead of the measured distortion."""
     rows = _samples(stats, layer, side)
     metric = _metric(stats, layer, side)
     if rows.shape[1] < channel_block:  # fewer held-back rows than one block: nothing to score them on
         channel_block = 0
     cands = [candidates(stats, layer, h, side, targets, centers, channel_block) for h in range(stats.num_kv_heads)]
+    scores = [None if select_by is None else select_by(layer, h, side) for h in range(len(cands))]
     if not (channel_block and side == "key"):
-        return [select_candidate(rows[h], metric[h], cands[h], grid, bits=bits, group_size=group_size) for h in range(len(cands))]
+        return [select_candidate(rows[h], metric[h], cands[h], grid, bits=bits, group_size=group_size, score=scores[h])
+                for h in range(len(cands))]
     by_format = {
         fmt: [select_candidate(rows[h], metric[h], [c for c in cands[h] if bool(c.block) == fmt], grid, bits=bits,
-                               group_size=group_size) for h in range(len(cands))]
+                               group_size=group_size, score=scores[h]) for h in range(len(cands))]
         for fmt in (False, True)
     }
-    total = {fmt: sum(s.clip.distortion for s in sel) for fmt, sel in by_format.items()}
+    total = {fmt: sum(s.score for s in sel) for fmt, sel in by_format.items()}
     chosen = by_format[total[True] < total[False]]
     for h, s in enumerate(chosen):
         s.table = by_format[False][h].table + by_format[True][h].table
@@ -502,8 +522,10 @@ def select_layer(
 __all__ = [
     "CHANNEL_TARGETS",
     "Candidate",
+    "CandidateScore",
     "ClipFit",
     "KEY_TARGETS",
+    "SelectBy",
     "Selection",
     "VALUE_TARGETS",
     "candidate_label",

@@ -358,14 +358,18 @@ def summarize(
     subset_ids: Sequence[str], bf16_label: str = "bf16", n_boot: int = N_BOOT,
 ) -> tuple[list[dict], list[dict]]:
     """Table rows (pass@1, every candidate with its interval) and the Spearman lines (candidate, rho, interval).
-    Only rows measured on every subset problem (and, for the code KL, on every window any row has) count."""
+    The task metrics are taken over the subset problems that every row measured (the same problems for every
+    row); the code KL only when every row measured the same windows."""
+    measured = [r.label for r in rows if r.label in verdicts and r.label in raw]
+    subset_ids = [pid for pid in subset_ids if all(pid in raw[lab]["task"] for lab in measured)]
+    if not subset_ids:
+        raise ValueError(f"no subset problem was measured for every row ({', '.join(measured)})")
     pos = {pid: k for k, pid in enumerate(problem_ids)}
     sub = torch.zeros(len(problem_ids), dtype=torch.bool)
     for pid in subset_ids:
         sub[pos[pid]] = True
     ref_pred = {pid: rec.get("prediction") for pid, rec in verdicts.get(bf16_label, {}).items()}
-    labels = [r.label for r in rows if r.label in verdicts and r.label in raw
-              and all(pid in raw[r.label]["task"] for pid in subset_ids)]
+    labels = measured
     windows = sorted({w for lab in labels for w in raw[lab].get("code", {})})
     code_ok = bool(windows) and all(all(w in raw[lab]["code"] for w in windows) for lab in labels)
     R, P = len(labels), len(problem_ids)
@@ -442,8 +446,9 @@ def _spearman_independent(ver: torch.Tensor, sums: torch.Tensor, counts: torch.T
 
 # ------------------------------------------------------------------------------------------- reporting
 
-def write_report(table: list[dict], lines: list[dict], out_dir: Path, command: str, note: str) -> None:
-    """`metric.csv` (rows x candidates), `metric.md` (table, Spearman lines, note, command), `metric.png`."""
+def write_report(table: list[dict], lines: list[dict], out_dir: Path, command: str, note: str, reading: str = "") -> None:
+    """`metric.csv` (rows x candidates), `spearman.csv`, `metric.md` (reading, Spearman lines, table, note, command),
+    `metric.png`."""
     import pandas as pd
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -457,8 +462,10 @@ def write_report(table: list[dict], lines: list[dict], out_dir: Path, command: s
         return fmt.format(e[k]) + (f" [{fmt.format(e[k + '_lo'])}, {fmt.format(e[k + '_hi'])}]" if f"{k}_lo" in e else "")
 
     fmts = {"kl_task": "{:.4f}", "top1_task": "{:.3f}", "attn_task": "{:.4f}", "kl_code2k": "{:.4f}", "greedy_same": "{:.3f}"}
-    md = ["# A selection metric that predicts HumanEval pass@1 (Qwen2.5-Coder-0.5B-Instruct)", "", note, "",
-          f"Command: `{command}`", "", "## Spearman rank correlation with pass@1 over the rows", "",
+    md = ["# A selection metric that predicts HumanEval pass@1 (Qwen2.5-Coder-0.5B-Instruct)", ""]
+    if reading:
+        md += [reading.strip(), ""]
+    md += [note, "", f"Command: `{command}`", "", "## Spearman rank correlation with pass@1 over the rows", "",
           "| candidate | Spearman [95% CI] | rows |", "|---|---|---|"]
     for ln in sorted(lines, key=lambda x: -x["spearman"]):
         md.append(f"| {CANDIDATES[ln['candidate']][0]} (`{ln['candidate']}`) | {ln['spearman']:+.3f} "
@@ -524,6 +531,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--n-boot", type=int, default=N_BOOT)
     p.add_argument("--raw", default=None, help="per-(row, problem) measurements, kept between runs (default <out-dir>/raw.json): "
                    "what it holds is not recomputed")
+    p.add_argument("--reading", default=None, help="markdown file with the reading, placed at the top of metric.md")
     p.add_argument("--report-only", action="store_true", help="only rebuild the report from --raw")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -561,17 +569,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         def save(r: dict) -> None:
             atomic_write_text(raw_path, json.dumps({"rows": r}))
 
-        raw = measure(model, tok, rows, engines, seqs, code, results_dir=args.results_dir, raw=raw, save=save)
+        raw = measure(model, tok, rows, engines, seqs, code, results_dir=args.results_dir, raw=raw, save=save,
+                      log=lambda msg: print(msg, flush=True))
     table, lines = summarize(rows, raw, verdicts, problem_ids, [s["id"] for s in seqs], n_boot=args.n_boot)
+    n_sub = table[0]["subset"] if table else 0
     for e in table:
         e["spec"] = next(f"{r.method} {r.sink}/{r.recent} {' '.join(r.overrides)}".strip() for r in rows if r.label == e["row"])
-    tokens = sum(int(s["ids"].shape[1]) for s in seqs)
+    done = {e["row"] for e in table}
+    kept = [s for s in seqs if all(s["id"] in raw[lab]["task"] for lab in done)]
+    tokens = sum(int(s["ids"].shape[1]) for s in kept)
     note = (
         f"Hardware: {hardware()}; {time.perf_counter() - t0:.0f} s for the measurements. Model: {MODEL} (GGUF Q4_K_M "
         "dequantized to float32; BF16 = a BF16 KV cache over these weights). Rows: the HumanEval cells with pass@1 measured "
         "on all 164 problems (`../humaneval.csv`; `@16x96`/`@16x32` rows from `../windows/`, measured on an H200), "
         "each cache set up as its cell (sink/recent, artifact under --results-dir, calibrated on the default essays). "
-        f"Task metrics on every {args.stride}th problem ({len(seqs)} problems, {tokens} tokens: chat prompt + BF16's "
+        f"Task metrics on every {args.stride}th problem measured for every row ({n_sub} problems: "
+        f"{', '.join(s['id'].split('/')[-1] for s in kept)}; {tokens} tokens: chat prompt + BF16's "
         "greedy completion from its records, prompts checked against the records' prompt hashes), decode-equivalent "
         "cache, over the completion's positions. Code KL: the `code` corpus's held-out windows "
         f"({args.code_windows} x {args.code_len} tokens), positions t >= sink + recent. Intervals: 95% percentile "
@@ -580,7 +593,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "and the subset's metric together (code KL: problems and windows independently)."
     )
     command = "python -m oscar.studies.metric " + " ".join(sys.argv[1:] if argv is None else argv)
-    write_report(table, lines, out_dir, command, note)
+    reading = Path(args.reading).read_text() if args.reading else ""
+    write_report(table, lines, out_dir, command, note, reading)
     for ln in lines:
         print(f"{ln['candidate']:12s} Spearman {ln['spearman']:+.3f} [{ln['lo']:+.3f}, {ln['hi']:+.3f}]")
     print(f"wrote {out_dir}/metric.md, metric.csv, metric.png")
