@@ -353,6 +353,20 @@ def _block_sizes(n: int, block: int) -> list[int]:
     return [min(block, n - a) for a in range(0, n, block)]
 
 
+def merge_raw(paths: Sequence[Path]) -> dict:
+    """Per-row measurements of several raw files (missing files skipped); a later file adds problems and
+    windows to a row, replacing the same ones."""
+    out: dict = {}
+    for path in paths:
+        if not path.is_file():
+            continue
+        for label, part in json.loads(path.read_text())["rows"].items():
+            row = out.setdefault(label, {"task": {}, "code": {}})
+            row["task"].update(part.get("task", {}))
+            row["code"].update(part.get("code", {}))
+    return out
+
+
 def summarize(
     rows: Sequence[RowSpec], raw: dict, verdicts: dict[str, dict[str, dict]], problem_ids: Sequence[str],
     subset_ids: Sequence[str], bf16_label: str = "bf16", n_boot: int = N_BOOT,
@@ -529,8 +543,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--out-dir", default="reports/accuracy/metric")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--n-boot", type=int, default=N_BOOT)
-    p.add_argument("--raw", default=None, help="per-(row, problem) measurements, kept between runs (default <out-dir>/raw.json): "
-                   "what it holds is not recomputed")
+    p.add_argument("--raw", nargs="+", default=None, help="per-(row, problem) measurements, kept between runs (default "
+                   "<out-dir>/raw.json): what they hold is not recomputed; new ones are saved to the first file (runs of "
+                   "different rows in parallel: one file each, merged with --report-only --raw A B)")
     p.add_argument("--reading", default=None, help="markdown file with the reading, placed at the top of metric.md")
     p.add_argument("--report-only", action="store_true", help="only rebuild the report from --raw")
     args = p.parse_args(argv)
@@ -553,13 +568,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.limit:
         subset = subset[: args.limit]
     out_dir = Path(args.out_dir)
-    raw_path = Path(args.raw) if args.raw else out_dir / "raw.json"
+    raw_path = Path(args.raw[0]) if args.raw else out_dir / "raw.json"
     seqs = task_sequences(tok, subset, {pid: rec["prediction"] for pid, rec in verdicts["bf16"].items()}, cfg)
     mismatch = [s["id"] for s in seqs if verdicts["bf16"][s["id"]]["prompt_hash"] != s["prompt_hash"]]
     if mismatch:
         raise SystemExit(f"prompts differ from the eval's (prompt_hash) for {mismatch[:5]}: not the task's prompts")
     t0 = time.perf_counter()
-    raw = json.loads(raw_path.read_text())["rows"] if raw_path.is_file() else {}
+    raw = merge_raw([raw_path] + [Path(x) for x in (args.raw or [])[1:]])
     if not args.report_only:
         code_cfg = compose([f"model={MODEL}", "calibration=code"]).calibration
         code = eval_sequences(tok, code_cfg, args.code_windows * args.code_len, seq_len=args.code_len) if args.code_windows else []
@@ -571,6 +586,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         raw = measure(model, tok, rows, engines, seqs, code, results_dir=args.results_dir, raw=raw, save=save,
                       log=lambda msg: print(msg, flush=True))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out_dir / "raw.json", json.dumps({"rows": raw}))
     table, lines = summarize(rows, raw, verdicts, problem_ids, [s["id"] for s in seqs], n_boot=args.n_boot)
     n_sub = table[0]["subset"] if table else 0
     for e in table:
@@ -579,18 +596,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     kept = [s for s in seqs if all(s["id"] in raw[lab]["task"] for lab in done)]
     tokens = sum(int(s["ids"].shape[1]) for s in kept)
     note = (
-        f"Hardware: {hardware()}; {time.perf_counter() - t0:.0f} s for the measurements. Model: {MODEL} (GGUF Q4_K_M "
+        f"Hardware: {hardware()}" + ("" if args.report_only else f"; {time.perf_counter() - t0:.0f} s for the measurements")
+        + f". Model: {MODEL} (GGUF Q4_K_M "
         "dequantized to float32; BF16 = a BF16 KV cache over these weights). Rows: the HumanEval cells with pass@1 measured "
         "on all 164 problems (`../humaneval.csv`; `@16x96`/`@16x32` rows from `../windows/`, measured on an H200), "
         "each cache set up as its cell (sink/recent, artifact under --results-dir, calibrated on the default essays). "
         f"Task metrics on every {args.stride}th problem measured for every row ({n_sub} problems: "
         f"{', '.join(s['id'].split('/')[-1] for s in kept)}; {tokens} tokens: chat prompt + BF16's "
         "greedy completion from its records, prompts checked against the records' prompt hashes), decode-equivalent "
-        "cache, over the completion's positions. Code KL: the `code` corpus's held-out windows "
-        f"({args.code_windows} x {args.code_len} tokens), positions t >= sink + recent. Intervals: 95% percentile "
-        f"bootstrap over problems ({args.n_boot} resamples, seed 0; code KL: over windows). Spearman: error metrics "
+        "cache, over the completion's positions. "
+        + ("Code KL: the `code` corpus's held-out windows, positions t >= sink + recent, in blocks of "
+           f"{BLOCK} positions. " if any(raw[e['row']].get("code") for e in table) else "Code KL: not measured in this run. ")
+        + "Intervals: 95% percentile "
+        f"bootstrap over problems ({args.n_boot} resamples, seed 0; code KL: over blocks). Spearman: error metrics "
         "negated, so +1 = the order of pass@1; its interval resamples the 164 problems once for every row's pass@1 "
-        "and the subset's metric together (code KL: problems and windows independently)."
+        "and the subset's metric together (`greedy_same`: all 164 problems; code KL: problems and blocks independently)."
     )
     command = "python -m oscar.studies.metric " + " ".join(sys.argv[1:] if argv is None else argv)
     reading = Path(args.reading).read_text() if args.reading else ""
