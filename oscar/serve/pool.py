@@ -398,13 +398,13 @@ class OscarTokenToKVPool(MHATokenToKVPool):
             cols = S0 + paged.channel_ring_slots(torch.arange(keep - S0, n, device=self.device), n, self.recent, T)
             self.win_k[i][r][:, cols] = rows_k[keep - lo :].transpose(0, 1)
             self.win_v[i][r][:, cols] = rows_v[keep - lo :].transpose(0, 1)
-            for end in range((n_old // T + 1) * T, n + 1, T):  # blocks completed by this forward (past-sink ends)
-                j = end - T + S0 - lo
-                last = int(loc[a + (S0 + end - 1 - p0)])
-                blocks_k.append(rows_k[j : j + T])
-                blocks_v.append(rows_v[j : j + T])
-                blocks_slot.append(torch.arange(last - T + 1, last + 1, device=self.device))
-                blocks_pos.append(torch.arange(S0 + end - T, S0 + end, device=self.device))
+            first, end = n_old // T * T, n // T * T  # the blocks completed by this forward: rows [first, end)
+            if end > first:  # consecutive blocks: one slice of rows; each block's slots end at its last row's slot
+                blocks_k.append(rows_k[first + S0 - lo : end + S0 - lo])
+                blocks_v.append(rows_v[first + S0 - lo : end + S0 - lo])
+                last = loc[a + S0 - p0 + torch.arange(first + T - 1, end, T, device=loc.device)]
+                blocks_slot.append((last[:, None] - (T - 1) + torch.arange(T, device=loc.device)).flatten())
+                blocks_pos.append(torch.arange(S0 + first, S0 + end, device=self.device))
         if blocks_k:
             self.format.write(torch.cat(blocks_k), torch.cat(blocks_v), torch.cat(blocks_slot),
                               (self.k_pages[i], self.v_pages[i]), self.transforms[i], backend=self.kernels,
