@@ -15,6 +15,11 @@ Without an engine (the pool and backend on SGLang pages, rotations with ``k_bloc
   the same quantizer).
 - A mixed artifact (per-token and per-channel layers) keeps per-layer lengths.
 - Radix: a hit on a page-aligned prefix (whole blocks) reads the donor's blocks as they were written.
+
+Through SGLang's CPU engine (``-m slow``, tiny random Llama, pages of 32, three engine start-ups, ~9.5 min on the
+shared 2-core box): a mixed artifact (layer 0 per token, layer 1 per channel over 32) with chunked prefill, KIVI-2
+served from its ``calibrate method=kivi2`` artifact, and the mixed artifact with the radix cache (hits of 96 tokens),
+each teacher-forced against the embedded engine.
 """
 
 from __future__ import annotations
@@ -308,6 +313,8 @@ def channel_served(tiny_llama, tmp_path_factory):
     kivi = save_in_code_artifact(tiny_llama, "kivi2", tmp / "kivi2")
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 300) for _ in range(n)] for n in (5, 45, 111)]
+    prefix = [rng.randrange(1, 300) for _ in range(128)]
+    shared = [prefix + [rng.randrange(1, 300) for _ in range(n)] for n in (2, 60, 61)]
     sampling = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
     common = {"model_path": str(tiny_llama), "attention_backend": "oscar", "dtype": "float32", "page_size": 32}
     logprobs = {"return_logprob": True, "top_logprobs_num": 2}
@@ -317,26 +324,31 @@ def channel_served(tiny_llama, tmp_path_factory):
          "input_ids": prompts, "sampling": sampling, "generate_args": logprobs},
         {"name": "kivi2", "engine_args": common, "env": {"OSCAR_ARTIFACT": str(kivi), "OSCAR_RECENT": 64},
          "input_ids": prompts, "sampling": sampling, "generate_args": logprobs},
+        {"name": "radix", "engine_args": {**common, "disable_radix_cache": False},
+         "env": {"OSCAR_ARTIFACT": str(mixed), "OSCAR_SINK": 32, "OSCAR_RECENT": 64},
+         "rounds": [shared[:1], shared[1:]], "sampling": sampling, "generate_args": logprobs},
     ]
     results, log = run_driver(runs, tmp)
-    return results, log, mixed, prompts, tmp
+    return results, log, mixed, prompts, tmp, kivi, shared
 
 
 @pytest.mark.slow
 def test_mixed_artifact_served_agrees_with_the_embedded_engine(channel_served, tiny_llama):
     """Layer 0 per-token keys, layer 1 per-channel keys over blocks of 32 (pages of 32, sink 32, window 32, chunked
     prefill of 32): teacher-forced along SGLang's tokens, the embedded engine with the same artifact (its torch cache
-    quantizes layer 1's keys per channel over the same blocks) agrees within the INT2 tolerances."""
+    quantizes layer 1's keys per channel over the same blocks) agrees within the INT2 tolerances. Measured here: 0.15
+    nats at most (a later prefill chunk attends over the quantized blocks of the earlier ones, where the embedded
+    prefill reads BF16 rows), median 5e-7."""
     from transformers import AutoModelForCausalLM
 
     from serve_helpers import check_teacher_forced, embedded_forced_logprobs
 
-    results, log, mixed, prompts, _ = channel_served
+    results, log, mixed, prompts, *_ = channel_served
     assert "per-channel keys over blocks of 32 tokens in layers [1]" in log
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype="float32").eval()
     run = results["mixed"]
     forced = embedded_forced_logprobs(model, "quarot", mixed, 32, 32, prompts, run["output_ids"])
-    check_teacher_forced(run, forced)
+    print("mixed: largest, median, decided", check_teacher_forced(run, forced))
 
 
 @pytest.mark.slow
@@ -348,14 +360,45 @@ def test_kivi2_served_agrees_with_kivi2_embedded(channel_served, tiny_llama):
 
     from serve_helpers import check_teacher_forced, embedded_forced_logprobs
 
-    results, log, _, prompts, tmp = channel_served
+    results, log, _, prompts, tmp, kivi, _ = channel_served
     assert "per-channel keys over blocks of 32 tokens in layers [0, 1]" in log
     twin = _channel_artifact(tiny_llama, "int2", tmp / "kivi2_twin", [32, 32], ("method.group_size=32",))
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype="float32").eval()
     run = results["kivi2"]
     forced = embedded_forced_logprobs(model, "int2", twin, 0, 64, prompts, run["output_ids"],
                                       overrides=("method.clip=paper", "method.group_size=32"))
-    check_teacher_forced(run, forced)
+    # the same format on both sides: measured here 2.3e-4 nats at most, median 8e-7 (float32 reduction orders of
+    # SGLang's fused layers); bounded 40x above that
+    print("kivi2 vs its paged twin embedded: largest, median, decided",
+          check_teacher_forced(run, forced, tol=1e-2, median_tol=1e-3))
+    # against the embedded simulation of KIVI-2 (values leave the residual token by token there, with the keys'
+    # blocks here): measured here 0.13 nats at most, median 2e-4; asserted within the INT2 tolerances only
+    simulated = embedded_forced_logprobs(model, "kivi2", kivi, 0, 64, prompts, run["output_ids"],
+                                         overrides=("method.clip=none",))
+    print("kivi2 vs the simulated KIVI-2: largest, median, decided", check_teacher_forced(run, simulated))
+
+
+@pytest.mark.slow
+def test_radix_hits_on_per_channel_blocks_agree_with_the_embedded_engine_alone(channel_served, tiny_llama):
+    """Radix cache on (pages of 32, sink 32, window 64, the mixed artifact): a 130-token request leaves its sequence in
+    the tree; two requests with the same 128-token prefix hit 96 tokens (capped at ``input_len - W``, whole pages, so
+    whole blocks of layer 1) and read them quantized as the donor wrote them.
+    Teacher-forced, every request, hit or not, agrees with the embedded engine computing it alone within the INT2
+    tolerances (a hit reads its prefix quantized where a prefill alone reads BF16 rows; measured here 0.18 nats at
+    most, median 0.026)."""
+    import re
+
+    from transformers import AutoModelForCausalLM
+
+    from serve_helpers import check_teacher_forced, embedded_forced_logprobs
+
+    results, log, mixed, _, _, _, shared = channel_served
+    cached = [int(x) for x in re.findall(r"#cached-token: (\d+)", log)]
+    assert 2 * 96 in cached or cached.count(96) >= 2, cached
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype="float32").eval()
+    run = results["radix"]
+    forced = embedded_forced_logprobs(model, "quarot", mixed, 32, 64, shared, run["output_ids"])
+    print("radix: largest, median, decided", check_teacher_forced(run, forced))
 
 
 def test_later_chunk_attends_over_the_blocks_and_the_ring_as_the_cache_holds_them():
