@@ -326,10 +326,13 @@ class OscarAttnBackend(AttentionBackend):
         up to ``extend_in_place_max`` tokens (a hit's window, short chunks). A longer extend dequantizes the prefix
         once (``cached_rows``), a cost of at most ``1 / extend_in_place_max`` prefix rows per query beside its
         attention, and keeps SGLang's flash SDPA for its long causal part; per-channel key layers
-        (``pool.key_blocks``) keep ``cached_rows`` too."""
+        (``pool.key_blocks``) and rope-centered keys under the Triton kernels (the kernel does not add their offsets;
+        the twin would build a float bias per query and row) keep ``cached_rows`` too."""
         blocks = getattr(self.pool, "key_blocks", None)
-        per_channel = bool(blocks) and bool(blocks[layer_id - self.pool.start_layer])
-        return (p > 0 and n <= self.extend_in_place_max and not per_channel
+        i = layer_id - self.pool.start_layer
+        per_channel = bool(blocks) and bool(blocks[i])
+        rope_on_kernel = self.pool.kernels == "triton" and self.pool.transforms[i][0].rope_centered
+        return (p > 0 and n <= self.extend_in_place_max and not per_channel and not rope_on_kernel
                 and self._prefix_split(p, hit)[1] > self.pool.sink)
 
     def _extend_over_pages(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, r2t: torch.Tensor,
