@@ -9,7 +9,7 @@
 - Through the backend, a hit and a later chunk give that attention, and on the Triton path no prefix row is
   dequantized into memory (``gather_dequantize`` is not called); the twin dequantizes each prefix row once
   per layer (what is computed, not timed). An extend longer than ``extend_in_place_max`` takes the old route
-  (the prefix dequantized once, SDPA) with the same result.
+  (the prefix dequantized once, SDPA) with the same result; the route is chosen by length, key kind and kernels.
 - Through SGLang's Engine (tiny random Llama, float32, INT2 quarot, S0 = W = 16): the same prompt cold, then
   hitting its own cached prefix. A cold prefill attends over BF16 rows only; the hit reads the prefix quantized
   past the sink (by design: the cache holds nothing else). The first token's log-probabilities differ by the
@@ -283,3 +283,21 @@ def test_hit_differs_from_cold_by_reading_the_prefix_quantized(cold_and_hit):
           f"{covered:.2e} (windows cover the prompt)")
     assert covered < 1e-4
     assert results["covered"]["output_ids"][0] == results["covered"]["output_ids"][1]
+
+
+def test_route_choice():
+    """Which extends read the pages in place: a prefix with quantized rows, at most ``extend_in_place_max`` tokens,
+    per-token keys; rope-centered keys only where the twin serves (the Triton kernel adds no RoPE offsets)."""
+    S0, W = 32, 16
+    pool = _prefix_pool(S0, W, "triton")
+    be = _backend(pool, _req_to_token({1: 64}))
+    assert be._pages_in_place(0, 100, 21, hit=True) and be._pages_in_place(0, 100, 4096, hit=False)
+    assert not be._pages_in_place(0, 100, 4097, hit=True)  # a long extend: the prefix dequantized once
+    assert not be._pages_in_place(0, S0 + W, 8, hit=False)  # a later chunk whose prefix is all sink and ring
+    assert be._pages_in_place(0, S0 + 1, 8, hit=True)  # a hit reads its prefix past the sink from the pages
+    kt, vt = pool.transforms[0]
+    rope = HeadTransform(kt.R, kt.mu, rope_mu=torch.ones(HKV, D), rope_freq=torch.ones(D // 2, dtype=torch.float64))
+    pool.transforms[0] = (rope, vt)
+    assert not be._pages_in_place(0, 100, 21, hit=True)
+    pool.kernels = "torch"
+    assert be._pages_in_place(0, 100, 21, hit=True)
