@@ -430,6 +430,8 @@ def compare_run(report: dict, name: str, run_: dict, model: Any, artifacts: dict
         emb = emb_bf16
     else:
         art, overrides = artifacts[method]
+        if json.loads((art / "meta.json").read_text()).get("cache_format", {}).get("kind", "rotated") != "rotated":
+            art = None  # a format without rotations (KIVI's per-channel keys): the embedded engine builds it from the method
         emb = embedded_forced(model, method, art, S0_INT2, W_INT2, prompts, toks, overrides)
     label = {"bf16_triton": "bf16 (SGLang's own)", "oscar_bf16eq": "bf16 (plugin, covering windows)"}.get(name, method)
     report["methods"][label] = {"method": method, "run": name, "model_dtype": MODEL_DTYPE,
