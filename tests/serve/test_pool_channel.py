@@ -276,7 +276,28 @@ def test_refusals_name_the_setting():
         _pool(0, 48, [32], 32)
 
 
-# -- through SGLang's Engine (slow: two engine start-ups) ------------------------------------------------------
+def test_kivi2_artifact_is_served_as_its_paged_twin(tiny_llama, tmp_path):
+    """``python -m oscar calibrate method=kivi2``'s artifact (identity, cache_format kind kivi) is served as
+    ``KiviFormat.served``: per-channel keys over blocks of 32 in every layer, values per token in groups of 32, no
+    sink; a recent window that is not a multiple of 32 is refused by name."""
+    from transformers import AutoConfig
+
+    from serve_helpers import save_in_code_artifact
+    from oscar.serve.settings import load_rotations
+
+    kivi = save_in_code_artifact(tiny_llama, "kivi2", tmp_path / "kivi2")
+    cfg = AutoConfig.from_pretrained(str(tiny_llama))
+    rotations, fmt = load_rotations(ServeSettings(artifact=kivi, recent=64), cfg)
+    assert (fmt.kind, fmt.key_block, fmt.group_size, fmt.sink, fmt.recent, fmt.bits) == ("rotated_channel", 32, 32, 0,
+                                                                                         64, 2)
+    assert [r.k_block for r in rotations] == [32] * cfg.num_hidden_layers
+    eye = torch.eye(cfg.head_dim).expand(cfg.num_key_value_heads, -1, -1)
+    assert all(torch.equal(r.r_k, eye) and torch.equal(r.r_v, eye) and r.mu_k is None for r in rotations)
+    with pytest.raises(OscarServeError, match=r"recent=48.*multiple of 32"):
+        load_rotations(ServeSettings(artifact=kivi, recent=48), cfg)
+
+
+# -- through SGLang's Engine (slow: three engine start-ups) ------------------------------------------------------
 
 NEW = 40
 
