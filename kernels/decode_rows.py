@@ -244,7 +244,7 @@ def _int_split(
     tokens_per_split, s_total,
     HKV: tl.constexpr, REP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
-    ROW_GATHER: tl.constexpr, stride_kmp=0, stride_kmh=0, KBLOCK: tl.constexpr = 0,
+    ROW_GATHER: tl.constexpr, stride_kmp=0, stride_kmh=0, KBLOCK: tl.constexpr = 0, TT: tl.constexpr = 1,
 ):
     """One split of the quantized segment for one (sequence, KV head): normalized output + LSE. Per-channel keys
     (``KBLOCK`` > 0, K scale/zero ``[P, Hkv, page/KBLOCK, D]`` with strides ``stride_kmp``, ``stride_kmh``): each
@@ -281,7 +281,6 @@ def _int_split(
     cvec, mvec, nmask = _block_rows(pt_row, start, end, rows, kvh, stride_cp, stride_ch, stride_mp, stride_mh,
                                     PAGE_SIZE, NW, NG, ROW_GATHER)
     # per-channel keys: rows in groups of TT consecutive rows of one key block, one scale/zero row per group
-    TT: tl.constexpr = KBLOCK if 0 < KBLOCK < BLOCK_N else BLOCK_N
     NBK: tl.constexpr = BLOCK_N // TT
     grows = tl.arange(0, NBK) * TT
     kvec = None
@@ -724,7 +723,7 @@ def _partial_kernel(
     ROW_GATHER: tl.constexpr,
     FUSE_BF16: tl.constexpr, BF_BLOCK: tl.constexpr, CHUNK: tl.constexpr, HAS_SINK: tl.constexpr,
     HAS_RECENT: tl.constexpr, DOT_T: tl.constexpr, WIN_ROWS: tl.constexpr,
-    stride_kmp=0, stride_kmh=0, KBLOCK: tl.constexpr = 0,
+    stride_kmp=0, stride_kmh=0, KBLOCK: tl.constexpr = 0, TT: tl.constexpr = 1,
 ):
     """Program ``(sequence * Hkv + KV head, split)``: a quantized split; with ``FUSE_BF16`` the programs past
     ``num_splits`` take the BF16 chunks instead (one launch fewer)."""
@@ -742,13 +741,13 @@ def _partial_kernel(
                        stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
                        o_ptr, lse_ptr, tokens_per_split, s_total,
                        HKV, REP, HP, D, G, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK,
-                       ROW_GATHER, stride_kmp, stride_kmh, KBLOCK)
+                       ROW_GATHER, stride_kmp, stride_kmh, KBLOCK, TT)
     else:
         _int_split(pid, split, qr_ptr, qmu_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                    stride_cp, stride_ch, stride_mp, stride_mh, pt_ptr, stride_ptb, len_ptr,
                    o_ptr, lse_ptr, tokens_per_split, s_total,
                    HKV, REP, HP, D, G, BITS, PAGE_SIZE, BLOCK_N, FAST_UNPACK,
-                   ROW_GATHER, stride_kmp, stride_kmh, KBLOCK)
+                   ROW_GATHER, stride_kmp, stride_kmh, KBLOCK, TT)
 
 
 @triton.jit
@@ -1129,6 +1128,7 @@ def paged_decode_attention_rows(
             HKV=hkv, REP=rep, HP=hp, D=d, G=group_size, BITS=bits, PAGE_SIZE=page_size, BLOCK_N=block_n,
             FAST_UNPACK=fast_unpack, ROW_GATHER=page_size < block_n, FUSE_BF16=fuse_bf16, BF_BLOCK=32, **bf_flags,
             stride_kmp=k_scale.stride(0), stride_kmh=k_scale.stride(1), KBLOCK=kblock,
+            TT=min(kblock, block_n) if kblock else block_n,  # rows per key-block group of a tile
             num_warps=launch.warps, num_stages=launch.stages, **reg_cap,
         )
         if not fuse_bf16:
