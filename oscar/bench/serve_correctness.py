@@ -73,6 +73,13 @@ TOP = 256  # SGLang top log-probabilities per step (the bucket KL below)
 MODEL_DTYPE = "bfloat16"
 S0_INT2, W_INT2 = 16, 16
 S0_BF16EQ, W_BF16EQ = 64, 512
+# formats with their own window rules: KIVI-2 served keeps no sink and a recent window of whole key blocks (32)
+WINDOWS = {"kivi2": (0, 32)}
+
+
+def windows(method: str) -> tuple[int, int]:
+    """(sink, recent) of a served method in this table (S0_INT2/W_INT2 unless its format needs others)."""
+    return WINDOWS.get(method, (S0_INT2, W_INT2))
 COMMON = dict(device="cuda", disable_radix_cache=True, chunked_prefill_size=-1, max_running_requests=8,
               max_total_tokens=16384, mem_fraction_static=0.9, log_level="info", random_seed=0, cuda_graph_max_bs_decode=8,
               sampling_backend="pytorch", grammar_backend="none")
@@ -292,8 +299,8 @@ def served_groups(methods: list[str], artifacts: dict[str, tuple[Path, tuple]], 
         if m != "bf16":
             groups[f"oscar_{m}"] = [{**base, "name": f"oscar_{m}", "engine_args": {"model_path": path, **OSCAR,
                                                                                   "dtype": MODEL_DTYPE},
-                                     "env": {"OSCAR_ARTIFACT": str(artifacts[m][0]), "OSCAR_SINK": S0_INT2,
-                                             "OSCAR_RECENT": W_INT2}}]
+                                     "env": {"OSCAR_ARTIFACT": str(artifacts[m][0]), "OSCAR_SINK": windows(m)[0],
+                                             "OSCAR_RECENT": windows(m)[1]}}]
     return groups
 
 
@@ -432,9 +439,9 @@ def compare_run(report: dict, name: str, run_: dict, model: Any, artifacts: dict
         art, overrides = artifacts[method]
         if json.loads((art / "meta.json").read_text()).get("cache_format", {}).get("kind", "rotated") != "rotated":
             art = None  # a format without rotations (KIVI's per-channel keys): the embedded engine builds it from the method
-        emb = embedded_forced(model, method, art, S0_INT2, W_INT2, prompts, toks, overrides)
+        emb = embedded_forced(model, method, art, *windows(method), prompts, toks, overrides)
     label = {"bf16_triton": "bf16 (SGLang's own)", "oscar_bf16eq": "bf16 (plugin, covering windows)"}.get(name, method)
-    report["methods"][label] = {"method": method, "run": name, "model_dtype": MODEL_DTYPE,
+    report["methods"][label] = {"method": method, "run": name, "model_dtype": MODEL_DTYPE, "windows": windows(method),
                                 **compare_served(run_, emb, emb_bf16)}
 
 
@@ -468,8 +475,9 @@ def render(r: dict) -> str:
     rows = r.get("methods", {})
     if rows:
         ci = lambda c, k: f"{c[k]:.3f} [{c[k + '_ci'][0]:.3f}, {c[k + '_ci'][1]:.3f}]"  # noqa: E731
+        odd = "; ".join(f"{m}: sink {w[0]}, recent {w[1]}" for m, w in WINDOWS.items() if m in rows)
         lines += [f"## Served vs embedded, teacher forced (quantized methods: sink {r.get('sink', S0_INT2)}, recent "
-                  f"{r.get('recent', W_INT2)}; {MODEL_DTYPE} model)", "",
+                  f"{r.get('recent', W_INT2)}{'; ' + odd if odd else ''}; {MODEL_DTYPE} model)", "",
                   "Each served run's greedy tokens; the embedded engine (`oscar.models.engine`, same artifact, value "
                   "rotation folded) forced along them. Agreement: SGLang's token = the embedded argmax (Wilson 95%). "
                   "Differences: per step the largest |log-probability difference| over SGLang's token and its top 2. "
