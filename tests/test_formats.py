@@ -193,12 +193,12 @@ def test_every_format_through_the_torch_cache(model, kind):
     assert bits == pytest.approx(expect, rel=0.15 if fmt.paged else 1e-6), (bits, expect)  # pages round up
 
 
-def _device_matches_torch(model, fmt: CacheFormat, device: str, backend: str) -> None:
+def _device_matches_torch(model, fmt: CacheFormat, device: str, backend: str, steps: int = 6) -> None:
     """The device cache of ``fmt`` against the torch cache of ``fmt``. With the torch twins (same arithmetic as the
     torch cache, CPU): the same greedy tokens and logits within one bf16 step. With the kernels (Triton writer,
     CUDA/Triton decode: other reduction orders, so a code may move one step): teacher forced on the torch cache's
     tokens, logits within `CUDA_LOGIT_TOL` (measured on the H200; greedy tokens may part at near-ties)."""
-    ids, steps = prompt().to(device), 6
+    ids = prompt().to(device)
     if device == "cuda" and fmt.paged:  # the mma pages hold blocks of 16 tokens
         fmt = fmt.replace(page_size=16)
     t = timed(fmt, "auto" if device == "cuda" else "rows")
@@ -233,5 +233,9 @@ def test_every_format_through_the_device_cache(model, kind):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", served_kinds("device"))
 def test_every_device_format_through_the_cuda_kernels(model, kind):
-    """On CUDA the device cache runs the format's kernels (Triton writer, v10 mma or row kernel)."""
-    _device_matches_torch(model.to("cuda"), small(kind), "cuda", "triton")
+    """On CUDA the device cache runs the format's kernels (Triton writer, v10 mma or row kernel). The mma kernel
+    reads per-channel key blocks of >= 16 tokens: blocks of 16, a 16-token ring, and steps enough to demote two."""
+    fmt, steps = small(kind), 6
+    if kind == "rotated_channel":
+        fmt, steps = fmt.replace(page_size=16, key_block=16, layer_blocks=(16, 0), recent=16), 30
+    _device_matches_torch(model.to("cuda"), fmt, "cuda", "triton", steps)

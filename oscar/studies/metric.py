@@ -39,6 +39,18 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from oscar.core.files import atomic_write_text
+from oscar.config import compose
+from oscar.data.corpora import eval_sequences
+from oscar.eval.items import prompt_hash
+from oscar.eval.runner import generation_prompt
+from oscar.eval.runner import prepare_items
+from oscar.models import load_model
+from oscar.models.adapters import get_adapter
+from oscar.models.engine import Engine
+from oscar.models.engine import Engine, method_format
+from oscar.studies.kl_table import _method_cfg, _rotations
+from oscar.studies.kl_table import _method_cfg, kl_and_nll, score_and_bits
+from oscar.studies.kl_table import hardware
 
 MODEL = "qwen2.5-coder-0.5b"
 TABLE_WINDOWS = (16, 64)  # the HumanEval table's sink/recent (conf/experiment/coder.yaml)
@@ -197,7 +209,6 @@ class AttnOutputs:
     chosen positions."""
 
     def __init__(self, model: Any):
-        from oscar.models.adapters import get_adapter
 
         adapter = get_adapter(model)
         n = len(adapter.layers(model))
@@ -242,8 +253,6 @@ def attn_error(ref: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> floa
 
 def task_sequences(tok: Any, items: Sequence[Any], predictions: dict[str, str], cfg: Any) -> list[dict]:
     """Per problem: the prompt as the eval renders it, its hash, and prompt + BF16 completion token ids."""
-    from oscar.eval.items import prompt_hash
-    from oscar.eval.runner import generation_prompt
 
     class _Tok:  # generation_prompt reads engine.tokenizer only
         tokenizer = tok
@@ -260,8 +269,6 @@ def task_sequences(tok: Any, items: Sequence[Any], predictions: dict[str, str], 
 
 def build_engines(model: Any, tok: Any, rows: Sequence[RowSpec], results_dir: str, log: Callable = print) -> dict[str, Any]:
     """One engine per row (shared model, values not folded), or the reason it could not be built."""
-    from oscar.models.engine import Engine, method_format
-    from oscar.studies.kl_table import _method_cfg, _rotations
 
     engines: dict[str, Any] = {}
     for row in rows:
@@ -289,8 +296,6 @@ def measure(
     """Per row: `task[problem id]` = {`kl_sum`, `top1_sum`, `n`, `attn`, `bits`} over the completion's positions,
     `code[window]` = [[KL sum, positions], ...] per block of `BLOCK` positions that read quantized history.
     `raw` holds earlier measurements (kept, not recomputed); `save(raw)` runs after every problem and window."""
-    from oscar.models.engine import Engine
-    from oscar.studies.kl_table import _method_cfg, kl_and_nll, score_and_bits
 
     raw = raw if raw is not None else {}
     live = [r for r in rows if not isinstance(engines.get(r.label), str)]
@@ -523,11 +528,6 @@ def _plot(table: list[dict], lines: list[dict], path: Path) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Command line entry point."""
-    from oscar.config import compose
-    from oscar.data.corpora import eval_sequences
-    from oscar.eval.runner import prepare_items
-    from oscar.models import load_model
-    from oscar.studies.kl_table import hardware
 
     p = argparse.ArgumentParser(prog="python -m oscar.studies.metric", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, help="row labels name[@SxW] (default: the 10 HumanEval rows)")
