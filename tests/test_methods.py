@@ -103,7 +103,7 @@ def test_grid_edges_count_fits_on_either_end():
         ("value_target=query", "valid: output, raw, geomean"),
         ("key_target=output", "valid: query, raw, geomean"),
         ("clip=auto", "valid: fit, fixed, none, paper"),
-        ("kind=lloyd", "valid: bf16, rotated, kivi, turboquant"),
+        ("kind=lloyd", "valid: bf16, rotated, rotated_channel, kivi, turboquant"),
         ("value_rotation=hadamard", "auto must apply to both"),
     ],
 )
