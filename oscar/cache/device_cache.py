@@ -335,33 +335,32 @@ class DeviceOscarCache(DeviceCache):
             self._import_channel(layer, k, v)
             return
         nq = max(0, L - S0 - W)
-        if nq > 0:
-            qpos = torch.arange(nq, device=self.device)[None, :].expand(B, -1)
-            slots = self._slots(qpos).reshape(-1)
-            rows_k = k[:, :, S0:S0 + nq].transpose(1, 2).reshape(B * nq, self.hkv, self.d).contiguous()
-            rows_v = v[:, :, S0:S0 + nq].transpose(1, 2).reshape(B * nq, self.hkv, self.d).contiguous()
-            self.format.write(rows_k, rows_v, slots, (self.k_pages[layer], self.v_pages[layer]), self.transforms[layer],
-                              backend=self.backend, positions=S0 + qpos.reshape(-1))
+        self._write_history(layer, k, v, nq)
         start = max(S0, L - W)
         if L > start:
             ring = (torch.arange(start, L, device=self.device) - S0) % W
             self.recent_k[layer][:, :, ring] = k[:, :, start:L].to(dt)
             self.recent_v[layer][:, :, ring] = v[:, :, start:L].to(dt)
 
+    def _write_history(self, layer: int, k: torch.Tensor, v: torch.Tensor, nq: int) -> None:
+        """Quantize the prefill rows `[S0, S0 + nq)` of `k`/`v` `[B, Hkv, L, d]` into the layer's pages."""
+        if nq <= 0:
+            return
+        B, S0 = k.shape[0], self.sink
+        qpos = torch.arange(nq, device=self.device)[None, :].expand(B, -1)
+        rows_k = k[:, :, S0:S0 + nq].transpose(1, 2).reshape(B * nq, self.hkv, self.d).contiguous()
+        rows_v = v[:, :, S0:S0 + nq].transpose(1, 2).reshape(B * nq, self.hkv, self.d).contiguous()
+        self.format.write(rows_k, rows_v, self._slots(qpos).reshape(-1), (self.k_pages[layer], self.v_pages[layer]),
+                          self.transforms[layer], backend=self.backend, positions=S0 + qpos.reshape(-1))
+
     def _import_channel(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """`import_prefill` of a per-channel key layer: whole blocks into the pages, the rest into the ring at the
         slots of `oscar.cache.paged.channel_ring_slots`."""
-        B, _, L, _ = k.shape
+        L = k.shape[2]
         S0, W, T = self.sink, self.recent, self.blocks[layer]
         n = max(0, L - S0)
         nq = max(0, (n - W) // T) * T
-        if nq > 0:
-            qpos = torch.arange(nq, device=self.device)[None, :].expand(B, -1)
-            slots = self._slots(qpos).reshape(-1)
-            rows_k = k[:, :, S0:S0 + nq].transpose(1, 2).reshape(B * nq, self.hkv, self.d).contiguous()
-            rows_v = v[:, :, S0:S0 + nq].transpose(1, 2).reshape(B * nq, self.hkv, self.d).contiguous()
-            self.format.write(rows_k, rows_v, slots, (self.k_pages[layer], self.v_pages[layer]), self.transforms[layer],
-                              backend=self.backend, positions=S0 + qpos.reshape(-1))
+        self._write_history(layer, k, v, nq)
         if n > nq:
             r = torch.arange(nq, n, device=self.device)
             ring = paged.channel_ring_slots(r, torch.tensor(n, device=self.device), W, T)
