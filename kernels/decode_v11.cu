@@ -6,7 +6,8 @@
 //   [PS*D/4, PS*D/2)     V codes in the mma_v order (token pairs 2t, 2t+1 and 2t+8, 2t+9)
 //   [PS*D/2, +PS*8)      per-token meta, 128 bytes per tile: entry g (16 bytes) = bf16 {ks[g], ks[g+8], kz[g], kz[g+8],
 //                        vs[g], vs[g+8], vz[g], vz[g+8]}: one 16-byte shared load per lane and tile (4 lanes share it)
-//   (room, not read here: per-channel key blocks, RecordLayout.chan_off)
+//   [PS*D/2 + PS*8, +(PS/CT)*4*D)  per-channel keys (CT > 0): per block of CT tokens bf16 scale[D] then zero[D]
+//                        (rotated-frame channel order); the K words of the meta entries stay zero
 // CTA = W math warps + 1 producer warp. The producer's lane 0 reads the page table and issues one cp.async.bulk
 // (global -> shared, mbarrier complete_tx) per record into an ST-stage ring (ST a multiple of W: page i of the split
 // goes to stage i % ST and is computed by warp i % W, which releases the stage through its "empty" mbarrier). The
@@ -14,6 +15,17 @@
 // MMA M dimension (scores S[tokens x heads] = K Q^T, output O^T = V^T P'), codes unpacked to exact fp16 subnormals by
 // one lop3 per two codes (the v9/v10 trick: the factor 4^J 2^-24 sits in the query's fragments and the output rows).
 // Split-K partials and the BF16 windows' CTAs, then the last CTA of each (sequence, KV head) merges (as v10).
+//
+// Rope-centered keys (ROPE: keys stored minus RoPE_p(m), oscar.core.rope) add q . RoPE_p(m) = sum_i A_i cos(p w_i) +
+// B_i sin(p w_i) to each logit (A, B from q and m once per CTA, in shared memory). At p = P + x (P the page's first
+// position) the term is sum_i A'_i cos(x w_i) + B'_i sin(x w_i), (A', B') = (A, B) turned by -P w_i: a math warp
+// turns them once per page (angles reduced in fp64, one pair of frequencies per lane, through shared memory) into
+// fp16 B fragments, and per 16-token tile D/16 more MMAs score them against a constant table of cos/sin(x w_i),
+// x < PS (fp16 A fragments, decode_mma.rope_table with a stride of one tile), copied to shared memory once per CTA.
+// Per-channel keys (CT > 0, docs/DESIGN.md "Per-channel key pages"): at the first tile of each channel block the warp
+// turns the block's scales into the query's B fragments (q_r * s, fp16; the scales become fp16 in place in the
+// record, which the warp owns until it releases the stage) and adds q_r . z (bf16 MMAs of the zeros against q_r split
+// into bf16 hi + lo): logit = (q_r * s) . c + q_r . z + q . mu_K (+ the rope term); values per token as always.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -70,6 +82,15 @@ __device__ __forceinline__ float ex2(float x) {
   return r;
 }
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+  u32 r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, u32 a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a) : "memory");
+}
 
 // ---- mbarriers and the bulk copy (sm_90)
 __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
@@ -122,6 +143,12 @@ struct Params11 {
   long long rs_p, rs_h;  // record strides (bytes) of a page and a KV head
   long long sk_b, sk_h, sk_t, sk_max;
   long long rk_b, rk_h, rk_t, rk_max;
+  const float* rope_m;    // [Hkv, D] pre-RoPE key means (ROPE) or null
+  const double* rope_w;   // [D/2] inverse frequencies, zero past the rotary half
+  const uint4* rope_tab;  // fp16 A fragments [PS/16][D/16][32 lanes]: cos/sin((16 k + j) w_i), row j of tile k
+  const int* rope_pos0;   // [B] position of each sequence's first quantized token, or null (0)
+  float rope_scaling;     // RoPE attention scaling
+  int rope_half, rope_pos_add, pad2_;  // rotary_dim / 2; added to every position
 };
 
 constexpr int SMAX = 256;
@@ -145,17 +172,110 @@ __device__ __forceinline__ void rescale(State<D>& st, const float (&alpha)[2]) {
   }
 }
 
+// Per-channel keys, at the first tile of a channel block: qc <- the query's fp16 B fragments (s_qf: q_r times the
+// slots' 4^-J) times the block's scales, qz[k] <- q_r . z of head 2t + k. kc: the record's D bf16 K scales, D K zeros
+// of the block; the scales turn to fp16 in place (each lane D/64 words), then each lane reads the words of its
+// fragments with ldmatrix (all 8 row addresses of a matrix the same 8 channels: row g is every lane's copy). The zeros
+// stay bf16 (exact) and are the B operand (every column the zero vector) of bf16 MMAs whose A rows are q_r's bf16 hi
+// (rows 0-7: head g) and lo parts (rows 8-15) (s_qz); q_r . z of head g is the sum of rows g and g + 8, moved to the
+// lanes of heads 2t, 2t + 1 by two shuffles (as v10's channel_frags).
+template <int D>
+__device__ __forceinline__ void channel_frags(u32 (&qc)[D / 16][2], float (&qz)[2], unsigned char* kc,
+                                              const uint4* s_qf, const uint4* s_qz, int lane) {
+  u32* w = reinterpret_cast<u32*>(kc);
+#pragma unroll
+  for (int i = 0; i < D / 64; ++i) {
+    const u32 x = w[lane + 32 * i];
+    w[lane + 32 * i] = pack_f16(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
+  }
+  __syncwarp();
+  const u32 kc_s = smem_addr(kc);
+#pragma unroll
+  for (int c = 0; c < D / 32; ++c) {  // matrix i of call c: channels 8 (4c + i) .. + 7, i.e. chunk 2c + i/2, half i%2
+    u32 s0, s1, s2, s3;
+    ldsm_x4(s0, s1, s2, s3, kc_s + 16 * (4 * c + (lane >> 3)));
+    const uint4 f = s_qf[c * 32 + lane];
+    qc[2 * c][0] = hmul2(f.x, s0);
+    qc[2 * c][1] = hmul2(f.y, s1);
+    qc[2 * c + 1][0] = hmul2(f.z, s2);
+    qc[2 * c + 1][1] = hmul2(f.w, s3);
+  }
+  float za[2][4];
+#pragma unroll
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) za[n][i] = 0.f;
+#pragma unroll
+  for (int c = 0; c < D / 32; ++c) {
+    u32 z0, z1, z2, z3;
+    ldsm_x4(z0, z1, z2, z3, kc_s + 2 * D + 16 * (4 * c + (lane >> 3)));
+    const uint4 a0 = s_qz[(2 * c) * 32 + lane], a1 = s_qz[(2 * c + 1) * 32 + lane];
+    mma_bf16(za[0], a0.x, a0.y, a0.z, a0.w, z0, z1);
+    mma_bf16(za[1], a1.x, a1.y, a1.z, a1.w, z2, z3);
+  }
+  const float v = (za[0][0] + za[1][0]) + (za[0][2] + za[1][2]);  // head g: hi + lo
+  const int t = lane & 3;
+  qz[0] = __shfl_sync(FULL, v, 8 * t);
+  qz[1] = __shfl_sync(FULL, v, 8 * t + 4);
+}
+
+// Rope-centered keys, once per page: ub <- the rope term's B fragments for the page's tokens from position pos:
+// (A', B') = (A, B) turned by -pos w_i, head g, as fp16. s_u: per head D/4 entries {A_2p, B_2p, A_2p+1, B_2p+1}
+// (times sc and the RoPE scaling); s_cs: this warp's D/4 entries {cos, sin} of frequencies 2p, 2p + 1, written by lane
+// p (angles reduced in fp64, then fast sincos within [-pi, pi]; w: lane p's two frequencies, loaded before the loop).
+// ub[kc] (kc < D/32) multiplies the table's cos columns, ub[kc + D/32] its sin columns (frequencies
+// 16 kc + 8 h + 2t + {0, 1}).
+template <int D, int REP>
+__device__ __forceinline__ void rope_turn(u32 (&ub)[D / 16][2], const float4* s_u, float4* s_cs, const double (&w)[2],
+                                          long long pos, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  if (lane < D / 4) {
+    float c[2], s[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const double a = (double)pos * w[e];
+      const double r = fma(-rint(a * 0.15915494309189535), 6.283185307179586, a);
+      __sincosf((float)r, &s[e], &c[e]);
+    }
+    s_cs[lane] = make_float4(c[0], s[0], c[1], s[1]);
+  }
+  __syncwarp();
+#pragma unroll
+  for (int kc = 0; kc < D / 32; ++kc) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int p = 8 * kc + 4 * hh + t;
+      const float4 cs = s_cs[p];
+      const float4 u = g < REP ? s_u[g * (D / 4) + p] : make_float4(0.f, 0.f, 0.f, 0.f);
+      ub[kc][hh] = pack_f16(fmaf(cs.x, u.x, cs.y * u.y), fmaf(cs.z, u.z, cs.w * u.w));
+      ub[kc + D / 32][hh] = pack_f16(fmaf(cs.x, u.y, -cs.y * u.x), fmaf(cs.z, u.w, -cs.w * u.z));
+    }
+  }
+}
+
 // One softmax step over TPS tiles (16 tokens each) of a record in shared memory: tiles tile0 .. tile0 + TPS - 1.
 // MASK: tokens at or past nv (counted from the page's first token) are masked (the sequence's last page).
-template <int D, int PS, int TPS, bool MASK>
-__device__ __forceinline__ void int_step(State<D>& st, const unsigned char* rec, int tile0, const u32 (&qb)[D / 16][2],
-                                         const float (&qs)[2], const float (&qm)[2], float ksc, int nv, int lane) {
+// ROPE: ub are the page's rope-term B fragments (rope_turn), tab the table in shared memory. CT > 0 (per-channel keys):
+// qc/qzm hold the current channel block's query fragments and logit offset (updated here at each block's first tile;
+// s_qf, s_qz: the query's fragments for channel_frags); the per-token path uses qb, qs and qm.
+template <int D, int PS, int TPS, bool MASK, bool ROPE, int CT>
+__device__ __forceinline__ void int_step(State<D>& st, unsigned char* rec, int tile0, const u32 (&qb)[D / 16][2],
+                                         const float (&qs)[2], const float (&qm)[2], float ksc, int nv, int lane,
+                                         const u32 (&ub)[D / 16][2], const uint4* tab, u32 (&qc)[D / 16][2],
+                                         float (&qzm)[2], const uint4* s_qf, const uint4* s_qz, float sc) {
   constexpr int NU = D / 64;  // words per token (K) or token pair (V) and lane
   constexpr int LB = D / 8;   // bytes per lane and tile
   const int g = lane >> 2, t = lane & 3;
   float lg[TPS][4], sv[TPS][2], zv[TPS][2];
 #pragma unroll
   for (int j = 0; j < TPS; ++j) {
+    if (CT && ((tile0 + j) * 16) % (CT ? CT : 1) == 0) {  // the first tile of a channel block
+      float qz[2];
+      channel_frags<D>(qc, qz, rec + PS * D / 2 + PS * 8 + ((tile0 + j) * 16 / (CT ? CT : 1)) * 4 * D, s_qf, s_qz, lane);
+      qzm[0] = fmaf(qz[0], sc, qm[0]);
+      qzm[1] = fmaf(qz[1], sc, qm[1]);
+    }
+    const u32(*qk)[2] = CT ? qc : qb;  // CT is a constant: the registers of one of them
     const unsigned char* kt = rec + (tile0 + j) * 16 * (D / 4) + lane * LB;
     u32 kw[2 * NU];
     if (NU == 2) {
@@ -170,12 +290,21 @@ __device__ __forceinline__ void int_step(State<D>& st, const unsigned char* rec,
 #pragma unroll
     for (int u = 0; u < NU; ++u) {
       const u32 w0 = kw[u], w1 = kw[NU + u];  // tokens g and g + 8
-      mma_f16(acc, slot<0>(w0), slot<0>(w1), slot<1>(w0), slot<1>(w1), qb[4 * u + 0][0], qb[4 * u + 0][1]);
-      mma_f16(acc, slot<2>(w0), slot<2>(w1), slot<3>(w0), slot<3>(w1), qb[4 * u + 1][0], qb[4 * u + 1][1]);
-      mma_f16(acc, slot<4>(w0), slot<4>(w1), slot<5>(w0), slot<5>(w1), qb[4 * u + 2][0], qb[4 * u + 2][1]);
-      mma_f16(acc, slot<6>(w0), slot<6>(w1), slot<7>(w0), slot<7>(w1), qb[4 * u + 3][0], qb[4 * u + 3][1]);
+      mma_f16(acc, slot<0>(w0), slot<0>(w1), slot<1>(w0), slot<1>(w1), qk[4 * u + 0][0], qk[4 * u + 0][1]);
+      mma_f16(acc, slot<2>(w0), slot<2>(w1), slot<3>(w0), slot<3>(w1), qk[4 * u + 1][0], qk[4 * u + 1][1]);
+      mma_f16(acc, slot<4>(w0), slot<4>(w1), slot<5>(w0), slot<5>(w1), qk[4 * u + 2][0], qk[4 * u + 2][1]);
+      mma_f16(acc, slot<6>(w0), slot<6>(w1), slot<7>(w0), slot<7>(w1), qk[4 * u + 3][0], qk[4 * u + 3][1]);
     }
-    const float sk[2] = {bf_lo(meta.x) * ksc, bf_hi(meta.x) * ksc}, zk[2] = {bf_lo(meta.y), bf_hi(meta.y)};
+    float racc[4] = {0.f, 0.f, 0.f, 0.f};  // the rope term of tokens g, g + 8 (heads 2t, 2t + 1)
+    if (ROPE) {
+#pragma unroll
+      for (int kc = 0; kc < D / 16; ++kc) {
+        const uint4 a = tab[((tile0 + j) * (D / 16) + kc) * 32 + lane];
+        mma_f16(racc, a.x, a.y, a.z, a.w, ub[kc][0], ub[kc][1]);
+      }
+    }
+    const float sk[2] = {CT ? ksc : bf_lo(meta.x) * ksc, CT ? ksc : bf_hi(meta.x) * ksc};
+    const float zk[2] = {bf_lo(meta.y), bf_hi(meta.y)};
     sv[j][0] = bf_lo(meta.z);
     sv[j][1] = bf_hi(meta.z);
     zv[j][0] = bf_lo(meta.w);
@@ -183,7 +312,10 @@ __device__ __forceinline__ void int_step(State<D>& st, const unsigned char* rec,
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
 #pragma unroll
-      for (int k = 0; k < 2; ++k) lg[j][2 * n + k] = fmaf(acc[2 * n + k], sk[n], fmaf(zk[n], qs[k], qm[k]));
+      for (int k = 0; k < 2; ++k) {
+        const float base = CT ? qzm[k] : fmaf(zk[n], qs[k], qm[k]);
+        lg[j][2 * n + k] = fmaf(acc[2 * n + k], sk[n], ROPE ? base + racc[2 * n + k] : base);
+      }
       if (MASK) {
         const bool ok = (tile0 + j) * 16 + 8 * n + g < nv;
         if (!ok) {
@@ -358,16 +490,26 @@ __device__ __forceinline__ void rotate_rows(float* x, const uint2* __restrict__ 
 }
 
 // D: head dim (64, 128), PS: page size (16..128), REP: GQA ratio, W: math warps, ST: ring stages (a multiple of W),
-// MINB: CTAs per SM for the register allocation. Dynamic shared memory: max(ST * REC, W * REP * D * 4) bytes.
-template <int D, int PS, int REP, int W, int ST, int MINB>
+// MINB: CTAs per SM for the register allocation, ROPE: rope-centered keys (0/1), CT: tokens per channel block of
+// per-channel keys (0: per-token keys). Dynamic shared memory: max(ST * REC + (ROPE ? PS * D * 2 : 0), W * REP * D * 4)
+// bytes: the ring, then the rope table; the math warps' outputs alias both after the loop.
+template <int D, int PS, int REP, int W, int ST, int MINB, int ROPE = 0, int CT = 0>
 __global__ void __launch_bounds__((W + 1) * 32, MINB) oscar_decode_v11(const Params11 P) {
   static_assert(ST % W == 0, "ring stages must be a multiple of the math warps");
+  static_assert(CT == 0 || (CT % 16 == 0 && PS % CT == 0), "a channel block is whole tiles of one page");
   constexpr int NT = (W + 1) * 32;
-  constexpr int REC = PS * D / 2 + PS * 8;  // record bytes (per-token meta)
+  constexpr int REC = PS * D / 2 + PS * 8 + (CT ? (PS / CT) * 4 * D : 0);  // record bytes
   constexpr int TILES = PS / 16, TPS = TILES < 4 ? TILES : 4, STEPS = TILES / TPS;
+  constexpr int NX = (CT ? 3 * D : 0) + (ROPE ? REP * D / 4 + W * D / 4 : 0);
   __shared__ float s_q[REP * D];
+  __shared__ uint4 s_x[NX > 0 ? NX : 1];  // CT: s_qf [D/32][32], s_qz [D/16][32]; ROPE: s_u [REP][D/4], s_cs [W][D/4]
+  const uint4* s_qf = s_x;
+  const uint4* s_qz = s_x + D;
+  float4* s_u = reinterpret_cast<float4*>(s_x + (CT ? 3 * D : 0));
+  float4* s_cs = s_u + REP * D / 4;
   extern __shared__ __align__(128) unsigned char s_buf[];
   float* s_o = reinterpret_cast<float*>(s_buf);
+  const uint4* s_tab = reinterpret_cast<const uint4*>(s_buf + ST * REC);  // ROPE: the table (after the ring)
   __shared__ __align__(8) u64 s_full[ST], s_empty[ST];
   __shared__ float s_m[W][2 * REP], s_l[W][2 * REP];
   __shared__ float s_f[REP][SMAX];
@@ -433,13 +575,71 @@ __global__ void __launch_bounds__((W + 1) * 32, MINB) oscar_decode_v11(const Par
       s_q[8 * i + 2 * k + 1] = bf_hi(w[k]);
     }
   }
+  if (ROPE && is_int) {  // the rope table to shared memory (the same for every CTA: an L2 hit)
+    uint4* tab = reinterpret_cast<uint4*>(s_buf + ST * REC);
+    for (int i = tid; i < PS * D / 8; i += NT) tab[i] = __ldg(P.rope_tab + i);
+  }
   __syncthreads();
-  float qmu = 0.f;
-  if (is_int && P.muk != nullptr && g < REP && !producer) {
+  float qmu = 0.f;  // q . mu_K of head g (partial over t), plus q . m on the channels RoPE leaves alone
+  if (is_int && (P.muk != nullptr || ROPE) && g < REP && !producer) {
     const float* mk = P.muk + (long long)kvh * D;
-    for (int i = t; i < D; i += 4) qmu += s_q[g * D + i] * mk[i];
+    const float* rm = P.rope_m + (long long)kvh * D;
+    for (int i = t; i < D; i += 4) {
+      float m = P.muk != nullptr ? mk[i] : 0.f;
+      if (ROPE && i >= 2 * P.rope_half) m += rm[i];
+      qmu += s_q[g * D + i] * m;
+    }
+  }
+  if (ROPE && is_int) {  // A_i, B_i of the rope term, times sc (base-2 logits), interleaved for rope_turn
+    const float* rm = P.rope_m + (long long)kvh * D;
+    const int hf = P.rope_half;
+    const float f = P.sc * P.rope_scaling;
+    float* su = reinterpret_cast<float*>(s_u);
+    for (int i = tid; i < REP * (D / 2); i += NT) {
+      const int hh = i / (D / 2), c = i % (D / 2);
+      float a = 0.f, bb = 0.f;
+      if (c < hf) {
+        const float q1 = s_q[hh * D + c], q2 = s_q[hh * D + hf + c], m1 = rm[c], m2 = rm[hf + c];
+        a = f * fmaf(q1, m1, q2 * m2);
+        bb = f * fmaf(q2, m1, -q1 * m2);
+      }
+      su[hh * D + 4 * (c >> 1) + 2 * (c & 1)] = a;
+      su[hh * D + 4 * (c >> 1) + 2 * (c & 1) + 1] = bb;
+    }
+    __syncthreads();  // before rotate_rows overwrites s_q, and before the loop reads s_u
   }
   if (is_int && P.rk != nullptr) rotate_rows<D, REP, W>(s_q, P.rk + (long long)kvh * D * D / 4, tid);
+  if (CT && is_int) {  // per-channel keys: the query's fragments for channel_frags, the same in every warp
+    if (warp == 0) {
+      uint4* qf = s_x;
+      uint4* qz = s_x + D;
+#pragma unroll
+      for (int c = 0; c < D / 32; ++c) {
+        u32 f[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {  // chunk j = 2c + r/2, half h = r%2 (the qb fragments of the math warps)
+          const int j = 2 * c + (r >> 1), h = r & 1, ch = 16 * j + 2 * t + 8 * h;
+          const float x0 = g < REP ? s_q[g * D + ch] : 0.f, x1 = g < REP ? s_q[g * D + ch + 1] : 0.f;
+          const float fj = slot_factor(j, h);
+          f[r] = pack_f16(x0 * fj, x1 * fj);
+        }
+        qf[c * 32 + lane] = make_uint4(f[0], f[1], f[2], f[3]);
+      }
+#pragma unroll
+      for (int j = 0; j < D / 16; ++j) {
+        u32 hl[2][2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int ch = 16 * j + 2 * t + 8 * h;
+          const float x0 = g < REP ? s_q[g * D + ch] : 0.f, x1 = g < REP ? s_q[g * D + ch + 1] : 0.f;
+          hl[0][h] = pack_bf16(x0, x1);
+          hl[1][h] = pack_bf16(x0 - bf_lo(hl[0][h]), x1 - bf_hi(hl[0][h]));
+        }
+        qz[j * 32 + lane] = make_uint4(hl[0][0], hl[1][0], hl[0][1], hl[1][1]);  // A: hi rows g, lo rows g + 8
+      }
+    }
+    __syncthreads();
+  }
 
   State<D> st;
 #pragma unroll
@@ -483,22 +683,40 @@ __global__ void __launch_bounds__((W + 1) * 32, MINB) oscar_decode_v11(const Par
     if (is_int) {
       const float ksc = P.sc * 16777216.f;  // 2^24: the codes' subnormal scale
       const int nfull = min(n, max(0, len / PS - lo));  // pages of the split with PS valid tokens
+      u32 ub[D / 16][2];  // ROPE: the page's rope-term B fragments
+      u32 qc[D / 16][2];  // CT: the query's B fragments times the current channel block's scales
+      float qzm[2] = {qm[0], qm[1]};  // CT: sc (q_r . z + q . mu_K) of the current channel block
+      long long rpos = 0;  // ROPE: position of the split's first token
+      if (ROPE) rpos = (long long)(P.rope_pos0 != nullptr ? __ldg(P.rope_pos0 + b) : 0) + P.rope_pos_add + (long long)lo * PS;
+      float4* cs = s_cs + warp * (D / 4);
+      double wl[2] = {0.0, 0.0};  // ROPE: this lane's frequencies (rope_turn)
+      if (ROPE && lane < D / 4) {
+        wl[0] = __ldg(P.rope_w + 2 * lane);
+        wl[1] = __ldg(P.rope_w + 2 * lane + 1);
+      }
       for (int i = warp; i < nfull; i += W) {  // the main loop: full pages, no masks
         const int s = i % ST;
         mbar_wait(&s_full[s], (i / ST) & 1);
-        const unsigned char* rec = s_buf + s * REC;
+        unsigned char* rec = s_buf + s * REC;
+        if (ROPE) rope_turn<D, REP>(ub, s_u, cs, wl, rpos + (long long)i * PS, lane);
 #pragma unroll
-        for (int k = 0; k < STEPS; ++k) int_step<D, PS, TPS, false>(st, rec, k * TPS, qb, qs, qm, ksc, PS, lane);
+        for (int k = 0; k < STEPS; ++k)
+          int_step<D, PS, TPS, false, ROPE != 0, CT>(st, rec, k * TPS, qb, qs, qm, ksc, PS, lane, ub, s_tab, qc, qzm,
+                                                     s_qf, s_qz, P.sc);
+        if (CT) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // in-place scales before the refill
         __syncwarp();
         if (lane == 0) mbar_arrive(&s_empty[s]);
       }
       if (nfull < n && nfull % W == warp) {  // the sequence's last, partial page
         const int i = nfull, s = i % ST, nv = len - (lo + i) * PS;
         mbar_wait(&s_full[s], (i / ST) & 1);
-        const unsigned char* rec = s_buf + s * REC;
+        unsigned char* rec = s_buf + s * REC;
+        if (ROPE) rope_turn<D, REP>(ub, s_u, cs, wl, rpos + (long long)i * PS, lane);
 #pragma unroll
         for (int k = 0; k < STEPS; ++k)
-          if (k * TPS * 16 < nv) int_step<D, PS, TPS, true>(st, rec, k * TPS, qb, qs, qm, ksc, nv, lane);
+          if (k * TPS * 16 < nv)
+            int_step<D, PS, TPS, true, ROPE != 0, CT>(st, rec, k * TPS, qb, qs, qm, ksc, nv, lane, ub, s_tab, qc, qzm,
+                                                      s_qf, s_qz, P.sc);
       }
     } else {
       const int seg = split - P.s_int;  // 0: sink (if present), then recent

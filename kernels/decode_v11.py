@@ -7,6 +7,11 @@ table and issues those copies into a shared-memory ring (mbarriers); four math w
 step (tokens in the MMA M dimension) with no global loads, then split-K partials, the BF16 windows' CTAs and the
 last-CTA merge as in v10 (``decode_mma``). Compiled at first use by NVRTC (``torch.cuda._utils``), as v10.
 
+Formats: per-token INT2 keys and values; rope-centered keys (``HeadTransform.rope_mu``: the kernel adds
+``q . RoPE_p(m)`` to each logit; no record bytes) and per-channel key records (``RecordLayout.key_block = T``: the
+block's K scale/zero per channel after the meta; the query is scaled once per block, one ``q_r . z`` per block).
+``pack_pages`` writes records from a layer's ``mma_k``/``mma_v`` pages (``oscar.cache.paged.QuantPages``).
+
 The torch twin (the specification) is ``oscar.cache.paged.decode_attention_torch`` on the pages that
 ``unpack_records`` returns; tests/test_kernels_v11.py emulates the kernel's fragment arithmetic on the CPU.
 Not served yet: v11 replaces v10 only where it is measured faster everywhere (reports/kernels/v11/README.md).
@@ -23,8 +28,8 @@ from typing import Optional
 import torch
 
 from ._runtime import check
-from .decode_mma import _derived, _launch, _window, mma_b_fragments
-from .segments import HeadTransform, Segments
+from .decode_mma import _derived, _launch, _window, mma_b_fragments, rope_table
+from .segments import HeadTransform, Pages, Segments
 
 LOG2E = 1.4426950408889634
 MAX_PARTIALS = 256  # SMAX in decode_v11.cu
@@ -41,8 +46,8 @@ class RecordLayout:
     ``{ks[g], ks[g+8], kz[g], kz[g+8], vs[g], vs[g+8], vz[g], vz[g+8]}`` (the 4 lanes ``(g, t)`` of a warp read it with
     one 16-byte load). Per-channel key pages (docs/DESIGN.md, ``key_block = T > 0``): the K words of the entries stay
     zero and ``[chan_off, +(PS/T)*4*d)`` holds per block of ``T`` tokens bf16 ``scale[d]`` then ``zero[d]`` (channel
-    order of the rotated frame); the kernel reads ``key_block = 0`` only so far. Rope-centered keys need no bytes
-    (the rope term depends on positions only)."""
+    order of the rotated frame, the pages' values). Rope-centered keys need no bytes (the rope term depends on the
+    query, the positions and the layer's means only)."""
 
     d: int
     page_size: int
@@ -99,22 +104,44 @@ def _meta_perm(ps: int) -> torch.Tensor:
 def pack_records(k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
                  v_scale: torch.Tensor, v_zero: torch.Tensor, layout: RecordLayout) -> torch.Tensor:
     """The torch twin writer: mma-layout pages (codes uint8 ``[P, Hkv, PS, d/4]`` in ``mma_k``/``mma_v``, scale/zero
-    bf16 ``[P, Hkv, PS, 1]``) -> records uint8 ``[P, Hkv, layout.bytes]`` (per-token keys)."""
+    bf16 ``[P, Hkv, PS, 1]``; per-channel keys (``layout.key_block = T``): K scale/zero bf16 ``[P, Hkv, PS/T, d]``)
+    -> records uint8 ``[P, Hkv, layout.bytes]``."""
     P, hkv, ps, nb = (int(s) for s in k_codes.shape)
-    check(layout.key_block == 0, "pack_records writes per-token keys (key_block=0); per-channel records: not yet")
     check(ps == layout.page_size and nb == layout.d * layout.bits // 8 and v_codes.shape == k_codes.shape,
           f"codes {tuple(k_codes.shape)} / {tuple(v_codes.shape)} do not match {layout}")
-    for name, t in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
-        check(tuple(t.shape) == (P, hkv, ps, 1) and t.dtype == torch.bfloat16,
-              f"{name} must be bf16 [{P}, {hkv}, {ps}, 1] (one group per row), got {t.dtype} {tuple(t.shape)}")
+    kb = layout.key_block
+    k_meta = (P, hkv, ps // kb, layout.d) if kb else (P, hkv, ps, 1)
+    for name, t, shape in (("k_scale", k_scale, k_meta), ("k_zero", k_zero, k_meta),
+                           ("v_scale", v_scale, (P, hkv, ps, 1)), ("v_zero", v_zero, (P, hkv, ps, 1))):
+        what = "one pair per channel and key block" if kb and name[0] == "k" else "one group per row"
+        check(tuple(t.shape) == shape and t.dtype == torch.bfloat16,
+              f"{name} must be bf16 {list(shape)} ({what}), got {t.dtype} {tuple(t.shape)}")
     rec = torch.zeros(P, hkv, layout.bytes, dtype=torch.uint8, device=k_codes.device)
     cb = layout.code_bytes
     rec[..., layout.k_off:layout.k_off + cb] = k_codes.reshape(P, hkv, cb)
     rec[..., layout.v_off:layout.v_off + cb] = v_codes.reshape(P, hkv, cb)
-    meta = torch.cat([t.reshape(P, hkv, ps) for t in (k_scale, k_zero, v_scale, v_zero)], dim=-1)
+    zeros = torch.zeros(P, hkv, ps, dtype=torch.bfloat16, device=k_codes.device)
+    per_tok = (zeros, zeros) if kb else (k_scale.reshape(P, hkv, ps), k_zero.reshape(P, hkv, ps))
+    meta = torch.cat([*per_tok, v_scale.reshape(P, hkv, ps), v_zero.reshape(P, hkv, ps)], dim=-1)
     meta = meta[..., _meta_perm(ps).to(meta.device)].contiguous()
     rec[..., layout.meta_off:layout.meta_off + 8 * ps] = meta.view(torch.uint8)
+    if kb:
+        chan = torch.cat([k_scale, k_zero], dim=-1).contiguous()  # [P, Hkv, PS/T, 2d]: scale[d], zero[d] per block
+        rec[..., layout.chan_off:layout.chan_off + layout.chan_bytes] = chan.view(torch.uint8).reshape(P, hkv, -1)
     return rec
+
+
+def pack_pages(k_pages: Pages, v_pages: Pages) -> tuple[torch.Tensor, RecordLayout]:
+    """Records ``[P, Hkv, bytes]`` and their layout from a layer's K and V pages in the mma layouts (INT2, one group per
+    row; K pages per token or per channel, ``k_pages.block``): the pages' codes and scale/zero, moved, not changed."""
+    check(k_pages.layout == "mma_k" and v_pages.layout == "mma_v",
+          f"pack_pages takes pages in the 'mma_k'/'mma_v' layouts, got {k_pages.layout!r}/{v_pages.layout!r}")
+    check(k_pages.bits == 2 and v_pages.bits == 2, f"records hold INT2 codes, got bits {k_pages.bits}/{v_pages.bits}")
+    check(int(getattr(v_pages, "block", 0)) == 0, "V pages are per token (block=0)")
+    ps, d = int(k_pages.codes.shape[2]), int(k_pages.codes.shape[3]) * 4
+    lay = RecordLayout(d, ps, key_block=int(getattr(k_pages, "block", 0)))
+    return pack_records(k_pages.codes, k_pages.scale, k_pages.zero, v_pages.codes, v_pages.scale, v_pages.zero,
+                        lay), lay
 
 
 def unpack_records(records: torch.Tensor, layout: RecordLayout) -> tuple[torch.Tensor, ...]:
@@ -129,6 +156,10 @@ def unpack_records(records: torch.Tensor, layout: RecordLayout) -> tuple[torch.T
     flat = torch.empty_like(meta)
     flat[..., _meta_perm(ps).to(meta.device)] = meta
     ks, kz, vs, vz = (flat[..., i * ps:(i + 1) * ps].reshape(P, hkv, ps, 1).contiguous() for i in range(4))
+    if layout.key_block:
+        chan = records[..., layout.chan_off:layout.chan_off + layout.chan_bytes].contiguous().view(torch.bfloat16)
+        chan = chan.reshape(P, hkv, ps // layout.key_block, 2 * layout.d)
+        ks, kz = chan[..., :layout.d].contiguous(), chan[..., layout.d:].contiguous()
     return kc, ks, kz, vc, vs, vz
 
 
@@ -139,13 +170,20 @@ def write_tokens(records: torch.Tensor, layout: RecordLayout, slots: torch.Tenso
     packed for its position in a 16-token tile (``oscar.core.quant.pack_codes_mma``); ``k_meta``/``v_meta``: bf16
     ``[N, Hkv, 2]`` (scale, zero); ``token_maps``: the byte tables ``mma_token_map(d, "mma_k")[1]`` and
     ``(d, "mma_v")[1]`` (``[16, d/4]``; the kernels may not import ``oscar.core``). A token's bytes are its own, so
-    writers of different tokens never touch the same byte."""
+    writers of different tokens never touch the same byte. Per-channel key records (``layout.key_block > 0``):
+    ``k_meta`` is None (the K words of the entries stay zero) and ``write_key_blocks`` writes the blocks' K
+    scale/zero."""
     ps, hkv = layout.page_size, int(records.shape[1])
     n = int(slots.numel())
     check(k_bytes.shape == (n, hkv, layout.d // 4) and v_bytes.shape == k_bytes.shape,
           f"k_bytes/v_bytes must be uint8 [{n}, {hkv}, {layout.d // 4}], got {tuple(k_bytes.shape)}")
-    check(k_meta.shape == (n, hkv, 2) and v_meta.shape == k_meta.shape and k_meta.dtype == torch.bfloat16,
-          f"k_meta/v_meta must be bf16 [{n}, {hkv}, 2], got {k_meta.dtype} {tuple(k_meta.shape)}")
+    check((k_meta is None) == (layout.key_block > 0),
+          f"k_meta must be None for per-channel key records (key_block={layout.key_block}) and given otherwise")
+    check(v_meta.shape == (n, hkv, 2) and v_meta.dtype == torch.bfloat16
+          and (k_meta is None or (k_meta.shape == v_meta.shape and k_meta.dtype == torch.bfloat16)),
+          f"k_meta/v_meta must be bf16 [{n}, {hkv}, 2], got {v_meta.dtype} {tuple(v_meta.shape)}")
+    if k_meta is None:
+        k_meta = torch.zeros_like(v_meta)
     dev = records.device
     slots = slots.to(dev, torch.int64)
     page, off = slots // ps, slots % ps
@@ -158,6 +196,29 @@ def write_tokens(records: torch.Tensor, layout: RecordLayout, slots: torch.Tenso
     bf = records.view(torch.bfloat16)  # the same bytes as bf16 pairs [P, Hkv, bytes/2]
     for a, src in enumerate((k_meta[..., 0], k_meta[..., 1], v_meta[..., 0], v_meta[..., 1])):
         bf[page[:, None], heads[None, :], (ent + 2 * a)[:, None]] = src.to(dev)
+
+
+def write_key_blocks(records: torch.Tensor, layout: RecordLayout, first_slots: torch.Tensor, k_scale: torch.Tensor,
+                     k_zero: torch.Tensor) -> None:
+    """The torch twin writer of per-channel key blocks (``layout.key_block = T``): block ``n`` starts at slot
+    ``first_slots[n]`` (a multiple of ``T``) and takes bf16 ``k_scale[n]``/``k_zero[n]`` ``[Hkv, d]`` (its tokens' codes
+    and V meta go through ``write_tokens``)."""
+    T, ps, d, hkv = layout.key_block, layout.page_size, layout.d, int(records.shape[1])
+    n = int(first_slots.numel())
+    check(T > 0, f"write_key_blocks writes per-channel key records; {layout} has per-token keys")
+    check(k_scale.shape == (n, hkv, d) and k_zero.shape == k_scale.shape and k_scale.dtype == torch.bfloat16
+          and k_zero.dtype == torch.bfloat16,
+          f"k_scale/k_zero must be bf16 [{n}, {hkv}, {d}], got {k_scale.dtype} {tuple(k_scale.shape)}")
+    dev = records.device
+    first = first_slots.to(dev, torch.int64)
+    check(bool((first % T == 0).all()), f"first_slots must be multiples of key_block={T}")
+    page, blk = first // ps, (first % ps) // T
+    bf = records.view(torch.bfloat16)  # [P, Hkv, bytes/2]
+    heads = torch.arange(hkv, device=dev)
+    base = layout.chan_off // 2 + blk * 2 * d  # bf16 index of the block's scale[0]
+    pos = base[:, None] + torch.arange(2 * d, device=dev)[None]  # [N, 2d]
+    vals = torch.cat([k_scale, k_zero], dim=-1).to(dev)  # [N, Hkv, 2d]
+    bf[page[:, None, None], heads[None, :, None], pos[:, None, :]] = vals
 
 
 @dataclass(frozen=True)
@@ -193,22 +254,29 @@ _POINTERS = ("q", "rec", "page_table", "int_len", "rk", "muk", "rot_out", "muv",
              "rec_k", "rec_v", "rec_len", "part_o", "part_ml", "counters", "out", "win_row")
 _INTS = ("hkv", "pt_stride", "s_int", "s_total", "has_sink", "has_rec", "out_rotated", "pad_")
 _LONGS = ("rs_p", "rs_h", "sk_b", "sk_h", "sk_t", "sk_max", "rk_b", "rk_h", "rk_t", "rk_max")
+_ROPE_POINTERS = ("rope_m", "rope_w", "rope_tab", "rope_pos0")
 
 
 class Params11(ctypes.Structure):
     """Mirror of ``struct Params11`` in ``decode_v11.cu`` (same order; C alignment rules)."""
 
     _fields_ = ([(n, ctypes.c_void_p) for n in _POINTERS] + [("sc", ctypes.c_float)]
-                + [(n, ctypes.c_int) for n in _INTS] + [(n, ctypes.c_longlong) for n in _LONGS])
+                + [(n, ctypes.c_int) for n in _INTS] + [(n, ctypes.c_longlong) for n in _LONGS]
+                + [(n, ctypes.c_void_p) for n in _ROPE_POINTERS] + [("rope_scaling", ctypes.c_float)]
+                + [(n, ctypes.c_int) for n in ("rope_half", "rope_pos_add", "pad2_")])
 
 
-def kernel_name(d: int, page_size: int, rep: int, warps: int, stages: int, min_blocks: int) -> str:
-    return f"oscar_decode_v11<{d},{page_size},{rep},{warps},{stages},{min_blocks}>"
+def kernel_name(d: int, page_size: int, rep: int, warps: int, stages: int, min_blocks: int, rope: bool = False,
+                key_block: int = 0) -> str:
+    """The template instance: head_dim, page size, GQA ratio, math warps, ring stages, CTAs per SM, rope-centered keys
+    (0/1) and the per-channel key block (0: per-token keys)."""
+    return f"oscar_decode_v11<{d},{page_size},{rep},{warps},{stages},{min_blocks},{int(rope)},{key_block}>"
 
 
-def dynamic_bytes(layout: RecordLayout, rep: int, launch: V11Launch) -> int:
-    """The ring of records, then (aliased) the math warps' outputs."""
-    return max(launch.stages * layout.bytes, launch.warps * rep * layout.d * 4)
+def dynamic_bytes(layout: RecordLayout, rep: int, launch: V11Launch, rope: bool = False) -> int:
+    """The ring of records and (rope-centered keys) the rope table, then (aliased) the math warps' outputs."""
+    table = layout.page_size * layout.d * 2 if rope else 0
+    return max(launch.stages * layout.bytes + table, launch.warps * rep * layout.d * 4)
 
 
 def default_num_splits(batch: int, num_kv_heads: int, pages_per_seq: int, launch: V11Launch,
@@ -255,15 +323,19 @@ def paged_decode_attention_v11(q: torch.Tensor, records: torch.Tensor, layout: R
                                k_t: HeadTransform, v_t: HeadTransform, *, sm_scale: Optional[float] = None,
                                output_frame: str = "original", launch: Optional[V11Launch] = None) -> torch.Tensor:
     """Decode attention ``[B, H, d]`` over BF16 sink + INT2 page records + BF16 recent; the result of
-    ``oscar.cache.paged.decode_attention_torch`` on ``unpack_records(records, layout)`` (GQA 1/2/4/8, per-token keys,
-    keys not rope-centered)."""
+    ``oscar.cache.paged.decode_attention_torch`` on ``unpack_records(records, layout)`` (GQA 1/2/4/8). Per-channel
+    key records: ``layout.key_block = T`` (the quantized lengths multiples of ``T``, as the format writes them).
+    Rope-centered keys (``k_t.rope_mu``, ``rope_freq``, ``rope_scaling``) with ``segments.int_pos0`` (an int, or
+    int32 ``[B]`` on the query's device: the position of each sequence's first quantized token) add
+    ``q . RoPE_p(rope_mu)`` to each quantized logit."""
     launch = V11Launch() if launch is None else launch
     check(isinstance(launch, V11Launch), f"launch={launch!r} is not a V11Launch")
     check(q.is_cuda and q.dim() == 3, f"q must be a CUDA [B, H, d] tensor, got {tuple(q.shape)} on {q.device}")
     B, H, d = (int(s) for s in q.shape)
     check(d == layout.d, f"q's head_dim {d} differs from the records' {layout.d}")
-    check(layout.key_block == 0, "the v11 kernel reads per-token key records only (key_block=0)")
-    check(not k_t.rope_centered, "the v11 kernel does not read rope-centered keys yet (use decode_mma)")
+    rope = k_t.rope_centered
+    check(not rope or segments.int_pos0 is not None, "rope-centered keys need segments.int_pos0 (the position of each "
+          "sequence's first quantized token)")
     dev = q.device
     check(records.dtype == torch.uint8 and records.dim() == 3 and records.shape[2] == layout.bytes
           and records.is_contiguous() and records.device == dev,
@@ -344,12 +416,31 @@ def paged_decode_attention_v11(q: torch.Tensor, records: torch.Tensor, layout: R
     p.hkv, p.pt_stride, p.s_int, p.s_total = hkv, int(page_table.stride(0)), s_int, s_total
     p.has_sink, p.has_rec, p.out_rotated = int(sink is not None), int(rec is not None), int(output_frame == "rotated")
     p.rs_p, p.rs_h = int(records.stride(0)), int(records.stride(1))
+    if rope:
+        rope_freq, pos0, ps = k_t.rope_freq, segments.int_pos0, layout.page_size
+        h = int(rope_freq.numel())
+        check(rope_freq.dim() == 1 and 0 < 2 * h <= d, f"rope_freq must be [<= {d // 2}] frequencies, got "
+              f"{tuple(rope_freq.shape)}")
+        ptr("rope_m", f32(k_t.rope_mu, "rope_mu"))
+        ptr("rope_w", _derived(rope_freq, f"ropew{d}", lambda x: torch.nn.functional.pad(
+            x.to(dev, torch.float64), (0, d // 2 - x.numel())).contiguous()))
+        ptr("rope_tab", _derived(rope_freq, f"v11tab{d},{ps},{dev}",
+                                 lambda x: rope_table(x, d, 1, ps // TILE).to(dev)))
+        if isinstance(pos0, torch.Tensor):
+            check(pos0.dtype == torch.int32 and pos0.numel() >= B and pos0.device == dev,
+                  f"int_pos0 must be an int or int32 [>= {B}] on {dev}, got {pos0.dtype} {tuple(pos0.shape)}")
+            ptr("rope_pos0", pos0)
+        else:
+            check(0 <= int(pos0) < 2**30, f"int_pos0={pos0} must be a position in [0, 2^30)")
+            p.rope_pos_add = int(pos0)
+        p.rope_scaling, p.rope_half = float(k_t.rope_scaling), h
     minb = launch.min_blocks or default_min_blocks(B, hkv)
-    name = kernel_name(d, layout.page_size, rep, launch.warps, launch.stages, minb)
+    name = kernel_name(d, layout.page_size, rep, launch.warps, launch.stages, minb, rope, layout.key_block)
     _launch(_function(name, dev), (s_total, hkv, B), 32 * (launch.warps + 1), p, dev,
-            dynamic_bytes(layout, rep, launch))
+            dynamic_bytes(layout, rep, launch, rope))
     return out if q.dtype == torch.bfloat16 else out.to(q.dtype)
 
 
 __all__ = ["Params11", "RecordLayout", "V11Launch", "default_min_blocks", "default_num_splits", "dynamic_bytes", "kernel_name",
-           "pack_records", "paged_decode_attention_v11", "unpack_records", "write_tokens"]
+           "pack_pages", "pack_records", "paged_decode_attention_v11", "unpack_records", "write_key_blocks",
+           "write_tokens"]

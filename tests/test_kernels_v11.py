@@ -1,11 +1,13 @@
 """Decode kernel v11 (oscar.kernels.decode_v11): the page record and the kernel's fragment arithmetic.
 
-CPU: the record layout (offsets, alignment, room for per-channel key blocks), the torch twin writer's round trip
-(exact), the codes as the kernel's lanes read them out of a record (2-bit slots of half words, the v9 subnormal
-trick) equal to the format's codes (exact), and an emulation of the kernel (query rotated in fp16, 64-token softmax
-steps per math warp, p * s_V rounded to fp16, split-K and warp merge) against the float32 dequantize-then-attend
-twin (1.5e-2 relative error per head, the tolerance of the v10 kernel for the same roundings). CUDA: the kernel
-against the twin on the same records.
+CPU: the record layout (offsets, alignment, per-channel key blocks), the torch twin writers' round trips (exact,
+per-token and per-channel key records), the codes as the kernel's lanes read them out of a record (2-bit slots of
+half words, the v9 subnormal trick) equal to the format's codes (exact), and an emulation of the kernel (query
+rotated in fp16, 64-token softmax steps per math warp, p * s_V rounded to fp16, split-K and warp merge; rope-centered
+keys: the per-page turn of the rope term's fp16 B fragments and the fp16 cos/sin table; per-channel keys: the query
+times the block's scales in fp16, q_r . z per block) against the float32 dequantize-then-attend twin (1.5e-2 relative
+error per head, the tolerance of the v10 kernel for the same roundings). CUDA: the kernel against the twin on the same
+records.
 """
 
 from __future__ import annotations
@@ -17,18 +19,20 @@ import torch
 
 from oscar.cache.paged import QuantPages, decode_attention_torch
 from oscar.core import quant
-from oscar.kernels.decode_v11 import (RecordLayout, V11Launch, default_num_splits, pack_records, unpack_records,
-                                      write_tokens)
+from oscar.kernels.decode_mma import rope_table
+from oscar.kernels.decode_v11 import (RecordLayout, V11Launch, default_num_splits, pack_pages, pack_records,
+                                      unpack_records, write_key_blocks, write_tokens)
 from oscar.kernels.segments import HeadTransform, Segments
 
 REL_TOL = 1.5e-2
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="the v11 kernel needs a CUDA device (sm_90)")
 
 
-def _pages(npages, hkv, ps, d, gen, dev, name):
+def _pages(npages, hkv, ps, d, gen, dev, name, block=0):
     codes = torch.randint(0, 4, (npages, hkv, ps, d), device=dev, generator=gen, dtype=torch.uint8)
-    scale = (0.02 + 0.1 * torch.rand(npages, hkv, ps, 1, device=dev, generator=gen)).to(torch.bfloat16)
-    zero = (-0.15 * torch.rand(npages, hkv, ps, 1, device=dev, generator=gen)).to(torch.bfloat16)
+    meta = (npages, hkv, ps // block, d) if block else (npages, hkv, ps, 1)
+    scale = (0.02 + 0.1 * torch.rand(meta, device=dev, generator=gen)).to(torch.bfloat16)
+    zero = (-0.15 * torch.rand(meta, device=dev, generator=gen)).to(torch.bfloat16)
     tb = (torch.arange(ps, device=dev) % 16).expand(npages, hkv, ps)
     packed = quant.pack_codes_mma(codes, tb, f"mma_{name}", 2)
     nb = d // 4
@@ -36,21 +40,32 @@ def _pages(npages, hkv, ps, d, gen, dev, name):
     _, byte_index = quant.mma_token_map(d, f"mma_{name}", 2)
     idx = byte_index.to(dev).expand(npages, hkv, ps // 16, 16, nb).reshape(npages, hkv, ps // 16, -1)
     blocks.scatter_(-1, idx, packed.reshape(npages, hkv, ps // 16, -1))
-    return codes, QuantPages(blocks.reshape(npages, hkv, ps, nb), scale, zero, 2, d, f"mma_{name}")
+    return codes, QuantPages(blocks.reshape(npages, hkv, ps, nb), scale, zero, 2, d, f"mma_{name}", block)
 
 
-def _case(*, B, H, hkv, d, ps, int_lens, seed, windows=False, dev="cpu"):
+def _rope(hkv, d, rotary, gen, dev, scaling=1.0, theta=10000.0, m_scale=3.0):
+    """The rope-centered fields of a key transform: means [Hkv, d] (head 0 not centered), frequencies, scaling."""
+    inv = 1.0 / theta ** (torch.arange(0, rotary, 2, dtype=torch.float64, device=dev) / rotary)
+    m = m_scale * torch.randn(hkv, d, device=dev, generator=gen)
+    m[0] = 0.0
+    return dict(rope_mu=m, rope_freq=inv, rope_scaling=scaling)
+
+
+def _case(*, B, H, hkv, d, ps, int_lens, seed, windows=False, dev="cpu", block=0, rope=None, pos0=None):
+    """Random pages, records, windows and transforms. ``block``: per-channel keys over blocks of that many tokens;
+    ``rope``: ``(rotary_dim, scaling)`` for rope-centered keys, with ``pos0`` (int, or a list: one per sequence)."""
     gen = torch.Generator(device=dev).manual_seed(seed)
     max_pages = max(1, max(-(-n // ps) for n in int_lens))
     npages = B * max_pages + 3
     page_table = torch.randperm(npages, device=dev, generator=gen)[: B * max_pages].to(torch.int32).reshape(B, -1)
-    k_codes, kp = _pages(npages, hkv, ps, d, gen, dev, "k")
+    k_codes, kp = _pages(npages, hkv, ps, d, gen, dev, "k", block)
     v_codes, vp = _pages(npages, hkv, ps, d, gen, dev, "v")
 
     def orth():
         return torch.linalg.qr(torch.randn(hkv, d, d, device=dev, generator=gen, dtype=torch.float64))[0].float()
 
-    kt = HeadTransform(R=orth(), mu=0.3 * torch.randn(hkv, d, device=dev, generator=gen))
+    extra = _rope(hkv, d, rope[0], gen, dev, scaling=rope[1]) if rope else {}
+    kt = HeadTransform(R=orth(), mu=0.3 * torch.randn(hkv, d, device=dev, generator=gen), block=block, **extra)
     vt = HeadTransform(R=orth(), mu=0.2 * torch.randn(hkv, d, device=dev, generator=gen))
     seg = {}
     if windows:
@@ -59,9 +74,11 @@ def _case(*, B, H, hkv, d, ps, int_lens, seed, windows=False, dev="cpu"):
             seg[f"{name}_v"] = torch.randn(B, hkv, n, d, device=dev, generator=gen).to(torch.bfloat16)
             seg[f"{name}_len"] = torch.randint(1, n + 1, (B,), device=dev, generator=gen).to(torch.int32)
     q = (2.0 * torch.randn(B, H, d, device=dev, generator=gen)).to(torch.bfloat16)
+    if rope:
+        seg["int_pos0"] = torch.tensor(pos0, dtype=torch.int32, device=dev) if isinstance(pos0, list) else pos0
     segs = Segments(page_table, torch.tensor(int_lens, dtype=torch.int32, device=dev), **seg)
-    layout = RecordLayout(d, ps)
-    rec = pack_records(kp.codes, kp.scale, kp.zero, vp.codes, vp.scale, vp.zero, layout)
+    rec, layout = pack_pages(kp, vp)
+    assert layout == RecordLayout(d, ps, key_block=block)
     return dict(q=q, kp=kp, vp=vp, k_codes=k_codes, v_codes=v_codes, segs=segs, kt=kt, vt=vt, rec=rec, layout=layout)
 
 
@@ -105,9 +122,34 @@ def test_twin_writer_round_trips_and_places_the_meta(d, ps):
         assert torch.equal(meta[:, :, j, g, 2 * a + 1], t[:, :, 16 * j + g + 8, 0])
 
 
-@pytest.mark.parametrize("d,ps", [(128, 64), (64, 32)])
-def test_token_writer_fills_records_as_the_page_writer(d, ps):
-    c = _case(B=1, H=4, hkv=2, d=d, ps=ps, int_lens=[2 * ps], seed=11)
+@pytest.mark.parametrize("d,ps,block", [(128, 64, 64), (64, 32, 16), (128, 128, 32)])
+def test_channel_records_round_trip_and_place_the_blocks(d, ps, block):
+    c = _case(B=2, H=8, hkv=2, d=d, ps=ps, int_lens=[2 * ps, block], seed=d + block, block=block)
+    kp, vp, rec, lay = c["kp"], c["vp"], c["rec"], c["layout"]
+    assert lay.bytes == ps * d // 2 + 8 * ps + (ps // block) * 4 * d and lay.bytes % 16 == 0
+    for got, want in zip(unpack_records(rec, lay), (kp.codes, kp.scale, kp.zero, vp.codes, vp.scale, vp.zero)):
+        assert torch.equal(got, want)
+    chan = rec[..., lay.chan_off:lay.chan_off + lay.chan_bytes].contiguous().view(torch.bfloat16)
+    chan = chan.reshape(*rec.shape[:2], ps // block, 2, d)  # block j: scale[d], then zero[d]
+    j = ps // block - 1
+    assert torch.equal(chan[:, :, j, 0], kp.scale[:, :, j]) and torch.equal(chan[:, :, j, 1], kp.zero[:, :, j])
+    meta = rec[..., lay.meta_off:lay.meta_off + 8 * ps].contiguous().view(torch.bfloat16).reshape(*rec.shape[:2], -1, 8, 8)
+    assert not meta[..., :4].any()  # the K words of the entries stay zero
+    assert torch.equal(meta[:, :, 0, 3, 4], vp.scale[:, :, 3, 0])
+
+
+def test_pack_pages_refuses_what_records_do_not_hold():
+    c = _case(B=1, H=4, hkv=2, d=64, ps=32, int_lens=[32], seed=5)
+    with pytest.raises(ValueError, match="mma_k"):
+        pack_pages(c["vp"], c["vp"])
+    with pytest.raises(ValueError, match="k_scale"):
+        pack_records(c["kp"].codes, c["kp"].scale, c["kp"].zero, c["vp"].codes, c["vp"].scale, c["vp"].zero,
+                     RecordLayout(64, 32, key_block=16))
+
+
+@pytest.mark.parametrize("d,ps,block", [(128, 64, 0), (64, 32, 0), (128, 64, 32)])
+def test_token_writer_fills_records_as_the_page_writer(d, ps, block):
+    c = _case(B=1, H=4, hkv=2, d=d, ps=ps, int_lens=[2 * ps], seed=11, block=block)
     kp, vp, lay = c["kp"], c["vp"], c["layout"]
     npages, hkv = kp.codes.shape[:2]
     slots = torch.randperm(npages * ps, generator=torch.Generator().manual_seed(0))  # any order
@@ -125,7 +167,11 @@ def test_token_writer_fills_records_as_the_page_writer(d, ps):
     for chunk in torch.arange(slots.numel()).split(37):  # several calls, as steps of a cache would
         sl = chunk.tolist()
         write_tokens(rec, lay, slots[sl], token_bytes(c["k_codes"], "k")[sl], token_bytes(c["v_codes"], "v")[sl],
-                     meta(kp)[sl], meta(vp)[sl], maps)
+                     None if block else meta(kp)[sl], meta(vp)[sl], maps)
+    if block:  # the key blocks' per-channel scale/zero, blocks in any order
+        first = torch.randperm(npages * ps // block, generator=torch.Generator().manual_seed(1)) * block
+        bp, bj = first // ps, (first % ps) // block
+        write_key_blocks(rec, lay, first, kp.scale[bp, :, bj], kp.zero[bp, :, bj])
     assert torch.equal(rec, c["rec"])
 
 
@@ -198,13 +244,41 @@ def test_lanes_read_the_formats_codes_out_of_a_record(d, ps):
     assert torch.equal(lane_codes(rec[..., lay.v_off:lay.v_off + cb], d, "v"), c["v_codes"])
 
 
+def _rope_term_emulated(q, kt, h, sc, ps, pos):
+    """The rope term of the kernel for one KV head and one page at position ``pos``: ``[PS, rep]`` float32 from the
+    turned fp16 B fragments (``rope_turn``: A, B in float32, angles reduced in float64, cos/sin in float32) and the fp16
+    table of ``decode_mma.rope_table`` (stride one tile), summed in float32."""
+    d = q.shape[-1]
+    nf = int(kt.rope_freq.numel())
+    m = kt.rope_mu[h].float()
+    f = sc * kt.rope_scaling
+    q1, q2 = q[:, :nf], q[:, nf:2 * nf]
+    A = torch.zeros(q.shape[0], d // 2)
+    Bv = torch.zeros(q.shape[0], d // 2)
+    A[:, :nf] = f * (q1 * m[:nf] + q2 * m[nf:2 * nf])
+    Bv[:, :nf] = f * (q2 * m[:nf] - q1 * m[nf:2 * nf])
+    w = torch.zeros(d // 2, dtype=torch.float64)
+    w[:nf] = kt.rope_freq.double()
+    ang = pos * w
+    ang = ang - torch.round(ang / (2 * math.pi)) * (2 * math.pi)
+    c, sn = ang.cos().float(), ang.sin().float()
+    ub = torch.cat([c * A + sn * Bv, c * Bv - sn * A], dim=-1).half().float()  # [rep, d]
+    tab = rope_table(kt.rope_freq, d, 1, ps // 16)  # fragments -> E[x, channel] fp16
+    x = torch.arange(ps, dtype=torch.float64)[:, None] * w
+    E = torch.cat([x.cos(), x.sin()], dim=-1).half().float()  # the values the table's fragments hold
+    assert tab.dtype == torch.int32 and tab.shape == (ps // 16, d // 16, 32, 4)
+    return E @ ub.T
+
+
 def emulate_v11(q, rec, lay, segs, kt, vt, *, sm_scale, launch, output_frame="original"):
     """The kernel's arithmetic on the CPU (quantized pages only): fp16 query fragments times the codes' subnormals
-    (float32 sums), logits ``s_K sc 2^24 (q.c) + z_K sum(q) + q.mu_K``, 64-token online-softmax steps per math warp
-    (base 2), ``p s_V`` rounded to fp16 for the value products, the warps' and splits' partials merged exactly."""
+    (float32 sums), logits ``s_K sc 2^24 (q.c) + z_K sum(q) + q.mu_K`` (per-channel keys: the fp16 fragments times the
+    block's fp16 scales, ``sc 2^24 (q s . c) + sc q_r . z + q.mu_K``; rope-centered keys: plus the rope term of
+    ``_rope_term_emulated`` and ``q . m`` on the channels RoPE leaves alone), 64-token online-softmax steps per math
+    warp (base 2), ``p s_V`` rounded to fp16 for the value products, the warps' and splits' partials merged exactly."""
     B, H, d = q.shape
     hkv = rec.shape[1]
-    rep, ps = H // hkv, lay.page_size
+    rep, ps, T = H // hkv, lay.page_size, lay.key_block
     sc = sm_scale * math.log2(math.e)
     cb = lay.code_bytes
     _, _, jk = lane_map(d, "k")
@@ -220,17 +294,24 @@ def emulate_v11(q, rec, lay, segs, kt, vt, *, sm_scale, launch, output_frame="or
     steps = min(ps, 64)
     pages_per_seq = segs.page_table.shape[1]
     s_int = launch.num_splits or default_num_splits(B, hkv, pages_per_seq, launch)
+    rope = kt.rope_centered
     out = torch.zeros(B, H, d)
     for b in range(B):
         n_tok = int(segs.int_len[b])
         npg = -(-n_tok // ps)
         per = -(-npg // s_int)
+        if rope:
+            p0 = segs.int_pos0
+            pos0 = int(p0[b]) if isinstance(p0, torch.Tensor) else int(p0)
         for h in range(hkv):
             qh = q[b, h * rep:(h + 1) * rep].float()  # bf16 values
             qrot = qh.half().float() @ kt.R[h].half().float()
             qb = (qrot * fk).half().float()  # [rep, d] fp16 B fragments
             qs = (qb / fk).sum(-1) * sc
-            qm = (qh @ kt.mu[h]) * sc
+            mk = kt.mu[h].clone()
+            if rope:
+                mk[2 * int(kt.rope_freq.numel()):] += kt.rope_mu[h, 2 * int(kt.rope_freq.numel()):]
+            qm = (qh @ mk) * sc
             parts = []  # (m, l, o[rep, d]) of each warp
             for split in range(s_int):
                 lo, hi = split * per, min(npg, split * per + per)
@@ -240,14 +321,26 @@ def emulate_v11(q, rec, lay, segs, kt, vt, *, sm_scale, launch, output_frame="or
                     o = torch.zeros(rep, d)
                     for i in range(lo + w, hi, launch.warps):
                         page = int(segs.page_table[b, i])
+                        rterm = _rope_term_emulated(qh, kt, h, sc, ps, pos0 + i * ps) if rope else None
                         for s0 in range(0, ps, steps):
                             t0 = i * ps + s0
                             nv = min(steps, n_tok - t0)
                             if nv <= 0:
                                 break
                             sl = slice(s0, s0 + steps)
-                            acc = ksub[page, h, sl] @ qb.T  # [steps, rep]
-                            lg = acc * (ks[page, h, sl] * sc * 2.0**24) + (kz[page, h, sl] * qs + qm)
+                            if T:  # per-channel keys: per 16-token tile the block's query fragments
+                                lg = torch.empty(steps, rep)
+                                for t in range(s0, s0 + steps, 16):
+                                    j = t // T
+                                    qc = (qb * ks[page, h, j].half().float()).half().float()
+                                    acc = ksub[page, h, t:t + 16] @ qc.T
+                                    qz = qrot @ kz[page, h, j]
+                                    lg[t - s0:t - s0 + 16] = acc * (sc * 2.0**24) + (qz * sc + qm)
+                            else:
+                                acc = ksub[page, h, sl] @ qb.T  # [steps, rep]
+                                lg = acc * (ks[page, h, sl] * sc * 2.0**24) + (kz[page, h, sl] * qs + qm)
+                            if rope:
+                                lg = lg + rterm[sl]
                             lg[nv:] = -math.inf
                             mn = torch.maximum(m, lg.max(0).values)
                             alpha = torch.exp2(m - mn)
@@ -273,25 +366,53 @@ def emulate_v11(q, rec, lay, segs, kt, vt, *, sm_scale, launch, output_frame="or
     return out
 
 
+def test_rope_table_holds_the_emulated_values():
+    """The fp16 cos/sin the emulation uses are the table's fragments (row x = 16 k + j of tile k)."""
+    d, ps = 64, 32
+    inv = 1.0 / 10000 ** (torch.arange(0, 48, 2, dtype=torch.float64) / 48)
+    tab = rope_table(inv, d, 1, ps // 16).view(torch.float16).reshape(ps // 16, d // 16, 8, 4, 4, 2)
+    w = torch.zeros(d // 2, dtype=torch.float64)
+    w[:inv.numel()] = inv
+    x = torch.arange(ps, dtype=torch.float64)[:, None] * w
+    E = torch.cat([x.cos(), x.sin()], dim=-1).half()
+    k, kc, g, t, r, e = 1, 2, 5, 3, 3, 1  # entry [k, kc, 4g + t, r] packs E[16k + g + 8(r&1), 16kc + 2t + 8(r>>1) + e]
+    assert torch.equal(tab[k, kc, g, t, r, e], E[16 * k + g + 8 * (r & 1), 16 * kc + 2 * t + 8 * (r >> 1) + e])
+
+
 @pytest.mark.parametrize("spec", [
     dict(B=2, H=8, hkv=2, d=128, ps=64, int_lens=[700, 129], seed=1, launch=V11Launch()),
     dict(B=1, H=8, hkv=1, d=128, ps=64, int_lens=[1000], seed=2, launch=V11Launch(num_splits=3, warps=2, stages=4)),
     dict(B=2, H=4, hkv=4, d=64, ps=32, int_lens=[16, 333], seed=3, launch=V11Launch(num_splits=2)),
     dict(B=1, H=16, hkv=2, d=128, ps=128, int_lens=[517], seed=4, launch=V11Launch()),
+    # rope-centered keys: full and partial rotary, RoPE scaling, one start position or one per sequence
+    dict(B=2, H=8, hkv=2, d=128, ps=64, int_lens=[700, 129], seed=5, launch=V11Launch(), rope=(128, 1.0), pos0=64),
+    dict(B=2, H=4, hkv=4, d=64, ps=32, int_lens=[16, 333], seed=6, launch=V11Launch(num_splits=2), rope=(48, 1.25),
+         pos0=[5, 100003]),
+    # per-channel keys (lengths multiples of the block), with and without rope-centering
+    dict(B=2, H=8, hkv=2, d=128, ps=64, int_lens=[640, 128], seed=7, launch=V11Launch(), block=64),
+    dict(B=1, H=16, hkv=2, d=128, ps=128, int_lens=[544], seed=8, launch=V11Launch(num_splits=2), block=32),
+    dict(B=2, H=4, hkv=4, d=64, ps=32, int_lens=[16, 336], seed=9, launch=V11Launch(num_splits=2), block=16,
+         rope=(64, 1.0), pos0=[64, 7]),
 ])
 def test_emulated_kernel_matches_the_twin(spec):
     spec = dict(spec)
     launch = spec.pop("launch")
     c = _case(**spec)
     lay = c["layout"]
-    kp, vp = (QuantPages(*t, 2, spec["d"], name) for t, name in
-              ((unpack_records(c["rec"], lay)[:3], "mma_k"), (unpack_records(c["rec"], lay)[3:], "mma_v")))
+    kp, vp = c["kp"], c["vp"]
+    back = unpack_records(c["rec"], lay)
+    for got, want in zip(back, (kp.codes, kp.scale, kp.zero, vp.codes, vp.scale, vp.zero)):
+        assert torch.equal(got, want)  # the twin reads the very values the records hold
     sm = 1.0 / math.sqrt(spec["d"])
     ref = decode_attention_torch(c["q"], kp, vp, c["segs"], c["kt"], c["vt"], sm_scale=sm)
     emu = emulate_v11(c["q"], c["rec"], lay, c["segs"], c["kt"], c["vt"], sm_scale=sm, launch=launch)
     err = _rel(emu, ref)
     assert err < REL_TOL, f"emulated v11 vs twin: relative error {err:.2e} >= {REL_TOL}"
     assert err > 0  # the fp16 roundings are there: this is not the twin computed twice
+    if c["kt"].rope_centered:  # the rope term matters here: without it the twin's answer is far away
+        plain = HeadTransform(R=c["kt"].R, mu=c["kt"].mu, block=c["kt"].block)
+        off = decode_attention_torch(c["q"], kp, vp, c["segs"], plain, c["vt"], sm_scale=sm)
+        assert _rel(off, ref) > 10 * REL_TOL
 
 
 # ------------------------------------------------------------------------------------------------------ CUDA
@@ -303,6 +424,11 @@ def test_emulated_kernel_matches_the_twin(spec):
     dict(B=2, H=16, hkv=2, d=128, ps=64, int_lens=[0, 777], seed=2, windows=True),
     dict(B=2, H=8, hkv=8, d=128, ps=128, int_lens=[300, 16], seed=3),
     dict(B=2, H=16, hkv=2, d=64, ps=64, int_lens=[517, 2048], seed=4, windows=True),
+    dict(B=3, H=32, hkv=8, d=128, ps=64, int_lens=[1000, 37, 4101], seed=5, windows=True, rope=(128, 1.0), pos0=64),
+    dict(B=2, H=16, hkv=2, d=64, ps=32, int_lens=[333, 70000], seed=6, rope=(48, 1.25), pos0=[5, 100003]),
+    dict(B=3, H=32, hkv=8, d=128, ps=64, int_lens=[1024, 0, 4096], seed=7, windows=True, block=64),
+    dict(B=2, H=16, hkv=2, d=128, ps=128, int_lens=[544, 96], seed=8, block=32, rope=(128, 1.0), pos0=[64, 7]),
+    dict(B=2, H=8, hkv=8, d=64, ps=64, int_lens=[160, 3008], seed=9, windows=True, block=16),
 ])
 @pytest.mark.parametrize("frame", ["original", "rotated"])
 def test_cuda_v11_matches_twin(spec, frame):
