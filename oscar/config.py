@@ -53,6 +53,8 @@ class MethodConfig:
     center: bool = False  # subtract calibrated per-(layer, head) means before rotation
     rope_center: bool = True  # auto: also try rope-centered key candidates (oscar.core.rope) where the model's RoPE is known
     channel_block: int = 0  # auto: also try per-channel keys over blocks of this many tokens (0 = off; divides page_size)
+    select_by: str = "distortion"  # auto, channel_block > 0: what chooses each layer's key format (distortion | kl)
+    select_price: float = 0.0  # select_by=kl: nats of next-token KL a per-channel layer must buy per extra bit per element
     bits: int = 2
     group_size: int = 128
     sink: int = 64

@@ -217,3 +217,23 @@ def test_dump_records_pre_rope_key_sums_and_held_back_positions(tiny_setup, tmp_
                                    torch.diagonal(t["C_K"], dim1=-2, dim2=-1).sum(-1), rtol=1e-6, atol=0)
         assert stats.sample_pos[layer].tolist() == list(range(64))  # one held-back window from position 0
     assert stats.meta["window_layers"] == []  # Qwen3: full attention everywhere
+
+
+def test_auto_select_by_kl_chooses_each_layers_key_format_through_the_pipeline(tiny_setup, tmp_path, capsys):
+    overrides = ["method=auto", "method.channel_block=16", "method.sink=4", "method.recent=16"]
+    cfg = _cfg(tiny_setup, tmp_path, *overrides, "method.select_by=kl")
+    art_dir = run_calibrate(cfg)[-1].path
+    assert "select_by=kl qwen3-8b/auto (decode-equivalent passes)" in capsys.readouterr().err
+    meta = json.loads((art_dir / "meta.json").read_text())
+    sel = meta["selection"]
+    assert sel["by"] == "kl" and sel["price"] == 0.0 and sel["positions"] == 63 - 20
+    assert [m["layer"] for m in sel["layers"]] == [0, 1] and all(m["measured"] for m in sel["layers"])
+    formats = [bool(b) for b in meta.get("key_block", [0, 0])]
+    chosen = [m["channel"] for m in sel["layers"]]
+    assert formats == (chosen if sel["kept"] == "chosen" else [sel["kept"] == "all_channel"] * 2)
+    assert [bool(c["key_block"]) for c in meta["choices"] if c["head"] == 0] == formats
+    # the artifact runs for the method it was selected with, and refuses the distortion-selected one
+    model, _ = load_model(cfg.model)
+    load_artifact(art_dir, model=model, method=cfg.method)
+    with pytest.raises(ArtifactMismatch, match="select_by"):
+        load_artifact(art_dir, model=model, method=_cfg(tiny_setup, tmp_path, *overrides).method)

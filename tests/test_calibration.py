@@ -397,3 +397,23 @@ def test_token_hash_is_stable_and_sensitive():
     assert token_hash(ids) == token_hash(ids.to(torch.int32)) == token_hash(ids.clone())
     assert token_hash(ids) != token_hash(ids.flip(0))
     assert len(token_hash(ids)) == 16
+
+
+def test_build_artifact_imposes_each_layers_key_format_and_keeps_the_heads_best_of_it():
+    stats = _filled_stats(num_layers=2, max_samples=40)
+    method = {"name": "auto", "key_rotation": "auto", "value_rotation": "auto", "clip": "fit", "channel_block": 8}
+    kw = dict(num_layers=2, num_kv_heads=HKV, head_dim=D, group_size=32, stats=stats, clip_grid_k=[0.9, 1.0], clip_grid_v=[1.0])
+    free = build_artifact(method, **kw)
+    for formats in ([True, False], [False, True]):
+        art = build_artifact(method, key_formats=formats, **kw)
+        assert art.meta["key_block"] == [8 if f else 0 for f in formats]
+        for c in art.meta["choices"]:
+            same = [r["distortion"] for r in c["key_table"] if bool(r.get("block", 0)) == formats[c["layer"]]]
+            assert c["key_block"] == (8 if formats[c["layer"]] else 0) and c["key_distortion"] == min(same)
+        # values do not depend on the keys' format
+        for layer in range(2):
+            assert torch.equal(art.R_V[layer], free.R_V[layer]) and torch.equal(art.rho_V[layer], free.rho_V[layer])
+    with pytest.raises(ValueError, match=r"key_formats \(2 entries\).*channel_block > 0 \(got 0\)"):
+        build_artifact({**method, "channel_block": 0}, key_formats=[True, False], **kw)
+    with pytest.raises(ValueError, match=r"one entry per layer \(2\)"):
+        build_artifact(method, key_formats=[True], **kw)

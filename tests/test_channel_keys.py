@@ -207,3 +207,85 @@ def test_paged_paths_take_per_channel_keys() -> None:
         layer, module = _layer_harness(CacheSpec(kind="rotated", group_size=8, sink=1, recent=2, page_size=4,
                                                  layers=[_channel_rotations(2, 16, 8)]), 2, 16)
         _step(layer, module, torch.randn(1, 4, 1, 16), torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16))
+
+
+class _CharTokenizer:
+    """Characters as token ids (a tiny model's vocabulary of 96): enough to cut a corpus into windows."""
+
+    def __call__(self, text: str, **_: object) -> dict:
+        return {"input_ids": [ord(c) % 96 for c in text]}
+
+
+@pytest.fixture(scope="module")
+def kl_setup(tmp_path_factory):
+    """A tiny random Llama (3 layers, head_dim 16), its statistics on a text file, the `auto` method with per-channel
+    candidates (blocks of 8) and windows S0/W 4/8, and `build(formats)`: its artifact with those key formats."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from oscar.commands.dump import collect_statistics
+    from oscar.config import compose
+    from oscar.models.methods import build_rotations
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)).eval()
+    text = tmp_path_factory.mktemp("corpus") / "notes.txt"
+    g = torch.Generator().manual_seed(5)
+    text.write_text("".join(chr(32 + int(i)) for i in torch.randint(0, 90, (3000,), generator=g)))
+    cfg = compose(["model=smollm2-135m", "method=auto", "calibration=file", f"calibration.path={text}",
+                   "calibration.num_tokens=512", "calibration.seq_len=128", "calibration.holdout_tokens=256",
+                   "method.channel_block=8", "method.sink=4", "method.recent=8", "method.select_by=kl"])
+    tok = _CharTokenizer()
+    stats = collect_statistics(model, tok, cfg.calibration, progress=False)
+
+    def build(formats):
+        return build_rotations(cfg.method, num_layers=3, num_kv_heads=2, head_dim=16, stats=stats,
+                               clip_grid_k=[0.9, 1.0], clip_grid_v=[1.0], key_formats=formats)
+
+    return model, tok, cfg, stats, build
+
+
+def test_kl_selection_takes_a_layer_per_channel_when_it_buys_its_bits_and_records_what_it_measured(kl_setup, single_thread) -> None:
+    from oscar.data.corpora import calibration_splits
+    from oscar.models.engine import layer_rotations
+    from oscar.models.select import bf16_logits, kl_and_bits, select_key_formats
+
+    model, tok, cfg, _, build = kl_setup
+    windows = calibration_splits(tok, cfg.calibration).holdout
+    assert [int(w.numel()) for w in windows] == [128, 128]
+    passes = []
+    free = select_key_formats(model, windows, cfg.method, build, step=lambda: passes.append(1))
+    chosen = [m["channel"] for m in free.layers]
+    mixed = 0 < sum(chosen) < 3
+    assert len(passes) == 3 + 2 + mixed  # base, one per layer, all per-channel, and a mixed chosen set
+    assert [m["layer"] for m in free.layers] == [0, 1, 2] and free.positions == 2 * (127 - 12)
+    for m in free.layers:  # the rule at price 0: per-channel keys where they lower the KL
+        assert m["measured"] and m["channel"] == (m["kl_gain"] > 0) and m["extra_bits"] > 0
+    objective = {k: free.kl[k] for k in ("chosen", "all_token", "all_channel")}
+    assert free.kl["kept"] == min(objective.values()) and free.kl[free.kept] == free.kl["kept"]
+    assert free.formats == (chosen if free.kept == "chosen" else [free.kept == "all_channel"] * 3)
+    assert min(free.kl.values()) > 1e-4  # really quantized
+    # the recorded KL and bits are the cache's: the kept artifact through an engine scores the same
+    art = build(free.formats)
+    assert [bool(b) for b in art.meta.get("key_block", [0, 0, 0])] == free.formats
+    refs = bf16_logits(model, windows)
+    kl, bits = kl_and_bits(model, cfg.method, layer_rotations(art), windows, refs, 12)
+    assert kl == pytest.approx(free.kl["kept"], rel=1e-9) and bits == pytest.approx(free.bits["kept"], rel=1e-12)
+    # a price above every layer's gain per bit keeps per-token keys everywhere
+    top = max(m["kl_gain"] / m["extra_bits"] for m in free.layers)
+    priced = select_key_formats(model, windows, {**dict(cfg.method), "select_price": 2 * max(top, 1e-6)}, build)
+    assert priced.formats == [False, False, False] and priced.kept in ("chosen", "all_token")
+    assert priced.kl["kept"] == pytest.approx(free.kl["all_token"], rel=1e-12)
+    # a price between the layers' gains per bit: the layers above it, measured as a set
+    ratios = sorted(m["kl_gain"] / m["extra_bits"] for m in free.layers)
+    mid = select_key_formats(model, windows, {**dict(cfg.method), "select_price": (ratios[0] + ratios[1]) / 2}, build)
+    assert [m["channel"] for m in mid.layers] == [m["kl_gain"] / m["extra_bits"] > ratios[0] for m in free.layers]
+    assert mid.kl["chosen"] not in (mid.kl["all_token"], mid.kl["all_channel"])
+
+
+def test_kl_selection_refuses_windows_without_quantized_history(kl_setup) -> None:
+    from oscar.models.select import select_key_formats
+
+    model, _, cfg, _, build = kl_setup
+    with pytest.raises(ValueError, match="holdout_tokens"):
+        select_key_formats(model, [torch.zeros(12, dtype=torch.long)], cfg.method, build)

@@ -222,3 +222,13 @@ def test_sliding_window_layers_get_no_selection_and_no_clip_fit(stats):
                    clip_grid_k=[0.5, 0.8], clip_grid_v=[0.5, 0.8])
     assert torch.equal(osc.rho_V[0], torch.ones(2)) and bool((osc.rho_V[1] < 1).all())
     assert {f["layer"] for f in osc.meta["clip"]["fits"]} == {1} and osc.meta["clip"]["skipped_window_layers"] == [0]
+
+
+def test_select_by_names_its_valid_values_and_needs_per_channel_candidates():
+    validate_method(method("auto", "channel_block=32", "select_by=kl", "select_price=0.01"))
+    with pytest.raises(MethodError, match="select_by='task'; valid: distortion, kl"):
+        validate_method(method("auto", "select_by=task"))
+    with pytest.raises(MethodError, match=r"select_by=kl .* needs auto rotations and channel_block > 0 \(got channel_block=0"):
+        validate_method(method("auto", "select_by=kl"))
+    with pytest.raises(MethodError, match="select_price=-1.0; valid: a number >= 0"):
+        validate_method(method("auto", "channel_block=32", "select_by=kl", "select_price=-1"))

@@ -43,7 +43,7 @@ _OPTIONAL = ("eig_K", "eig_V", "ropemu_K")
 # and the like act at run time and may differ.
 METHOD_FIELDS = {"key_rotation": "identity", "value_rotation": "identity", "key_target": "query",
                  "value_target": "output", "center": False, "clip": "fit", "seed": 0,
-                 "rope_center": True, "channel_block": 0}
+                 "rope_center": True, "channel_block": 0, "select_by": "distortion", "select_price": 0.0}
 FIXED_CLIP_FIELDS = {"rho_k": 1.0, "rho_v": 1.0}
 
 

@@ -77,6 +77,7 @@ def build_artifact(
     config_hash: str = "",
     calibration: dict[str, Any] | None = None,
     select_by: SelectBy | None = None,
+    key_formats: Sequence[bool] | None = None,
 ) -> CalibrationArtifact:
     """Rotations, means and clip ratios of every layer for a method config (dict or DictConfig).
 
@@ -89,7 +90,9 @@ def build_artifact(
     only; 0 = off) adds the per-channel key candidates over blocks of that many tokens; a layer whose keys
     take them is listed in `meta["key_block"]` (per layer: the block, 0 for per-token keys). `select_by`
     (`oscar.core.clipfit.SelectBy`, opt-in, `auto` only): each (layer, KV head, side) chooses by its score
-    instead of the measured distortion.
+    instead of the measured distortion. `key_formats` (`auto` with `channel_block > 0`, one entry per layer):
+    True / False imposes per-channel / per-token keys on that layer (`method.select_by=kl` chooses them by the
+    model's next-token KL, `oscar.models.select`); each head still takes its best candidate of that format.
     """
     bits = int(_get(method, "bits", 2))
     clip = str(_get(method, "clip", "fit"))
@@ -115,6 +118,9 @@ def build_artifact(
     if channel_block < 0 or (channel_block and kinds["key"] != "auto"):
         raise ValueError(f"channel_block={channel_block}: per-channel key candidates are an auto setting (a positive "
                          "number of tokens, 0 = off); other methods have per-token keys")
+    if key_formats is not None and (not channel_block or len(key_formats) != num_layers):
+        raise ValueError(f"key_formats ({len(key_formats)} entries) imposes each layer's key format: it needs "
+                         f"channel_block > 0 (got {channel_block}) and one entry per layer ({num_layers})")
 
     # layers the cache never quantizes (sliding-window layers, recorded by `dump`): no selection or clip fit
     skip = set((stats.meta.get("window_layers") or []) if stats is not None else [])
@@ -134,7 +140,8 @@ def build_artifact(
                 grid = grids[side] if clip == "fit" else [fixed[side] if clip == "fixed" else 1.0]
                 centers = None if rope_center or side == "value" else (False, True)
                 sel = select_layer(stats, layer, side, grid, bits=bits, group_size=group_size, centers=centers,  # type: ignore[arg-type]
-                                   channel_block=channel_block, select_by=select_by)
+                                   channel_block=channel_block, select_by=select_by,
+                                   key_format=None if key_formats is None or side == "value" else bool(key_formats[layer]))
                 rot = {
                     "R": torch.stack([s.candidate.R for s in sel]),
                     "mu": torch.stack([s.candidate.mu for s in sel]),

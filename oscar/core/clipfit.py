@@ -492,12 +492,18 @@ def select_layer(
     centers: Sequence[Center] | None = None,
     channel_block: int = 0,
     select_by: SelectBy | None = None,
+    key_format: bool | None = None,
 ) -> list[Selection]:
     """`auto` for one layer and side: the best candidate of every KV head on held-back rows. With
     `channel_block > 0` (keys) the layer's key format is the one (per-token or per-channel) whose per-head
     best candidates distort less in total, and each head takes its best candidate of that format; every
     head's table still lists all candidates. `select_by` (the selection hook, opt-in): each head's candidates
-    and the layer's key format are chosen by its score instead of the measured distortion."""
+    and the layer's key format are chosen by its score instead of the measured distortion. `key_format`
+    (keys with `channel_block > 0`): True / False imposes per-channel / per-token keys on the layer (a format
+    chosen elsewhere, e.g. by the model's next-token KL: `oscar.models.select`); None lets the score choose."""
+    if key_format is not None and not (channel_block and side == "key"):
+        raise ValueError(f"layer {layer}: key_format={key_format} imposes a key format; it needs side='key' and "
+                         f"channel_block > 0, got side={side!r}, channel_block={channel_block}")
     rows = _samples(stats, layer, side)
     metric = _metric(stats, layer, side)
     if rows.shape[1] < channel_block:  # fewer held-back rows than one block: nothing to score them on
@@ -513,7 +519,7 @@ def select_layer(
         for fmt in (False, True)
     }
     total = {fmt: sum(s.score for s in sel) for fmt, sel in by_format.items()}
-    chosen = by_format[total[True] < total[False]]
+    chosen = by_format[total[True] < total[False] if key_format is None else bool(key_format)]
     for h, s in enumerate(chosen):
         s.table = by_format[False][h].table + by_format[True][h].table
     return chosen

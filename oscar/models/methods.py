@@ -28,6 +28,9 @@ CLIP_MODES = ("fit", "fixed", "none", "paper")
 PAPER_CLIP_MODES = ("fit", "fixed", "none")
 KEY_TARGETS = ("query", "raw", "geomean")
 VALUE_TARGETS = ("output", "raw", "geomean")
+# what chooses each layer's key format under `auto` with channel_block > 0: the measured distortion of the
+# held-back rows (oscar.core.clipfit.select_layer), or the model's next-token KL (oscar.models.select)
+SELECT_BY = ("distortion", "kl")
 
 
 class MethodError(ValueError):
@@ -105,6 +108,17 @@ def validate_method(method_cfg: Any) -> None:
                           "(a positive number of tokens; 0 = off)")
     if block and page % block:
         raise MethodError(f"method {name!r}: channel_block={block} must divide page_size={page} (a key block lives in one page)")
+    select_by = str(_get(method_cfg, "select_by", "distortion"))
+    if select_by not in SELECT_BY:
+        raise MethodError(f"method {name!r}: select_by={select_by!r}; valid: {', '.join(SELECT_BY)}")
+    if select_by == "kl" and not (all(auto) and block):
+        raise MethodError(f"method {name!r}: select_by=kl chooses each layer's key format between per-token and "
+                          f"per-channel keys: it needs auto rotations and channel_block > 0 (got channel_block={block}; "
+                          "e.g. method.channel_block=32)")
+    price = float(_get(method_cfg, "select_price", 0.0))
+    if not price >= 0.0:
+        raise MethodError(f"method {name!r}: select_price={price}; valid: a number >= 0 (nats of next-token KL per "
+                          "extra bit per cached element that a per-channel layer must buy)")
 
 
 def needs_statistics(method_cfg: Any) -> bool:
@@ -142,11 +156,13 @@ def build_rotations(
     model_id: str = "",
     config_hash: str = "",
     calibration: dict[str, Any] | None = None,
+    key_formats: Any = None,
 ) -> Any:
     """Stage `rotations`: the method's per-head rotations and means; clip ratios 1 except for `auto`.
 
     `auto` selects each head's candidate with its own fitted clip ratio (the selection is defined
-    under real clipped quantization), so its ratios are already final here.
+    under real clipped quantization), so its ratios are already final here. `key_formats` (per layer, True =
+    per-channel keys) imposes the layers' key formats (`oscar.models.select`, `method.select_by=kl`).
     """
     validate_method(method_cfg)
     if needs_statistics(method_cfg) and stats is None:
@@ -168,6 +184,7 @@ def build_rotations(
         model_id=model_id,
         config_hash=config_hash,
         calibration=calibration,
+        key_formats=key_formats,
     )
     art.meta["method"] = _method_dict(method_cfg)
     record_format(art, method_cfg)  # meta.json names the cache format the artifact was calibrated for
