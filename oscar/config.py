@@ -480,9 +480,30 @@ def load_resolved(path: str | Path) -> DictConfig:
         raise ConfigError(f"invalid resolved configuration {path}: {exc}") from exc
 
 
+# Method keys added after results were recorded, at the value that reproduces those results: left out of resolved
+# configuration files and of hashes while they hold it, so that adding a key neither reruns the workflow's jobs nor
+# invalidates recorded cells and artifacts (any other value is written and hashed as usual).
+NEUTRAL_METHOD_KEYS: dict[str, Any] = {"select_by": "distortion", "select_price": 0.0}
+
+
+def drop_neutral(data: Any) -> Any:
+    """`data` (a whole configuration, or a method's) without the `NEUTRAL_METHOD_KEYS` at their neutral value."""
+    if not isinstance(data, dict):
+        return data
+
+    def method(m: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in m.items() if not (k in NEUTRAL_METHOD_KEYS and v == NEUTRAL_METHOD_KEYS[k])}
+
+    if "key_rotation" in data and "kind" in data:  # a method configuration itself
+        return method(data)
+    if isinstance(data.get("method"), dict):
+        return {**data, "method": method(data["method"])}
+    return data
+
+
 def to_dict(cfg: DictConfig) -> dict[str, Any]:
-    """Plain resolved dictionary of a configuration."""
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    """Plain resolved dictionary of a configuration (method keys at their neutral value left out: `drop_neutral`)."""
+    return drop_neutral(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[return-value]
 
 
 def flatten(cfg: DictConfig | dict, prefix: str = "") -> dict[str, Any]:
@@ -500,5 +521,5 @@ def flatten(cfg: DictConfig | dict, prefix: str = "") -> dict[str, Any]:
 
 def config_hash(cfg: DictConfig | dict) -> str:
     """Stable short hash of a (sub)configuration."""
-    data = to_dict(cfg) if isinstance(cfg, DictConfig) else cfg
+    data = to_dict(cfg) if isinstance(cfg, DictConfig) else drop_neutral(cfg)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

@@ -232,3 +232,18 @@ def test_select_by_names_its_valid_values_and_needs_per_channel_candidates():
         validate_method(method("auto", "select_by=kl"))
     with pytest.raises(MethodError, match="select_price=-1.0; valid: a number >= 0"):
         validate_method(method("auto", "channel_block=32", "select_by=kl", "select_price=-1"))
+
+
+def test_select_keys_at_their_neutral_value_leave_hashes_and_resolved_files_as_they_were():
+    from omegaconf import OmegaConf
+
+    from oscar.config import config_hash, to_dict
+
+    cfg = compose(["method=auto", "method.channel_block=32"])
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    assert (plain["method"]["select_by"], plain["method"]["select_price"]) == ("distortion", 0.0)
+    before = {**plain, "method": {k: v for k, v in plain["method"].items() if k not in ("select_by", "select_price")}}
+    assert to_dict(cfg) == before and to_dict(cfg.method) == before["method"]
+    assert config_hash(cfg) == config_hash(plain) == config_hash(before)
+    kl = compose(["method=auto", "method.channel_block=32", "method.select_by=kl"])
+    assert to_dict(kl)["method"]["select_by"] == "kl" and config_hash(kl) != config_hash(cfg)
