@@ -44,9 +44,10 @@ def test_humaneval_and_niah_tables(tmp_path):
     with open(tmp_path / "out" / "humaneval.csv") as fh:
         table = list(csv.DictReader(fh))
     assert set(["method", "pass_at_1", "ci_lo", "ci_hi", "bits_per_element", "n"]) <= set(table[0])
+    assert [r["served"] for r in table] == ["False"] * 3  # the cells' own rows: the embedded engine
     assert (tmp_path / "out" / "humaneval.png").stat().st_size > 0
     md = (tmp_path / "out" / "humaneval.md").read_text()
-    assert "| int2 | 50.0 [" in md and "2 (running)" in md
+    assert "| int2 | no | 50.0 [" in md and "2 (running)" in md and "Served rows" not in md
     niah = {(r["method"], r["length"]): r for r in rows["niah"]}
     assert niah[("bf16", 8192)]["score"] == 0.5 and niah[("int2", 4096)]["diff_vs_bf16"] == pytest.approx(-0.5)
     assert (tmp_path / "out" / "niah.png").stat().st_size > 0
@@ -75,3 +76,40 @@ def test_humaneval_versus_another_cell_and_agreement_with_another_run(tmp_path):
         assert {"diff_vs_kivi2", "diff_vs_kivi2_lo", "agree_pass"} <= set(next(csv.DictReader(fh)))
     assert accuracy.main(["--results", str(gpu), "--model", "m", "--out-dir", str(tmp_path / "x"),
                           "--only", "humaneval", "--versus", "int4"]) == 2  # names the cells there
+
+
+def test_served_rows_beside_the_cells_and_kept_rows_of_an_earlier_table(tmp_path):
+    ids = [f"HumanEval/{i}" for i in range(8)]
+    emb, served, out = tmp_path / "emb", tmp_path / "served", tmp_path / "out"
+    _cell(emb, "bf16", "humaneval", [{"id": i, "correct": True, "kv_bits_per_element": 16.0} for i in ids])
+    _cell(emb, "auto", "humaneval", [{"id": i, "correct": k < 4, "kv_bits_per_element": 7.0} for k, i in enumerate(ids)])
+    _cell(served, "bf16", "humaneval_sglang", [{"id": i, "correct": k < 6, "kv_bits_per_element": 16.0}
+                                               for k, i in enumerate(ids)])
+    _cell(served, "auto", "humaneval_sglang", [{"id": i, "correct": k < 5, "kv_bits_per_element": 2.25}
+                                               for k, i in enumerate(ids)])
+    _cell(served, "kivi2", "niah_sglang", [{"id": f"n{k}", "length": 4096, "score": 1.0, "kv_bits_per_element": 2.5}
+                                           for k in range(3)])  # served needles beside no embedded ones
+    rows = accuracy.write_reports(emb, "m", out, header="Text.", served_results=served)
+    he = {r["method"]: r for r in rows["humaneval"]}
+    assert list(he) == ["bf16", "auto", "bf16@sglang", "auto@sglang"]
+    assert not he["auto"]["served"] and he["auto"]["diff_vs_bf16"] == pytest.approx(-0.5)
+    auto = he["auto@sglang"]  # paired with the served bf16 (6/8), not the embedded one (8/8)
+    assert auto["served"] and auto["pass_at_1"] == 0.625 and auto["bits_per_element"] == 2.25 and auto["n"] == 8
+    assert auto["diff_vs_bf16"] == pytest.approx(-0.125) and auto["diff_ci_lo"] <= -0.125 <= auto["diff_ci_hi"]
+    assert "diff_vs_bf16" not in he["bf16@sglang"]
+    assert [(r["method"], r["served"]) for r in rows["niah"]] == [("kivi2@sglang", True)]
+    table = (out / "humaneval.csv").read_text()
+    with open(out / "humaneval.csv") as fh:
+        assert [r["served"] for r in csv.DictReader(fh)] == ["False", "False", "True", "True"]
+    md = (out / "humaneval.md").read_text()
+    assert "| method | served |" in md and "| auto@sglang | yes | 62.5 [" in md and "| bf16@sglang | yes |" in md
+    assert "| bf16 | no | 100.0 [" in md and "served `bf16@sglang` cell" in md
+    assert "| kivi2@sglang | yes | 4096 | 100.0 [" in (out / "niah.md").read_text()
+    # the embedded cells elsewhere: their rows and the Markdown text kept as written, the served rows recomputed
+    (out / "humaneval.md").write_text(md.replace("Text.", "Text kept.\n\nSecond paragraph."))
+    assert accuracy.main(["--results", str(tmp_path / "none"), "--model", "m", "--out-dir", str(out), "--only",
+                          "humaneval", "--served-results", str(served), "--keep-rows", "--keep-header"]) == 0
+    assert (out / "humaneval.csv").read_text() == table
+    again = (out / "humaneval.md").read_text()
+    assert again.startswith("Text kept.\n\nSecond paragraph.\n\n| method | served |") and again.count("Served rows") == 1
+    assert again.split("\n\n", 2)[2] == md.split("\n\n", 1)[1]

@@ -17,34 +17,97 @@ def _records(n: int, passed: set[int], tag: str = "") -> str:
                    for i in range(n))
 
 
-def test_served_cells_are_compared_verdict_by_verdict(tmp_path):
+def _served_cell(opts, name: str, text: str) -> None:
+    cell = gpu_accuracy.served_output(opts, name)
+    cell.mkdir(parents=True)
+    (cell / "items.jsonl").write_text(text)
+    (cell / "result.json").write_text(json.dumps({"wall_s": 30.0, "hardware": {"cpu": "host", "gpu": "NVIDIA H200"}}))
+
+
+def test_served_cells_on_their_own_against_served_bf16_and_kivi2_and_embedded(tmp_path):
     embedded = tmp_path / "partial"
     embedded.mkdir()
     (embedded / "humaneval_auto.items.jsonl").write_text(_records(10, {0, 1, 2, 3}))
+    spec = ("variants=bf16=method=bf16;kivi2=method=kivi2 method.sink=16 method.recent=64;auto=method=auto method.sink=16 "
+            "method.recent=64;auto+cb32=method=auto method.channel_block=32")
     opts = tables.parse("accuracy", ["table=humaneval", "engine=sglang", f"results={tmp_path / 'r'}",
-                                     f"embedded={embedded}", "variants=auto=method=auto method.sink=16 method.recent=64;"
-                                     "kivi2=method=kivi2 method.sink=16 method.recent=64"])
+                                     f"embedded={embedded}", spec])
     cmds = gpu_accuracy.served_commands(opts, "/x/sglang_python")
-    assert len(cmds) == 2 and "engine=sglang" in cmds[0] and "engine.python=/x/sglang_python" in cmds[0]
-    assert "model.dtype=bfloat16" in cmds[0] and not any("shared_prefill" in a for a in cmds[0])
-    assert f"output={tmp_path / 'r'}/eval/qwen2.5-coder-0.5b/auto/humaneval_sglang/seed0" in cmds[0]
-    cell = gpu_accuracy.served_output(opts, "auto")
-    cell.mkdir(parents=True)
-    (cell / "items.jsonl").write_text(_records(10, {0, 1, 2, 4, 5}, tag="x"))  # 3 lost, 4 and 5 gained
+    assert len(cmds) == 4 and "engine=sglang" in cmds[0] and "engine.python=/x/sglang_python" in cmds[0]
+    assert "model.dtype=bfloat16" in cmds[2] and not any("shared_prefill" in a for a in cmds[2])
+    assert f"output={tmp_path / 'r'}/eval/qwen2.5-coder-0.5b/auto/humaneval_sglang/seed0" in cmds[2]
+    _served_cell(opts, "bf16", _records(10, {0, 1, 2, 3, 4, 5}))
+    _served_cell(opts, "kivi2", _records(10, {0, 1, 2, 3, 4}))
+    _served_cell(opts, "auto", _records(10, {0, 1, 2, 4, 5}, tag="x"))  # vs embedded: 3 lost, 4 and 5 gained
+    _served_cell(opts, "int2", _records(4, {0}))
     out = tmp_path / "out"
     out.mkdir()
+    # the committed table (embedded rows of another machine's cells, written before the served column) is kept
+    (out / "humaneval.csv").write_text("method,pass_at_1,ci_lo,ci_hi,bits_per_element,n,diff_vs_bf16,diff_ci_lo,"
+                                       "diff_ci_hi,complete,wall_s,hardware\n"
+                                       "bf16,0.445122,0.365854,0.518293,16,164,,,,True,207.731,AMD EPYC\n"
+                                       "auto,0.371951,0.29878,0.445122,7.09604,164,-0.0731707,-0.140244,-0.00609756,"
+                                       "True,964.282,AMD EPYC\n")
+    (out / "humaneval.md").write_text("Hand-written text.\n\n| method | pass@1 |\n|---|---|\n| bf16 | 44.5 |\n")
     assert gpu.main(["accuracy", "table=humaneval", "engine=sglang", "report_only=true", "tracking=false", f"out={out}",
-                     f"results={tmp_path / 'r'}", f"embedded={embedded}",
-                     "variants=auto=method=auto method.sink=16;kivi2=method=kivi2 method.sink=16"]) == 0
+                     f"results={tmp_path / 'r'}", f"embedded={embedded}", spec]) == 0
     rows = {r["variant"]: r for r in gpu_accuracy.served_rows(opts)}
     auto = rows["auto"]
-    assert (auto["n"], auto["pass_served"], auto["pass_embedded"]) == (10, 0.5, 0.4)
+    assert (auto["method"], auto["n"], auto["pass_at_1"], auto["bits_per_element"]) == ("auto@sglang", 10, 0.5, 2.5)
+    assert auto["ci_lo"] < 0.5 < auto["ci_hi"] and auto["served"] and auto["hardware"] == "NVIDIA H200"
+    assert auto["diff_vs_bf16"] == pytest.approx(-0.1) and auto["diff_ci_lo"] < -0.1 < auto["diff_ci_hi"]
+    assert auto["diff_vs_kivi2"] == 0.0 and auto["diff_vs_kivi2_lo"] < 0.0 < auto["diff_vs_kivi2_hi"]
+    assert "diff_vs_bf16" not in rows["bf16"] and "diff_vs_kivi2" not in rows["kivi2"]
+    assert rows["kivi2"]["diff_vs_bf16"] == pytest.approx(-0.1) and rows["kivi2"].get("n_common") is None
+    assert (auto["n_common"], auto["pass_served"], auto["pass_embedded"]) == (10, 0.5, 0.4)
+    assert auto["diff_vs_embedded"] == pytest.approx(0.1)
     assert auto["verdict_agreement"] == pytest.approx(0.7) and (auto["served_only_pass"], auto["embedded_only_pass"]) == (2, 1)
     assert auto["predictions_equal"] == 0.5 and auto["verdict_agreement_lo"] < 0.7 < auto["verdict_agreement_hi"]
-    assert rows["kivi2"]["n"] == 0
+    assert rows["auto+cb32"]["n"] == 0 and rows["int2"]["n"] == 4  # a served cell beside the variants: listed too
     md = (out / "humaneval_served.md").read_text()
-    assert "| auto | 10 | 50.0 | 40.0 | +10.0 [" in md and "| 70.0 [" in md and "| 2 / 1 | 50.0 | 2.50 |" in md
-    assert "| kivi2 | 0 | (0 served, 0 embedded records)" in md
+    assert "| auto | 10 | 50.0 [" in md and "| 2.50 | -10.0 [" in md and "| +0.0 [" in md
+    assert "| 10 | 50.0 / 40.0 | +10.0 [" in md and "| 70.0 [" in md and "| 2 / 1 | 50.0 |" in md
+    assert "| kivi2 | 10 | 50.0 [" in md and "(reference)" in md and "| 0 (0 embedded records) |" in md
+    assert "| auto+cb32 | 0 | (no served cell) |" in md and md.index("| int2 | 4 |") > md.index("| auto+cb32 |")
+    served_csv = (out / "humaneval_served.csv").read_text().splitlines()
+    assert served_csv[0].startswith("variant,method,n,pass_at_1,ci_lo,ci_hi,bits_per_element,complete,diff_vs_bf16,")
+    table = (out / "humaneval.csv").read_text().splitlines()
+    assert table[0].endswith(",complete,wall_s,hardware,served")
+    assert table[1] == "bf16,0.445122,0.365854,0.518293,16,164,,,,True,207.731,AMD EPYC,False"
+    assert table[2].startswith("auto,0.371951,") and table[2].endswith(",True,964.282,AMD EPYC,False")
+    assert [line.split(",")[0] for line in table[3:]] == ["bf16@sglang", "int2@sglang", "auto@sglang", "kivi2@sglang"]
+    assert table[5].startswith("auto@sglang,0.5,") and table[5].endswith(",True,30,NVIDIA H200,True")
+    he_md = (out / "humaneval.md").read_text()
+    assert he_md.startswith("Hand-written text.\n\n| method | served | pass@1")
+    assert "| auto@sglang | yes | 50.0 [" in he_md and "| auto | no | 37.2 [29.9, 44.5] | 7.10 | 164 | -7.3 [" in he_md
+
+
+def test_served_needles_per_length_without_embedded_records(tmp_path):
+    opts = tables.parse("accuracy", ["table=niah", "engine=sglang", f"results={tmp_path / 'r'}",
+                                     f"embedded={tmp_path / 'none'}"])
+    retrieved = {"bf16": (4, 4), "kivi2": (3, 4), "auto": (4, 2)}  # of 4 needles at 4096 and at 8192
+    for name, (at4k, at8k) in retrieved.items():
+        _served_cell(opts, name, "".join(
+            json.dumps({"id": f"n{length}-{k}", "length": length, "score": float(k < hits), "correct": k < hits,
+                        "kv_bits_per_element": 16.0 if name == "bf16" else 3.0}) + "\n"
+            for length, hits in ((4096, at4k), (8192, at8k)) for k in range(4)))
+    rows = gpu_accuracy.served_rows(opts)
+    by = {(r["variant"], r.get("length")): r for r in rows}
+    assert by[("int2", None)]["n"] == 0  # a variant of the table without a served cell
+    assert by[("auto", 8192)]["score"] == 0.5 and by[("auto", 8192)]["n"] == 4
+    assert by[("auto", 8192)]["diff_vs_bf16"] == pytest.approx(-0.5) and by[("auto", 4096)]["diff_vs_bf16"] == 0.0
+    assert by[("auto", 8192)]["diff_vs_kivi2"] == pytest.approx(-0.5) and by[("kivi2", 4096)]["diff_vs_bf16"] == -0.25
+    assert "n_common" not in by[("auto", 4096)] and by[("auto", 4096)]["embedded_items"] == 0
+    out = tmp_path / "out"
+    out.mkdir()
+    files = gpu_accuracy.served_report(out, opts)
+    md = files[0].read_text()
+    assert "| auto | 8192 | 4 | 50.0 [" in md and "| int2 | - | 0 | (no served cell) |" in md
+    assert "| 0 (0 embedded records) |" in md
+    assert md.index("| bf16 | 8192 |") > md.index("| auto | 4096 |")  # by context length, variants in table order
+    assert files[1].read_text().splitlines()[0].startswith("variant,method,length,n,score,")
+    with pytest.raises(FileNotFoundError, match="no served niah cells"):
+        gpu_accuracy.served_report(out, {**opts, "results": str(tmp_path / "empty")})
 
 
 def test_engine_key_is_checked():

@@ -9,6 +9,12 @@ for record, up to the two devices' float rounding; a run cut short by ``limit_s`
 ``results/eval/<model>/<cell>/<table>/seed0``; the report (``oscar.studies.accuracy``) to
 ``reports/accuracy/<table>.{md,csv,png}``. Measured on one H200 (2026-12-02, torch backend, fp32 model): needles
 25 s (4k) and 28.5 s (8k) wall per item for the four methods.
+
+``engine=sglang``: one SGLang server per variant, cells ``results/eval/<model>/<variant>/<table>_sglang/seed0``; the
+report ``<table>_served.{md,csv}`` stands on the served cells (intervals, bits, paired differences to the served
+bf16 and kivi2) and compares them with the embedded engine's records where those exist; the served rows
+(``<variant>@sglang``, ``served`` true) are merged into ``<table>.{md,csv,png}`` under ``out``, whose other rows and
+text stay as written.
 """
 
 from __future__ import annotations
@@ -18,12 +24,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from oscar.bench import host
 from oscar.bench.gpu_correctness import sglang_python
 from oscar.bench.serve_correctness import wilson
-from oscar.core.files import atomic_write_csv, atomic_write_text
+from oscar.core.files import atomic_write_text
 from oscar.serve.contract import SUPPORTED_VERSIONS
 
 AREA = "accuracy"
@@ -171,87 +177,147 @@ def _items(path: Path) -> dict[str, dict[str, Any]]:
     return {r["id"]: r for r in (json.loads(x) for x in path.read_text().splitlines() if x.strip())}
 
 
-def served_rows(opts: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per variant: pass@1 served and embedded over the problems both have, the share of equal verdicts (Wilson
-    95%), how many pass in one engine only, the paired difference (bootstrap over problems) and equal predictions."""
+def _value(table: str) -> Any:
+    """An item's score: pass (0/1) for HumanEval, the share of needles retrieved for NIAH."""
+    if table == "niah":
+        return lambda r: float(r.get("score") or 0.0)
+    return lambda r: float(bool(r.get("correct")))
+
+
+def _versus_embedded(served: list[dict], embedded: dict[str, dict], table: str) -> dict[str, Any]:
+    """A served cell's records against the embedded engine's on the items both hold: scores on those items, their
+    paired difference (bootstrap over items), the share with the same verdict/score (Wilson 95%), the items won by one
+    engine only, equal completions and prompts. Empty without common items."""
     from oscar.eval.stats import paired_bootstrap  # local: keeps numpy out of `gpu --help`
 
+    value = _value(table)
+    mine = {r["id"]: r for r in served}
+    common = sorted(set(mine) & set(embedded))
+    if not common:
+        return {}
+    s = {i: value(mine[i]) for i in common}
+    e = {i: value(embedded[i]) for i in common}
+    agree = sum(s[i] == e[i] for i in common)
+    boot = paired_bootstrap({(i, 0): s[i] for i in common}, {(i, 0): e[i] for i in common})
+    lo, hi = wilson(agree, len(common))
+    return {"n_common": len(common), "pass_served": sum(s.values()) / len(common),
+            "pass_embedded": sum(e.values()) / len(common), "diff_vs_embedded": boot["diff"],
+            "diff_vs_embedded_lo": boot["lo"], "diff_vs_embedded_hi": boot["hi"],
+            "verdict_agreement": agree / len(common), "verdict_agreement_lo": lo, "verdict_agreement_hi": hi,
+            "served_only_pass": sum(s[i] > e[i] for i in common),
+            "embedded_only_pass": sum(e[i] > s[i] for i in common),
+            "predictions_equal": sum(mine[i].get("prediction") == embedded[i].get("prediction")
+                                     for i in common) / len(common),
+            "prompts_equal": sum(mine[i].get("prompt_hash") == embedded[i].get("prompt_hash")
+                                 for i in common) / len(common)}
 
+
+def served_rows(opts: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per variant (NIAH: and context length) of the served cells: pass@1 or needles retrieved with its 95% bootstrap
+    interval over items, ``n``, measured bits per element, the paired differences to the served ``bf16`` and
+    ``kivi2`` cells; where the embedded engine's records of the variant exist, the served-vs-embedded comparison
+    (``_versus_embedded``). A variant without a served cell: a row with ``n`` 0; served cells of other names under
+    ``results`` follow the variants."""
+    from oscar.studies import accuracy  # local: keeps omegaconf out of `gpu --help`
+
+    table, results, model = str(opts["table"]), Path(opts["results"]), str(opts["model"])
+    found = accuracy.served_cells(results, model, table)
+    versus = [v for v in ("kivi2",) if v in found]
+    if table == "niah":
+        cells = accuracy.niah_rows(results, model, versus, engine=accuracy.SERVED_ENGINE)
+    else:
+        cells = accuracy.humaneval_rows(results, model, versus, engine=accuracy.SERVED_ENGINE)
     rows = []
-    for name, _ in variants(opts):
-        cell = served_output(opts, name)
-        served = _items(cell / "items.jsonl") or _items(cell / "items.partial.jsonl")
-        embedded = _items(Path(opts["embedded"]) / f"{opts['table']}_{name}.items.jsonl")
-        common = sorted(set(served) & set(embedded))
-        if not common:
-            rows.append({"variant": name, "n": 0, "served_items": len(served), "embedded_items": len(embedded)})
+    names = [name for name, _ in variants(opts)]
+    for name in names + [c for c in found if c not in names]:
+        embedded = _items(Path(opts["embedded"]) / f"{table}_{name}.items.jsonl")
+        mine = [r for r in cells if r["variant"] == name]
+        if not mine:
+            rows.append({"variant": name, "method": f"{name}@{accuracy.SERVED_ENGINE}", "n": 0,
+                         "embedded_items": len(embedded)})
             continue
-        s = {i: float(bool(served[i].get("correct"))) for i in common}
-        e = {i: float(bool(embedded[i].get("correct"))) for i in common}
-        agree = sum(s[i] == e[i] for i in common)
-        boot = paired_bootstrap({(i, 0): s[i] for i in common}, {(i, 0): e[i] for i in common})
-        diff, lo, hi = boot["diff"], boot["lo"], boot["hi"]
-        same_prompt = sum(served[i].get("prompt_hash") == embedded[i].get("prompt_hash") for i in common)
-        rows.append({"variant": name, "n": len(common), "served_items": len(served), "embedded_items": len(embedded),
-                     "pass_served": sum(s.values()) / len(common), "pass_embedded": sum(e.values()) / len(common),
-                     "diff": diff, "diff_lo": lo, "diff_hi": hi, "verdict_agreement": agree / len(common),
-                     "verdict_agreement_lo": wilson(agree, len(common))[0],
-                     "verdict_agreement_hi": wilson(agree, len(common))[1],
-                     "served_only_pass": sum(s[i] > e[i] for i in common),
-                     "embedded_only_pass": sum(e[i] > s[i] for i in common),
-                     "predictions_equal": sum(served[i].get("prediction") == embedded[i].get("prediction")
-                                              for i in common) / len(common),
-                     "prompts_equal": same_prompt / len(common),
-                     "bits_per_element_served": _mean([served[i].get("kv_bits_per_element") for i in common])})
-    return rows
+        found = accuracy.read_cell(served_output(opts, name))
+        records = found[1] if found else []
+        for r in mine:
+            sub = [x for x in records if r.get("length") is None or x.get("length") == r["length"]]
+            rows.append({**r, "embedded_items": sum(r.get("length") is None or x.get("length") == r["length"]
+                                                    for x in embedded.values()),
+                         **_versus_embedded(sub, embedded, table)})
+    return sorted(rows, key=lambda r: r.get("length") or 1 << 62)  # NIAH: by context length, variants in order
 
 
-def _mean(values: list[Any]) -> Optional[float]:
-    vals = [float(v) for v in values if v is not None]
-    return sum(vals) / len(vals) if vals else None
+# "score": pass_at_1 for HumanEval; "length": NIAH only
+SERVED_COLUMNS = ["variant", "method", "length", "n", "score", "ci_lo", "ci_hi", "bits_per_element", "complete",
+                  "diff_vs_bf16", "diff_ci_lo", "diff_ci_hi", "diff_vs_kivi2", "diff_vs_kivi2_lo", "diff_vs_kivi2_hi",
+                  "embedded_items", "n_common", "pass_served", "pass_embedded", "diff_vs_embedded",
+                  "diff_vs_embedded_lo", "diff_vs_embedded_hi", "verdict_agreement", "verdict_agreement_lo",
+                  "verdict_agreement_hi", "served_only_pass", "embedded_only_pass", "predictions_equal",
+                  "prompts_equal", "wall_s", "hardware"]
 
 
 def served_report(out: Path, opts: dict[str, Any]) -> list[Path]:
-    """``<table>_served.{md,csv}``: the served cells against the embedded engine's, verdict by verdict."""
+    """``<table>_served.{md,csv}``: the served cells on their own (intervals, bits, paired differences to the served
+    BF16 and KIVI-2) and, where the embedded engine's records exist, against them item by item."""
+    from oscar.studies.accuracy import _csv, _diff, _pct  # local: keeps omegaconf out of `gpu --help`
+
     rows = served_rows(opts)
     if not any(r["n"] for r in rows):
-        raise FileNotFoundError(f"no served {opts['table']} cells with embedded records to compare: "
-                                + "; ".join(f"{r['variant']}: {r['served_items']} served, {r['embedded_items']} embedded"
-                                            for r in rows))
+        raise FileNotFoundError(f"no served {opts['table']} cells under {opts['results']}/eval/{opts['model']}/: "
+                                + "; ".join(f"{r['variant']}: {served_output(opts, r['variant'])}" for r in rows))
     env = host.read_env(out / f"{stem(opts)}_env.json")
     table = str(opts["table"])
-    pct = lambda x: f"{100 * x:.1f}"  # noqa: E731
-    lines = [f"# {table}: served through SGLang vs the embedded engine, verdict by verdict", "",
-             (f"{host.hardware_line(env)} Command: `{env.get('command', '?')}`." if env else ""), "",
-             "Served: `oscar eval engine=sglang` (the oscar plugin's pool, or SGLang's torch_native for bf16), BF16 "
-             f"model, on the GPU; embedded: the records in `{opts['embedded']}` (the committed cells). Same problems, "
-             "same grader (the sandbox). Verdict agreement: the share of problems both pass or both fail (Wilson "
-             "95%); difference: served minus embedded pass@1 (paired bootstrap over problems).", "",
-             "| variant | n | pass@1 served | pass@1 embedded | difference [95%] | verdict agreement [95%] | pass in "
-             "served only / embedded only | predictions equal | bits/element (served) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    niah = table == "niah"
+    score, what, verdict = (("score", "needles retrieved", "same score") if niah else
+                            ("pass_at_1", "pass@1", "same verdict"))
+    lines = [f"# {table}: served through SGLang", ""]
+    lines += [f"{host.hardware_line(env)} Command: `{env.get('command', '?')}`.", ""] if env else []
+    lines += ["Served: `oscar eval engine=sglang` (the oscar plugin's pool, or SGLang's own attention for bf16), BF16 "
+              f"model, on the GPU, one server per variant; cells `{opts['results']}/eval/{opts['model']}/<variant>/"
+              f"{table}_sglang/seed0`. {what} and its interval: 95% bootstrap over "
+              f"{'needles' if niah else 'problems'}; bits / element: mean over items of the cache's measured bits per "
+              "K/V element; paired differences (bootstrap over the items both hold) to the served `bf16` and `kivi2` "
+              f"cells. Against the embedded engine (records `{opts['embedded']}/{table}_<variant>.items.jsonl`, where "
+              f"they exist): on the items both hold, {what} served / embedded, their paired difference, the share with "
+              f"the {verdict} (Wilson 95%), items won by one engine only, equal completions.", "",
+              f"| variant |{' context |' if niah else ''} n | {what} (%) [95% CI] | bits / element | diff to served "
+              "BF16 (pts) [95% CI] | diff to served KIVI-2 (pts) [95% CI] | embedded: n | served / embedded (%) | "
+              f"served - embedded (pts) [95% CI] | {verdict} (%) [95% CI] | served only / embedded only | "
+              "completions equal (%) |",
+              "|---|" + "---|" * (11 + niah)]
     for r in rows:
+        ctx = f" {r.get('length') or '-'} |" if niah else ""
         if not r["n"]:
-            lines.append(f"| {r['variant']} | 0 | ({r['served_items']} served, {r['embedded_items']} embedded records) "
-                         "| | | | | | |")
+            lines.append(f"| {r['variant']} |{ctx} 0 | (no served cell) |" + " |" * 9)
             continue
-        bits = "" if r["bits_per_element_served"] is None else f"{r['bits_per_element_served']:.2f}"
-        lines.append(f"| {r['variant']} | {r['n']} | {pct(r['pass_served'])} | {pct(r['pass_embedded'])} | "
-                     f"{100 * r['diff']:+.1f} [{100 * r['diff_lo']:+.1f}, {100 * r['diff_hi']:+.1f}] | "
-                     f"{pct(r['verdict_agreement'])} [{pct(r['verdict_agreement_lo'])}, {pct(r['verdict_agreement_hi'])}]"
-                     f" | {r['served_only_pass']} / {r['embedded_only_pass']} | {pct(r['predictions_equal'])} | {bits} |")
+        cells = [f"{_pct(r[score])} [{_pct(r['ci_lo'])}, {_pct(r['ci_hi'])}]" + ("" if r["complete"] else " (running)"),
+                 f"{r['bits_per_element']:.2f}", _diff(r), _diff(r, "kivi2")]
+        if r.get("n_common"):
+            cells += [str(r["n_common"]), f"{_pct(r['pass_served'])} / {_pct(r['pass_embedded'])}",
+                      f"{_pct(r['diff_vs_embedded'], True)} [{_pct(r['diff_vs_embedded_lo'], True)}, "
+                      f"{_pct(r['diff_vs_embedded_hi'], True)}]",
+                      f"{_pct(r['verdict_agreement'])} [{_pct(r['verdict_agreement_lo'])}, "
+                      f"{_pct(r['verdict_agreement_hi'])}]",
+                      f"{r['served_only_pass']} / {r['embedded_only_pass']}", _pct(r["predictions_equal"])]
+        else:
+            cells += [f"0 ({r['embedded_items']} embedded records)", "-", "-", "-", "-", "-"]
+        lines.append(f"| {r['variant']} |{ctx} {r['n']} | " + " | ".join(cells) + " |")
     atomic_write_text(out / f"{table}_served.md", "\n".join(lines) + "\n")
-    columns = ["variant", "n", "served_items", "embedded_items", "pass_served", "pass_embedded", "diff", "diff_lo",
-               "diff_hi", "verdict_agreement", "verdict_agreement_lo", "verdict_agreement_hi", "served_only_pass",
-               "embedded_only_pass", "predictions_equal", "prompts_equal", "bits_per_element_served"]
-    atomic_write_csv(out / f"{table}_served.csv", rows, columns)
+    columns = [score if c == "score" else c for c in SERVED_COLUMNS if niah or c != "length"]
+    atomic_write_text(out / f"{table}_served.csv", _csv(rows, columns))
     return [out / f"{table}_served.md", out / f"{table}_served.csv"]
 
 
 def report(out: Path, opts: dict[str, Any]) -> list[Path]:
-    if opts["engine"] == "sglang":
-        return served_report(out, opts)
+    """engine=embedded: ``<table>.{md,csv,png}`` from the cells; engine=sglang: ``<table>_served.{md,csv}``, and the
+    served rows merged into ``<table>.{md,csv,png}`` under ``out`` (its other rows and text kept as written)."""
     from oscar.studies.accuracy import write_reports  # local: keeps omegaconf out of `gpu --help`
+
+    if opts["engine"] == "sglang":
+        files = served_report(out, opts)
+        table = str(opts["table"])
+        write_reports(Path(opts["results"]), str(opts["model"]), out, only=table,
+                      served_results=Path(opts["results"]), keep_rows=True, keep_header=True)
+        return files + [out / f"{table}{s}" for s in (".md", ".csv", ".png")]
 
     env = host.read_env(out / f"{stem(opts)}_env.json")
     header = (f"{host.hardware_line(env)} Command: `{env.get('command', '?')}`." if env else "")
@@ -270,8 +336,16 @@ def track(out: Path, opts: dict[str, Any], uri: str) -> str:
     if opts["engine"] == "sglang":
         with open(out / f"{table}_served.csv", newline="") as fh:
             rows = list(csv.DictReader(fh))
-        cells = [mirror.Cell(f"{r['variant']}@sglang", {"method": r["variant"], "engine": "sglang"},
-                             {f"acc.{table}.served": r.get("pass_served"), f"acc.{table}.embedded": r.get("pass_embedded"),
+        cells = [mirror.Cell("/".join(x for x in (f"{r['variant']}@sglang", r.get("length")) if x),  # csv: strings
+                             {"method": r["variant"], "engine": "sglang", **({"length": r["length"]} if r.get("length")
+                                                                             else {})},
+                             {f"acc.{table}": r.get("score", r.get("pass_at_1")), f"acc.{table}.ci_lo": r.get("ci_lo"),
+                              f"acc.{table}.ci_hi": r.get("ci_hi"),
+                              "mem.kv_bits_per_element": r.get("bits_per_element"),
+                              f"acc.{table}.diff_vs_bf16": r.get("diff_vs_bf16"),
+                              f"acc.{table}.diff_vs_kivi2": r.get("diff_vs_kivi2"),
+                              f"acc.{table}.served": r.get("pass_served"),
+                              f"acc.{table}.embedded": r.get("pass_embedded"),
                               f"acc.{table}.verdict_agreement": r.get("verdict_agreement")}) for r in rows]
         return mirror.mirror(f"accuracy_{table}_served", cells, [out / f"{table}_served{s}" for s in (".md", ".csv")],
                              host.read_env(out / f"{table}_served_env.json"), uri)

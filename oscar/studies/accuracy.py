@@ -14,13 +14,24 @@ HumanEval options: `--versus METHOD` (repeatable) adds the paired difference of 
 (columns `diff_vs_<METHOD>`, `_lo`, `_hi`), e.g. a window variant against KIVI-2; `--agree-with ROOT` compares each
 cell with the cell of the same name under another results root (another engine or device) on the problems both
 hold: `agree_pass` problems with the same verdict, `agree_prediction` with the same completion, `n_common`.
+
+Served cells: `--served-results ROOT` adds the cells served through SGLang (`oscar eval engine=sglang`, written to
+`ROOT/eval/<model>/<variant>/{humaneval,niah}_sglang/seed0`) as rows `<variant>@sglang` with `served` true, their
+paired difference taken to the served `bf16` cell. Every row has the boolean `served`. `--keep-rows` keeps the rows
+of the tables already in `--out-dir` whose cells are not under the roots read (e.g. the embedded cells of another
+machine), as written; `--keep-header` keeps the text above their Markdown tables. The served rows of the committed
+table, from the served cells alone:
+
+    python -m oscar.studies.accuracy --only humaneval --served-results results --keep-rows --keep-header
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -30,9 +41,20 @@ from oscar.eval.stats import bootstrap_mean_ci, paired_bootstrap
 
 METHOD_ORDER = ["bf16", "int2", "auto", "kivi2", "quarot", "oscar", "turboquant", "saw_int4"]
 HUMANEVAL_COLUMNS = ["method", "pass_at_1", "ci_lo", "ci_hi", "bits_per_element", "n", "diff_vs_bf16", "diff_ci_lo",
-                     "diff_ci_hi", "complete", "wall_s", "hardware"]
+                     "diff_ci_hi", "complete", "wall_s", "hardware", "served"]
 NIAH_COLUMNS = ["method", "length", "score", "ci_lo", "ci_hi", "bits_per_element", "n", "diff_vs_bf16", "diff_ci_lo",
-                "diff_ci_hi", "complete"]
+                "diff_ci_hi", "complete", "served"]
+SERVED_ENGINE = "sglang"  # a served cell: <results>/eval/<model>/<variant>/<benchmark>_sglang/seed0
+
+
+def cell_benchmark(benchmark: str, engine: Optional[str] = None) -> str:
+    """The directory of a cell of `benchmark`: the benchmark's name, `<benchmark>_<engine>` for a served cell."""
+    return benchmark if engine is None else f"{benchmark}_{engine}"
+
+
+def served_cells(results: Path, model: str, benchmark: str, engine: str = SERVED_ENGINE) -> list[str]:
+    """The variants with a served cell of `benchmark` under `results` (table order)."""
+    return _methods(results / "eval" / model, cell_benchmark(benchmark, engine))
 
 
 def read_cell(cell: Path) -> Optional[tuple[Optional[dict], list[dict]]]:
@@ -67,27 +89,54 @@ def _bits(records: list[dict]) -> float:
 
 
 def _row(method: str, values: dict[str, float], ref: Optional[dict[str, float]], records: list[dict],
-         complete: bool) -> dict[str, Any]:
+         complete: bool, engine: Optional[str] = None) -> dict[str, Any]:
+    """A row of cell `method` (named `<method>@<engine>` when served); `ref`: BF16's values of the same engine."""
     mean = sum(values.values()) / len(values)
     lo, hi = bootstrap_mean_ci(list(values.values()))
-    row: dict[str, Any] = {"method": method, "ci_lo": lo, "ci_hi": hi, "bits_per_element": _bits(records),
-                           "n": len(values), "complete": complete, "_mean": mean}
+    row: dict[str, Any] = {"method": method if engine is None else f"{method}@{engine}", "variant": method,
+                           "ci_lo": lo, "ci_hi": hi, "bits_per_element": _bits(records), "n": len(values),
+                           "complete": complete, "served": engine is not None, "_mean": mean}
     if ref is not None and method != "bf16":
         d = paired_bootstrap({(k, 0): v for k, v in values.items()}, {(k, 0): v for k, v in ref.items()})
         row.update(diff_vs_bf16=d["diff"], diff_ci_lo=d["lo"], diff_ci_hi=d["hi"])
     return row
 
 
-def humaneval_rows(results: Path, model: str, versus: Sequence[str] = (),
-                   agree_with: Optional[Path] = None) -> list[dict[str, Any]]:
-    """One row per method with a HumanEval cell (finished or partial); `versus` and `agree_with` as the module says."""
+def _versus(row: dict[str, Any], values: dict[str, float], theirs: dict[str, float], other: str) -> None:
+    """`row` gains its paired difference to cell `other` (`diff_vs_<other>`, `_lo`, `_hi`) on the items both hold."""
+    common = {k: v for k, v in theirs.items() if k in values}
+    if row["variant"] == other or not common:
+        return
+    d = paired_bootstrap({(k, 0): values[k] for k in common}, {(k, 0): v for k, v in common.items()})
+    row.update({f"diff_vs_{other}": d["diff"], f"diff_vs_{other}_lo": d["lo"], f"diff_vs_{other}_hi": d["hi"]})
+
+
+def _cells(results: Path, model: str, benchmark: str, engine: Optional[str],
+           versus: Sequence[str]) -> dict[str, tuple[Optional[dict], list[dict]]]:
     root = results / "eval" / model
-    cells = {m: read_cell(root / m / "humaneval" / "seed0") for m in _methods(root, "humaneval")}
+    bench = cell_benchmark(benchmark, engine)
+    cells = {m: read_cell(root / m / bench / "seed0") for m in _methods(root, bench)}
     cells = {m: c for m, c in cells.items() if c}
     missing = [v for v in versus if v not in cells]
     if missing:
-        raise ValueError(f"--versus {', '.join(missing)}: no HumanEval cell of that name under {root}; "
+        raise ValueError(f"--versus {', '.join(missing)}: no {bench} cell of that name under {root}; "
                          f"cells there: {', '.join(cells) or 'none'}")
+    return cells
+
+
+def _hardware(result: Optional[dict], engine: Optional[str]) -> Optional[str]:
+    """The CPU a cell ran on; a served cell: its GPU (where the server ran), else its CPU."""
+    if result is None:
+        return None
+    hw = result.get("hardware") or {}
+    return (hw.get("gpu") or hw.get("cpu")) if engine is not None else hw.get("cpu")
+
+
+def humaneval_rows(results: Path, model: str, versus: Sequence[str] = (), agree_with: Optional[Path] = None,
+                   engine: Optional[str] = None) -> list[dict[str, Any]]:
+    """One row per method with a HumanEval cell (finished or partial); `versus` and `agree_with` as the module says.
+    `engine`: the cells served through that engine (`humaneval_<engine>`), each compared with the served BF16."""
+    cells = _cells(results, model, "humaneval", engine, versus)
     ref = None
     if "bf16" in cells:
         ref = {r["id"]: float(bool(r.get("correct"))) for r in cells["bf16"][1]}
@@ -95,18 +144,15 @@ def humaneval_rows(results: Path, model: str, versus: Sequence[str] = (),
     for method, (result, records) in cells.items():
         values = {r["id"]: float(bool(r.get("correct"))) for r in records}
         common_ref = None if ref is None else {k: v for k, v in ref.items() if k in values}
-        row = _row(method, values, common_ref if common_ref else None, records, result is not None)
+        row = _row(method, values, common_ref if common_ref else None, records, result is not None, engine)
         row["pass_at_1"] = row.pop("_mean")
         row["wall_s"] = None if result is None else result.get("wall_s")
-        row["hardware"] = None if result is None else (result.get("hardware") or {}).get("cpu")
+        row["hardware"] = _hardware(result, engine)
         for other in versus:
-            if other == method:
-                continue
-            theirs = {r["id"]: float(bool(r.get("correct"))) for r in cells[other][1] if r["id"] in values}
-            d = paired_bootstrap({(k, 0): values[k] for k in theirs}, {(k, 0): v for k, v in theirs.items()})
-            row.update({f"diff_vs_{other}": d["diff"], f"diff_vs_{other}_lo": d["lo"], f"diff_vs_{other}_hi": d["hi"]})
+            _versus(row, values, {r["id"]: float(bool(r.get("correct"))) for r in cells[other][1]}, other)
         if agree_with is not None:
-            row.update(_agreement(records, read_cell(agree_with / "eval" / model / method / "humaneval" / "seed0")))
+            row.update(_agreement(records, read_cell(agree_with / "eval" / model / method /
+                                                     cell_benchmark("humaneval", engine) / "seed0")))
         rows.append(row)
     return rows
 
@@ -122,11 +168,11 @@ def _agreement(records: list[dict], other: Optional[tuple[Optional[dict], list[d
             "agree_prediction": sum(r.get("prediction") == theirs[r["id"]].get("prediction") for r in common)}
 
 
-def niah_rows(results: Path, model: str) -> list[dict[str, Any]]:
-    """One row per (method, context length) with a NIAH cell (finished or partial)."""
-    root = results / "eval" / model
-    cells = {m: read_cell(root / m / "niah" / "seed0") for m in _methods(root, "niah")}
-    cells = {m: c for m, c in cells.items() if c}
+def niah_rows(results: Path, model: str, versus: Sequence[str] = (),
+              engine: Optional[str] = None) -> list[dict[str, Any]]:
+    """One row per (method, context length) with a NIAH cell (finished or partial); `engine` and `versus` as for
+    HumanEval (the paired differences per context length)."""
+    cells = _cells(results, model, "niah", engine, versus)
     rows = []
     lengths = sorted({int(r["length"]) for _, recs in cells.values() for r in recs if r.get("length")})
     for length in lengths:
@@ -139,11 +185,59 @@ def niah_rows(results: Path, model: str) -> list[dict[str, Any]]:
                 continue
             values = {r["id"]: float(r["score"]) for r in sub}
             common_ref = None if not ref else {k: v for k, v in ref.items() if k in values}
-            row = _row(method, values, common_ref or None, sub, result is not None)
+            row = _row(method, values, common_ref or None, sub, result is not None, engine)
             row["score"] = row.pop("_mean")
             row["length"] = length
+            for other in versus:
+                _versus(row, values, {r["id"]: float(r["score"]) for r in cells[other][1] if r.get("length") == length},
+                        other)
             rows.append(row)
     return rows
+
+
+def _value(text: str) -> Any:
+    """A cell of a table written by `_csv`, back to the value it was written from (so that it writes the same)."""
+    if text == "":
+        return None
+    if text in ("True", "False"):
+        return text == "True"
+    if re.fullmatch(r"-?\d+", text):
+        return int(text)
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def read_table(path: Path) -> list[dict[str, Any]]:
+    """The rows of a table this module wrote (none when the file does not exist); a row without `served` was not."""
+    if not path.is_file():
+        return []
+    with open(path, newline="") as fh:
+        rows = [{k: _value(v) for k, v in r.items()} for r in csv.DictReader(fh)]
+    for r in rows:
+        r["served"] = bool(r.get("served"))
+        r["variant"] = r["method"].rsplit(f"@{SERVED_ENGINE}", 1)[0] if r["served"] else r["method"]
+    return rows
+
+
+def merge_rows(kept: list[dict[str, Any]], rows: list[dict[str, Any]], key: Sequence[str]) -> list[dict[str, Any]]:
+    """`kept` (an earlier table) with each row replaced by the row of `rows` of the same `key`, then the rest of
+    `rows`; the cells' rows before the served ones and (NIAH) grouped by context length, each group in that order."""
+    new = {tuple(r.get(k) for k in key): r for r in rows}
+    out = [new.pop(tuple(r.get(k) for k in key), r) for r in kept] + list(new.values())
+    order = (lambda r: (r.get("length") or 0, bool(r.get("served")))) if "length" in key else \
+        (lambda r: bool(r.get("served")))
+    return sorted(out, key=order)
+
+
+def header_of(markdown: Path) -> str:
+    """The text above the first table of a Markdown report (empty when there is no such file)."""
+    if not markdown.is_file():
+        return ""
+    lines = markdown.read_text().splitlines()
+    first = next((i for i, line in enumerate(lines) if line.startswith("|")), len(lines))
+    return "\n".join(lines[:first]).rstrip()
 
 
 def _csv(rows: list[dict[str, Any]], columns: list[str]) -> str:
@@ -166,7 +260,7 @@ def _pct(x: Any, signed: bool = False) -> str:
 
 def _diff(r: dict[str, Any], other: str = "bf16") -> str:
     """`r`'s paired difference to `other` as Markdown (the BF16 columns keep their `diff_ci_*` names)."""
-    if r["method"] == other:
+    if r.get("variant", r["method"]) == other:
         return "(reference)"
     key = f"diff_vs_{other}"
     lo, hi = ("diff_ci_lo", "diff_ci_hi") if other == "bf16" else (f"{key}_lo", f"{key}_hi")
@@ -175,29 +269,41 @@ def _diff(r: dict[str, Any], other: str = "bf16") -> str:
     return f"{_pct(r[key], True)} [{_pct(r[lo], True)}, {_pct(r[hi], True)}]"
 
 
+SERVED_NOTE = ("Served rows (`<variant>@sglang`, served = yes): the cell served through SGLang (`oscar eval "
+               "engine=sglang`: the oscar plugin's pool for a quantized cache, SGLang's own attention for bf16) with "
+               "the BF16 model on the GPU, graded by the same sandbox; their paired difference to BF16 is to the "
+               "served `bf16@sglang` cell, on the problems both hold.")
+
+
+def _served(r: dict[str, Any]) -> str:
+    return "yes" if r.get("served") else "no"
+
+
 def humaneval_markdown(rows: list[dict[str, Any]], header: str, versus: Sequence[str] = ()) -> str:
     agree = any("n_common" in r for r in rows)
-    head = ["method", "pass@1 (%) [95% CI]", "bits / element", "n", "paired diff to BF16 (pts) [95% CI]"]
+    head = ["method", "served", "pass@1 (%) [95% CI]", "bits / element", "n", "paired diff to BF16 (pts) [95% CI]"]
     head += [f"paired diff to {v} (pts) [95% CI]" for v in versus]
     head += ["same verdict / same completion as the other run"] if agree else []
     lines = [header, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         n = f"{r['n']}" + ("" if r["complete"] else " (running)")
-        cells = [r["method"], f"{_pct(r['pass_at_1'])} [{_pct(r['ci_lo'])}, {_pct(r['ci_hi'])}]",
+        cells = [r["method"], _served(r), f"{_pct(r['pass_at_1'])} [{_pct(r['ci_lo'])}, {_pct(r['ci_hi'])}]",
                  f"{r['bits_per_element']:.2f}", n, _diff(r)] + [_diff(r, v) for v in versus]
         if agree:
             cells.append(f"{r['agree_pass']} / {r['agree_prediction']} of {r['n_common']}" if "n_common" in r else "-")
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", SERVED_NOTE] if any(r.get("served") for r in rows) else []
     return "\n".join(lines) + "\n"
 
 
 def niah_markdown(rows: list[dict[str, Any]], header: str) -> str:
-    lines = [header, "", "| method | context (tokens) | needles retrieved (%) [95% CI] | bits / element | n | paired diff to BF16 (pts) [95% CI] |",
-             "|---|---|---|---|---|---|"]
+    lines = [header, "", "| method | served | context (tokens) | needles retrieved (%) [95% CI] | bits / element | n | "
+             "paired diff to BF16 (pts) [95% CI] |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         n = f"{r['n']}" + ("" if r["complete"] else " (running)")
-        lines.append(f"| {r['method']} | {r['length']} | {_pct(r['score'])} [{_pct(r['ci_lo'])}, {_pct(r['ci_hi'])}] | "
-                     f"{r['bits_per_element']:.2f} | {n} | {_diff(r)} |")
+        lines.append(f"| {r['method']} | {_served(r)} | {r['length']} | {_pct(r['score'])} [{_pct(r['ci_lo'])}, "
+                     f"{_pct(r['ci_hi'])}] | {r['bits_per_element']:.2f} | {n} | {_diff(r)} |")
+    lines += ["", SERVED_NOTE.replace("problems", "needles")] if any(r.get("served") for r in rows) else []
     return "\n".join(lines) + "\n"
 
 
@@ -227,7 +333,9 @@ def _bar_figure(rows: list[dict[str, Any]], key: str, labels: list[str], ylabel:
     xs = range(len(rows))
     means = [100 * r[key] for r in rows]
     err = [[100 * (r[key] - r["ci_lo"]) for r in rows], [100 * (r["ci_hi"] - r[key]) for r in rows]]
-    ax.bar(xs, means, yerr=err, capsize=3, color=["#555555" if r["method"] == "bf16" else "#3b75af" for r in rows])
+    colors = {(False, True): "#555555", (False, False): "#3b75af", (True, True): "#8c6d31", (True, False): "#d08a2c"}
+    ax.bar(xs, means, yerr=err, capsize=3,  # served rows in ochre
+           color=[colors[bool(r.get("served")), r.get("variant", r["method"]) == "bf16"] for r in rows])
     ax.set_xticks(list(xs), labels, fontsize=7)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
@@ -240,19 +348,31 @@ def _bar_figure(rows: list[dict[str, Any]], key: str, labels: list[str], ylabel:
 
 
 def write_reports(results: Path, model: str, out_dir: Path, header: str = "", only: Optional[str] = None,
-                  versus: Sequence[str] = (), agree_with: Optional[Path] = None) -> dict[str, list[dict[str, Any]]]:
-    """Write humaneval.{csv,md,png} and niah.{csv,md,png} under `out_dir` (`only`: one of the two); returns the rows."""
+                  versus: Sequence[str] = (), agree_with: Optional[Path] = None, served_results: Optional[Path] = None,
+                  keep_rows: bool = False, keep_header: bool = False) -> dict[str, list[dict[str, Any]]]:
+    """Write humaneval.{csv,md,png} and niah.{csv,md,png} under `out_dir` (`only`: one of the two); returns the rows.
+    `served_results`, `keep_rows`, `keep_header`: the served rows, the earlier tables' rows and text (module doc)."""
     he = humaneval_rows(results, model, versus, agree_with) if only in (None, "humaneval") else []
     nh = niah_rows(results, model) if only in (None, "niah") else []
+    if served_results is not None:
+        for bench, fn, part in (("humaneval", humaneval_rows, he), ("niah", niah_rows, nh)):
+            if only in (None, bench):
+                present = served_cells(served_results, model, bench)
+                part += fn(served_results, model, [v for v in versus if v in present], engine=SERVED_ENGINE)
+    if keep_rows:
+        he = merge_rows(read_table(out_dir / "humaneval.csv"), he, ["method"]) if only in (None, "humaneval") else he
+        nh = merge_rows(read_table(out_dir / "niah.csv"), nh, ["method", "length"]) if only in (None, "niah") else nh
     if he:
         columns = HUMANEVAL_COLUMNS + [f"diff_vs_{v}{s}" for v in versus for s in ("", "_lo", "_hi")]
         columns += ["n_common", "agree_pass", "agree_prediction"] if agree_with is not None else []
+        text = (keep_header and header_of(out_dir / "humaneval.md")) or header
         atomic_write_text(out_dir / "humaneval.csv", _csv(he, columns))
-        atomic_write_text(out_dir / "humaneval.md", humaneval_markdown(he, header, versus))
+        atomic_write_text(out_dir / "humaneval.md", humaneval_markdown(he, text, versus))
         humaneval_figure(he, out_dir / "humaneval.png")
     if nh:
+        text = (keep_header and header_of(out_dir / "niah.md")) or header
         atomic_write_text(out_dir / "niah.csv", _csv(nh, NIAH_COLUMNS))
-        atomic_write_text(out_dir / "niah.md", niah_markdown(nh, header))
+        atomic_write_text(out_dir / "niah.md", niah_markdown(nh, text))
         niah_figure(nh, out_dir / "niah.png")
     return {"humaneval": he, "niah": nh}
 
@@ -269,10 +389,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="HumanEval: also the paired difference of every row to this cell (repeatable)")
     parser.add_argument("--agree-with", default=None, metavar="ROOT",
                         help="HumanEval: compare each cell with the cell of the same name under this results root")
+    parser.add_argument("--served-results", default=None, metavar="ROOT",
+                        help="also the cells served through SGLang under this root (rows <variant>@sglang, served)")
+    parser.add_argument("--keep-rows", action="store_true",
+                        help="keep the rows of the tables in --out-dir whose cells are not read (as written)")
+    parser.add_argument("--keep-header", action="store_true",
+                        help="keep the text above the tables of the Markdown reports in --out-dir (else --header)")
     args = parser.parse_args(argv)
     try:
         rows = write_reports(Path(args.results), args.model, Path(args.out_dir), args.header, args.only, args.versus,
-                             Path(args.agree_with) if args.agree_with else None)
+                             Path(args.agree_with) if args.agree_with else None,
+                             Path(args.served_results) if args.served_results else None, args.keep_rows,
+                             args.keep_header)
     except ValueError as exc:
         print(f"oscar.studies.accuracy: {exc}")
         return 2
