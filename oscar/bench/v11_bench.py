@@ -181,6 +181,7 @@ def main() -> int:
            "variants": {k: vars(v) if hasattr(v, "__dict__") else str(v) for k, v in variants.items()},
            "command": "python -m oscar.bench.v11_bench " + " ".join(sys.argv[1:]), "opts": OPTS}
     print(json.dumps(env, default=str), flush=True)
+    (args.out / f"{args.name}_env.json").write_text(json.dumps(env, indent=1, default=str))  # again at the end
     rows: list[dict] = []
     fields = ["head_dim", "batch", "context", "format", "kernel", "us", "bytes", "TBps", "frac_copy", "x_cudnn", "x_v10",
               "sets", "status"]
