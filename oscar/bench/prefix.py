@@ -6,6 +6,11 @@ CUDA graphs, pages of 16), dummy weights of ``model=`` (default: the bundle's Qw
 the flashinfer engine starts first (its nvcc JIT takes ~2 minutes at first use) and waits after its warm-up while
 the OSCAR engine starts and measures; then it measures (the GPU runs one engine's work at a time). Rows:
 ``prefix_rows.jsonl``; logs: ``logs/prefix_*.log``; report: ``prefix_sweep.{csv,md,png}``.
+
+``profile=true``: where a prefix hit's time goes, no sweep: the OSCAR engine alone (labels on,
+``OSCAR_PROFILE_LABELS=1``) times one prompt of ``input_len`` tokens cold and then hitting its cached prefix, unprofiled
+and under SGLang's ``torch.profiler`` in the scheduler process (``oscar.bench.prefix_sweep --profile``); writes
+``prefix_profile.{md,json}`` (``oscar.bench.prefix_profile``), the traces packed as ``prefix_traces.tar.gz``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ DEFAULTS: dict[str, Any] = {
     "sink": 64,
     "recent": 256,
     "notes": "",
+    "profile": False,  # where a hit's time goes: no sweep; the OSCAR engine alone, cold + hits profiled
 }
 ENGINE = ["load_format=dummy", "skip_tokenizer_init=true", "sampling_backend=pytorch", "grammar_backend=none",
           "log_level=info", "context_length=65536", "max_running_requests=16", "cuda_graph_max_bs_decode=16",
@@ -40,7 +46,7 @@ ENGINE = ["load_format=dummy", "skip_tokenizer_init=true", "sampling_backend=pyt
 
 
 def stem(opts: dict[str, Any]) -> str:
-    return "prefix_sweep"
+    return "prefix_profile" if opts["profile"] else "prefix_sweep"
 
 
 def _ratios(opts: dict[str, Any]) -> list[float]:
@@ -81,6 +87,9 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
              ",".join(f"{r:g}" for r in _ratios(opts)), "--check-hit"]
     extra = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
              "PYTHONUNBUFFERED": "1", "MAX_JOBS": "10"}  # flashinfer's JIT leaves cores to the engine that measures
+    if opts["profile"]:
+        _measure_profile(opts, out, env, sweep, extra, art)
+        return
     limit = int(opts["limit_s"])
     fi_log = open(out / "logs" / "prefix_bf16_flashinfer.log", "w")  # noqa: SIM115 - closed below
     fi = subprocess.Popen(sweep + ["--attention-backend", "flashinfer", "--tag", "bf16_flashinfer", "--wait-for",
@@ -120,8 +129,43 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
                 print("   " + line[:300], flush=True)
 
 
+def _measure_profile(opts: dict[str, Any], out: Path, env: dict[str, Any], sweep: list[str], extra: dict[str, str],
+                     art: Path) -> None:
+    """``profile=true``: the OSCAR engine alone with ``--profile`` (no sweep, no check row, no flashinfer engine);
+    the traces packed into ``prefix_traces.tar.gz``."""
+    import shutil
+    import tarfile
+
+    cmd = [x for x in sweep if x != "--check-hit"]
+    cmd[cmd.index("--ratios") + 1] = ""
+    oscar_env = host.sglang_env(dict(extra, OSCAR_ARTIFACT=str(art), OSCAR_SINK=str(opts["sink"]),
+                                     OSCAR_RECENT=str(opts["recent"]), OSCAR_PROFILE_LABELS="1"))
+    t0 = time.time()
+    with open(out / "logs" / "prefix_oscar.log", "w") as log:
+        try:
+            rc: Any = subprocess.run(cmd + ["--attention-backend", "oscar", "--tag", "oscar", "--profile", str(out),
+                                            "--engine", *ENGINE, "mem_fraction_static=0.80", "page_size=16"],
+                                     stdout=log, stderr=subprocess.STDOUT, timeout=int(opts["limit_s"]),
+                                     env=oscar_env).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    print(f"oscar exit {rc} at t={time.time() - t0:.0f} s", flush=True)
+    env["runs"] = [{"name": "oscar", "rc": rc}]
+    if (out / "traces").is_dir():
+        with tarfile.open(out / "prefix_traces.tar.gz", "w:gz") as tar:
+            tar.add(out / "traces", arcname="traces")
+        shutil.rmtree(out / "traces")
+    for line in (out / "logs" / "prefix_oscar.log").read_text(errors="replace").splitlines():
+        if line.startswith("PREFIX_") or "Traceback" in line or "Error" in line[:80]:
+            print("   " + line[:300], flush=True)
+
+
 def report(out: Path, opts: dict[str, Any]) -> list[Path]:
 
+    if opts["profile"]:
+        from oscar.bench import prefix_profile
+
+        return prefix_profile.rewrite(out, host.read_env(out / "prefix_profile_env.json"))
     rows = out / "prefix_rows.jsonl"
     if not rows.is_file():
         raise FileNotFoundError(f"{rows}: no rows (run `python -m oscar gpu prefix out={out}` on a GPU first)")
@@ -131,6 +175,9 @@ def report(out: Path, opts: dict[str, Any]) -> list[Path]:
 
 def track(out: Path, opts: dict[str, Any], uri: str) -> str:
     import csv
+
+    if opts["profile"]:
+        return "none (profile=true writes prefix_profile.{md,json} only)"
 
     from oscar.bench import mirror  # local: keeps omegaconf and pandas out of import time (MLflow only)
 

@@ -2,7 +2,7 @@
 
     python -m oscar.bench.prefix_sweep --model-path M --attention-backend oscar|flashinfer|... --out rows.jsonl \
         [--tag T] [--requests 8] [--input-len 30000] [--output-len 16] [--ratios 0,0.25,0.5,0.75,0.99] \
-        [--check-hit] [--time-limit S] [--engine KEY=VALUE ...]
+        [--check-hit] [--profile DIR] [--time-limit S] [--engine KEY=VALUE ...]
 
 The radix cache is on. For each ratio ``r`` the cache is flushed, then the job (``N`` prompts of ``--input-len``
 random token ids whose first ``round(r * input_len)`` tokens are shared, the rest unique; seeded, so every
@@ -12,7 +12,11 @@ scheduler computes the shared prefix once and later requests hit it in the tree.
 ``ttft_p50_s`` / ``ttft_max_s``, ``cached_tokens`` (SGLang's own count of prompt tokens served from the cache),
 and the greedy tokens of the last request. ``--check-hit``: also one prompt of the ``0.99`` shape generated twice
 (cold, then hitting its own cached prefix) -> ``check`` row with both token lists and ``first_logprob_gap``, the
-largest difference of the first token's top-2 log-probabilities between the two.
+largest difference of the first token's top-2 log-probabilities between the two. ``--profile DIR``: one prompt of
+the ``0.99`` shape cold, then hitting its cached prefix twice, first unprofiled, then each request under SGLang's
+``torch.profiler`` in the scheduler process (the second hit also with Python stacks); the traces go to
+``DIR/traces/<name>/`` and their summary (``oscar.bench.prefix_profile``) to ``DIR/prefix_profile.{md,json}``; set
+``OSCAR_PROFILE_LABELS=1`` for the plugin's phases. ``--ratios ""`` runs no sweep.
 
 The oscar plugin is loaded through its ``sglang.srt.plugins`` entry point (the checkout installed with
 ``pip install --no-deps -e .``; ``python -m oscar gpu prefix`` checks it). ``python -m oscar gpu prefix`` runs
@@ -82,6 +86,49 @@ def first_logprob_gap(cold: Any, hit: Any) -> Any:
     return max(abs(a[t] - b[t]) for t in common) if common else None
 
 
+def _profiled(engine: Any, ids: list[int], sampling: dict, folder: Path, stack: bool) -> dict[str, Any]:
+    """One request under SGLang's profiler (started before it is submitted, stopped once it finished)."""
+    import torch
+
+    folder.mkdir(parents=True, exist_ok=True)
+    engine.start_profile(output_dir=str(folder), activities=["CPU", "GPU"] if torch.cuda.is_available() else ["CPU"],
+                         with_stack=stack, record_shapes=False, profile_id=folder.name)
+    try:
+        _, (res,) = engine.loop.run_until_complete(_job(engine, [ids], sampling))
+    finally:
+        engine.stop_profile()
+    return res
+
+
+def profile_hits(engine: Any, a: argparse.Namespace, sampling: dict, base: dict[str, Any], out: Path) -> list[Path]:
+    """``--profile``: cold, hit, hit again unprofiled, then the same under the profiler; writes the summary."""
+    from oscar.bench import prefix_profile
+
+    (ids,) = prompts(1, a.input_len, 0.99, a.seed + 777, a.vocab)
+    plain: dict[str, dict[str, Any]] = {}
+    engine.flush_cache()
+    for name in ("cold", "hit", "hit2"):
+        _, (plain[name],) = engine.loop.run_until_complete(_job(engine, [ids], sampling))
+    engine.flush_cache()
+    short = dict(sampling, max_new_tokens=min(2, int(sampling["max_new_tokens"])))  # the prefill and one decode step
+    results = []
+    for name, stack in (("cold", False), ("hit", False), ("hit2_stack", True)):
+        res = _profiled(engine, ids, short, out / "traces" / name, stack)
+        trace = prefix_profile.find_trace(out / "traces" / name)
+        results.append(dict(name=name, ttft_s=res["ttft"], ttft_unprofiled_s=plain[name.split("_")[0]]["ttft"],
+                            cached=res["cached"], cached_unprofiled=plain[name.split("_")[0]]["cached"],
+                            trace=str(trace.relative_to(out)), summary=prefix_profile.summarize(prefix_profile.read_trace(trace))))
+    header = [f"# Where a prefix hit's time goes: {a.attention_backend}, one prompt of {a.input_len} tokens, 99% then cached",
+              "", f"SGLang {base['sglang']}, {base['device']}, page size {base['page_size']}, CUDA graphs "
+              f"{base['cuda_graph']}; `oscar.bench.prefix_sweep --profile` (`python -m oscar gpu prefix profile=1`). "
+              "Unprofiled: the prompt cold, then hitting its cached prefix twice (TTFT as served, "
+              f"{sampling['max_new_tokens']} output tokens). Profiled (SGLang's torch.profiler in the scheduler, "
+              "CPU + CUDA, 2 output tokens): the same after a flush, the last hit also with Python stacks (slower "
+              "host). Phases `oscar.*`: oscar.serve.labels; the rest by kernel name. Module docstring of "
+              "oscar.bench.prefix_profile: what each column means.", ""]
+    return prefix_profile.write_profile(results, out, header)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", required=True)
@@ -95,6 +142,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=30000, help="token ids are drawn from [100, vocab)")
     ap.add_argument("--check-hit", action="store_true")
+    ap.add_argument("--profile", type=Path, default=None, help="profile a cold request and a hit into this folder")
     ap.add_argument("--time-limit", type=float, default=0.0, help="skip the remaining ratios after this many seconds")
     ap.add_argument("--wait-for", type=Path, default=None, help="after the warm-up, wait until this file exists "
                     "(two engines started in one run: the second compiles while the first measures)")
@@ -150,7 +198,10 @@ def main(argv: list[str]) -> int:
                        cold_cached=cold["cached"], hit_cached=hit["cached"], cold_ttft_s=cold["ttft"],
                        hit_ttft_s=hit["ttft"], equal=cold["output_ids"] == hit["output_ids"],
                        first_logprob_gap=first_logprob_gap(cold["first_top"], hit["first_top"])))
-        for ratio in (float(x) for x in a.ratios.split(",")):
+        if a.profile is not None:
+            for path in profile_hits(engine, a, sampling, base, a.profile):
+                print(f"PREFIX_PROFILE {path}", flush=True)
+        for ratio in (float(x) for x in a.ratios.split(",") if x.strip()):
             if a.time_limit and time.perf_counter() - t_start > a.time_limit:
                 write(dict(base, kind="sweep", ratio=ratio, status="skipped (time limit)"))
                 continue

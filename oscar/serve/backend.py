@@ -28,7 +28,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -39,6 +39,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from oscar.cache.extend import extend_attention
 from oscar.kernels.launch import MmaLaunch
 from oscar.kernels.segments import Segments
+from oscar.serve.labels import install_labels, labels_requested
 from oscar.serve.pool import OscarTokenToKVPool
 from oscar.serve.state import current_state
 
@@ -54,6 +55,8 @@ class _ExtendMeta:
     req_slots: list[int]
     hit: list[bool]  # the prefix was computed by another request (the radix cache): not in this slot's windows
     sink_ids: list[Optional[torch.Tensor]]  # sink-store rows of a hit's sink pages
+    plan: Optional[Any] = None  # where the rows go in every per-token layer (pool.write_plan, once per forward)
+    rows: dict = field(default_factory=dict)  # (request slot, ring kind) -> (page table, ring columns), once per forward
 
 
 @dataclass
@@ -129,6 +132,8 @@ class OscarAttnBackend(AttentionBackend):
         self.mma_waves, self.mma_splits = mma.pop("waves", None), mma.pop("splits", None)
         self.mma_options = mma  # OSCAR_MMA (oscar.serve.settings): MmaLaunch fields (warps, stages, ...)
         self.launches: dict[int, Any] = {}
+        if labels_requested():  # OSCAR_PROFILE_LABELS: the phases as torch.profiler ranges (oscar.serve.labels)
+            install_labels(self)
 
     # -- metadata (once per forward, shared by the layers) -----------------------------------------
 
@@ -172,9 +177,11 @@ class OscarAttnBackend(AttentionBackend):
         r2t = self.req_to_token_pool.req_to_token
         sink_ids = [self.pool.sink_ids(r2t, r, min(p, self.pool.sink)) if h and min(p, self.pool.sink) else None
                     for r, p, h in zip(slots, prefix, hit)]
-        return _ExtendMeta(req=torch.repeat_interleave(req, counts), pos=pos,
-                           seq_len=torch.repeat_interleave(torch.tensor(seq_lens, device=dev), counts),
-                           starts=starts, lens=lens, prefix=prefix, req_slots=slots, hit=hit, sink_ids=sink_ids)
+        req_rows = torch.repeat_interleave(req, counts)
+        seq_len = torch.repeat_interleave(torch.tensor(seq_lens, device=dev), counts)
+        plan = self.pool.write_plan(fb.out_cache_loc.long(), req_rows, pos, seq_len)
+        return _ExtendMeta(req=req_rows, pos=pos, seq_len=seq_len, starts=starts, lens=lens, prefix=prefix,
+                           req_slots=slots, hit=hit, sink_ids=sink_ids, plan=plan)
 
     def _prefix_hits(self, slots: list[int], prefix: list[int]) -> list[bool]:
         """Which extends start on a prefix this request slot's windows do not hold: the slot changed hands
@@ -311,7 +318,8 @@ class OscarAttnBackend(AttentionBackend):
             o = o.squeeze(0).movedim(1, 0)
             out[start : start + n] = self._to_folded(o, layer.layer_id) if self.folded else o
         if save_kv_cache:
-            self.pool.write(layer.layer_id, kb, vb, forward_batch.out_cache_loc.long(), m.req, m.pos, m.seq_len)
+            self.pool.write(layer.layer_id, kb, vb, forward_batch.out_cache_loc.long(), m.req, m.pos, m.seq_len,
+                            plan=m.plan)
         return out.reshape(q3.shape[0], H * d)
 
     def _prefix_split(self, p: int, hit: bool) -> tuple[int, int]:
@@ -342,10 +350,14 @@ class OscarAttnBackend(AttentionBackend):
         (``oscar.cache.extend.extend_attention``: the Triton kernel or its twin, in the pages' rotated frame)."""
         pool, i = self.pool, layer.layer_id - self.pool.start_layer
         n_sink, q_end = self._prefix_split(p, hit)
-        ring = pool.ring_columns(i, torch.arange(q_end, p, device=q.device), p)  # per-channel layers: block slots
+        key = (r, pool.key_blocks[i] if getattr(pool, "key_blocks", None) else 0)
+        rows = self.meta.rows if isinstance(self.meta, _ExtendMeta) else {}
+        if key not in rows:  # the same in every layer of the forward (per-channel layers: block slots)
+            rows[key] = (pool.page_table(r2t, torch.tensor([r], device=r2t.device))[0],
+                         pool.ring_columns(i, torch.arange(q_end, p, device=q.device), p))
+        table, ring = rows[key]
         bk = torch.cat([pool.win_k[i][r, :, :n_sink], pool.win_k[i][r][:, ring], k.movedim(0, 1)], dim=1)
         bv = torch.cat([pool.win_v[i][r, :, :n_sink], pool.win_v[i][r][:, ring], v.movedim(0, 1)], dim=1)
-        table = pool.page_table(r2t, torch.tensor([r], device=r2t.device))[0]
         kt, vt = pool.transforms[i]
         return extend_attention(q, pool.k_pages[i], pool.v_pages[i], table, q_end - pool.sink, bk, bv,
                                 n_sink + p - q_end, kt, vt, sm_scale=layer.scaling,

@@ -346,26 +346,35 @@ class OscarTokenToKVPool(MHATokenToKVPool):
     def _local(self, layer_id: int) -> int:
         return layer_id - self.start_layer
 
+    def write_plan(self, loc: torch.Tensor, req: torch.Tensor, pos: torch.Tensor, seq_len: torch.Tensor) -> "WritePlan":
+        """Where an extend's rows go in every per-token layer (`write`'s arguments less the rows): computed once per
+        forward, so that the layers' writes index with it and wait for no host sync (two ``nonzero`` here)."""
+        quant = torch.nonzero(pos >= self.sink).flatten()
+        keep = torch.nonzero((pos < self.sink) | (pos >= seq_len - self.recent)).flatten()
+        return WritePlan(quant=quant, quant_loc=loc.index_select(0, quant), quant_pos=pos.index_select(0, quant),
+                         keep=keep, keep_req=req.index_select(0, keep),
+                         keep_col=self.window_index(pos.index_select(0, keep)))
+
     def write(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, req: torch.Tensor,
-              pos: torch.Tensor, seq_len: torch.Tensor) -> None:
+              pos: torch.Tensor, seq_len: torch.Tensor, plan: Optional["WritePlan"] = None) -> None:
         """Store new rows ``k``/``v`` ``[N, Hkv, d]`` (original frame) of request slots ``req`` at positions
         ``pos`` (``[N]``, int64), where ``seq_len[n]`` is the length of row ``n``'s sequence after this
         forward (an extend, eager): rows past the sink quantized into slot ``loc``, sink rows and rows inside
-        the recent window also into the BF16 windows."""
+        the recent window also into the BF16 windows. ``plan``: `write_plan` of these arguments (the backend
+        computes it once per forward); without it, computed here."""
         i = self._local(layer_id)
         kb, vb = k.to(self.window_dtype), v.to(self.window_dtype)
         if self.key_blocks[i]:
             self._write_blocks(i, kb, vb, loc, req, pos, seq_len)
             return
-        quant = pos >= self.sink
-        if bool(quant.any()):
-            self.format.write(kb[quant], vb[quant], loc[quant], (self.k_pages[i], self.v_pages[i]), self.transforms[i],
-                              backend=self.kernels, positions=pos[quant] if self.rope_centered else None)
-        keep = (pos < self.sink) | (pos >= seq_len - self.recent)
-        if bool(keep.any()):
-            r, col = req[keep], self.window_index(pos[keep])
-            self.win_k[i][r, :, col] = kb[keep]
-            self.win_v[i][r, :, col] = vb[keep]
+        plan = self.write_plan(loc, req, pos, seq_len) if plan is None else plan
+        if plan.quant.numel():
+            self.format.write(kb.index_select(0, plan.quant), vb.index_select(0, plan.quant), plan.quant_loc,
+                              (self.k_pages[i], self.v_pages[i]), self.transforms[i], backend=self.kernels,
+                              positions=plan.quant_pos if self.rope_centered else None)
+        if plan.keep.numel():
+            self.win_k[i][plan.keep_req, :, plan.keep_col] = kb.index_select(0, plan.keep)
+            self.win_v[i][plan.keep_req, :, plan.keep_col] = vb.index_select(0, plan.keep)
 
     def _write_blocks(self, i: int, kb: torch.Tensor, vb: torch.Tensor, loc: torch.Tensor, req: torch.Tensor,
                       pos: torch.Tensor, seq_len: torch.Tensor) -> None:
@@ -592,6 +601,18 @@ class OscarTokenToKVPool(MHATokenToKVPool):
 
 
 @dataclass
+class WritePlan:
+    """Where an extend's rows go in a per-token layer (`OscarTokenToKVPool.write_plan`; device tensors, int64)."""
+
+    quant: torch.Tensor  # [Nq] rows past the sink (quantized into their token slots)
+    quant_loc: torch.Tensor  # [Nq] their token slots
+    quant_pos: torch.Tensor  # [Nq] their positions (rope-centered keys)
+    keep: torch.Tensor  # [Nw] rows also kept in BF16 (sink, recent window)
+    keep_req: torch.Tensor  # [Nw] their request slots
+    keep_col: torch.Tensor  # [Nw] their window columns
+
+
+@dataclass
 class BlockMeta:
     """Decode metadata of the per-channel layers of one step (device tensors ``[B]``; `OscarTokenToKVPool.block_meta`)."""
 
@@ -640,4 +661,4 @@ def sink_store_pages(num_req_slots: int, sink: int, page_size: int) -> int:
     return 2 * num_req_slots * (sink // page_size)
 
 
-__all__ = ["BlockMeta", "OscarTokenToKVPool", "check_key_blocks", "sink_store_pages"]
+__all__ = ["BlockMeta", "OscarTokenToKVPool", "WritePlan", "check_key_blocks", "sink_store_pages"]
