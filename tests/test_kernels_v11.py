@@ -379,6 +379,74 @@ def test_rope_table_holds_the_emulated_values():
     assert torch.equal(tab[k, kc, g, t, r, e], E[16 * k + g + 8 * (r & 1), 16 * kc + 2 * t + 8 * (r >> 1) + e])
 
 
+def _mma_m16n8k16(a, b):
+    """``mma.sync.m16n8k16`` (fp16 in, float32 sums) from per-lane fragments: ``a`` ``[32, 4, 2]`` (regs a0-a3, low
+    and high halves), ``b`` ``[32, 2, 2]``; returns the per-lane C ``[32, 4]`` (c0-c3)."""
+    A, B = torch.zeros(16, 16), torch.zeros(16, 8)
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for r in range(4):
+            for e in range(2):
+                A[g + 8 * (r & 1), 2 * t + 8 * (r >> 1) + e] = a[lane, r, e]
+        for r in range(2):
+            for e in range(2):
+                B[2 * t + 8 * r + e, g] = b[lane, r, e]
+    C = A @ B
+    return torch.stack([torch.stack([C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]])
+                        for g, t in (divmod(lane, 4) for lane in range(32))])
+
+
+@pytest.mark.parametrize("d,rep,rotary", [(128, 4, 128), (64, 8, 48)])
+def test_rope_lanes_match_the_emulated_term(d, rep, rotary):
+    """decode_v11.cu's rope path lane by lane: s_u as the prologue writes it ({A_2p, B_2p, A_2p+1, B_2p+1} per head),
+    s_cs as lane p of ``rope_turn`` writes it, each lane's B fragments ``ub[kc][hh]`` from entry ``p = 8 kc + 4 hh + t``,
+    the table's A fragments of tile k, one simulated MMA per 16 channels: equal to ``_rope_term_emulated``."""
+    gen = torch.Generator().manual_seed(d + rep)
+    ps, pos, sc = 64, 4097, 0.127
+    inv = 1.0 / 10000.0 ** (torch.arange(0, rotary, 2, dtype=torch.float64) / rotary)
+    kt = HeadTransform(rope_mu=torch.randn(1, d, generator=gen), rope_freq=inv, rope_scaling=1.25)
+    q = torch.randn(rep, d, generator=gen).to(torch.bfloat16).float()
+    hf, m, f = int(kt.rope_freq.numel()), kt.rope_mu[0], sc * kt.rope_scaling
+    su = torch.zeros(rep * d)  # the prologue's writes
+    for hh in range(rep):
+        for c in range(d // 2):
+            a = bb = 0.0
+            if c < hf:
+                q1, q2, m1, m2 = q[hh, c], q[hh, hf + c], m[c], m[hf + c]
+                a, bb = f * (q1 * m1 + q2 * m2), f * (q2 * m1 - q1 * m2)
+            su[hh * d + 4 * (c >> 1) + 2 * (c & 1)] = a
+            su[hh * d + 4 * (c >> 1) + 2 * (c & 1) + 1] = bb
+    w = torch.zeros(d // 2, dtype=torch.float64)
+    w[:hf] = kt.rope_freq.double()
+    scs = torch.zeros(d // 4, 4)  # rope_turn: lane p writes {cos, sin} of frequencies 2p, 2p + 1
+    for lane in range(d // 4):
+        ang = pos * w[2 * lane:2 * lane + 2]
+        ang = ang - torch.round(ang / (2 * math.pi)) * 2 * math.pi
+        scs[lane] = torch.stack([ang[0].cos(), ang[0].sin(), ang[1].cos(), ang[1].sin()]).float()
+    ub = torch.zeros(32, d // 16, 2, 2)  # [lane, kc, hh, half]
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for kc in range(d // 32):
+            for hh in range(2):
+                p = 8 * kc + 4 * hh + t
+                cs = scs[p]
+                u = su[g * d + 4 * p:g * d + 4 * p + 4] if g < rep else torch.zeros(4)
+                ub[lane, kc, hh] = torch.stack([cs[0] * u[0] + cs[1] * u[1], cs[2] * u[2] + cs[3] * u[3]]).half().float()
+                ub[lane, kc + d // 32, hh] = torch.stack([cs[0] * u[1] - cs[1] * u[0],
+                                                          cs[2] * u[3] - cs[3] * u[2]]).half().float()
+    tab = rope_table(kt.rope_freq, d, 1, ps // 16).view(torch.float16).float().reshape(ps // 16, d // 16, 32, 4, 2)
+    want = _rope_term_emulated(q, kt, 0, sc, ps, pos)  # [PS, rep]
+    for k in range(ps // 16):
+        racc = sum(_mma_m16n8k16(tab[k, kc], ub[:, kc]) for kc in range(d // 16))  # [32, 4]
+        for lane in range(32):
+            g, t = divmod(lane, 4)
+            for n in range(2):
+                for kk in range(2):
+                    if 2 * t + kk < rep:
+                        got, ref = racc[lane, 2 * n + kk], want[16 * k + g + 8 * n, 2 * t + kk]
+                        assert abs(float(got - ref)) <= 1e-4 * (1 + abs(float(ref))), (k, lane, n, kk)
+
+
 @pytest.mark.parametrize("spec", [
     dict(B=2, H=8, hkv=2, d=128, ps=64, int_lens=[700, 129], seed=1, launch=V11Launch()),
     dict(B=1, H=8, hkv=1, d=128, ps=64, int_lens=[1000], seed=2, launch=V11Launch(num_splits=3, warps=2, stages=4)),
