@@ -447,6 +447,66 @@ def test_rope_lanes_match_the_emulated_term(d, rep, rotary):
                         assert abs(float(got - ref)) <= 1e-4 * (1 + abs(float(ref))), (k, lane, n, kk)
 
 
+@pytest.mark.parametrize("d,rep", [(128, 4), (64, 8)])
+def test_channel_lanes_match_the_emulated_query(d, rep):
+    """decode_v11.cu's per-channel path lane by lane: warp 0's s_qf (entry ``c*32 + lane``: the fragments of chunks
+    2c, 2c + 1) and s_qz (q_r's bf16 hi/lo as A fragments), ``channel_frags`` reading the record's block (scales
+    turned to fp16 in place, ``ldmatrix`` of 8 channels per matrix: lane (g, t) gets channels 8(4c + i) + 2t, + 1),
+    ``qc = qf * s`` in fp16 and ``q_r . z`` from the simulated bf16 MMAs: equal to the emulation's ``qc`` and ``qz``."""
+    gen = torch.Generator().manual_seed(d)
+    lay = RecordLayout(d, 64, key_block=32)
+    qr = torch.randn(rep, d, generator=gen)  # the rotated query (s_q after rotate_rows)
+    scale = (0.02 + 0.1 * torch.rand(d, generator=gen)).to(torch.bfloat16)
+    zero = (-0.15 * torch.rand(d, generator=gen)).to(torch.bfloat16)
+    _, _, jk = lane_map(d, "k")
+    fk = torch.pow(4.0, -jk[0].float())  # slot_factor of each channel
+    qf = torch.zeros(32, d // 32, 4, 2)  # s_qf[c * 32 + lane] = {qb[2c][0], qb[2c][1], qb[2c+1][0], qb[2c+1][1]}
+    qz_a = torch.zeros(32, d // 16, 4, 2)  # s_qz[j * 32 + lane] = {hi row g, lo row g+8, hi (ch+8), lo (ch+8)}
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for c in range(d // 32):
+            for r in range(4):
+                j, h = 2 * c + (r >> 1), r & 1
+                ch = 16 * j + 2 * t + 8 * h
+                x = qr[g, ch:ch + 2] if g < rep else torch.zeros(2)
+                qf[lane, c, r] = (x * fk[ch:ch + 2]).half().float()
+        for j in range(d // 16):
+            for h in range(2):
+                ch = 16 * j + 2 * t + 8 * h
+                x = qr[g, ch:ch + 2] if g < rep else torch.zeros(2)
+                hi = x.to(torch.bfloat16).float()
+                qz_a[lane, j, 2 * h] = hi
+                qz_a[lane, j, 2 * h + 1] = (x - hi).to(torch.bfloat16).float()
+    block = torch.cat([scale, zero]).view(torch.uint8)  # the record's channel block: scale[d] then zero[d]
+    s16 = block[:2 * d].view(torch.bfloat16).float().half()  # the in-place turn to fp16
+    z = block[2 * d:].view(torch.bfloat16).float()
+    want_qc = (qr * fk).half().float() * scale.float().half().float()
+    want_qz = qr @ z
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for c in range(d // 32):
+            for i in range(4):  # matrix i of ldmatrix call c, and the s_qf half it multiplies
+                ch = 8 * (4 * c + i) + 2 * t
+                got = (qf[lane, c, i] * s16[ch:ch + 2].float()).half().float()
+                if g < rep:
+                    assert torch.equal(got, want_qc[g, ch:ch + 2].half().float()), (lane, c, i)
+    za = torch.zeros(32, 4)
+    for c in range(d // 32):
+        for m, jj in ((0, 2 * c), (1, 2 * c + 1)):  # chunk jj: its A (hi rows g, lo rows g + 8), B = z of chunk jj
+            bz = torch.zeros(32, 2, 2)
+            for lane in range(32):
+                t = lane % 4
+                for r in range(2):
+                    bz[lane, r] = z[16 * jj + 8 * r + 2 * t:16 * jj + 8 * r + 2 * t + 2]
+            za += _mma_m16n8k16(qz_a[:, jj], bz)
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        v = za[lane, 0] + za[lane, 2]  # head g: rows g (hi) and g + 8 (lo), any column
+        if g < rep:
+            assert abs(float(v - want_qz[g])) <= 1e-4 * (1 + abs(float(want_qz[g]))), lane
+    assert lay.chan_bytes == 2 * 4 * d  # two blocks of 32 tokens per page of 64
+
+
 @pytest.mark.parametrize("spec", [
     dict(B=2, H=8, hkv=2, d=128, ps=64, int_lens=[700, 129], seed=1, launch=V11Launch()),
     dict(B=1, H=8, hkv=1, d=128, ps=64, int_lens=[1000], seed=2, launch=V11Launch(num_splits=3, warps=2, stages=4)),
