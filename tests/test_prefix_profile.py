@@ -79,7 +79,7 @@ def test_profile_files_and_markdown(tmp_path):
     paths = prefix_profile.write_profile(results, tmp_path, ["# title", "", "intro", ""])
     assert [p.name for p in paths] == ["prefix_profile.md", "prefix_profile.json"]
     md = (tmp_path / "prefix_profile.md").read_text()
-    assert "| hit | 0.42 | 0.40 | 29744 | 1.60 | 0.44 | 1.16 | 1 | 2.40 |" in md
+    assert "| hit | 0.42 | 0.40 | 29744 | 0.20 | 1.60 | 0.44 | 1.16 | 1 | 2.40 |" in md
     assert "| oscar.extend.pages | 1 | 0.50 | 0.44 | 0.30 | 1 |" in md
     assert "| `_extend_kernel` | oscar.extend.pages | 0.30 | 1 |" in md
     env = dict(gpu="NVIDIA H200", command="python -m oscar gpu prefix profile=true")

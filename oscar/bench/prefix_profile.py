@@ -168,14 +168,19 @@ def _f(x: Any) -> str:
 def markdown(results: list[dict[str, Any]], header: list[str]) -> list[str]:
     """The profile's markdown: one section per profiled request (``name``, ``ttft_s``, ``cached``, ``summary``)."""
     md = list(header)
-    md += ["| request | TTFT s (profiled) | TTFT s (unprofiled) | cached tokens | extend wall ms | extend GPU ms | "
-           "wall - GPU ms | host syncs in the extend | trace span ms |", "|---|---|---|---|---|---|---|---|---|"]
+    md += ["| request | TTFT s (profiled) | TTFT s (unprofiled) | cached tokens | extend starts at ms | extend wall ms | "
+           "extend GPU ms | wall - GPU ms | host syncs in the extend | trace span ms |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         s, e = r["summary"], r["summary"].get("extend") or {}
         nsync = sum(v["calls"] for v in (e.get("syncs") or {}).values())
         md.append(f"| {r['name']} | {_f(r.get('ttft_s'))} | {_f(r.get('ttft_unprofiled_s'))} | {r.get('cached')} | "
-                  f"{_f(e.get('wall_ms', '-'))} | {_f(e.get('gpu_ms', '-'))} | "
+                  f"{_f(e.get('start_ms', '-'))} | {_f(e.get('wall_ms', '-'))} | {_f(e.get('gpu_ms', '-'))} | "
                   f"{_f(e['wall_ms'] - e['gpu_ms']) if e else '-'} | {nsync} | {_f(s['span_ms'])} |")
+    md += ["", "`extend starts at`: from the profiler's start (the request is submitted right after it) to the first "
+           "layer's `oscar.extend`: the scheduler's work before the forward (queueing, prefix match, allocation, "
+           "metadata). TTFT minus that minus the extend wall: the rest of the forward (lm_head, sampling) and the "
+           "output's way back."]
     for r in results:
         s = r["summary"]
         md += ["", f"## {r['name']}", "", "Plugin phases (whole trace; GPU ms of the kernels launched inside, innermost "
