@@ -127,6 +127,33 @@ def _extend_kernel(
     tl.store(l_ptr + out, l_i, mask=rmask)
 
 
+@triton.jit
+def _dequant_kernel(
+    c_ptr, s_ptr, z_ptr, map_ptr, pt_ptr, o_ptr,
+    int_len, stride_cp, stride_ch, stride_mp, stride_mh, stride_mt, stride_oh, stride_ot,
+    D: tl.constexpr, G: tl.constexpr, WB: tl.constexpr, PAGE: tl.constexpr, MAPB: tl.constexpr, BITS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    tmask = t < int_len
+    cols = tl.arange(0, D)
+    page = tl.load(pt_ptr + t // PAGE, mask=tmask, other=0).to(tl.int64)
+    off = t % PAGE
+    tb = off % MAPB
+    base = page * stride_cp + h * stride_ch + (off - tb) * WB
+    mbase = page * stride_mp + h * stride_mh + off * stride_mt
+    cm = tl.load(map_ptr + tb[:, None] * D + cols[None, :])  # byte * 8 + shift
+    byte = tl.load(c_ptr + base[:, None] + (cm >> 3), mask=tmask[:, None], other=0)
+    code = (byte.to(tl.int32) >> (cm & 7)) & ((1 << BITS) - 1)
+    grp = cols // G
+    sc = tl.load(s_ptr + mbase[:, None] + grp[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+    ze = tl.load(z_ptr + mbase[:, None] + grp[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+    x = code.to(tl.float32) * sc + ze
+    tl.store(o_ptr + h.to(tl.int64) * stride_oh + t[:, None].to(tl.int64) * stride_ot + cols[None, :],
+             x.to(o_ptr.dtype.element_ty), mask=tmask[:, None])
+
+
 _MAPS: dict[tuple, torch.Tensor] = {}
 
 
@@ -271,4 +298,33 @@ def extend_paged_attention(
     w = torch.exp(m - mx)  # a split without tokens: m = -inf, weight 0
     return (w[..., None] * o).sum(0) / (w * lsum).sum(0)[..., None]
 
-__all__ = ["code_map", "default_splits", "extend_paged_attention"]
+def dequantize_pages(pages: Pages, page_table: torch.Tensor, int_len: int, *, token_map: Optional[tuple] = None,
+                     dtype: torch.dtype = torch.float32, block_t: int = 64) -> torch.Tensor:
+    """The first ``int_len`` quantized rows of one request, ``[Hkv, int_len, d]`` in ``dtype`` (rotated frame):
+    ``code * scale + zero`` in float32, cast once. ``page_table`` int32 ``[M]``; ``token_map``: None for row-layout
+    pages, else the layout's ``oscar.core.quant.mma_token_map``. The twin: ``oscar.cache.paged.gather_dequantize``
+    (float32). One pass over the codes, for an extend that attends over them with a dense kernel afterwards."""
+    _check_pages(pages, "pages", int(pages.codes.shape[1]), int(pages.codes.shape[3]) * 8 // pages.bits)
+    hkv, page, wb = int(pages.codes.shape[1]), int(pages.codes.shape[2]), int(pages.codes.shape[3])
+    d = wb * 8 // pages.bits
+    check((token_map is None) == (pages.layout == "rows"),
+          f"token_map: None for row-layout pages, the layout's map for {pages.layout!r} pages")
+    check(page_table.dim() == 1 and page_table.dtype == torch.int32 and page_table.numel() * page >= int_len,
+          f"page_table must be int32 [>= ceil(int_len / page_size) = {math.ceil(int_len / page)}], got "
+          f"{page_table.dtype} {tuple(page_table.shape)}")
+    dev = pages.codes.device
+    out = torch.empty(hkv, int_len, d, dtype=dtype, device=dev)
+    if int_len == 0:
+        return out
+    cmap = code_map(d, pages.bits, pages.group_size, token_map, dev)
+    launchable(_dequant_kernel, dev)[(triton.cdiv(int_len, block_t), hkv)](
+        pages.codes, pages.scale, pages.zero, cmap, page_table, out,
+        int_len, pages.codes.stride(0), pages.codes.stride(1), pages.scale.stride(0), pages.scale.stride(1),
+        pages.scale.stride(2), out.stride(0), out.stride(1),
+        D=d, G=pages.group_size, WB=wb, PAGE=page, MAPB=1 if pages.layout == "rows" else 16, BITS=pages.bits,
+        BLOCK_T=block_t, num_warps=4,
+    )
+    return out
+
+
+__all__ = ["code_map", "default_splits", "dequantize_pages", "extend_paged_attention"]

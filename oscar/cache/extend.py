@@ -20,6 +20,7 @@ import math
 from typing import Optional
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 from torch.nn.functional import scaled_dot_product_attention
 
 from oscar.cache import paged
@@ -89,14 +90,21 @@ def extend_attention(
     output_frame: str = "original",
     int_pos0: int = 0,
     backend: str = "torch",
+    route: str = "pages",
 ) -> torch.Tensor:
     """Attention ``[n, H, d]`` (``q.dtype``) of one request's ``n`` extend queries ``q`` ``[n, H, d]`` over its
     quantized pages (``page_table`` int ``[M]``, ``int_len`` tokens, the first at position ``int_pos0``) and BF16
     rows ``bf_k``/``bf_v`` ``[Hkv, T, d]`` in the original frame: the first ``n_fixed`` (sink, ring) seen by every
     query, then the queries' own rows (query ``i`` sees own rows ``0..i``). ``output_frame="rotated"`` returns
     ``(o - mu_V) @ R_V`` (the folded ``o_proj``'s frame). ``backend="triton"``: ``oscar.kernels.extend_paged``
-    (rope-centered keys and per-channel key pages go to the twin, which adds the offsets and reads the blocks)."""
+    (rope-centered keys and per-channel key pages go to the twin, which adds the offsets and reads the blocks).
+    ``route="dequant"`` (Triton backend): the pages are dequantized once into ``[Hkv, int_len, d]`` rows
+    (``oscar.kernels.extend_paged.dequantize_pages``, FP16 on CUDA: the kernel's operand type) and a dense SDPA over
+    them and the BF16 rows follows (flash on CUDA, the queries in FP16), instead of the kernel that unpacks the codes
+    in every query block's program; the same rows and frame, so it agrees with ``"pages"`` to FP16 rounding."""
     paged._check_backend(backend)
+    if route not in ("pages", "dequant"):
+        raise ValueError(f"route={route!r} must be 'pages' (read in place) or 'dequant' (dequantize once, then SDPA)")
     if output_frame not in ("original", "rotated"):
         raise ValueError(f"output_frame={output_frame!r} must be 'original' or 'rotated'")
     n, H, d = q.shape
@@ -111,11 +119,14 @@ def extend_attention(
     args = (q_rot.reshape(n, H, d).contiguous(), k_pages, v_pages,
             page_table.to(torch.int32).contiguous(), int(int_len), bk, bv, int(n_fixed))
     if backend == "triton" and not kt.rope_centered and not getattr(k_pages, "block", 0):
-        from oscar.kernels.extend_paged import extend_paged_attention  # local: keeps triton out of import time
-
         maps = tuple(None if p.layout == "rows" else quant.mma_token_map(p.head_dim, p.layout, p.bits)
                      for p in (k_pages, v_pages))
-        o = extend_paged_attention(*args, sm_scale=scale, token_maps=maps)
+        if route == "dequant":
+            o = _attend_dequantized(*args, sm_scale=scale, token_maps=maps)
+        else:
+            from oscar.kernels.extend_paged import extend_paged_attention  # local: keeps triton out of import time
+
+            o = extend_paged_attention(*args, sm_scale=scale, token_maps=maps)
     else:
         rope = (q.float(), kt, int(int_pos0)) if kt.rope_centered else None
         o = extend_paged_attention_torch(*args, sm_scale=scale, rope=rope)
@@ -127,6 +138,33 @@ def extend_attention(
             o = o + vt.mu.to(q.device, torch.float32)[None, :, None, :]
         o = o.reshape(n, H, d)
     return o.to(q.dtype)
+
+
+def _attend_dequantized(q_rot: torch.Tensor, k_pages: Pages, v_pages: Pages, page_table: torch.Tensor, int_len: int,
+                        bf_k: torch.Tensor, bf_v: torch.Tensor, n_fixed: int, *, sm_scale: float,
+                        token_maps: tuple) -> torch.Tensor:
+    """``route="dequant"`` of `extend_attention` (the arguments of ``extend_paged_attention``): the pages dequantized
+    once (Triton), then one SDPA over ``[pages, BF16 rows]`` with the queries' own rows causal (bottom-right aligned:
+    query ``i`` sees every page row and BF16 rows ``0..n_fixed + i``); float32 ``[n, H, d]``, rotated frame."""
+    from oscar.kernels.extend_paged import dequantize_pages  # local: keeps triton out of import time
+
+    n, H, d = q_rot.shape
+    hkv = int(k_pages.codes.shape[1])
+    dt = torch.float16 if q_rot.is_cuda else torch.float32
+    kd = dequantize_pages(k_pages, page_table, int_len, token_map=token_maps[0], dtype=dt)
+    vd = dequantize_pages(v_pages, page_table, int_len, token_map=token_maps[1], dtype=dt)
+    if int(bf_k.shape[1]) < n_fixed + n:
+        raise ValueError(f"n_fixed={n_fixed} plus the {n} queries' own rows exceed the {int(bf_k.shape[1])} BF16 rows")
+    keys = torch.cat([kd, bf_k[:, : n_fixed + n].to(dt)], dim=1)  # [Hkv, int_len + n_fixed + n, d]
+    vals = torch.cat([vd, bf_v[:, : n_fixed + n].to(dt)], dim=1)
+    if H != hkv:  # the flash kernel takes equal head counts (enable_gqa would fall back to the math kernel)
+        keys, vals = keys.repeat_interleave(H // hkv, dim=0), vals.repeat_interleave(H // hkv, dim=0)
+    total = int(keys.shape[1])
+    mask = causal_lower_right(n, total) if q_rot.is_cuda else \
+        torch.ones(n, total, dtype=torch.bool, device=q_rot.device).tril(total - n)
+    o = scaled_dot_product_attention(q_rot.to(dt).movedim(0, 1)[None], keys[None], vals[None], attn_mask=mask,
+                                     scale=sm_scale)
+    return o[0].movedim(1, 0).float()
 
 
 def _rotate_rows(x: torch.Tensor, t: HeadTransform) -> torch.Tensor:
