@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +104,55 @@ def test_gpu_prefix_profile_report_only(tmp_path, capsys):
     (tmp_path / "prefix_profile_env.json").write_text(json.dumps(dict(gpu="NVIDIA H200", command="c")))
     assert gpu.main(args) == 0
     assert "Hardware: NVIDIA H200" in (tmp_path / "prefix_profile.md").read_text()
+
+
+def test_extend_bench_rows_and_section(tmp_path):
+    """The routes' timing on CPU (the kernels interpreted: the times mean nothing here, the agreement does)."""
+    rows = prefix_profile.extend_bench(hkv=2, heads=4, d=64, prefix=100, n=8, sink=16, layers=3, reps=1, device="cpu")
+    assert [r["route"] for r in rows] == ["pages", "dequant", "twin"] and all("error" not in r for r in rows)
+    assert rows[0]["rel_vs_pages"] == 0 and max(r["rel_vs_pages"] for r in rows) < 1e-4  # float32: reduction order
+    assert all(r["ms_per_hit"] == pytest.approx(3 * r["ms_per_layer"]) for r in rows)
+    prefix_profile.write_profile([dict(name="hit", ttft_s=0.4, cached=84, summary=prefix_profile.summarize(_trace()))],
+                                 tmp_path, ["# t", ""])
+    (tmp_path / "prefix_extend_bench.json").write_text(json.dumps(rows))
+    prefix_profile.rewrite(tmp_path)
+    md = (tmp_path / "prefix_profile.md").read_text()
+    assert "## One layer's extend attention of the hit, by route (8 queries x 4 heads over 100 cached positions" in md
+    assert "| dequant |" in md and "| twin |" in md
+
+
+def test_profile_mode_runs_the_oscar_engine_alone_then_the_bench(tmp_path, monkeypatch):
+    """``gpu prefix profile=true``'s measure step (the GPU calls replaced): one engine process with ``--profile`` and
+    the labels on, no sweep ratios, no check row, no flashinfer engine; then the extend bench at the hit's shape."""
+    import subprocess
+
+    from oscar.bench import prefix, tables
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=256, intermediate_size=512,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1000)))
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append((cmd, kw.get("env") or {}))
+        if "--profile" in cmd:
+            folder = Path(cmd[cmd.index("--profile") + 1])
+            (folder / "traces" / "hit").mkdir(parents=True)
+            (folder / "traces" / "hit" / "hit-TP-0.trace.json").write_text(json.dumps(_trace()))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(prefix.subprocess, "run", run)
+    monkeypatch.setattr(prefix.subprocess, "Popen", lambda *a, **k: pytest.fail("no flashinfer engine in profile mode"))
+    opts = tables.parse("prefix", ["profile=true", f"model={model}"])
+    out = tmp_path / "out"
+    env: dict = {}
+    prefix.measure(opts, out, env)
+    (engine, engine_env), (bench, _) = calls
+    assert "--check-hit" not in engine and engine[engine.index("--ratios") + 1] == ""
+    assert engine[engine.index("--profile") + 1] == str(out) and engine_env["OSCAR_PROFILE_LABELS"] == "1"
+    assert bench[bench.index("--prefix") + 1] == "29744" and bench[bench.index("--n") + 1] == "256"
+    assert [r["name"] for r in env["runs"]] == ["oscar", "extend_bench"]
+    assert (out / "prefix_traces.tar.gz").is_file() and not (out / "traces").exists()
+    assert prefix.stem(opts) == "prefix_profile"

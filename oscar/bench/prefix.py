@@ -10,7 +10,9 @@ the OSCAR engine starts and measures; then it measures (the GPU runs one engine'
 ``profile=true``: where a prefix hit's time goes, no sweep: the OSCAR engine alone (labels on,
 ``OSCAR_PROFILE_LABELS=1``) times one prompt of ``input_len`` tokens cold and then hitting its cached prefix, unprofiled
 and under SGLang's ``torch.profiler`` in the scheduler process (``oscar.bench.prefix_sweep --profile``); writes
-``prefix_profile.{md,json}`` (``oscar.bench.prefix_profile``), the traces packed as ``prefix_traces.tar.gz``.
+``prefix_profile.{md,json}`` (``oscar.bench.prefix_profile``), the traces packed as ``prefix_traces.tar.gz``; then,
+without an engine, one layer's extend attention of that hit by route (in place, dequantize + SDPA, the torch twin:
+``prefix_extend_bench.json``, a section of the .md).
 """
 
 from __future__ import annotations
@@ -151,6 +153,18 @@ def _measure_profile(opts: dict[str, Any], out: Path, env: dict[str, Any], sweep
             rc = "timeout"
     print(f"oscar exit {rc} at t={time.time() - t0:.0f} s", flush=True)
     env["runs"] = [{"name": "oscar", "rc": rc}]
+    page, recent, n_in = 16, int(opts["recent"]), int(opts["input_len"])
+    prefix = (n_in - recent) // page * page  # the hit's cached positions (the match capped at input_len - W, pages)
+    bench = [sys.executable, "-m", "oscar.bench.prefix_profile", "--bench", str(out / "prefix_extend_bench.json"),
+             "--config", str(model_dir(opts) / "config.json"), "--prefix", str(prefix), "--n", str(n_in - prefix),
+             "--sink", str(opts["sink"])]
+    with open(out / "logs" / "prefix_extend_bench.log", "w") as log:  # one layer's extend by route (no engine)
+        try:
+            brc: Any = subprocess.run(bench, stdout=log, stderr=subprocess.STDOUT, timeout=120).returncode
+        except subprocess.TimeoutExpired:
+            brc = "timeout"
+    print(f"extend bench exit {brc} at t={time.time() - t0:.0f} s", flush=True)
+    env["runs"].append({"name": "extend_bench", "rc": brc})
     if (out / "traces").is_dir():
         with tarfile.open(out / "prefix_traces.tar.gz", "w:gz") as tar:
             tar.add(out / "traces", arcname="traces")

@@ -7,7 +7,8 @@
   quantized rows is read in place (``oscar.cache.extend.extend_attention``: the Triton kernel
   ``oscar.kernels.extend_paged`` on ``OSCAR_KERNELS=triton``, its twin otherwise), in the pages' rotated frame:
   the queries and the ``S0 + W + n`` BF16 rows are transformed, no prefix row is dequantized into memory or
-  rotated back, so the cost is the ``n x prefix`` attention. A prefix from the radix cache (computed by another
+  rotated back, so the cost is the ``n x prefix`` attention. ``OSCAR_EXTEND_ROUTE=dequant`` (``extend_route``) reads
+  them instead by dequantizing the pages once per layer into FP16 rows (one Triton pass) and one flash SDPA. A prefix from the radix cache (computed by another
   request: the request slot changed hands since its windows were written) gets its BF16 sink rows from the
   pool's sink store and is read quantized past the sink (this slot's ring never held it); the plugin caps a
   match so that the extend covers the recent window.
@@ -28,6 +29,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -42,6 +44,9 @@ from oscar.kernels.segments import Segments
 from oscar.serve.labels import install_labels, labels_requested
 from oscar.serve.pool import OscarTokenToKVPool
 from oscar.serve.state import current_state
+
+
+ENV_EXTEND_ROUTE = "OSCAR_EXTEND_ROUTE"
 
 
 @dataclass
@@ -111,6 +116,7 @@ class OscarAttnBackend(AttentionBackend):
     mma_splits: Optional[int] = None
     mma_options: Optional[dict] = None
     extend_in_place_max: int = 4096  # extends of up to this many tokens read a quantized prefix in place
+    extend_route: str = "pages"  # how they read it (extend_attention's route; OSCAR_EXTEND_ROUTE): pages | dequant
 
     def __init__(self, model_runner: Any) -> None:
         super().__init__()
@@ -132,6 +138,12 @@ class OscarAttnBackend(AttentionBackend):
         self.mma_waves, self.mma_splits = mma.pop("waves", None), mma.pop("splits", None)
         self.mma_options = mma  # OSCAR_MMA (oscar.serve.settings): MmaLaunch fields (warps, stages, ...)
         self.launches: dict[int, Any] = {}
+        route = os.environ.get(ENV_EXTEND_ROUTE)
+        if route:
+            if route not in ("pages", "dequant"):
+                raise ValueError(f"{ENV_EXTEND_ROUTE}={route!r}: valid routes are 'pages' (the kernel reads the codes "
+                                 "in place) and 'dequant' (the pages dequantized once, then SDPA)")
+            self.extend_route = route
         if labels_requested():  # OSCAR_PROFILE_LABELS: the phases as torch.profiler ranges (oscar.serve.labels)
             install_labels(self)
 
@@ -362,7 +374,7 @@ class OscarAttnBackend(AttentionBackend):
         return extend_attention(q, pool.k_pages[i], pool.v_pages[i], table, q_end - pool.sink, bk, bv,
                                 n_sink + p - q_end, kt, vt, sm_scale=layer.scaling,
                                 output_frame="rotated" if self.folded else "original", int_pos0=pool.sink,
-                                backend=pool.kernels)
+                                backend=pool.kernels, route=self.extend_route)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, forward_batch: Any,
                        save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
@@ -419,4 +431,4 @@ class OscarAttnBackend(AttentionBackend):
         return False
 
 
-__all__ = ["DecodeMeta", "OscarAttnBackend", "decode_metadata"]
+__all__ = ["DecodeMeta", "ENV_EXTEND_ROUTE", "OscarAttnBackend", "decode_metadata"]

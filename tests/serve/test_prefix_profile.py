@@ -8,6 +8,8 @@
 - ``python -m oscar.bench.prefix_sweep --profile`` through SGLang's CPU engine (tiny random Llama, INT2 quarot,
   S0 = W = 16): a cold request and two hits profiled in the scheduler process; the hits reuse the cached prefix and
   the summary of each trace holds the extend's phases (one ``oscar.extend`` range per layer).
+- Through the backend, a hit with ``extend_route="dequant"`` (pages dequantized once, then SDPA) gives the outputs of
+  the in-place route.
 """
 
 from __future__ import annotations
@@ -131,3 +133,27 @@ def test_sweep_profile_mode_through_the_cpu_engine(tiny_llama, tmp_path):
     md = (out / "prefix_profile.md").read_text()
     assert "| request | TTFT s (profiled)" in md and "## hit2_stack" in md
     assert not (out / "rows.jsonl").exists()  # no sweep
+
+
+def test_dequant_route_through_the_backend():
+    """A hit through the backend with ``extend_route="dequant"`` gives the outputs of the in-place route (the same
+    rows in float32 on CPU; bf16 outputs)."""
+    S0, W, shared, n_donor, n_new = 32, 16, 96, 112, 21
+    pool = _prefix_pool(S0, W, "triton")
+    r2t = _req_to_token({1: n_donor, 2: shared + n_new})
+    r2t[2, :shared] = r2t[1, :shared]
+    be = _backend(pool, r2t)
+    be.req_to_token_pool.req_generation = torch.tensor([0, 1, 1, 0])
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(n_donor + n_new, H * D, generator=gen).to(torch.bfloat16)
+    k, v = (t.reshape(-1, HKV * D) for t in _history(n_donor + n_new, gen))
+    _extend(be, _layer(), q[:n_donor], k[:n_donor], v[:n_donor], 1, 0, n_donor, r2t)
+    pool.store_sink(r2t, 1, n_donor)
+    outs = {}
+    for route in ("pages", "dequant"):
+        pool.slot_generation[2] = 0  # the slot changed hands: a hit each time (its rows rewritten alike)
+        be.extend_route = route
+        outs[route] = _extend(be, _layer(), q[n_donor:], k[n_donor:], v[n_donor:], 2, shared, n_new, r2t).float()
+        assert be.meta.hit == [True]
+    rel = ((outs["dequant"] - outs["pages"]).norm(dim=-1) / outs["pages"].norm(dim=-1)).max().item()
+    assert rel < 1e-2, rel  # bf16 outputs of float32 attention (2^-8 relative per element)
