@@ -177,7 +177,7 @@ def _measure_profile(opts: dict[str, Any], out: Path, env: dict[str, Any], sweep
 def report(out: Path, opts: dict[str, Any]) -> list[Path]:
 
     if opts["profile"]:
-        from oscar.bench import prefix_profile
+        from oscar.bench import prefix_profile  # local: keeps torch out of `gpu --help`
 
         return prefix_profile.rewrite(out, host.read_env(out / "prefix_profile_env.json"))
     rows = out / "prefix_rows.jsonl"

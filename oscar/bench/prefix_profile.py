@@ -20,14 +20,22 @@ gaps and host syncs.
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
+import statistics
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
+from oscar.bench.host import hardware_line
 from oscar.bench.sglang_synthetic import kernel_category
+from oscar.cache import extend, paged
 from oscar.core.files import atomic_write_text
+from oscar.kernels.segments import HeadTransform
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver")
@@ -217,8 +225,6 @@ def write_profile(results: list[dict[str, Any]], out: Path, header: list[str]) -
 
 def rewrite(out: Path, env: Optional[dict[str, Any]] = None) -> list[Path]:
     """``prefix_profile.md`` from ``prefix_profile.json`` (with the hardware line of ``env`` when given)."""
-    from oscar.bench.host import hardware_line
-
     path = out / "prefix_profile.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no profile (run `python -m oscar gpu prefix profile=true out={out}` on a GPU)")
@@ -241,14 +247,6 @@ def extend_bench(hkv: int, heads: int, d: int, prefix: int, n: int, sink: int, l
     quantized) by each route, timed with CUDA events (median of ``reps`` after 2 warm-ups; on a CPU: wall time):
     ``pages`` (the Triton kernel reading the codes in place), ``dequant`` (dequantize once, then SDPA), ``twin``
     (torch dequantization, as the old route). Random rotations and rows, the served pool's page layout."""
-    import statistics
-    import time
-
-    import torch
-
-    from oscar.cache import extend, paged
-    from oscar.kernels.segments import HeadTransform
-
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(0)
     int_len = prefix - sink
@@ -321,8 +319,6 @@ def bench_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    import argparse
-
     ap = argparse.ArgumentParser(description="one layer's extend attention of a prefix hit, by route")
     ap.add_argument("--bench", type=Path, required=True, help="JSON file of the rows")
     ap.add_argument("--config", type=Path, required=True, help="the model's config.json (heads, KV heads, head_dim)")

@@ -102,7 +102,7 @@ def _profiled(engine: Any, ids: list[int], sampling: dict, folder: Path, stack: 
 
 def profile_hits(engine: Any, a: argparse.Namespace, sampling: dict, base: dict[str, Any], out: Path) -> list[Path]:
     """``--profile``: cold, hit, hit again unprofiled, then the same under the profiler; writes the summary."""
-    from oscar.bench import prefix_profile
+    from oscar.bench import prefix_profile  # local: torch, imported by main after the arguments (as sglang)
 
     (ids,) = prompts(1, a.input_len, 0.99, a.seed + 777, a.vocab)
     plain: dict[str, dict[str, Any]] = {}

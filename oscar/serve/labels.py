@@ -3,8 +3,9 @@
 With ``OSCAR_PROFILE_LABELS=1`` in the environment of SGLang's scheduler process, the attention backend wraps its
 phases and its pool's (``install_labels``), so a trace taken there (SGLang's ``Engine.start_profile``; the prefix
 sweep's ``profile`` mode) says which phase of an extend or decode step launched each kernel and how long the host
-spent in it. Off by default: a range costs a few microseconds of host time per call. A range opened inside a
-CUDA-graph capture records nothing at replay (decode steps then show only the graph's kernels).
+spent in it. Off by default: a range costs a few microseconds of host time per call. The decode step's calls are
+left alone (they run inside SGLang's CUDA-graph capture, and a replay records no host ranges anyway); the decode
+profile with labels is ``oscar.bench.sglang_synthetic.label_ranges``.
 """
 
 from __future__ import annotations
@@ -19,13 +20,11 @@ ENV_LABELS = "OSCAR_PROFILE_LABELS"
 BACKEND_LABELS = {
     "init_forward_metadata": "oscar.metadata",
     "forward_extend": "oscar.extend",
-    "forward_decode": "oscar.decode",
     "_extend_over_pages": "oscar.extend.pages",
     "_to_folded": "oscar.fold",
 }
 POOL_LABELS = {
     "write": "oscar.extend.write",
-    "write_decode": "oscar.write",
     "restore_sink": "oscar.extend.sink",
     "cached_rows": "oscar.extend.dequantize",
     "store_sink": "oscar.tree.store_sink",
