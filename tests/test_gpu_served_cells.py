@@ -113,3 +113,14 @@ def test_served_needles_per_length_without_embedded_records(tmp_path):
 def test_engine_key_is_checked():
     with pytest.raises(ValueError, match="engine='vllm'; valid: embedded, sglang"):
         gpu_accuracy.needs(tables.parse("accuracy", ["engine=vllm"]))
+
+
+def test_a_variant_sets_its_page_size():
+    """`page=N` in a served variant is SGLang's --page-size of that cell (per-channel blocks of 32 need pages of 32,
+    sink 16 pages of 16); it is not a configuration override."""
+    opts = {**gpu_accuracy.DEFAULTS, "table": "humaneval", "engine": "sglang",
+            "variants": "a=method=auto method.sink=16;b=method=auto method.channel_block=32 method.sink=0 page=32"}
+    a, b = gpu_accuracy.served_commands(opts, "py")
+    pages = [[x for x in cmd if x.startswith("engine.extra_args=")][0] for cmd in (a, b)]
+    assert pages[0].startswith("engine.extra_args=[--page-size,16,") and pages[1].startswith("engine.extra_args=[--page-size,32,")
+    assert not any(x.startswith("page=") for x in a + b) and "method.channel_block=32" in b

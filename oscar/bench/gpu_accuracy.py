@@ -3,7 +3,8 @@ cells of ``experiment=coder`` (Qwen2.5-Coder-0.5B-Instruct) on one CUDA GPU with
 
 ``niah``: bf16, int2, kivi2, auto; 16 needles at 4096 and 16 at 8192 tokens. ``humaneval``: bf16, kivi2, auto at
 the 16/64 windows, 164 problems, greedy, graded in the sandbox. ``variants=NAME=OVERRIDES;...`` replaces the
-cells (the same method at other windows, e.g. ``auto@16x96=method=auto method.sink=16 method.recent=96``).
+cells (the same method at other windows, e.g. ``auto@16x96=method=auto method.sink=16 method.recent=96``;
+with engine=sglang a variant's ``page=N`` is SGLang's ``--page-size`` for that cell, default 16).
 ``device`` and ``threads`` are not part of a cell's configuration hash, so these are the CPU run's cells, record
 for record, up to the two devices' float rounding; a run cut short by ``limit_s`` resumes per item. Cells go to
 ``results/eval/<model>/<cell>/<table>/seed0``; the report (``oscar.studies.accuracy``) to
@@ -109,9 +110,17 @@ def served_output(opts: dict[str, Any], name: str) -> Path:
 def served_commands(opts: dict[str, Any], python: str) -> list[list[str]]:
     """One ``python -m oscar eval engine=sglang`` per variant (run one after the other: one server at a time)."""
     base = [a for a in CELLS[opts["table"]][0] if "shared_prefill" not in a]
-    return [[sys.executable, "-m", "oscar", "eval", "engine=sglang", f"engine.python={python}", f"model={opts['model']}",
-             *base, *over, "device=cuda", *SERVED_ARGS, "tracking.enabled=false", "progress=false",
-             f"results_dir={opts['results']}", f"output={served_output(opts, name)}"] for name, over in variants(opts)]
+    out = []
+    for name, over in variants(opts):
+        # `page=N` in a variant: SGLang's --page-size for that cell (a per-channel key block lives in one page and
+        # the sink is a whole number of pages: auto at sink 16 serves in pages of 16, per-channel blocks of 32 in 32)
+        pages = [o.split("=", 1)[1] for o in over if o.startswith("page=")]
+        args = [a.replace("--page-size,16,", f"--page-size,{pages[-1]},") if pages else a for a in SERVED_ARGS]
+        out.append([sys.executable, "-m", "oscar", "eval", "engine=sglang", f"engine.python={python}",
+                    f"model={opts['model']}", *base, *[o for o in over if not o.startswith("page=")], "device=cuda",
+                    *args, "tracking.enabled=false", "progress=false", f"results_dir={opts['results']}",
+                    f"output={served_output(opts, name)}"])
+    return out
 
 
 def needs(opts: dict[str, Any]) -> list[host.Need]:
@@ -274,8 +283,9 @@ def served_report(out: Path, opts: dict[str, Any]) -> list[Path]:
     lines += ["Served: `oscar eval engine=sglang` (the oscar plugin's pool, or SGLang's own attention for bf16), BF16 "
               f"model, on the GPU, one server per variant; cells `{opts['results']}/eval/{opts['model']}/<variant>/"
               f"{table}_sglang/seed0`. {what} and its interval: 95% bootstrap over "
-              f"{'needles' if niah else 'problems'}; bits / element: mean over items of the cache's measured bits per "
-              "K/V element; paired differences (bootstrap over the items both hold) to the served `bf16` and `kivi2` "
+              f"{'needles' if niah else 'problems'}; bits / element: mean over items of the served format's accounting "
+              "bits per K/V element at each request's length (prompt plus completion tokens; `SGLangEngine."
+              "request_info`); paired differences (bootstrap over the items both hold) to the served `bf16` and `kivi2` "
               f"cells. Against the embedded engine (records `{opts['embedded']}/{table}_<variant>.items.jsonl`, where "
               f"they exist): on the items both hold, {what} served / embedded, their paired difference, the share with "
               f"the {verdict} (Wilson 95%), items won by one engine only, equal completions.", "",

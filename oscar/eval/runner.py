@@ -84,7 +84,12 @@ def process_batch(engine: Any, cfg: Any, items: list[EvalItem]) -> list[dict]:
         return records
     prompts = [generation_prompt(engine, cfg, item) for item in items]
     outs = _run_generate(engine, cfg, prompts, stop=list(extra.get("stop", [])) or None)
-    return [grade_generation(cfg, item, prompt, out) for item, prompt, out in zip(items, prompts, outs)]
+    records = [grade_generation(cfg, item, prompt, out) for item, prompt, out in zip(items, prompts, outs)]
+    infos = getattr(engine, "last_info", None)  # an engine that accounts per request (engine=sglang)
+    if isinstance(infos, list) and len(infos) == len(records):
+        for rec, info in zip(records, infos):
+            rec.update({k: v for k, v in info.items() if k in ("kv_bits_per_element", "steps")})
+    return records
 
 
 ANSWER_STARTS = ("", "code_block", "function")

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from oscar.cache.formats import CacheFormat, served_kinds
+from oscar.cache.formats import CacheFormat, served_kinds, with_key_blocks
 from oscar.core.artifact import artifact_dir, config_hash_of, model_config_fields, read_meta, save_artifact
 from oscar.models.loading import dense_dir, load_model
 from oscar.models.methods import in_code_artifact, needs_statistics
@@ -47,10 +47,24 @@ def _in_code_artifact(cfg: Any, path: str, out: Path) -> Path:
     return out
 
 
+def pool_format(fmt: Any, head_dim: int) -> Any:
+    """The format the SGLang pool serves for a method's format: the format itself, or the paged twin of a simulated
+    format that has one (KIVI-2 -> per-channel key pages, `KiviFormat.served`)."""
+    if fmt.quantized and "pool" not in fmt.served_by and hasattr(fmt, "served"):
+        return fmt.served(head_dim)
+    return fmt
+
+
 def served_windows(fmt: Any, artifact: Path) -> dict[str, str]:
-    """``OSCAR_SINK``/``OSCAR_RECENT`` for the windows of ``fmt`` that differ from the artifact's recorded format
-    (the server reads the rest from the artifact); refuses an artifact of another kind, bits or group."""
-    served = CacheFormat.of_artifact(read_meta(artifact))
+    """``OSCAR_SINK``/``OSCAR_RECENT`` for the windows of ``fmt`` (the pool's format of the method, `pool_format`)
+    that differ from the artifact's recorded format as the pool serves it (the server reads the rest from the
+    artifact); refuses an artifact of another kind, bits or group. An `auto` artifact whose layers chose
+    per-channel keys (``key_block``) serves the per-channel format of the method's candidates."""
+    meta = read_meta(artifact)
+    recorded = CacheFormat.of_artifact(meta)
+    head_dim = int(meta["model"]["head_dim"])
+    served = pool_format(recorded, head_dim)
+    fmt = with_key_blocks(fmt, meta)
     if (served.kind, served.bits, served.group_size) != (fmt.kind, fmt.bits, fmt.group_size):
         raise ValueError(f"artifact {artifact} was calibrated for the {served.kind} format INT{served.bits} group "
                          f"{served.group_size}, but method {fmt.name!r} asks for {fmt.kind} INT{fmt.bits} group "
@@ -76,13 +90,14 @@ class SGLangEngine:
 
 
         e = cfg.engine
-        fmt = CacheFormat.from_method(cfg.method, int(cfg.model.head_dim))
+        fmt = pool_format(CacheFormat.from_method(cfg.method, int(cfg.model.head_dim)), int(cfg.model.head_dim))
         if fmt.quantized and "pool" not in fmt.served_by:
             raise NotImplementedError(f"engine=sglang serves the bf16 format and the formats of the SGLang pool "
                                       f"({', '.join(served_kinds('pool'))}); method {cfg.method.name!r} has the "
                                       f"{fmt.kind} format (use engine=embedded)")
         self.cfg = cfg
         self.device = _device(cfg)
+        self.last_info: list[dict[str, Any]] = []  # per prompt of the last `generate`: bits per element, steps
         if self.device == "cuda" and str(cfg.model.dtype) == "float32":
             raise ValueError("engine=sglang on a GPU serves BF16/FP16 models: SGLang's CUDA RMSNorm has no float32 kernel "
                              f"(got model.dtype={cfg.model.dtype}); set model.dtype=bfloat16 (float32 serves on device=cpu)")
@@ -110,7 +125,9 @@ class SGLangEngine:
                 self._tmp = tempfile.mkdtemp(prefix="oscar-sglang-")
                 art = _in_code_artifact(cfg, self.path, Path(self._tmp) / "artifact")
             env = {"OSCAR_ARTIFACT": str(art), "OSCAR_KERNELS": str(cfg.backend), **served_windows(fmt, art)}
+            fmt = with_key_blocks(fmt, read_meta(art))  # per-channel key layers of an `auto` artifact
             args += ["--attention-backend", "oscar"]
+        self.format = fmt  # the format the pool serves (windows as served), for `request_info`
         args += [str(a) for a in e.extra_args]
         self.server = SGLangServer(self.path, args, env=env, python=str(e.python), host=str(e.host), port=int(e.port),
                                    startup_timeout_s=float(e.startup_timeout_s), log_path=log_path)
@@ -135,7 +152,19 @@ class SGLangEngine:
         choices = sorted(out["choices"], key=lambda c: c["index"])
         if len(choices) != len(prompts):
             raise ServerError(f"/v1/completions returned {len(choices)} choices for {len(prompts)} prompts")
-        return [c["text"] for c in choices]
+        texts = [c["text"] for c in choices]
+        self.last_info = [self.request_info(p, t) for p, t in zip(prompts, texts)]
+        return texts
+
+    def request_info(self, prompt: str, text: str) -> dict[str, Any]:
+        """``kv_bits_per_element`` of a finished request: the served format's accounting
+        (`CacheFormat.expected_bits`) at the request's length, prompt tokens plus the completion's tokens as the
+        tokenizer counts them (the server tokenizes the same prompt; a completion's retokenization can differ from
+        the sampled ids by a token at a merge); ``steps``: those completion tokens."""
+        n_prompt = len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        steps = len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
+        bits = self.format.expected_bits(n_prompt + steps, int(self.cfg.model.head_dim))
+        return {"kv_bits_per_element": float(bits), "steps": steps}
 
     def loglikelihood(self, contexts: Sequence[str], continuations: Sequence[str], mode: str = "serving",
                       batch_size: int = 1) -> list[tuple[float, bool]]:

@@ -272,7 +272,8 @@ def _diff(r: dict[str, Any], other: str = "bf16") -> str:
 SERVED_NOTE = ("Served rows (`<variant>@sglang`, served = yes): the cell served through SGLang (`oscar eval "
                "engine=sglang`: the oscar plugin's pool for a quantized cache, SGLang's own attention for bf16) with "
                "the BF16 model on the GPU, graded by the same sandbox; their paired difference to BF16 is to the "
-               "served `bf16@sglang` cell, on the problems both hold.")
+               "served `bf16@sglang` cell, on the problems both hold; their bits / element are the served format's "
+               "accounting at each request's length (the embedded rows' are measured from the cache rows).")
 
 
 def _served(r: dict[str, Any]) -> str:
