@@ -347,12 +347,15 @@ class OscarAttnBackend(AttentionBackend):
         once (``cached_rows``), a cost of at most ``1 / extend_in_place_max`` prefix rows per query beside its
         attention, and keeps SGLang's flash SDPA for its long causal part; per-channel key layers
         (``pool.key_blocks``) and rope-centered keys under the Triton kernels (the kernel does not add their offsets;
-        the twin would build a float bias per query and row) keep ``cached_rows`` too."""
+        the twin would build a float bias per query and row) keep ``cached_rows`` too. With ``extend_route="dequant"``
+        on the Triton kernels any length does (the pages dequantized once by one Triton pass, then flash SDPA: the
+        long causal part stays on the flash kernel, without ``cached_rows``' torch dequantization)."""
         blocks = getattr(self.pool, "key_blocks", None)
         i = layer_id - self.pool.start_layer
         per_channel = bool(blocks) and bool(blocks[i])
         rope_on_kernel = self.pool.kernels == "triton" and self.pool.transforms[i][0].rope_centered
-        return (p > 0 and n <= self.extend_in_place_max and not per_channel and not rope_on_kernel
+        any_length = self.extend_route == "dequant" and self.pool.kernels == "triton"
+        return (p > 0 and (n <= self.extend_in_place_max or any_length) and not per_channel and not rope_on_kernel
                 and self._prefix_split(p, hit)[1] > self.pool.sink)
 
     def _extend_over_pages(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, r2t: torch.Tensor,

@@ -9,7 +9,7 @@
   S0 = W = 16): a cold request and two hits profiled in the scheduler process; the hits reuse the cached prefix and
   the summary of each trace holds the extend's phases (one ``oscar.extend`` range per layer).
 - Through the backend, a hit with ``extend_route="dequant"`` (pages dequantized once, then SDPA) gives the outputs of
-  the in-place route.
+  the in-place route, and a chunk longer than ``extend_in_place_max`` (which that route also takes) the old route's.
 """
 
 from __future__ import annotations
@@ -157,3 +157,42 @@ def test_dequant_route_through_the_backend():
         assert be.meta.hit == [True]
     rel = ((outs["dequant"] - outs["pages"]).norm(dim=-1) / outs["pages"].norm(dim=-1)).max().item()
     assert rel < 1e-2, rel  # bf16 outputs of float32 attention (2^-8 relative per element)
+
+
+def test_dequant_route_takes_long_extends_too():
+    """With ``extend_route="dequant"`` on the Triton kernels, an extend longer than ``extend_in_place_max`` reads the
+    pages too (one dequantizing pass, then flash SDPA) instead of ``cached_rows``; the in-place route keeps the bound."""
+    S0, W = 32, 16
+    pool = _prefix_pool(S0, W, "triton")
+    be = _backend(pool, _req_to_token({1: 64}))
+    assert be.extend_route == "pages" and not be._pages_in_place(0, 100, 4097, hit=True)
+    be.extend_route = "dequant"
+    assert be._pages_in_place(0, 100, 4097, hit=True) and be._pages_in_place(0, 100, 21, hit=False)
+    assert not be._pages_in_place(0, S0 + W, 8, hit=False)  # a prefix all sink and ring: nothing quantized to read
+    pool.kernels = "torch"  # the twin: the bound again
+    assert not be._pages_in_place(0, 100, 4097, hit=True)
+
+
+def test_long_extend_by_the_dequant_route_equals_the_old_route():
+    """A later chunk longer than ``extend_in_place_max``: the dequant route's output equals the old route's
+    (``cached_rows`` + SDPA in the original frame; float32 on CPU, bf16 outputs)."""
+    S0, W, n_first, n = 32, 16, 112, 8
+    pool = _prefix_pool(S0, W, "triton")
+    r2t = _req_to_token({1: n_first + n})
+    be = _backend(pool, r2t)
+    be.req_to_token_pool.req_generation = torch.tensor([0, 0, 0, 0])
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(n_first + n, H * D, generator=gen).to(torch.bfloat16)
+    k, v = (t.reshape(-1, HKV * D) for t in _history(n_first + n, gen))
+    _extend(be, _layer(), q[:n_first], k[:n_first], v[:n_first], 1, 0, n_first, r2t)
+    windows = pool.win_k[0].clone(), pool.win_v[0].clone()
+    be.extend_in_place_max = 4
+    outs = {}
+    for route in ("pages", "dequant"):  # "pages" with the bound: the old route (cached_rows)
+        pool.win_k[0].copy_(windows[0])
+        pool.win_v[0].copy_(windows[1])
+        be.extend_route = route
+        outs[route] = _extend(be, _layer(), q[n_first:], k[n_first:], v[n_first:], 1, n_first, n, r2t).float()
+        assert be.meta.hit == [False]
+    rel = ((outs["dequant"] - outs["pages"]).norm(dim=-1) / outs["pages"].norm(dim=-1)).max().item()
+    assert rel < 1e-2, rel
