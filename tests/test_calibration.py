@@ -403,9 +403,14 @@ def test_build_artifact_imposes_each_layers_key_format_and_keeps_the_heads_best_
     stats = _filled_stats(num_layers=2, max_samples=40)
     method = {"name": "auto", "key_rotation": "auto", "value_rotation": "auto", "clip": "fit", "channel_block": 8}
     kw = dict(num_layers=2, num_kv_heads=HKV, head_dim=D, group_size=32, stats=stats, clip_grid_k=[0.9, 1.0], clip_grid_v=[1.0])
-    free = build_artifact(method, **kw)
+    memo: dict = {}
+    free = build_artifact(method, memo=memo, **kw)
+    assert set(memo) == {(0, "key"), (0, "value"), (1, "key"), (1, "value")}
     for formats in ([True, False], [False, True]):
-        art = build_artifact(method, key_formats=formats, **kw)
+        art = build_artifact(method, key_formats=formats, memo=memo, **kw)
+        fresh = build_artifact(method, key_formats=formats, **kw)  # the memo only saves the second selection
+        assert art.meta["choices"] == fresh.meta["choices"]
+        assert all(torch.equal(a, b) for a, b in zip(art.R_K + art.rho_K, fresh.R_K + fresh.rho_K))
         assert art.meta["key_block"] == [8 if f else 0 for f in formats]
         for c in art.meta["choices"]:
             same = [r["distortion"] for r in c["key_table"] if bool(r.get("block", 0)) == formats[c["layer"]]]

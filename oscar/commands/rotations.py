@@ -84,6 +84,7 @@ def run_rotations(cfg: Any, *, force: bool = False, out: Path | None = None, sta
         stats = load_stats(cfg)
     geom = model_geometry(cfg, stats)
     built: dict[tuple[bool, ...] | None, Any] = {}
+    memo: dict = {}  # select_by=kl builds several key-format sets: each layer's selections are computed once
 
     def build(key_formats: list[bool] | None = None) -> Any:
         key = None if key_formats is None else tuple(key_formats)
@@ -95,7 +96,7 @@ def run_rotations(cfg: Any, *, force: bool = False, out: Path | None = None, sta
                     num_layers=geom["num_layers"], num_kv_heads=geom["num_kv_heads"], head_dim=geom["head_dim"],
                     stats=stats, clip_grid_k=list(cfg.calibration.clip_grid_k), clip_grid_v=list(cfg.calibration.clip_grid_v),
                     model_id=str(cfg.model.name), config_hash=geom["config_hash"], calibration=calibration_meta(stats),
-                    key_formats=key_formats,
+                    key_formats=key_formats, memo=memo,
                 )
         return built[key]
 

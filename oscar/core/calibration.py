@@ -78,6 +78,7 @@ def build_artifact(
     calibration: dict[str, Any] | None = None,
     select_by: SelectBy | None = None,
     key_formats: Sequence[bool] | None = None,
+    memo: dict | None = None,
 ) -> CalibrationArtifact:
     """Rotations, means and clip ratios of every layer for a method config (dict or DictConfig).
 
@@ -93,6 +94,8 @@ def build_artifact(
     instead of the measured distortion. `key_formats` (`auto` with `channel_block > 0`, one entry per layer):
     True / False imposes per-channel / per-token keys on that layer (`method.select_by=kl` chooses them by the
     model's next-token KL, `oscar.models.select`); each head still takes its best candidate of that format.
+    `memo` (`select_layer`'s, one dict per statistics and method): calls that differ only by `key_formats` reuse
+    the per-(layer, side) selections.
     """
     bits = int(_get(method, "bits", 2))
     clip = str(_get(method, "clip", "fit"))
@@ -141,7 +144,8 @@ def build_artifact(
                 centers = None if rope_center or side == "value" else (False, True)
                 sel = select_layer(stats, layer, side, grid, bits=bits, group_size=group_size, centers=centers,  # type: ignore[arg-type]
                                    channel_block=channel_block, select_by=select_by,
-                                   key_format=None if key_formats is None or side == "value" else bool(key_formats[layer]))
+                                   key_format=None if key_formats is None or side == "value" else bool(key_formats[layer]),
+                                   memo=memo)
                 rot = {
                     "R": torch.stack([s.candidate.R for s in sel]),
                     "mu": torch.stack([s.candidate.mu for s in sel]),

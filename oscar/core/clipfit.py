@@ -50,7 +50,7 @@ Keys have a third mode where the model's RoPE is known (`oscar.core.rope`, stati
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -493,6 +493,7 @@ def select_layer(
     channel_block: int = 0,
     select_by: SelectBy | None = None,
     key_format: bool | None = None,
+    memo: dict | None = None,
 ) -> list[Selection]:
     """`auto` for one layer and side: the best candidate of every KV head on held-back rows. With
     `channel_block > 0` (keys) the layer's key format is the one (per-token or per-channel) whose per-head
@@ -500,10 +501,14 @@ def select_layer(
     head's table still lists all candidates. `select_by` (the selection hook, opt-in): each head's candidates
     and the layer's key format are chosen by its score instead of the measured distortion. `key_format`
     (keys with `channel_block > 0`): True / False imposes per-channel / per-token keys on the layer (a format
-    chosen elsewhere, e.g. by the model's next-token KL: `oscar.models.select`); None lets the score choose."""
+    chosen elsewhere, e.g. by the model's next-token KL: `oscar.models.select`); None lets the score choose.
+    `memo` (a dict shared by calls with the same statistics and arguments but `key_format`): each (layer, side)'s
+    per-head selections are computed once, so imposing other key formats costs no second selection."""
     if key_format is not None and not (channel_block and side == "key"):
         raise ValueError(f"layer {layer}: key_format={key_format} imposes a key format; it needs side='key' and "
                          f"channel_block > 0, got side={side!r}, channel_block={channel_block}")
+    if memo is not None and (layer, side) in memo:
+        return _pick_format(memo[(layer, side)], key_format)
     rows = _samples(stats, layer, side)
     metric = _metric(stats, layer, side)
     if rows.shape[1] < channel_block:  # fewer held-back rows than one block: nothing to score them on
@@ -511,18 +516,27 @@ def select_layer(
     cands = [candidates(stats, layer, h, side, targets, centers, channel_block) for h in range(stats.num_kv_heads)]
     scores = [None if select_by is None else select_by(layer, h, side) for h in range(len(cands))]
     if not (channel_block and side == "key"):
-        return [select_candidate(rows[h], metric[h], cands[h], grid, bits=bits, group_size=group_size, score=scores[h])
-                for h in range(len(cands))]
-    by_format = {
-        fmt: [select_candidate(rows[h], metric[h], [c for c in cands[h] if bool(c.block) == fmt], grid, bits=bits,
-                               group_size=group_size, score=scores[h]) for h in range(len(cands))]
-        for fmt in (False, True)
-    }
+        by_format = {False: [select_candidate(rows[h], metric[h], cands[h], grid, bits=bits, group_size=group_size,
+                                              score=scores[h]) for h in range(len(cands))]}
+    else:
+        by_format = {
+            fmt: [select_candidate(rows[h], metric[h], [c for c in cands[h] if bool(c.block) == fmt], grid, bits=bits,
+                                   group_size=group_size, score=scores[h]) for h in range(len(cands))]
+            for fmt in (False, True)
+        }
+    if memo is not None:
+        memo[(layer, side)] = by_format
+    return _pick_format(by_format, key_format)
+
+
+def _pick_format(by_format: dict[bool, list[Selection]], key_format: bool | None) -> list[Selection]:
+    """The layer's selections of one key format (imposed, or the lower total score), each head's table listing
+    the candidates of both formats; copies, so that the per-format selections stay as computed."""
+    if len(by_format) == 1:
+        return [replace(s) for s in by_format[False]]
     total = {fmt: sum(s.score for s in sel) for fmt, sel in by_format.items()}
-    chosen = by_format[total[True] < total[False] if key_format is None else bool(key_format)]
-    for h, s in enumerate(chosen):
-        s.table = by_format[False][h].table + by_format[True][h].table
-    return chosen
+    fmt = total[True] < total[False] if key_format is None else bool(key_format)
+    return [replace(s, table=by_format[False][h].table + by_format[True][h].table) for h, s in enumerate(by_format[fmt])]
 
 
 __all__ = [

@@ -157,12 +157,14 @@ def build_rotations(
     config_hash: str = "",
     calibration: dict[str, Any] | None = None,
     key_formats: Any = None,
+    memo: dict | None = None,
 ) -> Any:
     """Stage `rotations`: the method's per-head rotations and means; clip ratios 1 except for `auto`.
 
     `auto` selects each head's candidate with its own fitted clip ratio (the selection is defined
     under real clipped quantization), so its ratios are already final here. `key_formats` (per layer, True =
-    per-channel keys) imposes the layers' key formats (`oscar.models.select`, `method.select_by=kl`).
+    per-channel keys) imposes the layers' key formats (`oscar.models.select`, `method.select_by=kl`); `memo`: one
+    dict shared by the calls that differ only by `key_formats` (each layer's selections computed once).
     """
     validate_method(method_cfg)
     if needs_statistics(method_cfg) and stats is None:
@@ -185,6 +187,7 @@ def build_rotations(
         config_hash=config_hash,
         calibration=calibration,
         key_formats=key_formats,
+        memo=memo,
     )
     art.meta["method"] = _method_dict(method_cfg)
     record_format(art, method_cfg)  # meta.json names the cache format the artifact was calibrated for
