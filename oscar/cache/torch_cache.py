@@ -939,7 +939,7 @@ class OscarLayer(CacheLayerMixin):
         if not sp.format.paged or sp.backend != "torch" or self.rot is None or self.rot.k_block or sp.recent < 1:
             return set()
         full = [b for b in range(self.batch) if self.sink_len[b] == sp.sink and self.recent_len[b] == sp.recent]
-        if len(full) < 2:
+        if not full:  # one sequence too: its dequantized INT rows stay current instead of being rebuilt every step
             return set()
         idx = torch.tensor(full, dtype=torch.long, device=self.device)
         old_k, old_v = self.recent_k[idx, :, :1], self.recent_v[idx, :, :1]  # [F, Hkv, 1, d]
