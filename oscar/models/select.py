@@ -56,6 +56,7 @@ def kl_and_bits(model: Any, method: Any, rotations: Optional[list], windows: Seq
                 refs: Sequence[torch.Tensor], start: int) -> tuple[float, float]:
     """Mean next-token KL(ref || cache) over the positions `t >= start` of every window and the cache's bits per
     element (mean over windows), each window one decode-equivalent pass through a fresh cache of `method`."""
+    attention.enable(model)
     kl_sum, n, bits = 0.0, 0, 0.0
     for ids, ref in zip(windows, refs):
         cache = new_cache(model, cache_spec(method, model, rotations, mode="decode_equivalent"))
@@ -69,6 +70,7 @@ def kl_and_bits(model: Any, method: Any, rotations: Optional[list], windows: Seq
 @torch.no_grad()
 def bf16_logits(model: Any, windows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The reference: each window's logits through the BF16 cache (decode-equivalent, as the quantized passes)."""
+    attention.enable(model)
     device = next(model.parameters()).device
     out = []
     for ids in windows:
