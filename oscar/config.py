@@ -487,12 +487,16 @@ NEUTRAL_METHOD_KEYS: dict[str, Any] = {"select_by": "distortion", "select_price"
 
 
 def drop_neutral(data: Any) -> Any:
-    """`data` (a whole configuration, or a method's) without the `NEUTRAL_METHOD_KEYS` at their neutral value."""
+    """`data` (a whole configuration, or a method's) without the `NEUTRAL_METHOD_KEYS` at their neutral value, nor
+    at any value where they are moot (`channel_block` 0: no per-channel candidates to select), so the hashes of
+    `auto method.channel_block=0` are those of the per-token `auto` of before per-channel keys became its default."""
     if not isinstance(data, dict):
         return data
 
     def method(m: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in m.items() if not (k in NEUTRAL_METHOD_KEYS and v == NEUTRAL_METHOD_KEYS[k])}
+        moot = not m.get("channel_block")  # per-token keys only: nothing to select (artifact.SELECTION_FIELDS)
+        return {k: v for k, v in m.items()
+                if not (k in NEUTRAL_METHOD_KEYS and (moot or v == NEUTRAL_METHOD_KEYS[k]))}
 
     if "key_rotation" in data and "kind" in data:  # a method configuration itself
         return method(data)

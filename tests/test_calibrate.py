@@ -107,7 +107,8 @@ def test_deterministic_for_a_seed(tiny_setup, tmp_path):
 
 
 def test_auto_records_choices_no_worse_than_oscar(tiny_setup, tmp_path):
-    cfg = _cfg(tiny_setup, tmp_path, "method=auto", "method.channel_block=64")  # per-channel candidates: opt-in
+    # per-channel candidates chosen by distortion (the default select_by=kl has its own test below)
+    cfg = _cfg(tiny_setup, tmp_path, "method=auto", "method.channel_block=64", "method.select_by=distortion")
     art_dir = run_calibrate(cfg)[-1].path
     meta = json.loads((art_dir / "meta.json").read_text())
     choices = meta["choices"]
@@ -236,4 +237,4 @@ def test_auto_select_by_kl_chooses_each_layers_key_format_through_the_pipeline(t
     model, _ = load_model(cfg.model)
     load_artifact(art_dir, model=model, method=cfg.method)
     with pytest.raises(ArtifactMismatch, match="select_by"):
-        load_artifact(art_dir, model=model, method=_cfg(tiny_setup, tmp_path, *overrides).method)
+        load_artifact(art_dir, model=model, method=_cfg(tiny_setup, tmp_path, *overrides, "method.select_by=distortion").method)

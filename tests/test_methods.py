@@ -224,26 +224,49 @@ def test_sliding_window_layers_get_no_selection_and_no_clip_fit(stats):
     assert {f["layer"] for f in osc.meta["clip"]["fits"]} == {1} and osc.meta["clip"]["skipped_window_layers"] == [0]
 
 
-def test_select_by_names_its_valid_values_and_needs_per_channel_candidates():
+def test_select_by_names_its_valid_values_and_is_an_auto_setting():
     validate_method(method("auto", "channel_block=32", "select_by=kl", "select_price=0.01"))
+    validate_method(method("auto", "channel_block=0", "select_by=kl"))  # per-token keys only: nothing to select
     with pytest.raises(MethodError, match="select_by='task'; valid: distortion, kl"):
         validate_method(method("auto", "select_by=task"))
-    with pytest.raises(MethodError, match=r"select_by=kl .* needs auto rotations and channel_block > 0 \(got channel_block=0"):
-        validate_method(method("auto", "select_by=kl"))
+    with pytest.raises(MethodError, match=r"select_by=kl .* it is an auto setting"):
+        validate_method(method("oscar", "select_by=kl"))
     with pytest.raises(MethodError, match="select_price=-1.0; valid: a number >= 0"):
         validate_method(method("auto", "channel_block=32", "select_by=kl", "select_price=-1"))
 
 
-def test_select_keys_at_their_neutral_value_leave_hashes_and_resolved_files_as_they_were():
+def test_auto_defaults_to_per_channel_candidates_chosen_by_kl_and_old_hashes_stay_reachable():
+    """`auto` now defaults to per-channel key candidates (channel_block 32) chosen by next-token KL; the select keys
+    are left out of resolved files and hashes at their neutral value and wherever they are moot (channel_block 0), so
+    `auto method.channel_block=0` has the hash of the per-token `auto` of the committed reports, and
+    `method.select_by=distortion` that of the distortion-selected per-channel `auto`."""
     from omegaconf import OmegaConf
 
     from oscar.config import config_hash, to_dict
 
-    cfg = compose(["method=auto", "method.channel_block=32"])
+    cfg = compose(["method=auto"])
     plain = OmegaConf.to_container(cfg, resolve=True)
-    assert (plain["method"]["select_by"], plain["method"]["select_price"]) == ("distortion", 0.0)
-    before = {**plain, "method": {k: v for k, v in plain["method"].items() if k not in ("select_by", "select_price")}}
-    assert to_dict(cfg) == before and to_dict(cfg.method) == before["method"]
-    assert config_hash(cfg) == config_hash(plain) == config_hash(before)
-    kl = compose(["method=auto", "method.channel_block=32", "method.select_by=kl"])
-    assert to_dict(kl)["method"]["select_by"] == "kl" and config_hash(kl) != config_hash(cfg)
+    assert (plain["method"]["channel_block"], plain["method"]["select_by"], plain["method"]["select_price"]) == (32, "kl", 0.0)
+    assert to_dict(cfg)["method"]["select_by"] == "kl"
+    strip = lambda d, **m: {**d, "method": {**{k: v for k, v in d["method"].items()  # noqa: E731
+                                               if k not in ("select_by", "select_price")}, **m}}
+    token = compose(["method=auto", "method.channel_block=0"])
+    old_token = strip(plain, channel_block=0)  # the resolved file of the per-token default, before the select keys
+    assert to_dict(token) == old_token and config_hash(token) == config_hash(old_token)
+    assert config_hash(compose(["method=auto", "method.channel_block=0", "method.select_by=distortion"])) == config_hash(token)
+    dist = compose(["method=auto", "method.select_by=distortion"])
+    assert to_dict(dist) == strip(plain) and config_hash(dist) == config_hash(strip(plain)) != config_hash(cfg)
+
+
+def test_an_artifact_of_per_token_auto_matches_any_selector_and_a_distortion_one_refuses_kl():
+    """The select keys are moot without per-channel candidates: a per-token `auto` artifact (recorded before they
+    existed) runs under `auto method.channel_block=0` whatever they say; a per-channel artifact selected by distortion
+    is refused by the default `auto` (select_by=kl), naming the field."""
+    from oscar.core.artifact import method_differences
+
+    old_token = {"key_rotation": "auto", "value_rotation": "auto", "channel_block": 0}
+    assert method_differences(old_token, method("auto", "channel_block=0")) == {}
+    assert method_differences(old_token, method("auto")) == {"channel_block": (0, 32), "select_by": ("distortion", "kl")}
+    cb32_distortion = {**old_token, "channel_block": 32, "select_by": "distortion"}
+    assert method_differences(cb32_distortion, method("auto")) == {"select_by": ("distortion", "kl")}
+    assert method_differences(cb32_distortion, method("auto", "select_by=distortion")) == {}

@@ -100,7 +100,7 @@ def run_rotations(cfg: Any, *, force: bool = False, out: Path | None = None, sta
                 )
         return built[key]
 
-    if str(cfg.method.get("select_by", "distortion")) == "kl":
+    if str(cfg.method.get("select_by", "distortion")) == "kl" and int(cfg.method.get("channel_block", 0) or 0):
         art = kl_selected(cfg, stats, build)
     else:
         art = build()

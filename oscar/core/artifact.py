@@ -45,6 +45,9 @@ METHOD_FIELDS = {"key_rotation": "identity", "value_rotation": "identity", "key_
                  "value_target": "output", "center": False, "clip": "fit", "seed": 0,
                  "rope_center": True, "channel_block": 0, "select_by": "distortion", "select_price": 0.0}
 FIXED_CLIP_FIELDS = {"rho_k": 1.0, "rho_v": 1.0}
+# what chooses each layer's key format between per-token and per-channel keys: moot without per-channel candidates
+# (channel_block 0), so an artifact of `auto method.channel_block=0` matches whatever these say
+SELECTION_FIELDS = ("select_by", "select_price")
 
 
 class ArtifactMismatch(ValueError):
@@ -318,6 +321,9 @@ def method_differences(recorded: Any, method: Any) -> dict[str, tuple[Any, Any]]
     fields = dict(METHOD_FIELDS)
     if "fixed" in (_method_value(recorded, "clip", "fit"), _method_value(method, "clip", "fit")):
         fields.update(FIXED_CLIP_FIELDS)
+    if not _method_value(recorded, "channel_block", 0) and not _method_value(method, "channel_block", 0):
+        for key in SELECTION_FIELDS:  # per-token keys only: there is no key format to select
+            fields.pop(key)
     out = {}
     for key, default in fields.items():
         a, b = _method_value(recorded, key, default), _method_value(method, key, default)
@@ -461,6 +467,7 @@ __all__ = [
     "ArtifactCorrupt",
     "ArtifactMismatch",
     "METHOD_FIELDS",
+    "SELECTION_FIELDS",
     "CalibrationArtifact",
     "build_meta",
     "config_hash_of",

@@ -111,10 +111,9 @@ def validate_method(method_cfg: Any) -> None:
     select_by = str(_get(method_cfg, "select_by", "distortion"))
     if select_by not in SELECT_BY:
         raise MethodError(f"method {name!r}: select_by={select_by!r}; valid: {', '.join(SELECT_BY)}")
-    if select_by == "kl" and not (all(auto) and block):
+    if select_by == "kl" and not all(auto):
         raise MethodError(f"method {name!r}: select_by=kl chooses each layer's key format between per-token and "
-                          f"per-channel keys: it needs auto rotations and channel_block > 0 (got channel_block={block}; "
-                          "e.g. method.channel_block=32)")
+                          "per-channel keys: it is an auto setting (key_rotation=auto, value_rotation=auto)")
     price = float(_get(method_cfg, "select_price", 0.0))
     if not price >= 0.0:
         raise MethodError(f"method {name!r}: select_price={price}; valid: a number >= 0 (nats of next-token KL per "
