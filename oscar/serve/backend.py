@@ -268,17 +268,6 @@ class OscarAttnBackend(AttentionBackend):
             og = og - vt.mu[None, :, None, :]
         return torch.einsum("nkpd,kde->nkpe", og, vt.R).reshape(n, h, d).to(o.dtype)
 
-    def _to_folded_values(self, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-        """Value rows ``[Hkv, T, d]`` -> ``(v - mu_V) @ R_V`` per KV head, float32. Attention weights sum to one, so
-        attending over them gives ``_to_folded`` of the output: for an extend that is ``H / Hkv`` times fewer rows
-        to rotate (the H200 profile of a 30k cold prefill: the output fold took 103 ms of FP32 FFMA GEMMs and copies
-        over 36 layers)."""
-        vt = self.pool.transforms[layer_id - self.pool.start_layer][1]
-        vf = v.float()
-        if vt.mu is not None:
-            vf = vf - vt.mu[:, None, :]
-        return torch.bmm(vf, vt.R.to(vf.dtype))
-
     def _num_splits(self, batch: int, hkv: int) -> Optional[int]:
         """Split-K of the mma kernel per batch size, from the server's context length (fixed, so that the
         captured grid fits every replay)."""
@@ -336,15 +325,13 @@ class OscarAttnBackend(AttentionBackend):
                 # and memory-efficient kernels take as a bias object on CUDA (a boolean mask would not reach them)
                 mask = causal_lower_right(n, p + n) if q.is_cuda else \
                     torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(p)
-            if self.folded:  # P (V - mu_V) R_V = (P V - mu_V) R_V: rotate the Hkv value rows, not the H outputs
-                vs = self._to_folded_values(vs, layer.layer_id).to(q.dtype)
             gqa = H != Hkv
             if gqa and q.is_cuda:  # the flash / memory-efficient kernels, not the math fallback of enable_gqa
                 ks, vs, gqa = ks.repeat_interleave(H // Hkv, dim=0), vs.repeat_interleave(H // Hkv, dim=0), False
             o = scaled_dot_product_attention(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=mask,
                                              enable_gqa=gqa, scale=layer.scaling, is_causal=mask is None)
             o = o.squeeze(0).movedim(1, 0)
-            out[start : start + n] = o
+            out[start : start + n] = self._to_folded(o, layer.layer_id) if self.folded else o
         if save_kv_cache:
             self.pool.write(layer.layer_id, kb, vb, forward_batch.out_cache_loc.long(), m.req, m.pos, m.seq_len,
                             plan=m.plan)

@@ -58,7 +58,8 @@ def auto_artifact(biased_qwen2, tmp_path_factory):
     cfg = compose([
         "model=qwen2.5-coder-0.5b", f"model.hf_id={biased_qwen2}", "model.offline=false", "model.num_layers=2",
         "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=64", "model.hidden_size=256",
-        "model.dtype=float32", "method=auto", "calibration.corpus=file", f"calibration.path={corpus}",
+        "model.dtype=float32", "method=auto", "method.channel_block=0", "calibration.corpus=file",
+        f"calibration.path={corpus}",
         "calibration.num_tokens=128", "calibration.seq_len=64", "calibration.holdout_tokens=64",
         f"results_dir={root / 'results'}", "device=cpu",
     ])
@@ -69,7 +70,7 @@ def test_auto_chose_rope_centered_keys_and_more(auto_artifact):
     choices = json.loads((auto_artifact / "meta.json").read_text())["choices"]
     centers = {c["center_k"] for c in choices}
     assert "rope" in centers, [c["key_table"][:3] for c in choices]  # the path under test
-    assert all(not c.get("key_block") for c in choices)  # per-token keys (channel_block=0, the default)
+    assert all(not c.get("key_block") for c in choices)  # per-token keys (method.channel_block=0)
 
 
 @pytest.fixture(scope="module")
@@ -102,5 +103,5 @@ def test_auto_rope_teacher_forced_agrees_with_embedded_engine(served, biased_qwe
     got = results[run]
     assert [len(t) for t in got["output_ids"]] == [NEW_TOKENS] * len(prompts)
     forced = embedded_forced_logprobs(model, "auto", auto_artifact, sink, RECENT, prompts, got["output_ids"],
-                                      overrides=())
+                                      overrides=("method.channel_block=0",))
     check_teacher_forced(got, forced)

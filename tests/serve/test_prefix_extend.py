@@ -305,28 +305,3 @@ def test_route_choice():
     pool.kernels = "torch"
     assert be._pages_in_place(0, 100, 21, hit=True)
 
-
-@pytest.mark.parametrize("prefix", [0, 112])
-def test_folded_extend_rotates_the_values_not_the_outputs(prefix):
-    """With the value rotation folded into ``o_proj`` an extend attends over ``(v - mu_V) R_V`` (the ``Hkv`` value
-    rows) instead of rotating the ``H`` outputs afterwards: the same ``(o - mu_V) R_V`` up to BF16 rounding, for a
-    first chunk and for a later chunk over its cached prefix (``cached_rows``, the pages route bounded)."""
-    gen = torch.Generator().manual_seed(8)
-    n = 24
-    q = torch.randn(prefix + n, H * D, generator=gen).to(torch.bfloat16)
-    k, v = (t.reshape(-1, HKV * D) for t in _history(prefix + n, gen))
-    outs = {}
-    for folded in (False, True):
-        pool = _prefix_pool(32, 16, "torch")
-        r2t = _req_to_token({1: prefix + n})
-        be = _backend(pool, r2t)
-        be.req_to_token_pool.req_generation = torch.tensor([0, 0, 0, 0])
-        be.extend_route, be.extend_in_place_max = "pages", 4  # the SDPA branch, also over a cached prefix
-        if prefix:
-            _extend(be, _layer(), q[:prefix], k[:prefix], v[:prefix], 1, 0, prefix, r2t)
-        be.folded = folded
-        outs[folded] = _extend(be, _layer(), q[prefix:], k[prefix:], v[prefix:], 1, prefix, n, r2t)
-    ref = be._to_folded(outs[False].reshape(n, H, D), 0).float()
-    got = outs[True].reshape(n, H, D).float()
-    rel = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
-    assert rel < 1e-2, rel  # two BF16 roundings (rotated values vs rotated outputs), 2^-8 relative each
