@@ -122,12 +122,11 @@ def served_page(over: list[str]) -> int:
     opts = dict(o.split("=", 1) for o in over if "=" in o)
     if "page" in opts:
         return int(opts["page"])
-    name = opts.get("method", "")
-    conf = CONF_DIR / "method" / f"{name}.yaml"
-    base = {k: v for k, v in _yaml_scalars(conf).items()} if name and conf.is_file() else {}
+    conf = CONF_DIR / "method" / f"{opts.get('method', '')}.yaml"
+    base = _yaml_scalars(conf) if conf.is_file() else {}
     get = lambda key, default: opts.get(f"method.{key}", base.get(key, default))  # noqa: E731
-    block = int(get("group_size", 32)) if base.get("kind") == "kivi" or name == "kivi2" else int(get("channel_block", 0))
-    sink = int(get("sink", 0))
+    block = int(get("group_size", 32)) if base.get("kind") == "kivi" else int(get("channel_block", 0))
+    sink = int(get("sink", 64))  # MethodConfig's default where the method's file sets none
     page = 16
     while page < block:
         page *= 2
@@ -155,9 +154,7 @@ def served_commands(opts: dict[str, Any], python: str) -> list[list[str]]:
     base = [a for a in CELLS[opts["table"]][0] if "shared_prefill" not in a]
     out = []
     for name, over in variants(opts):
-        # `page=N` in a variant: SGLang's --page-size for that cell (a per-channel key block lives in one page and
-        # the sink is a whole number of pages: auto at sink 16 serves in pages of 16, per-channel blocks of 32 in 32)
-        page = served_page(over)
+        page = served_page(over)  # SGLang's --page-size for the cell: `page=N` or what its key block needs
         args = [a.replace("--page-size,16,", f"--page-size,{page},") for a in SERVED_ARGS]
         out.append([sys.executable, "-m", "oscar", "eval", "engine=sglang", f"engine.python={python}",
                     f"model={opts['model']}", *base, *[o for o in over if not o.startswith("page=")], "device=cuda",

@@ -304,4 +304,3 @@ def test_route_choice():
     assert not be._pages_in_place(0, 100, 21, hit=True)
     pool.kernels = "torch"
     assert be._pages_in_place(0, 100, 21, hit=True)
-
