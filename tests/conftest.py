@@ -9,6 +9,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# MKL's code path pinned before torch loads (oscar/__init__.py says why): Intel and AMD compute alike.
+os.environ.setdefault("MKL_CBWR", "AVX2")
 
 
 def _has_cuda() -> bool:

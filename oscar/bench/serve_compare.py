@@ -50,11 +50,12 @@ def check_teacher_forced(served: dict, forced: list[Any], tol: float = INT2_LOGP
     return max(per_step), median, decided
 
 
-def save_in_code_artifact(model_dir: Path, method: str, out: Path) -> Path:
+def save_in_code_artifact(model_dir: Path, method: str, out: Path, overrides: tuple = ("method.clip=paper",)) -> Path:
     """The artifact of a method that needs no calibration (int2: identity, quarot: Hadamard) for a local model.
 
-    `method.clip=paper` selects the published, unclipped baseline: under the default fair clip policy
-    (`fit`) these methods fit their clip on calibration statistics like every other row."""
+    `method.clip=paper` (the default `overrides`) selects the published, unclipped baseline: under the default fair
+    clip policy (`fit`) these methods fit their clip on calibration statistics like every other row. Other overrides
+    (e.g. `method.bits=4`) follow it."""
     from transformers import AutoConfig
 
     from oscar.config import compose  # local: keeps omegaconf out of `gpu --help`
@@ -64,7 +65,7 @@ def save_in_code_artifact(model_dir: Path, method: str, out: Path) -> Path:
 
     hf = AutoConfig.from_pretrained(str(model_dir))
     f = model_config_fields(hf)
-    cfg = compose([f"method={method}", "method.clip=paper"])
+    cfg = compose([f"method={method}", *overrides])
     art = in_code_artifact(cfg.method, num_layers=f["num_layers"], num_kv_heads=f["num_kv_heads"],
                            head_dim=f["head_dim"], model_id=str(model_dir), config_hash=config_hash_of(hf))
     save_artifact(art, out)

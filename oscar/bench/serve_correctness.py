@@ -316,6 +316,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--auto-artifact", type=Path, default=None, help="same as --artifact auto=DIR")
     ap.add_argument("--method-override", action="append", default=[],
                     help="method settings the calibrated artifacts were made with (default: the method's own)")
+    ap.add_argument("--in-code-override", action="append", default=[],
+                    help="settings of the methods whose artifact is built in code (e.g. method.bits=4: QuaRot-INT4, "
+                         "a quantized row out of INT2's rounding-sensitive regime), after method.clip=paper")
     ap.add_argument("--prompts", type=int, default=0, help="first N prompts (default: 8; 2 with --cpu)")
     ap.add_argument("--new-tokens", type=int, default=0, help=f"greedy tokens per prompt (default {NEW_TOKENS}; 8 with --cpu)")
     ap.add_argument("--out", type=Path)
@@ -361,16 +364,17 @@ def run(a: argparse.Namespace) -> int:
     given = dict(x.split("=", 1) for x in a.artifact)
     if a.auto_artifact is not None:
         given.setdefault("auto", str(a.auto_artifact))
+    in_code = (*IN_CODE_OVERRIDES, *a.in_code_override)
     artifacts: dict[str, tuple[Path, tuple]] = {"int2": (save_in_code_artifact(Path(path), "int2", out / "art_int2"),
                                                           IN_CODE_OVERRIDES)}
     for m in methods:
         if m in given:
             artifacts[m] = (Path(given[m]), tuple(a.method_override))
         elif m not in ("bf16", "int2"):
-            if needs_statistics(compose([f"method={m}", *IN_CODE_OVERRIDES]).method):
+            if needs_statistics(compose([f"method={m}", *in_code]).method):
                 raise SystemExit(f"--methods names {m!r}, which needs a calibration artifact: give --artifact {m}=DIR "
                                  f"(python -m oscar calibrate model=smollm2-135m method={m}) or leave it out")
-            artifacts[m] = (save_in_code_artifact(Path(path), m, out / f"art_{m}"), IN_CODE_OVERRIDES)
+            artifacts[m] = (save_in_code_artifact(Path(path), m, out / f"art_{m}", in_code), in_code)
     timings["setup_s"] = time.perf_counter() - t0
     groups = served_groups(methods, artifacts, path, prompts, new_tokens, a.cpu)
     procs = {name: None if a.reuse else start_engines(name, runs, out) for name, runs in groups.items()}

@@ -83,6 +83,24 @@ def _twin_rows(pool, k: torch.Tensor, first: int, last: int) -> torch.Tensor:
     return torch.einsum("hte,hde->htd", x, kt.R) + paged.rope_offsets(kt, pos).transpose(0, 1)
 
 
+# Rows (token, KV head) allowed to differ from the twin beyond float32 reassociation: the pool and the twin subtract
+# the offsets and rotate in different orders, so an element lying on an INT2 rounding boundary may take the other code,
+# and one flipped code moves its whole dequantized row (the inverse rotation spreads it over the d channels). Measured:
+# 0 of 176 rows on an AMD EPYC, 1 on an Intel Xeon before MKL's path was pinned (off by 0.0445 at most).
+MAX_FLIPPED_ROWS = 3
+
+
+def assert_rows_match_up_to_flips(got: torch.Tensor, want: torch.Tensor) -> None:
+    """``[Hkv, T, d]`` dequantized rows equal to 1e-4, except at most MAX_FLIPPED_ROWS rows, each off by less than a
+    quarter of its norm (a flipped code moves a row by one INT2 step of one rotated channel; a wrong offset or a
+    wrong position moves it by about its norm)."""
+    err = (got - want).abs().amax(dim=-1)  # [Hkv, T]
+    flipped = err > 1e-4
+    assert int(flipped.sum()) <= MAX_FLIPPED_ROWS, f"{int(flipped.sum())} of {err.numel()} rows differ: {err[flipped]}"
+    bound = 0.25 * want.norm(dim=-1)
+    assert bool((err[flipped] <= bound[flipped]).all()), (err[flipped], bound[flipped])
+
+
 @pytest.mark.parametrize("layout", ["mma", "rows"])
 def test_write_through_subtracts_the_offsets_at_each_rows_position(layout):
     n, prompt = 120, 70
@@ -97,7 +115,7 @@ def test_write_through_subtracts_the_offsets_at_each_rows_position(layout):
         assert torch.equal(ck[:, n - W :], k[n - W :].transpose(0, 1).float())
         errs[rope] = float((ck[:, S0 : n - W] - k[S0 : n - W].transpose(0, 1).float()).norm(dim=-1).mean())
         if rope:  # prefill rows and decode rows alike: the codes of each row at its own position
-            torch.testing.assert_close(ck[:, S0 : n - W], _twin_rows(pool, k, S0, n - W), rtol=0, atol=1e-4)
+            assert_rows_match_up_to_flips(ck[:, S0 : n - W], _twin_rows(pool, k, S0, n - W))
     # INT2 of the centered rows (unit spread) against INT2 of rows carrying the bias (|m| ~ 6 sqrt(d)): measured
     # 3.5 against 21 (6x)
     assert errs[True] * 4 < errs[False], errs
