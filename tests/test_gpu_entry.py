@@ -227,18 +227,28 @@ def test_serving_plan_and_command_line(tmp_path):
     opts = tables.parse("serving", ["backends=oscar,flashinfer", "real=1x100000", "synthetic=1x100000", "profile="])
     runs = serving.plan(opts)
     assert [(r["name"], r["real"], r["synthetic"], r["profile"]) for r in runs] == [
-        ("oscar", "1x100000", "1x100000", ""), ("bf16_flashinfer", "1x100000", "1x100000", "")]
+        ("oscar_channel", "1x100000", "1x100000", ""), ("oscar_token", "1x100000", "1x100000", ""),
+        ("bf16_flashinfer", "1x100000", "1x100000", "")]
     cmd = serving.command(runs[0], {**opts, "model": "/m"}, tmp_path)
-    assert cmd[1:3] == ["-m", "oscar.bench.sglang_one_batch"] and "--page-size" in cmd
+    assert cmd[1:3] == ["-m", "oscar.bench.sglang_one_batch"] and cmd[cmd.index("--page-size") + 1] == "32"
+    assert serving.command(runs[1], {**opts, "model": "/m"}, tmp_path)[cmd.index("--page-size") + 1] == "16"
+    assert "--disable-cuda-graph" not in cmd and "--mem-fraction-static" in cmd
+    runs = serving.plan({**opts, "backends": "oscar,flashinfer_fp8", "formats": "mixed", "graphs": "on,off"})
+    assert [(r["name"], r["cuda_graph"]) for r in runs] == [("oscar_mixed", True), ("oscar_mixed_nograph", False),
+                                                           ("fp8_flashinfer", True), ("fp8_flashinfer_nograph", False)]
+    fp8 = serving.command(runs[3], {**opts, "model": "/m", "mem_fraction": "default"}, tmp_path)
+    assert fp8[fp8.index("--kv-cache-dtype") + 1] == "fp8_e4m3" and "--disable-cuda-graph" in fp8
+    assert fp8[fp8.index("--attention-backend") + 1] == "flashinfer" and "--mem-fraction-static" not in fp8
+    with pytest.raises(ValueError, match="valid formats are token, channel, mixed, rope"):
+        serving.plan({**opts, "formats": "int3"})
     assert "--oscar-shapes=1x100000" in cmd and "--oscar-profile=" in cmd and "--oscar-warmup=1x2048" in cmd
     assert cmd[cmd.index("--batch-size") + 1:cmd.index("--input-len")] == ["1"]
-    assert "--page-size" not in serving.command(runs[1], {**opts, "model": "/m"}, tmp_path)
     assert "--tp-size" not in cmd
     tp2 = serving.command(runs[0], {**opts, "model": "/m", "tp": 2}, tmp_path)
     assert tp2[tp2.index("--tp-size") + 1] == "2"
     full = serving.plan(tables.parse("serving", []))
-    assert [r["name"] for r in full] == ["oscar", "bf16_flashinfer", "bf16_triton"]
-    assert full[0]["synthetic"].endswith(",51x100000") and full[1]["profile"] == "1x100000"
+    assert [r["name"] for r in full] == ["oscar_channel", "oscar_token", "bf16_flashinfer", "bf16_triton"]
+    assert full[0]["synthetic"].endswith(",51x100000") and full[2]["profile"] == "1x100000"
     with pytest.raises(ValueError, match="shape '1by100' is not valid"):
         serving.plan({**opts, "real": "1by100"})
 

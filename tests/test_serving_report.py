@@ -48,12 +48,22 @@ def test_targets_grid_cross_check_and_profile(tmp_path):
             dict(osc, batch=32, mode="synthetic", status="ok", decode_ms=40.0)]
     mod = _module()
     tg = mod.targets(rows, context=1000)
-    assert tg[0] == "| batch 1 decode at 1000 | >= 1.5x | flashinfer 9.90 ms / OSCAR 6.00 ms | 1.65x | holds |"
-    assert tg[1] == "| largest batch at 1000 (token capacity) | >= 6x | OSCAR 51 / BF16 7 | 7.29x | holds |"
+    assert tg[0] == "| o: batch 1 decode at 1000 | >= 1.5x | flashinfer 9.90 ms / OSCAR 6.00 ms | 1.65x | holds |"
+    assert tg[1] == "| o: largest batch at 1000 (token capacity) | >= 6x | OSCAR 51 / BF16 7 | 7.29x | holds |"
     assert tg[2].endswith("| OSCAR 800 / flashinfer 250 tok/s | 3.20x | missed |")  # BF16 at its largest batch, 7
     grid = mod.grid(rows)
     assert "| 32 | 1000 | capacity | 40.00 |  |" in grid and "| 1 | 1000 | 9.90 | 6.00 | 1.65x |" in grid
     assert mod.cross_check(rows) == ["| bf16/flashinfer | 1 | 1000 | 1.00 | 9.00 | 9.90 | +10.0% |"]
+    # formats side by side: each against the per-token format and against BF16 of the same CUDA-graph setting
+    fmt_rows = [dict(r, format="rotated") if r["cache"] == "oscar" else dict(r, format="bf16") for r in rows] + [
+        dict(osc, tag="c", format="rotated_channel", batch=1, mode="synthetic", status="ok", decode_ms=6.6),
+        dict(osc, tag="c_nograph", format="rotated_channel", cuda_graph=False, batch=1, mode="synthetic", status="ok",
+             decode_ms=30.0),
+        dict(bf, tag="f_nograph", cuda_graph=False, batch=1, mode="synthetic", status="ok", decode_ms=15.0)]
+    assert mod.format_ratios(fmt_rows) == ["| synthetic | 1 | 1000 | true | rotated_channel 6.60 | rotated 6.00 | 1.10x |"]
+    assert "| synthetic | 1 | 1000 | flashinfer 15.00 | c_nograph 30.00 | 0.50x |" in mod.speedups(fmt_rows)
+    assert "| synthetic | 1 | 1000 | flashinfer 9.90 | c 6.60 | 1.50x |" in mod.speedups(fmt_rows)
+    assert [t.split(":")[0] for t in mod.targets(fmt_rows, context=1000)][:2] == ["| c", "| c"]
     prof = dict(cache="oscar", backend="oscar", tag="o", batch=1, context=1000, status="ok", steps=5,
                 graph_wall_ms=8.0, graph_gpu_ms=7.0, eager_wall_ms=40.0, eager_gpu_ms=7.0,
                 top_graph=[dict(name="nvjet_x", part="gemm", ms=4.0, calls=217),

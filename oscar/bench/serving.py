@@ -30,12 +30,14 @@ SUMMARY = "SGLang decode step / prefill: the OSCAR plugin vs SGLang's BF16 backe
 BUNDLE_ENV = "OSCAR_SGLANG_BUNDLE"  # the offline bundle's folder (benchmarks/gpu.sh sets it)
 DEFAULTS: dict[str, Any] = {
     "backends": "oscar,flashinfer,triton",
+    "formats": "channel,token",  # OSCAR's served formats, one process each (oscar.bench.timing_artifact.FORMATS)
+    "graphs": "on",  # on | off | on,off: decode CUDA graphs (off: the rows a user gets with --disable-cuda-graph)
     "real": "plan",
     "synthetic": "plan",
     "profile": "plan",
     "warmup": "1x2048",
     "model": "",  # folder with the model's config.json (default: the bundle's qwen3-8b)
-    "mem_fraction": 0.85,
+    "mem_fraction": 0.85,  # --mem-fraction-static; "default": SGLang's own choice for the card (not passed)
     "max_running": 64,
     "context_length": 131072,
     "output_len": 16,
@@ -85,18 +87,44 @@ def _shapes(text: str) -> list[tuple[int, int]]:
     return out
 
 
+FP8 = "_fp8"  # a BF16 backend name with this suffix runs with --kv-cache-dtype fp8_e4m3 (SGLang's FP8 KV cache)
+
+
+def _formats(opts: dict[str, Any]) -> list[str]:
+    from oscar.bench.timing_artifact import FORMATS  # local: keeps torch out of `gpu --help`
+
+    names = [f.strip() for f in str(opts["formats"]).split(",") if f.strip()]
+    bad = [f for f in names if f not in FORMATS]
+    if bad or not names:
+        raise ValueError(f"formats={opts['formats']!r}: valid formats are {', '.join(FORMATS)} (comma-separated)")
+    return names
+
+
+def _graphs(opts: dict[str, Any]) -> list[bool]:
+    vals = [g.strip() for g in str(opts["graphs"]).split(",") if g.strip()]
+    if not vals or any(g not in ("on", "off") for g in vals):
+        raise ValueError(f"graphs={opts['graphs']!r}: on, off or on,off")
+    return [g == "on" for g in vals]
+
+
 def plan(opts: dict[str, Any]) -> list[dict[str, Any]]:
-    """One entry per backend process: its shapes of each kind and its time limit."""
+    """One entry per backend process (OSCAR: one per served format) and graph setting: its shapes of each kind
+    and its time limit."""
     runs = []
     for backend in _backends(opts):
-        base = PLAN.get(backend, PLAN["triton"])
-        run = {"name": backend if backend == "oscar" else f"bf16_{backend}", "backend": backend}
-        for kind in ("real", "synthetic", "profile"):
-            run[kind] = base[kind] if opts[kind] == "plan" else str(opts[kind])
-            _shapes(run[kind])  # refuse a bad shape before any work
-        _shapes(opts["warmup"])
-        run["timeout_s"] = int(opts["timeout_s"] or base["timeout_s"])
-        runs.append(run)
+        base = PLAN.get(backend.removesuffix(FP8), PLAN["triton"])
+        for fmt in (_formats(opts) if backend == "oscar" else [None]):
+            for graph in _graphs(opts):
+                name = f"oscar_{fmt}" if backend == "oscar" else f"{'fp8' if backend.endswith(FP8) else 'bf16'}_" \
+                                                                 f"{backend.removesuffix(FP8)}"
+                run = {"name": name + ("" if graph else "_nograph"), "backend": backend.removesuffix(FP8),
+                       "format": fmt, "cuda_graph": graph, "fp8": backend.endswith(FP8)}
+                for kind in ("real", "synthetic", "profile"):
+                    run[kind] = base[kind] if opts[kind] == "plan" else str(opts[kind])
+                    _shapes(run[kind])  # refuse a bad shape before any work
+                _shapes(opts["warmup"])
+                run["timeout_s"] = int(opts["timeout_s"] or base["timeout_s"])
+                runs.append(run)
     return runs
 
 
@@ -113,16 +141,18 @@ def needs(opts: dict[str, Any]) -> list[host.Need]:
     if "oscar" in _backends(opts):
         out.append(host.plugin_entry_point())
     mem = host.gpu_memory()
-    out.append(host.free_gpu_memory(float(opts["mem_fraction"]) * (mem["total_gib"] if mem else 80.0)))
+    frac = 0.85 if str(opts["mem_fraction"]) == "default" else float(opts["mem_fraction"])
+    out.append(host.free_gpu_memory(frac * (mem["total_gib"] if mem else 80.0)))
     return out
 
 
 def command(run: dict[str, Any], opts: dict[str, Any], out: Path) -> list[str]:
     """The ``sglang_one_batch`` command line of one backend process."""
     shapes = [s for k in ("real", "synthetic", "profile") for s in _shapes(run[k])] + _shapes(opts["warmup"])
+    mem = [] if str(opts["mem_fraction"]) == "default" else ["--mem-fraction-static", str(opts["mem_fraction"])]
     args = [sys.executable, "-m", "oscar.bench.sglang_one_batch", "--model-path", str(model_dir(opts)),
             "--load-format", "dummy", "--output-len", str(opts["output_len"]), "--sampling-backend", "pytorch",
-            "--grammar-backend", "none", "--mem-fraction-static", str(opts["mem_fraction"]), "--context-length",
+            "--grammar-backend", "none", *mem, "--context-length",
             str(opts["context_length"]), "--disable-radix-cache", "--max-running-requests", str(opts["max_running"]),
             "--disable-prefill-cuda-graph", "--attention-backend", run["backend"],
             "--batch-size", *sorted({str(b) for b, _ in shapes}, key=int),
@@ -132,7 +162,13 @@ def command(run: dict[str, Any], opts: dict[str, Any], out: Path) -> list[str]:
             "--oscar-out", str(out / "serving_rows.jsonl"), "--oscar-profile-out", str(out / "profile_rows.jsonl"),
             "--oscar-tag", run["name"]]
     if run["backend"] == "oscar":
-        args += ["--page-size", str(opts["page_size"])]
+        from oscar.bench.timing_artifact import format_page_size  # local: keeps torch out of `gpu --help`
+
+        args += ["--page-size", str(format_page_size(run["format"], int(opts["page_size"])))]
+    if not run.get("cuda_graph", True):
+        args += ["--disable-cuda-graph"]
+    if run.get("fp8"):
+        args += ["--kv-cache-dtype", "fp8_e4m3"]
     if int(opts["tp"]) > 1:
         args += ["--tp-size", str(opts["tp"])]
     return args
@@ -146,20 +182,21 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     for name in ("serving_rows.jsonl", "profile_rows.jsonl"):  # this run's rows only
         (out / name).unlink(missing_ok=True)
-    art = Path(tempfile.gettempdir()) / "oscar_timing_artifact"  # ~38 MB for Qwen3-8B: not a report file
+    arts = Path(tempfile.gettempdir()) / "oscar_timing_artifacts"  # ~38 MB each for Qwen3-8B: not report files
     extra = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
              "PYTHONUNBUFFERED": "1"}
     if "oscar" in _backends(opts):
-        print(write_timing_artifact(model_dir(opts), art, rotation=str(opts["rotation"]), mu=True,
-                                    sink=int(opts["sink"]), recent=int(opts["recent"]),
-                                    page_size=int(opts["page_size"])), flush=True)
+        for fmt in _formats(opts):
+            print(write_timing_artifact(model_dir(opts), arts / fmt, rotation=str(opts["rotation"]), mu=True,
+                                        sink=int(opts["sink"]), recent=int(opts["recent"]),
+                                        page_size=int(opts["page_size"]), fmt=fmt), flush=True)
         env["contract"] = _contract(extra)
         print(f"SGLang contract of the plugin: {env['contract']}", flush=True)
     env["runs"] = []
     for run in runs:
         cmd = command(run, opts, out)
-        penv = host.sglang_env(dict(extra, OSCAR_ARTIFACT=str(art.resolve()), OSCAR_SINK=str(opts["sink"]),
-                                    OSCAR_RECENT=str(opts["recent"])))
+        penv = host.sglang_env(dict(extra, OSCAR_ARTIFACT=str((arts / (run["format"] or "token")).resolve()),
+                                    OSCAR_SINK=str(opts["sink"]), OSCAR_RECENT=str(opts["recent"])))
         t0 = time.time()
         print(f"== {run['name']}: real={run['real'] or '-'} synthetic={run['synthetic'] or '-'} "
               f"profile={run['profile'] or '-'} (limit {run['timeout_s']} s)", flush=True)

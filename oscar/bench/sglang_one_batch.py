@@ -249,7 +249,15 @@ def _bench(args: Any, server_args: Any, bench_args: Any, port_args: Any, tp_rank
     runner, _ = ob.load_model(server_args, port_args, tp_rank, tp_rank)
     capacity = int(runner.torch_runner.max_total_num_tokens)
     oscar = server_args.attention_backend == "oscar"
-    base = dict(cache="oscar" if oscar else "bf16", backend=server_args.attention_backend,
+    pool = getattr(getattr(runner, "torch_runner", runner), "token_to_kv_pool", None)
+    kv_dtype = str(getattr(server_args, "kv_cache_dtype", "auto") or "auto")
+    # the served format: the pool's registry kind (rotated, rotated_channel; +rope where keys are rope-centered) or
+    # SGLang's own cache (bf16, fp8_e4m3)
+    fmt = (getattr(getattr(pool, "format", None), "kind", "?") + ("+rope" if getattr(pool, "rope_centered", False)
+                                                                  else "")) if oscar else \
+        ("bf16" if kv_dtype in ("auto", "bfloat16") else kv_dtype)
+    base = dict(cache="oscar" if oscar else ("bf16" if fmt == "bf16" else "fp8"), format=fmt,
+                backend=server_args.attention_backend,
                 cuda_graph=not server_args.disable_cuda_graph, page_size=int(server_args.page_size or 1),
                 radix=not server_args.disable_radix_cache, chunked_prefill_size=server_args.chunked_prefill_size,
                 mem_fraction_static=server_args.mem_fraction_static, tp_size=int(server_args.tp_size or 1),

@@ -129,6 +129,20 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         if self.block:
             logger.info("OSCAR KV pool: per-channel keys over blocks of %d tokens in layers %s (rings of %d rows)",
                         self.block, [first + i for i, t in enumerate(self.key_blocks) if t], self.recent + self.block - 1)
+        self.prepare_writes()
+
+    def prepare_writes(self) -> None:
+        """Run every layer's write path once, eagerly, into SGLang's padding page 0 (zero rows, position 0): the
+        tables the writers build at first use (fragment-order byte maps, permuted rotations, Triton compiles) exist
+        before SGLang captures a decode step. Without it a per-channel layer's first block write happens inside the
+        capture (the eager warm-up steps complete no block), where building a table is a host-to-device copy and a
+        host sync that the capture refuses. Page 0 takes the padded entries' rows and is never read."""
+        for i, (kp, vp) in enumerate(zip(self.k_pages, self.v_pages)):
+            n = self.key_blocks[i] or 1  # a per-channel layer writes whole blocks
+            rows = torch.zeros((n, self.head_num, self.head_dim), dtype=self.window_dtype, device=self.device)
+            slots = torch.arange(n, dtype=torch.int64, device=self.device)
+            pos = torch.zeros(n, dtype=torch.int64, device=self.device) if self.rope_centered else None
+            self.format.write(rows, rows, slots, (kp, vp), self.transforms[i], backend=self.kernels, positions=pos)
 
     # -- storage -----------------------------------------------------------------------------------
 
