@@ -193,8 +193,11 @@ class EngineConfig:
     port: int = 0  # 0: any free port
     device: str = "auto"  # auto: the root `device`
     max_running_requests: int = 16
-    mem_fraction_static: float = 0.5
+    mem_fraction_static: Any = 0.5  # a fraction, or "default": SGLang's own choice for the card
     max_total_tokens: Optional[int] = None
+    cuda_graph: Any = "auto"  # auto | true | false (oscar.serve.client.served_config)
+    radix: Any = "auto"  # auto | true | false
+    chunked_prefill_size: Any = "auto"  # auto | tokens (-1: one chunk)
     startup_timeout_s: float = 900.0
     request_timeout_s: float = 3600.0
     extra_args: list[str] = field(default_factory=list)  # more `sglang.launch_server` flags

@@ -72,3 +72,20 @@ def test_dequant_route_equals_the_pages_route(layout, rep, frame):
         assert rel < 1e-5, rel  # float32 on both sides: reduction order only
     with pytest.raises(ValueError, match="route"):
         extend.extend_attention(*args, backend="triton", route="dense", **kw)
+
+
+def test_gqa_attention_one_kv_head_at_a_time_equals_sdpa_with_gqa():
+    """`gqa_attention` (the extend's attention without H/Hkv copies of the prefix) equals SDPA's own GQA, with a
+    boolean mask and with a bottom-right causal bias."""
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.nn.functional import scaled_dot_product_attention
+
+    from oscar.cache.extend import gqa_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*s, generator=gen) for s in ((5, 8, 16), (2, 12, 16), (2, 12, 16)))
+    ref = lambda m: scaled_dot_product_attention(q.movedim(0, 1)[None], k[None], v[None], attn_mask=m,  # noqa: E731
+                                                  enable_gqa=True, scale=0.25)[0].movedim(1, 0)
+    mask = torch.ones(5, 12, dtype=torch.bool).tril(7)
+    torch.testing.assert_close(gqa_attention(q, k, v, mask, 0.25), ref(mask), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gqa_attention(q, k, v, causal_lower_right(5, 12), 0.25), ref(mask), rtol=1e-6, atol=1e-6)

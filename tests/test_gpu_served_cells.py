@@ -65,12 +65,12 @@ def test_served_cells_on_their_own_against_served_bf16_and_kivi2_and_embedded(tm
     assert auto["predictions_equal"] == 0.5 and auto["verdict_agreement_lo"] < 0.7 < auto["verdict_agreement_hi"]
     assert rows["auto+cb32"]["n"] == 0 and rows["int2"]["n"] == 4  # a served cell beside the variants: listed too
     md = (out / "humaneval_served.md").read_text()
-    assert "| auto | 10 | 50.0 [" in md and "| 2.50 | -10.0 [" in md and "| +0.0 [" in md
+    assert "| auto | 10 | 50.0 [" in md and "| 2.50 | not recorded / not recorded | -10.0 [" in md and "| +0.0 [" in md
     assert "| 10 | 50.0 / 40.0 | +10.0 [" in md and "| 70.0 [" in md and "| 2 / 1 | 50.0 |" in md
     assert "| kivi2 | 10 | 50.0 [" in md and "(reference)" in md and "| 0 (0 embedded records) |" in md
     assert "| auto+cb32 | 0 | (no served cell) |" in md and md.index("| int2 | 4 |") > md.index("| auto+cb32 |")
     served_csv = (out / "humaneval_served.csv").read_text().splitlines()
-    assert served_csv[0].startswith("variant,method,n,pass_at_1,ci_lo,ci_hi,bits_per_element,complete,diff_vs_bf16,")
+    assert served_csv[0].startswith("variant,method,n,pass_at_1,ci_lo,ci_hi,bits_per_element,cuda_graph,radix,complete,diff_vs_bf16,")
     table = (out / "humaneval.csv").read_text().splitlines()
     assert table[0].endswith(",complete,wall_s,hardware,served")
     assert table[1] == "bf16,0.445122,0.365854,0.518293,16,164,,,,True,207.731,AMD EPYC,False"

@@ -71,9 +71,10 @@ def test_request_info_is_the_served_formats_accounting_at_the_requests_length():
     cfg = compose(["method=auto", "method.sink=16", "method.recent=64"])
     eng = SGLangEngine.__new__(SGLangEngine)  # no server: the accounting only
     eng.cfg, eng.tokenizer = cfg, _Tok()
+    eng.served = {"cuda_graph": True, "radix": True, "chunked_prefill_size": None}
     eng.format = RotatedFormat(name="auto", bits=2, group_size=64, sink=16, recent=64)
     info = eng.request_info("w " * 300, "x " * 100)
-    assert info["steps"] == 100
+    assert info["steps"] == 100 and info["cuda_graph"] is True and info["radix"] is True
     assert info["kv_bits_per_element"] == pytest.approx(eng.format.expected_bits(400, int(cfg.model.head_dim)))
     assert 2.0 < info["kv_bits_per_element"] < 16.0
     assert eng.request_info("w " * 10, "")["kv_bits_per_element"] == pytest.approx(16.0)  # all in the windows
@@ -86,7 +87,8 @@ def test_the_runner_records_an_engines_per_request_info(monkeypatch):
         last_info: list = []
 
         def generate(self, prompts, **kw):
-            self.last_info = [{"kv_bits_per_element": 3.0 + i, "steps": 7, "other": 1} for i in range(len(prompts))]
+            self.last_info = [{"kv_bits_per_element": 3.0 + i, "steps": 7, "other": 1, "cuda_graph": True}
+                              for i in range(len(prompts))]
             return ["out"] * len(prompts)
 
     class Item:
@@ -97,5 +99,19 @@ def test_the_runner_records_an_engines_per_request_info(monkeypatch):
     monkeypatch.setattr(runner, "grade_generation", lambda cfg, item, prompt, out: {"id": item.id})
     cfg = compose(["benchmark=humaneval"])
     recs = runner.process_batch(Engine(), cfg, [Item(0), Item(1)])
-    assert recs == [{"id": "t/0", "kv_bits_per_element": 3.0, "steps": 7},
-                    {"id": "t/1", "kv_bits_per_element": 4.0, "steps": 7}]
+    assert recs == [{"id": "t/0", "kv_bits_per_element": 3.0, "steps": 7, "cuda_graph": True},
+                    {"id": "t/1", "kv_bits_per_element": 4.0, "steps": 7, "cuda_graph": True}]
+
+
+def test_served_config_is_production_on_a_gpu_and_says_so():
+    from types import SimpleNamespace
+
+    from oscar.serve.client import served_config
+
+    auto = SimpleNamespace(cuda_graph="auto", radix="auto", chunked_prefill_size="auto")
+    assert served_config(auto, "cuda") == {"cuda_graph": True, "radix": True, "chunked_prefill_size": None}
+    assert served_config(auto, "cpu") == {"cuda_graph": False, "radix": False, "chunked_prefill_size": -1}
+    debug = SimpleNamespace(cuda_graph=False, radix=True, chunked_prefill_size=4096)
+    assert served_config(debug, "cuda") == {"cuda_graph": False, "radix": True, "chunked_prefill_size": 4096}
+    with pytest.raises(ValueError, match="engine.cuda_graph='yes' is not valid; choose auto, true or false"):
+        served_config(SimpleNamespace(cuda_graph="yes", radix="auto", chunked_prefill_size="auto"), "cuda")

@@ -49,10 +49,12 @@ DEFAULTS: dict[str, Any] = {
     "embedded": "reports/accuracy/partial",  # <table>_<variant>.items.jsonl of the embedded cells (engine=sglang)
 }
 # engine=sglang: one SGLang server per cell (BF16 model: SGLang's CUDA RMSNorm has no float32), batches of 64 prompts
-SERVED_ARGS = ["model.dtype=bfloat16", "backend=triton", "engine.mem_fraction_static=0.6",
-               "engine.max_total_tokens=131072", "engine.max_running_requests=64",
-               "engine.extra_args=[--page-size,16,--disable-prefill-cuda-graph,--sampling-backend,pytorch,"
-               "--grammar-backend,none]"]
+# The production configuration (oscar.serve.client.served_config: decode CUDA graphs, the radix cache, SGLang's chunked
+# prefill and memory fraction); the offline bundle has no flashinfer sampling and no grammar backend, hence the two
+# flags; the client adds --disable-prefill-cuda-graph for the oscar backend (it captures decode only)
+SERVED_ARGS = ["model.dtype=bfloat16", "backend=triton", "engine.mem_fraction_static=default",
+               "engine.max_total_tokens=null", "engine.max_running_requests=64",
+               "engine.extra_args=[--page-size,16,--sampling-backend,pytorch,--grammar-backend,none]"]
 CELLS = {
     "niah": (["benchmark=niah", "benchmark.context_lengths=[4096,8192]", "benchmark.extra.samples_per_length=32",
               "benchmark.max_new_tokens=12", "+benchmark.extra.shared_prefill=true", "seed=0"],
@@ -289,14 +291,25 @@ def served_rows(opts: dict[str, Any]) -> list[dict[str, Any]]:
         records = found[1] if found else []
         for r in mine:
             sub = [x for x in records if r.get("length") is None or x.get("length") == r["length"]]
-            rows.append({**r, "embedded_items": sum(r.get("length") is None or x.get("length") == r["length"]
+            rows.append({**r, **served_switches(sub), "embedded_items": sum(r.get("length") is None or x.get("length") == r["length"]
                                                     for x in embedded.values()),
                          **_versus_embedded(sub, embedded, table)})
     return sorted(rows, key=lambda r: r.get("length") or 1 << 62)  # NIAH: by context length, variants in order
 
 
+def served_switches(records: list[dict[str, Any]]) -> dict[str, str]:
+    """``cuda_graph`` / ``radix`` of a served cell from its records (`SGLangEngine.request_info`): true, false,
+    mixed, or "not recorded" for records served before the engine said (decode graphs and the radix cache off)."""
+    out = {}
+    for key in ("cuda_graph", "radix"):
+        vals = {x.get(key) for x in records}
+        out[key] = ("not recorded" if vals == {None} else "mixed" if len(vals) > 1 else str(vals.pop()).lower())
+    return out
+
+
 # "score": pass_at_1 for HumanEval; "length": NIAH only
-SERVED_COLUMNS = ["variant", "method", "length", "n", "score", "ci_lo", "ci_hi", "bits_per_element", "complete",
+SERVED_COLUMNS = ["variant", "method", "length", "n", "score", "ci_lo", "ci_hi", "bits_per_element", "cuda_graph",
+                  "radix", "complete",
                   "diff_vs_bf16", "diff_ci_lo", "diff_ci_hi", "diff_vs_kivi2", "diff_vs_kivi2_lo", "diff_vs_kivi2_hi",
                   "embedded_items", "n_common", "pass_served", "pass_embedded", "diff_vs_embedded",
                   "diff_vs_embedded_lo", "diff_vs_embedded_hi", "verdict_agreement", "verdict_agreement_lo",
@@ -329,18 +342,20 @@ def served_report(out: Path, opts: dict[str, Any]) -> list[Path]:
               f"cells. Against the embedded engine (records `{opts['embedded']}/{table}_<variant>.items.jsonl`, where "
               f"they exist): on the items both hold, {what} served / embedded, their paired difference, the share with "
               f"the {verdict} (Wilson 95%), items won by one engine only, equal completions.", "",
-              f"| variant |{' context |' if niah else ''} n | {what} (%) [95% CI] | bits / element | diff to served "
+              f"| variant |{' context |' if niah else ''} n | {what} (%) [95% CI] | bits / element | CUDA graphs / "
+              "radix | diff to served "
               "BF16 (pts) [95% CI] | diff to served KIVI-2 (pts) [95% CI] | embedded: n | served / embedded (%) | "
               f"served - embedded (pts) [95% CI] | {verdict} (%) [95% CI] | served only / embedded only | "
               "completions equal (%) |",
-              "|---|" + "---|" * (11 + niah)]
+              "|---|" + "---|" * (12 + niah)]
     for r in rows:
         ctx = f" {r.get('length') or '-'} |" if niah else ""
         if not r["n"]:
-            lines.append(f"| {r['variant']} |{ctx} 0 | (no served cell) |" + " |" * 9)
+            lines.append(f"| {r['variant']} |{ctx} 0 | (no served cell) |" + " |" * 10)
             continue
         cells = [f"{_pct(r[score])} [{_pct(r['ci_lo'])}, {_pct(r['ci_hi'])}]" + ("" if r["complete"] else " (running)"),
-                 f"{r['bits_per_element']:.2f}", _diff(r), _diff(r, "kivi2")]
+                 f"{r['bits_per_element']:.2f}", f"{r.get('cuda_graph', '?')} / {r.get('radix', '?')}", _diff(r),
+                 _diff(r, "kivi2")]
         if r.get("n_common"):
             cells += [str(r["n_common"]), f"{_pct(r['pass_served'])} / {_pct(r['pass_embedded'])}",
                       f"{_pct(r['diff_vs_embedded'], True)} [{_pct(r['diff_vs_embedded_lo'], True)}, "

@@ -156,15 +156,32 @@ def _attend_dequantized(q_rot: torch.Tensor, k_pages: Pages, v_pages: Pages, pag
     if int(bf_k.shape[1]) < n_fixed + n:
         raise ValueError(f"n_fixed={n_fixed} plus the {n} queries' own rows exceed the {int(bf_k.shape[1])} BF16 rows")
     keys = torch.cat([kd, bf_k[:, : n_fixed + n].to(dt)], dim=1)  # [Hkv, int_len + n_fixed + n, d]
+    del kd
     vals = torch.cat([vd, bf_v[:, : n_fixed + n].to(dt)], dim=1)
-    if H != hkv:  # the flash kernel takes equal head counts (enable_gqa would fall back to the math kernel)
-        keys, vals = keys.repeat_interleave(H // hkv, dim=0), vals.repeat_interleave(H // hkv, dim=0)
+    del vd
     total = int(keys.shape[1])
     mask = causal_lower_right(n, total) if q_rot.is_cuda else \
         torch.ones(n, total, dtype=torch.bool, device=q_rot.device).tril(total - n)
-    o = scaled_dot_product_attention(q_rot.to(dt).movedim(0, 1)[None], keys[None], vals[None], attn_mask=mask,
-                                     scale=sm_scale)
-    return o[0].movedim(1, 0).float()
+    return gqa_attention(q_rot.to(dt), keys, vals, mask, sm_scale).float()
+
+
+def gqa_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: Any, scale: float) -> torch.Tensor:
+    """SDPA of queries ``[n, H, d]`` over ``[Hkv, T, d]`` keys and values (GQA), one KV head at a time: ``[n, H, d]``.
+    The flash and cuDNN kernels take equal head counts (``enable_gqa`` falls back to the math kernel), and repeating
+    every KV head's rows at once held ``H / Hkv`` copies of a long prefix (2.3 GiB at 100k tokens, 8 KV heads, d 128:
+    the out-of-memory of a 100k prefill at ``--mem-fraction-static 0.85`` on an 80 GB H100); per head one copy of one
+    head's rows is alive. ``mask``: a boolean ``[n, T]`` or a ``causal_lower_right`` bias (None: no mask)."""
+    n, H, d = q.shape
+    hkv, total = int(keys.shape[0]), int(keys.shape[1])
+    rep = H // hkv
+    qh = q.movedim(0, 1).reshape(hkv, rep, n, d)
+    out = torch.empty(hkv, rep, n, d, dtype=q.dtype, device=q.device)
+    for h in range(hkv):
+        kh, vh = keys[h][None].expand(rep, total, d), vals[h][None].expand(rep, total, d)
+        if q.is_cuda and rep > 1:  # flash / cuDNN want dense heads
+            kh, vh = kh.contiguous(), vh.contiguous()
+        out[h] = scaled_dot_product_attention(qh[h][None], kh[None], vh[None], attn_mask=mask, scale=scale)[0]
+    return out.reshape(H, n, d).movedim(1, 0)
 
 
 def _rotate_rows(x: torch.Tensor, t: HeadTransform) -> torch.Tensor:
@@ -177,4 +194,4 @@ def _rotate_rows(x: torch.Tensor, t: HeadTransform) -> torch.Tensor:
     return y.contiguous()
 
 
-__all__ = ["DEQUANTIZED_ROWS", "extend_attention", "extend_paged_attention_torch"]
+__all__ = ["DEQUANTIZED_ROWS", "extend_attention", "extend_paged_attention_torch", "gqa_attention"]

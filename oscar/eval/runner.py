@@ -23,6 +23,10 @@ from oscar.eval.registry import load_items
 
 # ------------------------------------------------------------------------------------ per family
 
+# what a served engine says of each request (SGLangEngine.request_info): kept in the item records
+REQUEST_INFO = ("kv_bits_per_element", "steps", "cuda_graph", "radix")
+
+
 def _rendered(engine: Any, cfg: Any, item: EvalItem, prefix: str = "") -> str:
     return render(getattr(engine, "tokenizer", None), item.prompt, item.system,
                   use_chat=bool(cfg.model.chat_template), assistant_prefix=prefix)
@@ -88,7 +92,7 @@ def process_batch(engine: Any, cfg: Any, items: list[EvalItem]) -> list[dict]:
     infos = getattr(engine, "last_info", None)  # an engine that accounts per request (engine=sglang)
     if isinstance(infos, list) and len(infos) == len(records):
         for rec, info in zip(records, infos):
-            rec.update({k: v for k, v in info.items() if k in ("kv_bits_per_element", "steps")})
+            rec.update({k: v for k, v in info.items() if k in REQUEST_INFO})
     return records
 
 
@@ -162,7 +166,7 @@ def _stream_items(engine: Any, cfg: Any, items: list[EvalItem], emit: Callable[[
 
     def done(i: int, text: str, info: dict) -> None:
         rec = grade_generation(cfg, items[i], prompts[i], text)
-        rec.update({k: v for k, v in info.items() if k in ("kv_bits_per_element", "steps")})
+        rec.update({k: v for k, v in info.items() if k in REQUEST_INFO})
         emit(rec)
 
     engine.generate_stream(prompts, done, max_batch=max(1, int(cfg.benchmark.batch_size)), stop=stop, **sampling(cfg))

@@ -41,7 +41,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.functional import scaled_dot_product_attention
 
-from oscar.cache.extend import extend_attention
+from oscar.cache.extend import extend_attention, gqa_attention
 from oscar.kernels.launch import MmaLaunch
 from oscar.kernels.segments import Segments
 from oscar.serve.labels import install_labels, labels_requested
@@ -321,16 +321,18 @@ class OscarAttnBackend(AttentionBackend):
                 pk, pv = self.pool.cached_rows(layer.layer_id, r2t, r, p, ring=not hit)
                 ks = torch.cat([pk.to(q.dtype), ks], dim=1)
                 vs = torch.cat([pv.to(q.dtype), vs], dim=1)
+                del pk, pv  # a long prefix's float32 rows: gone before the attention allocates
                 # query i (position p + i) sees keys 0..p + i: causal aligned to the bottom right, which the flash
                 # and memory-efficient kernels take as a bias object on CUDA (a boolean mask would not reach them)
                 mask = causal_lower_right(n, p + n) if q.is_cuda else \
                     torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(p)
-            gqa = H != Hkv
-            if gqa and q.is_cuda:  # the flash / memory-efficient kernels, not the math fallback of enable_gqa
-                ks, vs, gqa = ks.repeat_interleave(H // Hkv, dim=0), vs.repeat_interleave(H // Hkv, dim=0), False
-            o = scaled_dot_product_attention(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=mask,
-                                             enable_gqa=gqa, scale=layer.scaling, is_causal=mask is None)
-            o = o.squeeze(0).movedim(1, 0)
+            if q.is_cuda:  # the flash / cuDNN kernels one KV head at a time (no H/Hkv copies of a long prefix)
+                o = gqa_attention(q3[start : start + n], ks, vs, mask if mask is not None else causal_lower_right(n, n),
+                                  layer.scaling)
+            else:  # SGLang's torch_native computation
+                o = scaled_dot_product_attention(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=mask,
+                                                 enable_gqa=H != Hkv, scale=layer.scaling, is_causal=mask is None)
+                o = o.squeeze(0).movedim(1, 0)
             out[start : start + n] = self._to_folded(o, layer.layer_id) if self.folded else o
         if save_kv_cache:
             self.pool.write(layer.layer_id, kb, vb, forward_batch.out_cache_loc.long(), m.req, m.pos, m.seq_len,

@@ -3,7 +3,8 @@
 ``SGLangEngine`` has the runner's engine interface (``tokenizer``, ``device``, ``generate``,
 ``loglikelihood``, ``close``) and sends each batch as one OpenAI-compatible request (``/v1/completions``
 with a list of prompts; scoring through SGLang's native ``/generate`` with input log-probabilities).
-The method maps to the server: the BF16 format -> ``--attention-backend torch_native``; a format the SGLang
+The method maps to the server: the BF16 format -> ``--attention-backend flashinfer`` on a GPU (SGLang's default GPU
+backend; ``torch_native`` on the CPU); a format the SGLang
 pool serves (`oscar.cache.formats.served_kinds("pool")`) -> ``--attention-backend oscar`` with the artifact
 the embedded engine would use (``artifact_dir``, or, for methods without calibration, the same rotations built
 in code and written to a temporary folder). The server takes its cache format from the artifact's
@@ -82,6 +83,30 @@ def _device(cfg: Any) -> str:
     return dev.split(":")[0]
 
 
+def served_config(e: Any, device: str) -> dict[str, Any]:
+    """What the server runs with: ``cuda_graph`` (decode CUDA graphs), ``radix`` (the prefix cache) and
+    ``chunked_prefill_size`` (None: SGLang's default). ``auto`` (the default of each) is the production configuration
+    on a GPU (graphs on, radix on, SGLang's chunked prefill) and, on the CPU, graphs off (SGLang has none there), the
+    radix cache off and one prefill chunk (the CPU engine's comparisons with the embedded engine); ``false`` /
+    ``true`` / a size override either (``engine.cuda_graph=false`` is the debug switch)."""
+    def flag(name: str, on_gpu: bool, on_cpu: bool) -> bool:
+        v = e.get(name, "auto") if hasattr(e, "get") else getattr(e, name, "auto")
+        if str(v) == "auto":
+            return on_gpu if device == "cuda" else on_cpu
+        if not isinstance(v, bool):
+            raise ValueError(f"engine.{name}={v!r} is not valid; choose auto, true or false")
+        return v
+
+    chunk = e.get("chunked_prefill_size", "auto") if hasattr(e, "get") else getattr(e, "chunked_prefill_size", "auto")
+    if str(chunk) == "auto":
+        chunk = None if device == "cuda" else -1
+    elif not isinstance(chunk, int):
+        raise ValueError(f"engine.chunked_prefill_size={chunk!r} is not valid; choose auto or a number of tokens "
+                         "(-1: one chunk)")
+    return {"cuda_graph": flag("cuda_graph", True, False) and device == "cuda", "radix": flag("radix", True, False),
+            "chunked_prefill_size": chunk}
+
+
 class SGLangEngine:
     """The runner's engine, backed by an SGLang server that lives as long as this object (``close``)."""
 
@@ -105,17 +130,25 @@ class SGLangEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self._tmp: Optional[str] = None
         env: dict[str, str] = {}
-        args = ["--device", self.device, "--dtype", str(cfg.model.dtype), "--disable-radix-cache",
-                "--chunked-prefill-size", "-1", "--max-running-requests", str(int(e.max_running_requests)),
-                "--mem-fraction-static", str(float(e.mem_fraction_static)), "--random-seed", str(int(cfg.seed)),
+        self.served = served_config(e, self.device)
+        args = ["--device", self.device, "--dtype", str(cfg.model.dtype), "--max-running-requests",
+                str(int(e.max_running_requests)), "--random-seed", str(int(cfg.seed)),
                 "--context-length", str(int(cfg.model.max_context))]
+        if str(e.mem_fraction_static) != "default":
+            args += ["--mem-fraction-static", str(float(e.mem_fraction_static))]
+        if not self.served["radix"]:
+            args += ["--disable-radix-cache"]
+        if self.served["chunked_prefill_size"] is not None:
+            args += ["--chunked-prefill-size", str(self.served["chunked_prefill_size"])]
         if e.max_total_tokens:
             args += ["--max-total-tokens", str(int(e.max_total_tokens))]
-        if self.device == "cuda":
+        if self.device == "cuda" and not self.served["cuda_graph"]:
             args += ["--disable-cuda-graph"]
         if not fmt.quantized:
-            args += ["--attention-backend", "torch_native"]
+            args += ["--attention-backend", "flashinfer" if self.device == "cuda" else "torch_native"]
         else:
+            if self.device == "cuda" and self.served["cuda_graph"]:
+                args += ["--disable-prefill-cuda-graph"]  # the plugin captures decode only (oscar.serve.plugin)
             if needs_statistics(cfg.method):  # the clip policy decides too (clip=fit needs statistics)
                 art = artifact_dir(cfg)
                 if not (art / "rotations.safetensors").exists():
@@ -164,7 +197,8 @@ class SGLangEngine:
         n_prompt = len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
         steps = len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
         bits = self.format.expected_bits(n_prompt + steps, int(self.cfg.model.head_dim))
-        return {"kv_bits_per_element": float(bits), "steps": steps}
+        return {"kv_bits_per_element": float(bits), "steps": steps, "cuda_graph": self.served["cuda_graph"],
+                "radix": self.served["radix"]}
 
     def loglikelihood(self, contexts: Sequence[str], continuations: Sequence[str], mode: str = "serving",
                       batch_size: int = 1) -> list[tuple[float, bool]]:
