@@ -1,22 +1,23 @@
-"""Synthetic rotation study: INT2 logit distortion of OSCAR U.H.P versus the other rotations.
+"""Synthetic rotation study: INT2 logit distortion of OSCAR U.H.P versus the other rotations; writes
+reports/synthetic_rotations.csv and prints the table of reports/synthetic_rotations.md.
 
-Usage: python reports/synthetic_rotations.py [--seeds 3] [--rows 4000] [--out reports/synthetic_rotations.csv]
+Usage: python benchmarks/studies/synthetic_rotations.py [--seeds 3] [--rows 4000] [--out reports/synthetic_rotations.csv]
 Prints a markdown table (mean relative logit distortion over seeds, lower is better) and writes
-one CSV row per (scenario, group size, clip mode, seed, rotation).
+one CSV row per (scenario, group size, clip mode, seed, rotation). The default `--out` is under the repository root.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import os
 import statistics
-import tempfile
 from pathlib import Path
 
 import torch
 
+from oscar.core.files import atomic_write_csv
 from oscar.core.synthetic import STUDY_ROTATIONS, attention_like_sample, rotation_study
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository root (this file is benchmarks/studies/<name>.py)
 
 SCENARIOS = {
     "aligned": {"shared": 4, "key_mean": 3.0},
@@ -32,7 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--rows", type=int, default=4000)
-    parser.add_argument("--out", default="reports/synthetic_rotations.csv")
+    parser.add_argument("--out", type=Path, default=ROOT / "reports" / "synthetic_rotations.csv")
     args = parser.parse_args()
     torch.set_num_threads(2)
     records = []
@@ -43,14 +44,7 @@ def main() -> None:
                     q, k = attention_like_sample(128, args.rows, seed=seed, **kw)
                     for row in rotation_study(q, k, bits=2, group_size=group, clip_grid=grid):
                         records.append({"scenario": scenario, "group_size": group, "clip": clip, "seed": seed, **row})
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
-    with os.fdopen(fd, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(records[0]))
-        writer.writeheader()
-        writer.writerows(records)
-    os.replace(tmp, out)
+    atomic_write_csv(args.out, records)
     labels = [r[0] for r in STUDY_ROTATIONS]
     print("| scenario | G | clip | " + " | ".join(labels) + " |")
     print("|---|---|---|" + "---|" * len(labels))

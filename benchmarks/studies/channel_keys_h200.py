@@ -1,7 +1,7 @@
-"""Per-channel vs per-token key pages through the v10 CUDA mma decode kernel (issue 33): the command of
-reports/kernels/channel_keys_h200.{md,csv}.
+"""Per-channel vs per-token key pages through the v10 CUDA mma decode kernel (issue 33): the rows of
+reports/kernels/channel_keys_h200.{md,csv} (GPU host).
 
-    python reports/kernels/channel_keys_h200.py OUT_DIR [batches=1,8] [contexts=32768,131072] [reps=20]
+    python benchmarks/studies/channel_keys_h200.py OUT_DIR [--batches 1,8] [--contexts 32768,131072] [--reps 20]
 
 Same inputs as the kernel table (``oscar.bench.kernel_bench.decode_inputs``: Qwen3-8B attention shape, 32 q heads,
 8 KV heads, d 128, pages of 64, sink 64, recent 256, random INT2 codes, shuffled page tables, rotation and means),
@@ -14,6 +14,7 @@ float32 twin (batch 4, 8k). Writes ``channel_keys_h200.csv`` and ``channel_keys_
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -57,14 +58,19 @@ def call(inp: dict, chan: dict, s: int, block: int, rope: bool, backend: str = "
 
 
 def main(argv: list[str]) -> int:
-    out = Path(argv[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path, help="folder for channel_keys_h200.csv and channel_keys_h200_env.json")
+    ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
+    ap.add_argument("--contexts", default="32768,131072", help="comma-separated context lengths")
+    ap.add_argument("--reps", type=int, default=20, help="CUDA-graph replays per timing (the median is kept)")
+    a = ap.parse_args(argv)
+    out = a.out
     out.mkdir(parents=True, exist_ok=True)
-    kw = dict(a.split("=", 1) for a in argv[1:])
-    opts = dict(kb.DEFAULTS, reps=int(kw.get("reps", 20)))
-    batches = [int(x) for x in kw.get("batches", "1,8").split(",")]
-    contexts = [int(x) for x in kw.get("contexts", "32768,131072").split(",")]
+    opts = dict(kb.DEFAULTS, reps=a.reps)
+    batches = [int(x) for x in a.batches.split(",")]
+    contexts = [int(x) for x in a.contexts.split(",")]
     H, hkv, d = opts["q_heads"], opts["kv_heads"], 128
-    env = host.hardware("python reports/kernels/channel_keys_h200.py " + " ".join(argv))
+    env = host.hardware("python benchmarks/studies/channel_keys_h200.py " + " ".join(argv))
     l2 = int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20))
     blocks = sorted({b for b, _ in VARIANTS.values() if b})
     chk = kb.decode_inputs(4, 8192, H, hkv, d, opts, 1, seed=3)

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Real CPU runs behind reports/eval/smollm2_135m.md (SmolLM2-135M, BF16 vs QuaRot-INT2 vs OSCAR).
+# Real CPU runs behind reports/eval/smollm2_135m.md (SmolLM2-135M, BF16 vs QuaRot-INT2 vs OSCAR):
+#   bash benchmarks/studies/smollm2_135m_cpu.sh     (any working directory; PYTHON= picks the interpreter)
+# Results land under results/ (eval and fidelity cells); the report's tables are copied from them.
 # Small limits: a 2-core machine shared with other jobs. BF16 windows shrunk to sink=16, recent=64 so
 # that short prompts actually read the INT2 cache (defaults 64/256 would leave MMLU prompts untouched).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.."  # the repository root (this file is benchmarks/studies/<name>.sh)
 W="method.sink=16 method.recent=64"
 PY=${PYTHON:-python3}
 for m in quarot oscar; do

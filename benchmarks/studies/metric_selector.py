@@ -1,9 +1,12 @@
-"""Held-out next-token KL of `auto`'s key-format selections (distortion vs `method.select_by=kl`), the table of
-reports/accuracy/metric/selector.md.
+"""Held-out next-token KL of `auto`'s key-format selections (distortion vs `method.select_by=kl`): writes
+reports/accuracy/metric/selector.json, the table of reports/accuracy/metric/selector.md.
 
-    python reports/accuracy/metric/selector.py --token results/s2/art/tok --channel results/s2/art/cb32-ch \\
+    python benchmarks/studies/metric_selector.py --token results/s2/art/tok --channel results/s2/art/cb32-ch \\
         --selection results/s2/art/cb32-kl --distortion results/s2/art/cb32-dist --prices 0 0.002 0.005 \\
         --tokens 4096 --out reports/accuracy/metric/selector
+
+Paths given as arguments are read from the working directory; the default `--out` is the report's, under the
+repository root.
 
 Every row runs the same model on the calibration corpus's evaluation windows (disjoint from the statistics and from
 the held-back windows the KL selection scored), decode-equivalent, through `oscar.models.select.kl_and_bits`'s cache.
@@ -35,6 +38,7 @@ from oscar.models.generate import cache_kwarg
 from oscar.models.select import bf16_logits
 
 BLOCK = 128
+ROOT = Path(__file__).resolve().parents[2]  # the repository root (this file is benchmarks/studies/<name>.py)
 
 
 def formats_of(meta: dict) -> list[bool]:
@@ -69,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--kivi", action="store_true", help="add KIVI-2 (its own windows) as a reference row")
-    p.add_argument("--out", default="reports/accuracy/metric/selector")
+    p.add_argument("--out", default=str(ROOT / "reports" / "accuracy" / "metric" / "selector"),
+                   help="output stem: writes <out>.json")
     args = p.parse_args(argv)
 
     cfg = compose([f"model={args.model}", "method=auto"])
@@ -113,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         out.append({"row": f"KIVI-2 (S0/W {kivi.sink}/{kivi.recent})", "channel_layers": "all", "n_channel": len(tok_rot),
                     "bits_per_element": bits, "kl": float(torch.cat(kls).mean()), "kl_lo": lo, "kl_hi": hi})
         print(out[-1], flush=True)
-    record = {"command": "python reports/accuracy/metric/selector.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    cmd = "python benchmarks/studies/metric_selector.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    record = {"command": cmd,
               "hardware": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
               "windows": [int(w.numel()) for w in windows], "positions_from": start, "seconds": time.perf_counter() - t0,
               "selection": selection, "rows": out}

@@ -1,6 +1,7 @@
-"""What one layer's extend of a radix hit allocates and where its CPU time goes, by prefix length (issue 31).
+"""What one layer's extend of a radix hit allocates and where its CPU time goes, by prefix length (issue 31): prints
+the table of reports/serving/prefix_extend.md (Markdown on stdout; the report's text around it is written by hand).
 
-    .venv-serve/bin/python reports/serving/prefix_extend.py [--prefixes 1024,4096,16384] > reports/serving/prefix_extend.md
+    .venv-serve/bin/python benchmarks/studies/prefix_extend.py [--prefixes 1024,4096,16384]
 
 One layer of Qwen3-8B's shape (8 KV / 32 query heads, d 128, INT2 fragment-order pages of 16, S0 64, W 256), a hit
 extending ``n = 256`` tokens over a cached prefix, one CPU thread. Old route (``extend_in_place_max = 0``): the

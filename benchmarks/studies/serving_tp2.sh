@@ -3,8 +3,8 @@
 # no two-GPU machine was lent in the session that wrote it.
 #
 #   here:            bash benchmarks/gpu.sh pack                 (.dev/gpu: the sglang 0.5.17 bundle + wheels)
-#   on the machine:  bash reports/serving/tp2_command.sh bench   (repo root; carry [".dev/gpu"]; ~8 min)
-#                    bash reports/serving/tp2_command.sh check   (~3 min)
+#   on the machine:  bash benchmarks/studies/serving_tp2.sh bench   (repo root; carry [".dev/gpu"]; ~8 min)
+#                    bash benchmarks/studies/serving_tp2.sh check   (~3 min)
 #
 # bench: dummy-weight Qwen3-32B architecture (the bundle's Qwen3-8B config with the 32B sizes: 64 layers, 64 query
 #   heads, 8 KV heads, head_dim 128, hidden 5120, MLP 25600) at --tp-size 2, one python -m oscar.bench.sglang_one_batch
@@ -16,7 +16,7 @@
 #   on two GPUs: a saved random-weight Llama, so both runs load the same weights; a dummy-weight model would not).
 # Rows: $OUT/tp2_rows.jsonl (default reports/serving/tp2/), logs in $OUT/logs/.
 set -uo pipefail
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)  # the repository root (this file is benchmarks/studies/<name>.sh)
 cd "$ROOT"
 OUT=${OUT:-$ROOT/reports/serving/tp2}
 mkdir -p "$OUT/logs"
