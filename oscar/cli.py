@@ -47,9 +47,11 @@ VERBS: dict[str, tuple[str, str, str]] = {
                 "python -m oscar profile models=qwen3-8b batches=1,8 contexts=30000,100000 parts=grid"),
     "config": ("oscar.commands.config", "print or write the resolved configuration",
                "python -m oscar config model=qwen2.5-coder-0.5b method=quarot --format flat"),
+    "docs": ("oscar.commands.docs", "render the report tables of README.md and docs/RESULTS.md from the reports' CSVs",
+             "python -m oscar docs --check"),
 }
 # Verbs whose module parses its own options with argparse (it prints their help itself).
-ARGPARSE_VERBS = ("aggregate", "report", "config", "gpu")
+ARGPARSE_VERBS = ("aggregate", "report", "config", "gpu", "docs")
 HELP = ("-h", "--help")
 
 
