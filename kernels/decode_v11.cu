@@ -1,4 +1,4 @@
-// Decode attention v11 (issue 31): warp-specialized INT2 decode over page records, sm_90.
+// Decode attention v11: warp-specialized INT2 decode over page records, sm_90.
 //
 // Storage: one contiguous, 16-byte aligned record per (page, KV head) (oscar.kernels.decode_v11.RecordLayout):
 //   [0, PS*D/4)          K codes, the page's bytes in the mma_k fragment order (16-token tiles; lane L's D/8 bytes

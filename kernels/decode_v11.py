@@ -1,4 +1,4 @@
-"""Decode attention v11 (issue 31): a warp-specialized INT2 decode over one record per (page, KV head), CUDA sm_90.
+"""Decode attention v11: a warp-specialized INT2 decode over one record per (page, KV head), CUDA sm_90.
 
 The record (``RecordLayout``; written by ``pack_records``, the torch twin writer, read back by ``unpack_records``)
 holds a page's K codes (``mma_k`` fragment order), V codes (``mma_v``) and their per-token scale/zero, 16-byte

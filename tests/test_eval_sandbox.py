@@ -728,3 +728,69 @@ def test_a_uid_with_live_processes_is_not_leased():
     finally:
         stale.kill()
         stale.wait()
+
+
+# ------------------------------------------------------------------ a fork refused without a cgroup
+
+_FORKS = "import os\npid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)\nprint('forked')\n"
+
+
+def _no_cgroup(monkeypatch):
+    """Read-only cgroups (as in many containers): the sandbox finds no writable cgroup to bound the program."""
+    import oscar.eval.sandbox as sb
+
+    monkeypatch.setattr(sb, "_cgroup_parents", lambda: None)
+    return sb
+
+
+@needs_namespaces
+def test_a_refused_fork_says_why_without_a_cgroup(monkeypatch):
+    """Without a cgroup the program is one process: a correct program that forks fails, and both its error and the
+    result's last stderr line say that the fork was refused by policy and why (no writable cgroup), instead of a bare
+    BlockingIOError. The refusal is still EAGAIN (a program that catches it and stays one process passes), raw forks
+    past the hook are still refused by seccomp, and a run that fails for another reason gets no fork note."""
+    from oscar.eval import graders
+
+    sb = _no_cgroup(monkeypatch)
+    res = run_python(_FORKS, limits=FAST)
+    assert res.status == "error" and res.memory_scope == "process" and "forked" not in res.stdout, res
+    assert f"BlockingIOError: [Errno 11] sandbox: {sb.FORK_REFUSED}" in res.stderr, res.stderr
+    assert res.stderr.splitlines()[-1] == f"oscar-sandbox: the program's fork was refused by policy: {sb.FORK_WHY}"
+    graded = graders.grade_livecodebench([{"testtype": "stdin", "input": "", "output": "forked"}], None, _FORKS,
+                                         limits=FAST)
+    assert not graded["correct"] and graded["memory_scope"] == "process", graded
+    assert "fork was refused by policy: no writable cgroup" in graded["error"], graded["error"]
+
+    fallback = run_python("import os\ntry:\n    os.fork()\nexcept BlockingIOError as exc:\n    print('one process', "
+                          "exc.errno)\n", limits=FAST)
+    assert fallback.passed and fallback.stdout.strip() == "one process 11", fallback
+    raw = run_python("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nif libc.fork() == 0:\n"
+                     "    os._exit(0)\nerr = ctypes.get_errno()\nraise OSError(err, os.strerror(err))\n", limits=FAST)
+    if sb.seccomp_filter() is not None:
+        assert raw.status == "error" and "[Errno 11]" in raw.stderr, raw
+        assert raw.stderr.splitlines()[-1].startswith("oscar-sandbox: forks are refused by policy here"), raw.stderr
+    other = run_python("assert 1 == 2", limits=FAST)
+    assert other.status == "error" and "oscar-sandbox" not in other.stderr, other.stderr
+
+
+def test_the_hook_layer_says_why_a_fork_is_refused(monkeypatch):
+    """The opt-in hooks layer never has a cgroup: its refusal (the hook is its only bound) names the reason too."""
+    from oscar.eval.sandbox import _run
+
+    sb = _no_cgroup(monkeypatch)
+    res = _run(_FORKS, None, FAST, "hooks")
+    assert not res.passed and "forked" not in res.stdout, res
+    assert f"PermissionError: sandbox: one process only (its address-space limit is the program's memory cap): " \
+           f"{sb.FORK_REFUSED}" in res.stderr, res.stderr
+    assert res.stderr.splitlines()[-1] == f"oscar-sandbox: the program's fork was refused by policy: {sb.FORK_WHY}"
+
+
+def test_the_fork_note_names_only_refused_forks():
+    from oscar.eval.sandbox import FORK_WHY, _fork_note
+
+    assert _fork_note("BlockingIOError: [Errno 11] sandbox: fork refused by policy: ...") == \
+        f"\noscar-sandbox: the program's fork was refused by policy: {FORK_WHY}"
+    assert _fork_note("OSError: [Errno 11] Resource temporarily unavailable").startswith(
+        "\noscar-sandbox: forks are refused by policy here (they fail with EAGAIN)")
+    assert _fork_note("AssertionError") == ""
+    assert len(_fork_note("fork refused by policy")) <= 300  # whole in the graders' tail of stderr

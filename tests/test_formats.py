@@ -1,6 +1,8 @@
 """The cache-format registry (oscar.cache.formats): one class per format, asked by every consumer.
 
 - The kinds exist once (the registry); a method, an artifact and a server all reach the same format value.
+- Each consumer builds its caches and layers from the format (`oscar.cache.torch_cache.cache_spec`/`torch_layer`,
+  `oscar.cache.device_cache.for_format`); the format methods of the same names forward to those builders.
 - Every registered format runs through every consumer: the embedded engine's torch cache, the device cache
   (CPU twin here, the Triton/CUDA kernels under ``-m gpu``) and, in tests/serve/test_pool_formats.py, the
   SGLang pool. A consumer that serves the format gives the torch cache's greedy tokens with logits within one
@@ -16,6 +18,8 @@ import pytest
 import torch
 
 from oscar.bench import throughput as tp
+from oscar.cache import device_cache as dc
+from oscar.cache import formats, torch_cache
 from oscar.cache.formats import (KINDS, REGISTRY, BF16Format, CacheFormat, FormatNotServed, RotatedFormat, format_for,
                                  served_kinds)
 from oscar.cache.torch_cache import LayerRotations
@@ -165,6 +169,40 @@ def test_pool_bytes_are_what_the_device_cache_allocates():
     assert BF16Format(name="bf16").bytes_per_token(LAYERS, HKV, D) == 2 * LAYERS * HKV * D * 2
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_consumers_build_what_the_format_methods_return(kind, monkeypatch):
+    """The torch cache picks the layer class from the format (simulated formats: `SimulatedLayer`, no rotations), the
+    device cache its cache (paged: `DeviceOscarCache`, BF16: `StaticBF16Cache`); the format methods forward there,
+    refuse an unserved format by name before anything is built, and name the module to import when its builders are
+    not loaded."""
+    fmt, rots = small(kind), rotations(small(kind))
+    spec = torch_cache.cache_spec(fmt, rots, mode="decode_equivalent", backend="triton")
+    assert spec.format == fmt and spec.mode == "decode_equivalent"
+    assert spec.backend == ("triton" if "backend" in fmt.runtime_fields else "torch")  # a field the format lacks is dropped
+    assert [id(r) for r in spec.layers] == ([id(r) for r in rots] if fmt.rotated else [])  # rotated formats only
+    forwarded = fmt.cache_spec(rots, mode="decode_equivalent", backend="triton")
+    assert (forwarded.format, forwarded.mode, forwarded.backend) == (spec.format, spec.mode, spec.backend)
+    assert all(a is b for a, b in zip(forwarded.layers, spec.layers, strict=True))
+    layer = torch_cache.torch_layer(spec, spec.layers[0] if fmt.rotated else None, 0)
+    assert type(layer) is (torch_cache.SimulatedLayer if fmt.simulated else torch_cache.OscarLayer)
+    assert type(fmt.torch_layer(spec, spec.layers[0] if fmt.rotated else None, 0)) is type(layer)
+    geometry = dict(num_layers=LAYERS, batch=1, num_kv_heads=HKV, head_dim=D, context=8)
+    if fmt.paged:
+        geometry.update(transforms=tp.head_transforms(rotations(fmt)), layout="rows")
+    if "device" in fmt.served_by:
+        want = dc.DeviceOscarCache if fmt.paged else dc.StaticBF16Cache
+        assert type(dc.for_format(fmt, **geometry)) is want and type(fmt.device_cache(**geometry)) is want
+    monkeypatch.setattr(formats, "BUILDERS", {})
+    if "device" not in fmt.served_by:
+        with pytest.raises(FormatNotServed, match="not served by the device cache"):
+            fmt.device_cache(**geometry)
+    else:
+        with pytest.raises(RuntimeError, match="built by oscar.cache.device_cache, which has not been imported"):
+            fmt.device_cache(**geometry)
+    with pytest.raises(RuntimeError, match="built by oscar.cache.torch_cache"):
+        fmt.cache_spec(rots)
+
+
 # -- every format through every consumer ------------------------------------------------------------
 
 
@@ -185,7 +223,7 @@ def test_every_format_through_the_torch_cache(model, kind):
     gap = (lg[:, 1] - ref[:, 1]).abs().max().item()  # the first decode step reads the quantized middle, same input
     assert (gap > 0) == fmt.quantized, gap
     attention.enable(model)
-    cache = new_cache(model, fmt.cache_spec(rotations(fmt)))
+    cache = new_cache(model, torch_cache.cache_spec(fmt, rotations(fmt)))
     with torch.no_grad():
         model(ids, use_cache=True, past_key_values=cache)
     bits = cache.bits_per_element()
@@ -224,7 +262,7 @@ def test_every_format_through_the_device_cache(model, kind):
     fmt = small(kind)
     if "device" not in fmt.served_by:
         with pytest.raises(FormatNotServed, match=f"the {kind} cache format .* not served by the device cache"):
-            fmt.device_cache(num_layers=LAYERS, batch=1, num_kv_heads=HKV, head_dim=D, context=8)
+            dc.for_format(fmt, num_layers=LAYERS, batch=1, num_kv_heads=HKV, head_dim=D, context=8)
         return
     _device_matches_torch(model, fmt, "cpu", "torch")
 

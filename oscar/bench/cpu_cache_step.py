@@ -1,4 +1,4 @@
-"""CPU decode step of one cache layer at continuous-batching shapes (the HumanEval cells of issue 20):
+"""CPU decode step of one cache layer at continuous-batching shapes (the shapes of the continuous-batching HumanEval cells):
 ms per step per layer for the rotated INT2 cache (OSCAR/auto/QuaRot/INT2/Saw-INT4) and the KIVI/TurboQuant
 simulations, batch 64, Qwen2.5-Coder-0.5B's attention geometry (14 query heads, 2 KV heads, head_dim 64),
 S0/W = 16/64, after a 200-token prefill.

@@ -1,7 +1,7 @@
 """The accuracy table on a GPU (``python -m oscar gpu accuracy table=niah|humaneval``): the shared-prefill eval
 cells of ``experiment=coder`` (Qwen2.5-Coder-0.5B-Instruct) on one CUDA GPU with the embedded engine.
 
-``niah``: bf16, int2, kivi2, auto; 32 needles at 4096 and 32 at 8192 tokens (issue 33: intervals that separate). ``humaneval``: bf16, kivi2, auto at
+``niah``: bf16, int2, kivi2, auto; 32 needles at 4096 and 32 at 8192 tokens (enough needles for intervals that separate). ``humaneval``: bf16, kivi2, auto at
 the 16/64 windows, 164 problems, greedy, graded in the sandbox. ``variants=NAME=OVERRIDES;...`` replaces the
 cells (the same method at other windows, e.g. ``auto@16x96=method=auto method.sink=16 method.recent=96``;
 with engine=sglang a variant's ``page=N`` is SGLang's ``--page-size`` for that cell, by default the smallest of

@@ -35,7 +35,7 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
 
 
 TARGETS = {"batch1_speedup": 1.5, "job_speedup": 4.0, "fit_batch": 64, "quantize_share": 0.05,
-           # issue 19: the compiled BF16 step within 10% of a gpt-fast-style step (5.02 / 8.09 ms), >= 80% of
+           # the compiled BF16 step within 10% of a gpt-fast-style step (5.02 / 8.09 ms), >= 80% of
            # its byte floor; the rest of the step ("other") at most 1 ms at batch 1
            "bf16_step_ms": {(1, 4096): 5.5, (1, 100000): 8.9}, "bf16_floor_share": 0.8, "other_ms_batch1": 1.0}
 HF = "+hf"  # suffix of the grid caches timed through the transformers forward ("HF eager + graph")
@@ -197,7 +197,7 @@ def analyse(out: Path) -> dict[str, Any]:
 
 
 def _step_targets(res: dict[str, Any], model: str) -> None:
-    """Issue 19's targets of the step itself: the compiled BF16 step's time and byte-floor share, and the
+    """The targets of the step itself: the compiled BF16 step's time and byte-floor share, and the
     "other" time of every compiled cache at batch 1."""
     grid = [r for r in res["grid"] if r["model"] == model and r.get("status") == "ok"]
     for (b, t), limit in TARGETS["bf16_step_ms"].items():

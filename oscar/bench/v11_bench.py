@@ -1,4 +1,4 @@
-"""Decode kernel v11 against v10 and cuDNN BF16 in one process (issue 31): accuracy, times, achieved bandwidth.
+"""Decode kernel v11 against v10 and cuDNN BF16 in one process: accuracy, times, achieved bandwidth.
 
 Usage on a GPU host (checkout installed with ``pip install -e .``):
 

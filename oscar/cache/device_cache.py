@@ -35,8 +35,8 @@ from typing import Any, Optional, Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from oscar.cache import paged
-from oscar.cache.formats import BF16Format
+from oscar.cache import formats, paged
+from oscar.cache.formats import BF16Format, CacheFormat
 from oscar.cache.attention import plain_causal_attention, set_pending, take_pending
 
 ATTN_IMPLEMENTATION = "oscar_device"
@@ -616,6 +616,41 @@ def oscar_quant_capacity(context: int, sink: int, recent: int, page_size: int, e
     return int(math.ceil(need / page_size) * page_size)
 
 
+def for_format(fmt: CacheFormat, **geometry: Any) -> DeviceCache:
+    """The device cache of format ``fmt`` (refused by name, `oscar.cache.formats.FormatNotServed`, for a format the
+    device cache does not serve): a `DeviceOscarCache` for a paged format (``geometry`` as `paged_cache_for`), a
+    `StaticBF16Cache` for an unquantized one (as `static_bf16_for`)."""
+    fmt.check_served("device")
+    if fmt.paged:
+        return paged_cache_for(fmt, **geometry)
+    if not fmt.quantized:
+        return static_bf16_for(fmt, **geometry)
+    raise NotImplementedError(f"format {fmt.kind!r} is served by the device cache but builds none")
+
+
+def static_bf16_for(fmt: CacheFormat, *, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, context: int,
+                    extra_steps: int = 0, dtype: torch.dtype = torch.bfloat16, device: Any = "cpu") -> StaticBF16Cache:
+    """The static BF16 device cache of an unquantized format with room for ``context + extra_steps`` tokens per
+    sequence."""
+    return StaticBF16Cache(num_layers=num_layers, batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           capacity=context + extra_steps + 1, dtype=dtype, device=device, fmt=fmt)
+
+
+def paged_cache_for(fmt: CacheFormat, *, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, context: int,
+                    transforms: Sequence[tuple[Any, Any]], extra_steps: int = 0, dtype: torch.dtype = torch.bfloat16,
+                    device: Any = "cpu", **options: Any) -> DeviceOscarCache:
+    """The paged device cache of a paged format with room for ``context + extra_steps`` tokens per sequence;
+    ``transforms`` one ``(kt, vt)`` `HeadTransform` pair per layer; ``options``: ``backend``, ``layout``,
+    ``shuffle_pages``, ``launch`` (`oscar.kernels.launch`)."""
+    cap = oscar_quant_capacity(context, fmt.sink, fmt.recent, fmt.page_size, extra_steps)
+    return DeviceOscarCache(fmt, num_layers=num_layers, batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                            quant_capacity=cap, transforms=transforms, dtype=dtype, device=device, **options)
+
+
+# The format method `CacheFormat.device_cache` forwards here (formats imports no cache).
+formats.provide("device_cache", for_format)
+
+
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "DeviceCache",
@@ -625,11 +660,14 @@ __all__ = [
     "decode_step",
     "device_attention_forward",
     "enable",
+    "for_format",
     "import_prefill",
     "kv_elements",
     "oscar_quant_capacity",
+    "paged_cache_for",
     "prefill",
     "register",
     "sample",
+    "static_bf16_for",
     "warm_up",
 ]

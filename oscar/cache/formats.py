@@ -9,7 +9,10 @@ are written and read (which kernel), and which consumers serve it:
 - ``pool``: the SGLang KV pool (`oscar.serve.pool.OscarTokenToKVPool`).
 
 Those consumers hold a format object and ask it (``paged``, ``simulated``, ``new_pages``, ``write``,
-``attend``, ``torch_layer``, ``bytes_per_token``, ...); the kinds exist here only (`KINDS`). A method
+``attend``, ``bytes_per_token``, ...); the kinds exist here only (`KINDS`). Each consumer builds its own caches
+and layers from the format's fields and flags (`oscar.cache.torch_cache.cache_spec` and ``torch_layer``,
+`oscar.cache.device_cache.for_format`): the consumers import this module and it imports none of them; the
+format methods ``cache_spec``, ``torch_layer`` and ``device_cache`` forward to those builders (`BUILDERS`). A method
 (``conf/method/*.yaml``) becomes a format in one place (`CacheFormat.from_method`); a calibration artifact
 records the format it was made for (``meta.json`` ``cache_format``, `record_format`) and servers read it
 back with `CacheFormat.of_artifact`. Adding a format is one class here (registered with `register`),
@@ -21,11 +24,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Optional, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 import torch
 
 from oscar.cache import paged
+from oscar.cache.rotations import LayerRotations
 from oscar.core import quant
 from oscar.core.baselines import TurboQuantizer, kivi_fake_quantize, kivi_split, turboquant_bits_per_element
 
@@ -124,26 +128,26 @@ class CacheFormat:
                 f"it is served by: {', '.join(_CONSUMER_NAMES[c] for c in self.served_by)}. Formats the "
                 f"{_CONSUMER_NAMES[consumer]} serves: {', '.join(k for k, c in REGISTRY.items() if consumer in c.served_by)}")
 
+    # The consumers build their own caches and layers from the format's fields and flags
+    # (`oscar.cache.device_cache.for_format`, `oscar.cache.torch_cache.cache_spec` and `torch_layer`); these methods
+    # forward to them through `BUILDERS`, so that this module, which the consumers import, imports none of them.
+
     def device_cache(self, **geometry: Any) -> Any:
-        """The device cache of this format (formats the device cache serves override this)."""
+        """The device cache of this format: `oscar.cache.device_cache.for_format`."""
         self.check_served("device")
-        raise NotImplementedError(f"format {self.kind!r} is served by the device cache but builds none")
+        return _builder("device_cache", "oscar.cache.device_cache")(self, **geometry)
 
     def torch_layer(self, spec: Any, rotations: Any, layer_idx: int) -> Any:
-        """The embedded engine's cache layer of this format (`oscar.cache.torch_cache`)."""
-        from oscar.cache.torch_cache import OscarLayer  # local: torch_cache imports this module
-
-        return OscarLayer(spec, rotations, layer_idx)
+        """The embedded engine's cache layer of this format: `oscar.cache.torch_cache.torch_layer`."""
+        return _builder("torch_layer", "oscar.cache.torch_cache")(spec, rotations, layer_idx)
 
     def cache_spec(self, layers: Optional[Sequence[Any]] = None, **runtime: Any) -> Any:
-        """The embedded engine's `oscar.cache.torch_cache.CacheSpec` of this format; ``layers`` the per-layer
-        `LayerRotations` of a rotated format, ``runtime`` the spec's run-time fields (mode, backend,
-        fold_values, ...; those a format does not take are dropped)."""
-        from oscar.cache.torch_cache import CacheSpec  # local: torch_cache imports this module
+        """The embedded engine's `CacheSpec` of this format: `oscar.cache.torch_cache.cache_spec` (``layers`` the
+        per-layer `LayerRotations` of a rotated format, ``runtime`` the spec's run-time fields)."""
+        self.check_served("torch")
+        return _builder("cache_spec", "oscar.cache.torch_cache")(self, layers, **runtime)
 
-        return CacheSpec(format=self, layers=list(layers or []) if self.rotated else [],
-                         **{k: v for k, v in runtime.items() if k in self.runtime_fields})
-
+    # the run-time fields of `oscar.cache.torch_cache.CacheSpec` this format takes (the others are dropped)
     runtime_fields: ClassVar[tuple[str, ...]] = ("mode",)
 
     # -- accounting --------------------------------------------------------------------------------
@@ -179,14 +183,6 @@ class BF16Format(CacheFormat):
 
     def expected_bits(self, num_tokens: int, head_dim: int) -> float:
         return 16.0
-
-    def device_cache(self, *, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, context: int,
-                     extra_steps: int = 0, dtype: torch.dtype = torch.bfloat16, device: Any = "cpu") -> Any:
-        """The static BF16 device cache with room for ``context + extra_steps`` tokens per sequence."""
-        from oscar.cache.device_cache import StaticBF16Cache  # local: device_cache imports this module
-
-        return StaticBF16Cache(num_layers=num_layers, batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                               capacity=context + extra_steps + 1, dtype=dtype, device=device, fmt=self)
 
 
 @dataclass(frozen=True)
@@ -267,17 +263,6 @@ class RotatedFormat(CacheFormat):
         lengths and windows; ``options``: ``sm_scale``, ``output_frame``, ``backend``, ``launch``)."""
         return paged.decode_attention(q, pages[0], pages[1], segments, transforms[0], transforms[1], **options)
 
-    def device_cache(self, *, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, context: int,
-                     transforms: Sequence[tuple[Any, Any]], extra_steps: int = 0, dtype: torch.dtype = torch.bfloat16,
-                     device: Any = "cpu", **options: Any) -> Any:
-        """The paged device cache with room for ``context + extra_steps`` tokens per sequence; ``options``:
-        ``backend``, ``layout``, ``shuffle_pages``, ``launch`` (`oscar.kernels.launch`)."""
-        from oscar.cache.device_cache import DeviceOscarCache, oscar_quant_capacity  # local: it imports this module
-
-        cap = oscar_quant_capacity(context, self.sink, self.recent, self.page_size, extra_steps)
-        return DeviceOscarCache(self, num_layers=num_layers, batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                quant_capacity=cap, transforms=transforms, dtype=dtype, device=device, **options)
-
 
 @dataclass(frozen=True)
 class ChannelKeyFormat(RotatedFormat):
@@ -349,11 +334,9 @@ class ChannelKeyFormat(RotatedFormat):
         f = self.channel_share()
         return (tok + f * ch + (1 - f) * tok) / 2
 
-    def layer_rotations(self, num_layers: int, num_kv_heads: int, head_dim: int) -> list[Any]:
-        """Identity `oscar.cache.torch_cache.LayerRotations` with this format's key blocks (served KIVI-2: no
+    def layer_rotations(self, num_layers: int, num_kv_heads: int, head_dim: int) -> list[LayerRotations]:
+        """Identity `oscar.cache.rotations.LayerRotations` with this format's key blocks (served KIVI-2: no
         rotation, no centering, no clip)."""
-        from oscar.cache.torch_cache import LayerRotations  # local: torch_cache imports this module
-
         out = []
         for layer in range(num_layers):
             r = LayerRotations.identity(num_kv_heads, head_dim)
@@ -375,11 +358,6 @@ class SimulatedFormat(CacheFormat):
 
     served_by: ClassVar[tuple[str, ...]] = ("torch",)
     simulated: ClassVar[bool] = True
-
-    def torch_layer(self, spec: Any, rotations: Any, layer_idx: int) -> Any:
-        from oscar.cache.torch_cache import SimulatedLayer  # local: torch_cache imports this module
-
-        return SimulatedLayer(spec, None, layer_idx)
 
     def quantizers(self, layer_idx: int, num_kv_heads: int, head_dim: int) -> Any:
         """Per-layer quantizer state (None unless the format has one)."""
@@ -497,6 +475,23 @@ _CONSUMER_NAMES = {"torch": "embedded engine's torch cache", "device": "device c
                    "pool": "SGLang KV pool"}
 REGISTRY: dict[str, type[CacheFormat]] = {}
 
+# What the consumer modules build for a format (``device_cache``, ``torch_layer``, ``cache_spec``): each module
+# provides its builders when it loads, so the format methods reach them although this module imports no consumer
+# (the consumers import it).
+BUILDERS: dict[str, Callable[..., Any]] = {}
+
+
+def provide(name: str, builder: Callable[..., Any]) -> None:
+    """Register a consumer's ``builder`` of ``name`` (one of the format methods that forward to `BUILDERS`)."""
+    BUILDERS[name] = builder
+
+
+def _builder(name: str, module: str) -> Callable[..., Any]:
+    if name not in BUILDERS:
+        raise RuntimeError(f"CacheFormat.{name} is built by {module}, which has not been imported: import it "
+                           f"(or call its builder directly)")
+    return BUILDERS[name]
+
 
 def register(cls: type[CacheFormat]) -> type[CacheFormat]:
     """Add a format class to the registry under its ``kind`` (refuses a kind registered twice)."""
@@ -575,6 +570,7 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
 
 __all__ = [
     "BF16Format",
+    "BUILDERS",
     "CONSUMERS",
     "CacheFormat",
     "ChannelKeyFormat",
@@ -589,6 +585,7 @@ __all__ = [
     "format_class",
     "format_for",
     "group_of",
+    "provide",
     "record_format",
     "register",
     "served_kinds",

@@ -28,7 +28,8 @@ What the ``namespaces`` layer guarantees (root with ``unshare``; docs/DESIGN.md,
   ``setns``, namespace flags of ``clone``; ``clone3`` answers ENOSYS), no keyrings, ``bpf``,
   ``perf_event_open``, ``userfaultfd``, ``io_uring``, ``ptrace``, mounts; without a cgroup and
   with a budget of one process, no new process (``fork``, ``vfork``, ``clone`` without
-  ``CLONE_THREAD`` answer EAGAIN).
+  ``CLONE_THREAD`` answer EAGAIN). ``os.fork`` then raises a ``BlockingIOError`` (EAGAIN) that says why
+  (`FORK_REFUSED`), and a failed run's stderr ends with a line that says so.
 
 The ``hooks`` layer (no privileges: audit hooks in the program's own process) is *not* isolation:
 Python code can remove or bypass it. It runs only when the user opts in explicitly
@@ -62,6 +63,12 @@ _SETUP_FAILED = "oscar-sandbox: setup failed"
 # Host folders oscar-sbx-<ns>-<pid>-*, cgroups oscar-sbx-<uid>-<ns>-<pid>: the evaluator's PID namespace and pid,
 # so a start-up sweep removes only what an evaluator of its own namespace left when it died.
 SANDBOX_PREFIX = "oscar-sbx-"
+# Why a program may not fork (`process_plan` without a cgroup): the text of the error os.fork raises in the sandbox,
+# and of the line a failed run's stderr ends with (`SandboxRun._finish`).
+FORK_WHY = ("no writable cgroup (memory and pids controllers) bounds the whole program, so memory is capped per "
+            "process and the program is one process (threads are allowed; SandboxLimits.process_mb buys "
+            "memory_mb // process_mb processes)")
+FORK_REFUSED = "fork refused by policy: " + FORK_WHY
 
 # Stage 1 runs as root inside the new namespaces: cgroup, new root, privilege drop, seccomp, exec.
 _STAGE1 = r"""
@@ -175,16 +182,21 @@ os._exit(code if code >= 0 else 128 - code)
 
 # Stage 2 runs unprivileged: resource limits, audit hooks, then the program (or its serve loop).
 _STAGE2 = r"""
-import json, os, resource, runpy, sys
+import errno, json, os, resource, runpy, sys
 cfg = json.loads(sys.argv[1])
 for name, value in cfg["rlimits"].items():
     resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))
 workdir = os.path.realpath(os.getcwd())
 guard_writes = cfg["guard_writes"]  # the namespace layer's read-only root makes this check redundant
 guard_fork = cfg["guard_fork"]  # hooks layer with a budget of one process (the namespace layer: seccomp)
+fork_refused = cfg["fork_refused"]  # why forks are refused ("" when they are not); the namespace layer's seccomp
+# answers EAGAIN to the system call itself: the hook raises the same error first, with the reason
 def _guard(event, args):
     if event in ("os.fork", "os.forkpty") and guard_fork:
-        raise PermissionError("sandbox: one process only (its address-space limit is the program's memory cap)")
+        raise PermissionError("sandbox: one process only (its address-space limit is the program's memory cap): "
+                              + fork_refused)
+    if event in ("os.fork", "os.forkpty") and fork_refused:
+        raise BlockingIOError(errno.EAGAIN, "sandbox: " + fork_refused)
     if event == "socket.__new__":
         raise PermissionError("sandbox: socket creation is not allowed")
     if event in ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "pty.spawn"):
@@ -954,6 +966,7 @@ class SandboxRun:
         self.lifeline: int | None = None  # write end held while the run lasts; EOF ends the namespace
         self._lifeline_r: int | None = None
         self.notes: list[str] = []
+        self.forks_refused = False  # process_plan refused new processes (no cgroup, a budget of one process)
         self._announced: int | None = None  # the process group the reaper knows of, until it is reaped
         sweep_stale()
         self.reaper_fd = _reaper_fd()
@@ -984,8 +997,10 @@ class SandboxRun:
             "RLIMIT_NOFILE": int(limits.nofile),
             "RLIMIT_CORE": 0,
         }
+        self.forks_refused = not plan["fork"]
         stage2_cfg: dict = {"rlimits": rlimits, "guard_writes": mode != "namespaces",
-                            "guard_fork": mode != "namespaces" and not plan["fork"]}
+                            "guard_fork": mode != "namespaces" and not plan["fork"],
+                            "fork_refused": FORK_REFUSED if self.forks_refused else ""}
         if serve is not None:
             stage2_cfg["serve"] = serve
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1",
@@ -1086,6 +1101,8 @@ class SandboxRun:
                           else "run ended"))
         if _SETUP_FAILED in stderr:
             status = "sandbox_error"
+        elif status != "ok" and self.forks_refused:
+            stderr += _fork_note(stderr)
         self.close()
         self.result = ExecResult(status=status, returncode=rc, stdout=stdout, stderr=stderr,
                                  wall_s=time.monotonic() - self.start, isolation=self.mode,
@@ -1153,6 +1170,18 @@ def _run(code: str, stdin: str | None, limits: SandboxLimits, mode: str) -> Exec
     """One sandboxed run with an explicit isolation layer (tests and the isolation probe)."""
     with SandboxRun(code, stdin, limits, mode) as run:
         return run.wait()
+
+
+def _fork_note(stderr: str) -> str:
+    """The line a failed run's stderr ends with where forks were refused and its stderr shows a refused fork: the
+    error the stage-2 hook raises (`FORK_REFUSED`), or EAGAIN from the system call itself (a fork past the hook:
+    C code, ``_posixsubprocess``; EAGAIN may have another cause, so that line says what a refused fork looks like);
+    "" otherwise. Short enough to stay whole in the graders' 300-character tail of stderr."""
+    if "fork refused by policy" in stderr:
+        return "\noscar-sandbox: the program's fork was refused by policy: " + FORK_WHY
+    if "[Errno 11]" in stderr or "Resource temporarily unavailable" in stderr:
+        return "\noscar-sandbox: forks are refused by policy here (they fail with EAGAIN): " + FORK_WHY
+    return ""
 
 
 def _signal_group(proc: subprocess.Popen) -> None:

@@ -1,4 +1,5 @@
-"""Generation cells of several methods with one BF16 prefill per prompt (issue 20's needles and HumanEval).
+"""Generation cells of several methods with one BF16 prefill per prompt (long-context needles and HumanEval, where
+the prefill is most of a cell's work).
 
 Serving semantics make a prompt's prefill method-independent: a prefill into an empty cache attends in BF16
 (`OscarLayer.attend_and_write` takes its contiguous SDPA path, the simulated KIVI / TurboQuant layers see no

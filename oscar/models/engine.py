@@ -17,7 +17,9 @@ import torch
 from oscar.cache import attention
 from oscar.cache.formats import CacheFormat, FormatNotServed
 from oscar.core.artifact import artifact_dir, load_artifact
-from oscar.cache.torch_cache import CacheSpec, LayerRotations, OscarCache
+from oscar.cache.rotations import LayerRotations
+from oscar.cache.torch_cache import CacheSpec, OscarCache
+from oscar.cache.torch_cache import cache_spec as format_cache_spec
 from oscar.models.adapters import check_supported, layer_windows
 from oscar.models import methods
 from oscar.models.generate import SamplingParams, cache_kwarg, generate_continuous, generate_tokens, positions_from_mask, truncate_at_stop
@@ -122,7 +124,7 @@ def cache_spec(
         raise MethodNotSupported(f"method {method_cfg.name!r}: {err}") from None
     if fmt.rotated and rotations is None:
         rotations = rotations_in_code(method_cfg, model)
-    return fmt.cache_spec(rotations, fold_values=fold_values, mode=mode, backend=backend)
+    return format_cache_spec(fmt, rotations, fold_values=fold_values, mode=mode, backend=backend)
 
 
 class Engine:

@@ -1,4 +1,4 @@
-"""`auto`'s key format per layer chosen by the model's next-token KL against BF16 (`method.select_by=kl`, issue 33).
+"""`auto`'s key format per layer chosen by the model's next-token KL against BF16 (`method.select_by=kl`).
 
 The metric study (reports/accuracy/metric) found that next-token KL(BF16 || cache), teacher-forced through the
 decode-equivalent cache, orders the HumanEval rows as pass@1 does, while the held-back rows' attention distortion

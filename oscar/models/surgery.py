@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from oscar.cache.torch_cache import LayerRotations
+from oscar.cache.rotations import LayerRotations
 from oscar.models.adapters import get_adapter
 
 

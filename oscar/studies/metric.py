@@ -1,4 +1,5 @@
-"""Which selection metric orders the KV-cache methods as HumanEval pass@1 does (issue 33).
+"""Which selection metric orders the KV-cache methods as HumanEval pass@1 does: a metric that a method (or
+`auto`'s per-layer choice) can be tuned on must rank the methods the way the benchmark does.
 
     python -m oscar.studies.metric --stride 4 --out-dir reports/accuracy/metric
 
