@@ -333,7 +333,7 @@ def niah_embedded(ctx: Ctx) -> str:
 
 
 KL_COLUMNS = (("auto", "auto (64/256)"), ("auto@64/128", "auto@64/128"), ("kivi2", "kivi2 (0/128)"),
-              ("quarot", "quarot (fit)"), ("oscar", "oscar (fit)"), ("turboquant", "turboquant"), ("int2", "int2 (fit)"))
+              ("quarot", "quarot (fit)"), ("oscar", "oscar (fit)"), ("turboquant",) * 2, ("int2", "int2 (fit)"))
 
 
 def kl_models(ctx: Ctx) -> str:
