@@ -27,7 +27,7 @@ def test_unknown_table_and_key_are_usage_errors(capsys):
     assert gpu.main(["kernels", "check=maybe"]) == 2
     assert "check='maybe': expected true or false" in capsys.readouterr().err
     assert gpu.main(["serving", "mem_fraction=lots"]) == 2
-    assert "mem_fraction='lots': expected a number" in capsys.readouterr().err
+    assert "mem_fraction='lots': expected a number in (0, 1] or default" in capsys.readouterr().err
 
 
 def test_parse_keeps_the_types_of_the_defaults():

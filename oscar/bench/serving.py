@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from oscar.bench import host, serving_report
 from oscar.serve.contract import SUPPORTED_VERSIONS
@@ -37,7 +37,7 @@ DEFAULTS: dict[str, Any] = {
     "profile": "plan",
     "warmup": "1x2048",
     "model": "",  # folder with the model's config.json (default: the bundle's qwen3-8b)
-    "mem_fraction": 0.85,  # --mem-fraction-static; "default": SGLang's own choice for the card (not passed)
+    "mem_fraction": "0.85",  # --mem-fraction-static; "default": SGLang's own choice for the card (not passed)
     "max_running": 64,
     "context_length": 131072,
     "output_len": 16,
@@ -128,9 +128,24 @@ def plan(opts: dict[str, Any]) -> list[dict[str, Any]]:
     return runs
 
 
+def _mem_fraction(opts: dict[str, Any]) -> Optional[float]:
+    """``mem_fraction``: a fraction in (0, 1], or None for "default" (SGLang chooses)."""
+    text = str(opts["mem_fraction"])
+    if text == "default":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise ValueError(f"mem_fraction={text!r}: expected a number in (0, 1] or default (SGLang's own choice)")
+    return value
+
+
 def needs(opts: dict[str, Any]) -> list[host.Need]:
 
     plan(opts)
+    _mem_fraction(opts)
     if int(opts["tp"]) < 1:
         raise ValueError(f"tp={opts['tp']}: the number of tensor-parallel GPUs, at least 1")
     out = [host.cuda_device() if int(opts["tp"]) == 1 else host.cuda_devices(int(opts["tp"])),
@@ -141,7 +156,7 @@ def needs(opts: dict[str, Any]) -> list[host.Need]:
     if "oscar" in _backends(opts):
         out.append(host.plugin_entry_point())
     mem = host.gpu_memory()
-    frac = 0.85 if str(opts["mem_fraction"]) == "default" else float(opts["mem_fraction"])
+    frac = _mem_fraction(opts) or 0.85
     out.append(host.free_gpu_memory(frac * (mem["total_gib"] if mem else 80.0)))
     return out
 
