@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from oscar.bench import host, kernel_bench, serving, tables
+from oscar.bench import host, tables
+from oscar.bench.kernels import spec as kernel_bench
+from oscar.bench.serving import spec as serving
 from oscar.commands import gpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,9 +107,10 @@ def test_sglang_need_reads_the_version_in_the_sglang_environment(tmp_path, monke
 
 
 def test_throughput_table_measures_and_reports_on_a_tiny_model(tmp_path, monkeypatch):
-    """The throughput table's own path into `oscar.bench.throughput_run` (tiny architecture, the CPU, uncompiled),
+    """The throughput table's own path into `oscar.bench.throughput.run` (tiny architecture, the CPU, uncompiled),
     then its report from the files it wrote."""
-    from oscar.bench import gpu_throughput, throughput_run
+    from oscar.bench.throughput import spec as gpu_throughput
+    from oscar.bench.throughput import run as throughput_run
 
     monkeypatch.setitem(throughput_run.FLAGS, "tiny", True)
     opts = tables.parse("throughput", ["points=1x64", "parts=grid", "reps=1", "models=", "hf_caches="])
@@ -230,7 +233,7 @@ def test_serving_plan_and_command_line(tmp_path):
         ("oscar_channel", "1x100000", "1x100000", ""), ("oscar_token", "1x100000", "1x100000", ""),
         ("bf16_flashinfer", "1x100000", "1x100000", "")]
     cmd = serving.command(runs[0], {**opts, "model": "/m"}, tmp_path)
-    assert cmd[1:3] == ["-m", "oscar.bench.sglang_one_batch"] and cmd[cmd.index("--page-size") + 1] == "32"
+    assert cmd[1:3] == ["-m", "oscar.bench.serving.one_batch"] and cmd[cmd.index("--page-size") + 1] == "32"
     assert serving.command(runs[1], {**opts, "model": "/m"}, tmp_path)[cmd.index("--page-size") + 1] == "16"
     assert "--disable-cuda-graph" not in cmd and "--mem-fraction-static" in cmd
     runs = serving.plan({**opts, "backends": "oscar,flashinfer_fp8", "formats": "mixed", "graphs": "on,off"})
@@ -277,7 +280,7 @@ def test_serving_report_compares_with_the_committed_rows(tmp_path):
 
 
 def test_prefix_and_correctness_reports_from_fake_rows(tmp_path):
-    from oscar.bench import gpu_correctness
+    from oscar.bench.correctness import spec as gpu_correctness
 
     out = tmp_path / "p"
     out.mkdir()
@@ -300,7 +303,7 @@ def test_prefix_and_correctness_reports_from_fake_rows(tmp_path):
 
 
 def test_accuracy_cells_and_their_calibration_needs(tmp_path, monkeypatch):
-    from oscar.bench import gpu_accuracy
+    from oscar.bench.accuracy import spec as gpu_accuracy
 
     opts = tables.parse("accuracy", [f"results={tmp_path}"])
     args = gpu_accuracy.cell_args(opts)

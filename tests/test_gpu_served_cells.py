@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from oscar.bench import gpu_accuracy, tables
+from oscar.bench import tables
+from oscar.bench.accuracy import spec as gpu_accuracy
 from oscar.commands import gpu
 
 

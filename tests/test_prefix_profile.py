@@ -1,4 +1,4 @@
-"""The prefix profile's trace summary (``oscar.bench.prefix_profile``) on a hand-built chrome trace.
+"""The prefix profile's trace summary (``oscar.bench.prefix.profile``) on a hand-built chrome trace.
 
 Times are exact sums of the events' durations (integers in microseconds), so the summary is checked exactly:
 a kernel belongs to the innermost ``oscar.*`` range around its launch (same correlation id), the extend window runs
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from oscar.bench import prefix_profile
+from oscar.bench.prefix import profile as prefix_profile
 
 
 def _x(name, cat, ts, dur, tid=1, **args):
@@ -126,7 +126,8 @@ def test_profile_mode_runs_the_oscar_engine_alone_then_the_bench(tmp_path, monke
     the labels on, no sweep ratios, no check row, no flashinfer engine; then the extend bench at the hit's shape."""
     import subprocess
 
-    from oscar.bench import prefix, tables
+    from oscar.bench import tables
+    from oscar.bench.prefix import spec as prefix
 
     model = tmp_path / "model"
     model.mkdir()

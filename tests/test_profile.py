@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from oscar.bench import throughput as tp
-from oscar.bench import throughput_report as report
-from oscar.bench import throughput_run as profile_run
+from oscar.bench.throughput import decode as tp
+from oscar.bench.throughput import report
+from oscar.bench.throughput import run as profile_run
 from oscar.commands import profile
 
 GB = 1e9

@@ -3,7 +3,7 @@ reports/kernels/channel_keys_h200.{md,csv} (GPU host).
 
     python benchmarks/studies/channel_keys_h200.py OUT_DIR [--batches 1,8] [--contexts 32768,131072] [--reps 20]
 
-Same inputs as the kernel table (``oscar.bench.kernel_bench.decode_inputs``: Qwen3-8B attention shape, 32 q heads,
+Same inputs as the kernel table (``oscar.bench.kernels.spec.decode_inputs``: Qwen3-8B attention shape, 32 q heads,
 8 KV heads, d 128, pages of 64, sink 64, recent 256, random INT2 codes, shuffled page tables, rotation and means),
 the same codes read as per-token K pages (one bf16 scale/zero per slot) and as per-channel K pages of blocks of
 T = 64 and 32 (bf16 scale/zero ``[P, Hkv, 64/T, d]``), with and without rope-centered keys; each call through
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from oscar.bench import host, kernel_bench as kb
+from oscar.bench import host
+from oscar.bench.kernels import spec as kb
 from oscar.cache import paged
 from oscar.cache.paged import QuantPages
 from oscar.core.files import atomic_write_csv, atomic_write_json

@@ -20,12 +20,12 @@ from oscar.core.files import atomic_write_json
 
 # table -> module
 TABLES: dict[str, str] = {
-    "kernels": "oscar.bench.kernel_bench",
-    "serving": "oscar.bench.serving",
-    "prefix": "oscar.bench.prefix",
-    "correctness": "oscar.bench.gpu_correctness",
-    "accuracy": "oscar.bench.gpu_accuracy",
-    "throughput": "oscar.bench.gpu_throughput",
+    "kernels": "oscar.bench.kernels.spec",
+    "serving": "oscar.bench.serving.spec",
+    "prefix": "oscar.bench.prefix.spec",
+    "correctness": "oscar.bench.correctness.spec",
+    "accuracy": "oscar.bench.accuracy.spec",
+    "throughput": "oscar.bench.throughput.spec",
 }
 # keys every table takes
 COMMON: dict[str, Any] = {

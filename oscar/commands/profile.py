@@ -22,7 +22,7 @@ Writes under `output_dir` (default reports/throughput): `grid.csv`, `check.csv`,
 rows into MLflow when tracking is enabled and mlflow is installed. `report_only=true` rebuilds the
 Markdown, the figure and the MLflow runs from the CSVs; `tiny=true` runs every part on a tiny
 architecture (on the CPU: eager timing, no kernel split, the fused step uncompiled), which is what the
-tests do. The measuring lives in `oscar.bench.throughput_run`, the report in `oscar.bench.throughput_report`.
+tests do. The measuring lives in `oscar.bench.throughput.run`, the report in `oscar.bench.throughput.report`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from oscar.bench import throughput_report as report
-from oscar.bench.throughput_run import FLAGS, Settings, run
+from oscar.bench.throughput import report
+from oscar.bench.throughput.run import FLAGS, Settings, run
 from oscar.commands._stage import pop_flags
 from oscar.config import compose
 

@@ -1,4 +1,4 @@
-"""The synthetic-state decode timing of ``python -m oscar.bench.sglang_one_batch`` and its profile parsing (CPU).
+"""The synthetic-state decode timing of ``python -m oscar.bench.serving.one_batch`` and its profile parsing (CPU).
 
 - ``fill_pool`` leaves every slot of the OSCAR pool valid (codes over all byte values, scales in range,
   ``zero = -1.5 * scale`` exactly as bf16 rounds it, finite BF16 windows), so a dequantized row is bounded
@@ -18,7 +18,7 @@ import torch
 from test_pool_paged import _pool
 
 from oscar.cache import paged
-from oscar.bench import sglang_synthetic as sy
+from oscar.bench.serving import synthetic as sy
 
 
 def test_fill_pool_gives_valid_oscar_pages_and_windows():
@@ -96,7 +96,7 @@ def test_label_ranges_wraps_the_plugin_calls_and_restores_them():
 
 
 def test_bench_shapes_parse_and_refuse_bad_ones():
-    from oscar.bench.sglang_one_batch import _shapes
+    from oscar.bench.serving.one_batch import _shapes
 
     assert _shapes("1x30000, 51x100000,") == [(1, 30000), (51, 100000)] and _shapes("") == []
     for bad in ("1x", "0x100", "8*100", "ax1"):

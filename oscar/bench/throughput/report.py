@@ -121,7 +121,7 @@ def analyse(out: Path) -> dict[str, Any]:
     for r in grid:  # bandwidth floor of each point: weights read once + the cache allocation read once
         m = env.get("models", {}).get(r["model"], {})
         if r.get("status") == "ok" and r.get("floor_share") not in (None, ""):
-            r["floor_fraction"] = float(r["floor_share"])  # recorded by the run (oscar.bench.throughput_run.byte_floor)
+            r["floor_fraction"] = float(r["floor_share"])  # recorded by the run (oscar.bench.throughput.run.byte_floor)
         elif r.get("status") == "ok" and m and r.get("kv_bytes") and not math.isnan(bw):
             floor = (m["weight_bytes_read_per_step"] + float(r["kv_bytes"])) / bw * 1e6
             r["floor_us"] = floor

@@ -1,6 +1,6 @@
 """SGLang's own one-batch benchmark (``sglang.benchmark.one_batch``) with the oscar plugin loaded.
 
-    python -m oscar.bench.sglang_one_batch --model-path M --load-format dummy --attention-backend oscar --page-size 16 \
+    python -m oscar.bench.serving.one_batch --model-path M --load-format dummy --attention-backend oscar --page-size 16 \
         --batch-size 1 8 --input-len 4096 30000 --output-len 16 ... --oscar-out rows.jsonl [--oscar-tag T]
 
 SGLang's ``bench_one_batch`` neither loads plugins nor runs ``ServerArgs.check_server_args`` (only its
@@ -16,7 +16,7 @@ prompts: the GPU correctness check compares them).
 hooks; every rank runs the same rows (their collectives pair up) and rank 0 writes them (``tp_size`` in each row,
 the pool's token capacity per rank).
 
-``--oscar-synthetic BATCHxCONTEXT,...`` adds rows timed on a synthetic state (``oscar.bench.sglang_synthetic``:
+``--oscar-synthetic BATCHxCONTEXT,...`` adds rows timed on a synthetic state (``oscar.bench.serving.synthetic``:
 SGLang's own allocation of the batch's slots, random valid pool contents, no prefill forward; ``mode``
 ``synthetic``, ``prefill_s`` empty) and ``--oscar-profile BATCHxCONTEXT,...`` profiles the decode step there
 (``torch.profiler``: CUDA-graph replays and eager steps, GPU time per part of the step) into
@@ -31,7 +31,7 @@ import sys
 import time
 from typing import Any
 
-from oscar.bench import sglang_synthetic as sy
+from oscar.bench.serving import synthetic as sy
 from oscar.serve.plugin import register
 
 
@@ -72,7 +72,7 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 
 def _synthetic_batch(runner: Any, bs: int, il: int, seed: int) -> Any:
     """A ScheduleBatch of ``bs`` requests of ``il`` tokens whose slots SGLang's allocator and req_to_token
-    hold, as after a prefill, without the prefill forward (``oscar.bench.sglang_synthetic``)."""
+    hold, as after a prefill, without the prefill forward (``oscar.bench.serving.synthetic``)."""
     import numpy as np
     from sglang.benchmark import one_batch as ob
 

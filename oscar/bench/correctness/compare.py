@@ -1,6 +1,6 @@
 """How a served INT2 run is compared with the embedded engine: the tolerances and the teacher-forced check.
 
-Shared by the correctness table (``oscar.bench.serve_correctness``) and the serving tests (``tests/serve``).
+Shared by the correctness table (``oscar.bench.correctness.real_weights``) and the serving tests (``tests/serve``).
 Two float32 forwards of the same INT2 model that differ only at the rounding level (SGLang's model code vs
 transformers', another CPU ISA) are far apart under INT2: a rounding difference moves key/value elements across
 BF16 or INT2 code boundaries. ``tests/serve/int2_reduction_order.py`` measured it (the embedded engine against

@@ -576,7 +576,7 @@ def report(out: Path, opts: dict[str, Any]) -> list[Path]:
           f"One layer, {shape['q_heads']} query heads over {shape['kv_heads']} KV heads, one query per sequence; "
           f"sink {shape['sink']} + quantized pages of {shape['page_size']} tokens + recent {shape['recent']}, BF16 "
           "windows. Times in microseconds per call: median of CUDA-graph replays over input sets larger than L2, every "
-          "column of a row in the same process on the same random codes (`oscar.bench.kernel_bench`). Baseline: the "
+          "column of a row in the same process on the same random codes (`oscar.bench.kernels.spec`). Baseline: the "
           "faster of torch SDPA's cuDNN and flash backends on the BF16 K/V of the same context. Variants "
           "(`oscar.cache.paged.decode_attention`, default launch): "
           + "; ".join(f"{LABELS.get(n, n)} = `{json.dumps(env.get('variants', {}).get(n, VARIANTS.get(n, {})))}`"

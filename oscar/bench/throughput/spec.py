@@ -3,7 +3,7 @@
 The fused, compiled decode step (``oscar.models.fused_step``) with the BF16 static cache and the paged OSCAR
 formats, and the transformers forward (HF eager + graph) as the second baseline, at the committed table's points
 (Qwen3-8B: batch 1 at 4k and 100k, batch 8 at 32k, batch 32 at 100k; fit searched up to batch 32). The measuring
-is ``oscar.bench.throughput_run`` (what ``python -m oscar profile`` runs; Hydra-composed, ``experiment=throughput``);
+is ``oscar.bench.throughput.run`` (what ``python -m oscar profile`` runs; Hydra-composed, ``experiment=throughput``);
 ``overrides=`` passes more Hydra overrides. If the compiled step fails (a torch.compile problem on the host), the
 grid reruns uncompiled (``compile=false``, labelled ``fused``). Files: ``grid.csv``, ``check.csv``, ``fit.csv``,
 ``job.csv``, ``kernels.csv``, ``env.json``, ``throughput.{md,png}`` under ``out`` (default reports/throughput).
@@ -14,7 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from oscar.bench import host, throughput_report
+from oscar.bench import host
+from oscar.bench.throughput import report as throughput_report
 
 AREA = "throughput"
 SUMMARY = "end-to-end decode step (fused, compiled) and tokens/s: OSCAR formats vs the BF16 static cache"
@@ -43,8 +44,8 @@ def needs(opts: dict[str, Any]) -> list[host.Need]:
 
 
 def _run(opts: dict[str, Any], out: Path, compile_step: bool) -> None:
-    """One ``oscar.bench.throughput_run.run`` over the table's points (what ``python -m oscar profile`` runs)."""
-    from oscar.bench.throughput_run import FLAGS, Settings, run  # local: keeps torch and omegaconf out of `gpu --help`
+    """One ``oscar.bench.throughput.run.run`` over the table's points (what ``python -m oscar profile`` runs)."""
+    from oscar.bench.throughput.run import FLAGS, Settings, run  # local: keeps torch and omegaconf out of `gpu --help`
     from oscar.config import compose  # local: keeps omegaconf out of `gpu --help`
 
     parts = str(opts["parts"])

@@ -1,4 +1,4 @@
-"""Synthetic-state decode timing and the decode-step profile of ``python -m oscar.bench.sglang_one_batch``.
+"""Synthetic-state decode timing and the decode-step profile of ``python -m oscar.bench.serving.one_batch``.
 
 Real prefill of 32 x 100k tokens of an 8B model takes minutes, so the decode grid of the serving table is
 timed on a *synthetic state*, the same for every row and every backend:

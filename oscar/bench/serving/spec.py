@@ -1,15 +1,15 @@
 """The serving table (``python -m oscar gpu serving``): SGLang's one-batch decode step, OSCAR against SGLang's BF16.
 
-One process per backend (``python -m oscar.bench.sglang_one_batch``: SGLang's ``load_model`` and decode step with
+One process per backend (``python -m oscar.bench.serving.one_batch``: SGLang's ``load_model`` and decode step with
 the plugin loaded), ``--load-format dummy`` weights of the model whose ``config.json`` is at ``model=`` (default:
 the bundle's Qwen3-8B), CUDA graphs on for decode, the same seeded prompts for every backend. Rows of three kinds
 (``real``: prefill forward then decode; ``synthetic``: decode steps on a synthetic state, every shape that fits
-the pool, ``oscar.bench.sglang_synthetic``; ``profile``: the decode step under ``torch.profiler``). OSCAR: INT2
-with seeded random rotations with means (a calibrated artifact's kernel work, ``oscar.bench.timing_artifact``),
+the pool, ``oscar.bench.serving.synthetic``; ``profile``: the decode step under ``torch.profiler``). OSCAR: INT2
+with seeded random rotations with means (a calibrated artifact's kernel work, ``oscar.bench.serving.timing_artifact``),
 ``sink``/``recent`` BF16 windows, pages of ``page_size`` tokens. Baseline: SGLang's best BF16 backend at each
 shape (``flashinfer``; ``triton`` beside it). ``plan`` (the default of ``real``, ``synthetic``, ``profile``) is the
 committed table's grid, per backend (``PLAN``). Raw rows: ``serving_rows.jsonl``, ``profile_rows.jsonl``; logs:
-``logs/<backend>.log``; the report (``oscar.bench.serving_report``): ``decode.{md,csv,png}``, ``profile.{md,csv}``.
+``logs/<backend>.log``; the report (``oscar.bench.serving.report``): ``decode.{md,csv,png}``, ``profile.{md,csv}``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from oscar.bench import host, serving_report
+from oscar.bench import host
+from oscar.bench.serving import report as serving_report
 from oscar.serve.contract import SUPPORTED_VERSIONS
 
 AREA = "serving"
@@ -30,7 +31,7 @@ SUMMARY = "SGLang decode step / prefill: the OSCAR plugin vs SGLang's BF16 backe
 BUNDLE_ENV = "OSCAR_SGLANG_BUNDLE"  # the offline bundle's folder (benchmarks/gpu.sh sets it)
 DEFAULTS: dict[str, Any] = {
     "backends": "oscar,flashinfer,triton",
-    "formats": "channel,token",  # OSCAR's served formats, one process each (oscar.bench.timing_artifact.FORMATS)
+    "formats": "channel,token",  # OSCAR's served formats, one process each (oscar.bench.serving.timing_artifact.FORMATS)
     "graphs": "on",  # on | off | on,off: decode CUDA graphs (off: the rows a user gets with --disable-cuda-graph)
     "real": "plan",
     "synthetic": "plan",
@@ -91,7 +92,7 @@ FP8 = "_fp8"  # a BF16 backend name with this suffix runs with --kv-cache-dtype 
 
 
 def _formats(opts: dict[str, Any]) -> list[str]:
-    from oscar.bench.timing_artifact import FORMATS  # local: keeps torch out of `gpu --help`
+    from oscar.bench.serving.timing_artifact import FORMATS  # local: keeps torch out of `gpu --help`
 
     names = [f.strip() for f in str(opts["formats"]).split(",") if f.strip()]
     bad = [f for f in names if f not in FORMATS]
@@ -150,7 +151,7 @@ def command(run: dict[str, Any], opts: dict[str, Any], out: Path) -> list[str]:
     """The ``sglang_one_batch`` command line of one backend process."""
     shapes = [s for k in ("real", "synthetic", "profile") for s in _shapes(run[k])] + _shapes(opts["warmup"])
     mem = [] if str(opts["mem_fraction"]) == "default" else ["--mem-fraction-static", str(opts["mem_fraction"])]
-    args = [sys.executable, "-m", "oscar.bench.sglang_one_batch", "--model-path", str(model_dir(opts)),
+    args = [sys.executable, "-m", "oscar.bench.serving.one_batch", "--model-path", str(model_dir(opts)),
             "--load-format", "dummy", "--output-len", str(opts["output_len"]), "--sampling-backend", "pytorch",
             "--grammar-backend", "none", *mem, "--context-length",
             str(opts["context_length"]), "--disable-radix-cache", "--max-running-requests", str(opts["max_running"]),
@@ -162,7 +163,7 @@ def command(run: dict[str, Any], opts: dict[str, Any], out: Path) -> list[str]:
             "--oscar-out", str(out / "serving_rows.jsonl"), "--oscar-profile-out", str(out / "profile_rows.jsonl"),
             "--oscar-tag", run["name"]]
     if run["backend"] == "oscar":
-        from oscar.bench.timing_artifact import format_page_size  # local: keeps torch out of `gpu --help`
+        from oscar.bench.serving.timing_artifact import format_page_size  # local: keeps torch out of `gpu --help`
 
         args += ["--page-size", str(format_page_size(run["format"], int(opts["page_size"])))]
     if not run.get("cuda_graph", True):
@@ -176,7 +177,7 @@ def command(run: dict[str, Any], opts: dict[str, Any], out: Path) -> list[str]:
 
 def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
     """Run every backend process in turn (one at a time on the GPU); the rows of this run replace the folder's."""
-    from oscar.bench.timing_artifact import write_timing_artifact  # local: keeps torch out of `gpu --help`
+    from oscar.bench.serving.timing_artifact import write_timing_artifact  # local: keeps torch out of `gpu --help`
 
     runs = plan(opts)
     (out / "logs").mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 Usage (repo root, any machine with Triton; ``PYTHONPATH=/path/to/triton-3.6`` to match the H200's Triton):
 
-    python -m oscar.bench.sass_stats [--keep DIR] [--only triton|cuda|all]
+    python -m oscar.bench.experimental.sass_stats [--keep DIR] [--only triton|cuda|all]
 
 For each kernel configuration: registers and spill bytes (``ptxas -v``), shared memory, and for the
 split-K kernels the instructions of the main loop (the longest backward branch in the SASS) per warp

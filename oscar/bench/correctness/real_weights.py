@@ -1,6 +1,6 @@
 """GPU correctness of the SGLang plugin on real weights (SmolLM2-135M), for reports/serving/gpu_correctness.{md,json}.
 
-    python -m oscar.bench.serve_correctness --methods bf16,auto,quarot,int2 --artifact auto=DIR --out DIR
+    python -m oscar.bench.correctness.real_weights --methods bf16,auto,quarot,int2 --artifact auto=DIR --out DIR
         [--prompts N --new-tokens N] [--cpu] [--eval-sglang DIR --eval-embedded DIR]
 
 (``python -m oscar gpu correctness`` runs it with the pool check and the eval cell, and checks what it needs). The
@@ -19,7 +19,7 @@ compared):
   CUDA RMSNorm has no float32), sink 16, recent 16, greedy with the top-256 log-probabilities at each step.
 
 Each served run is compared with the embedded engine (``oscar.models.engine``, same artifact, value rotation folded,
-torch path) forced along SGLang's tokens, all prompts in one batch (``oscar.bench.serve_compare.forced_logprobs_batch``):
+torch path) forced along SGLang's tokens, all prompts in one batch (``oscar.bench.correctness.compare.forced_logprobs_batch``):
 next-token agreement (SGLang's token = the embedded argmax, Wilson 95%), the largest and median log-probability
 difference over SGLang's token and its top 2, ``check_teacher_forced`` (``INT2_LOGPROB_TOL``, ``INT2_MEDIAN_TOL``),
 the KL divergence between the two engines' distributions over SGLang's top 256 tokens plus the rest in one bucket
@@ -42,12 +42,11 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-from oscar.bench.host import sglang_env
-from oscar.bench.serve_compare import (INT2_LOGPROB_TOL, INT2_MEDIAN_TOL, check_teacher_forced, forced_logprobs_batch,
+from oscar.bench.host import ROOT, sglang_env
+from oscar.bench.correctness.compare import (INT2_LOGPROB_TOL, INT2_MEDIAN_TOL, check_teacher_forced, forced_logprobs_batch,
                                        save_in_code_artifact)
 from oscar.core.files import atomic_write_json, atomic_write_text
 
-ROOT = Path(__file__).resolve().parents[2]
 TEXTS = [
     "The Roman aqueducts carried water from distant springs into the cities by gravity alone. Engineers surveyed "
     "a gentle, constant slope over tens of kilometres, and where a valley crossed the route they built",
@@ -141,7 +140,7 @@ def start_engines(name: str, runs: list[dict], out: Path) -> subprocess.Popen:
 
     env = sglang_env()
     log = open(out / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen([sys.executable, "-m", "oscar.bench.serve_correctness", "--engine", str(spec),
+    return subprocess.Popen([sys.executable, "-m", "oscar.bench.correctness.real_weights", "--engine", str(spec),
                              str(out / f"{name}.json")],
                             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
 
@@ -266,7 +265,7 @@ IN_CODE_OVERRIDES = ("method.clip=paper",)  # the in-code artifacts are the uncl
 def embedded_forced(model: Any, method: str, artifact: Any, sink: int, recent: int, prompts: list, forced: list,
                     overrides: tuple = ()) -> list:
     """The embedded engine (value rotation folded) teacher-forced along `forced`, all prompts in one batch
-    (``oscar.bench.serve_compare.forced_logprobs_batch``); `artifact` None: a method without rotations (bf16)."""
+    (``oscar.bench.correctness.compare.forced_logprobs_batch``); `artifact` None: a method without rotations (bf16)."""
     # local: keeps omegaconf and transformers out of `gpu --help`
     from oscar.config import compose
     from oscar.models.engine import Engine, rotations_from_artifact
@@ -486,7 +485,7 @@ def render(r: dict) -> str:
                   "rotation folded) forced along them. Agreement: SGLang's token = the embedded argmax (Wilson 95%). "
                   "Differences: per step the largest |log-probability difference| over SGLang's token and its top 2. "
                   f"KL: SGLang's distribution against the embedded one over SGLang's top {TOP} + the rest (a lower "
-                  "bound of the full KL). Check: `oscar.bench.serve_compare.check_teacher_forced` (tolerance "
+                  "bound of the full KL). Check: `oscar.bench.correctness.compare.check_teacher_forced` (tolerance "
                   f"{INT2_LOGPROB_TOL}, median {INT2_MEDIAN_TOL}).", "",
                   "| served method | steps | next-token agreement | largest / median log-prob difference | mean KL "
                   "(served \\|\\| embedded) | check | INT2 argmax = BF16 argmax: served / embedded | KL(embedded BF16 "

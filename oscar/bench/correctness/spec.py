@@ -2,9 +2,9 @@
 
 Three checks in one run, in parallel where they can share the GPU:
 
-- the pool's CUDA decode path against the torch twin (``oscar.bench.serve_check``: plain and rope-centered keys,
+- the pool's CUDA decode path against the torch twin (``oscar.bench.correctness.pool_check``: plain and rope-centered keys,
   SmolLM2's GQA 3 / head_dim 64 among them; the last decode step captured and replayed in a CUDA graph);
-- SmolLM2-135M's real weights (``oscar.bench.serve_correctness``): greedy tokens of the plugin with covering
+- SmolLM2-135M's real weights (``oscar.bench.correctness.real_weights``): greedy tokens of the plugin with covering
   windows against SGLang's triton BF16 backend, INT2 (quarot, and the ``auto=`` artifact) against the embedded
   engine, teacher forced;
 - with ``mmlu=``: one ``python -m oscar eval engine=sglang`` cell on the GPU against ``engine=embedded``.
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from oscar.bench import host
-from oscar.bench.serve_correctness import render
+from oscar.bench.correctness.real_weights import render
 from oscar.core.files import atomic_write_csv, atomic_write_text
 from oscar.serve.contract import SUPPORTED_VERSIONS
 
@@ -84,7 +84,7 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
                                env=host.sglang_env(extra), timeout=300)
         print(next((x for x in dense.stdout.splitlines() if x.startswith("DENSE")), dense.stderr[-500:]), flush=True)
         check_log = open(work / "gpu_check.log", "w")  # noqa: SIM115 - closed after the check's wait
-        check = subprocess.Popen([sys.executable, "-m", "oscar.bench.serve_check", "--out",
+        check = subprocess.Popen([sys.executable, "-m", "oscar.bench.correctness.pool_check", "--out",
                                   str(work / "gpu_check.json")], stdout=check_log, stderr=subprocess.STDOUT,
                                  env=host.sglang_env(extra))
         cells = None
@@ -101,7 +101,7 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
                       f"{py} -m oscar eval engine=embedded {' '.join(cell)} output={work / 'eval_embedded'} "
                       f"> {work / 'eval_embedded.log'} 2>&1")
             cells = subprocess.Popen(["bash", "-c", script], env={**os.environ, **extra})
-        args = [sys.executable, "-m", "oscar.bench.serve_correctness", "--engine-timeout",
+        args = [sys.executable, "-m", "oscar.bench.correctness.real_weights", "--engine-timeout",
                 str(opts["engine_timeout_s"]), "--methods", str(opts["methods"]), "--out", str(work)]
         if opts["auto"] and "auto" in str(opts["methods"]).split(","):
             args += ["--auto-artifact", str(opts["auto"])]
@@ -124,7 +124,7 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
                 cells.wait(timeout=240)
             except subprocess.TimeoutExpired:
                 cells.kill()
-            subprocess.run([sys.executable, "-m", "oscar.bench.serve_correctness", "--merge", "--out", str(work),
+            subprocess.run([sys.executable, "-m", "oscar.bench.correctness.real_weights", "--merge", "--out", str(work),
                             "--eval-sglang", str(work / "eval_sglang"), "--eval-embedded", str(work / "eval_embedded")],
                            env={**os.environ, **extra}, timeout=120)
     finally:

@@ -2,13 +2,13 @@
 
 Usage on a GPU host (checkout installed with ``pip install -e .``):
 
-    python -m oscar.bench.v11_bench --out DIR [--batches 1,8,32] [--contexts 4096,32768,131072] [--variants ...]
+    python -m oscar.bench.experimental.v11_bench --out DIR [--batches 1,8,32] [--contexts 4096,32768,131072] [--variants ...]
         [--formats token,rope,channel]
 
 For each shape (head_dim 128, 32 query heads, 8 KV heads, sink 64 + INT2 pages + recent 256, pages of 64): torch SDPA
 BF16 with the cuDNN backend, then for each key format the v10 mma kernel through ``oscar.cache.paged.decode_attention``
 (the served path) and the v11 kernel (``oscar.kernels.decode_v11``) on records packed from the same pages
-(``pack_pages``), each timed as the kernel table does (``oscar.bench.kernel_bench.time_calls``: CUDA-graph replays
+(``pack_pages``), each timed as the kernel table does (``oscar.bench.kernels.spec.time_calls``: CUDA-graph replays
 over input sets several times the L2, median per call). Formats: ``token`` (per-token INT2 keys), ``rope``
 (rope-centered keys, the served ``auto`` format), ``channel`` (per-channel key pages, blocks of 64 tokens),
 ``rope_channel`` (both). Before timing, v11 and v10 are checked against the float32 twin for each format (batch 4,
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from oscar.bench.kernel_bench import _n_sets, bench_sdpa, copy_bandwidth, decode_inputs, time_calls
+from oscar.bench.kernels.spec import _n_sets, bench_sdpa, copy_bandwidth, decode_inputs, time_calls
 from oscar.cache.paged import HeadTransform, QuantPages, decode_attention, decode_attention_torch
 from oscar.kernels.decode_v11 import RecordLayout, V11Launch, pack_pages, paged_decode_attention_v11
 
@@ -179,7 +179,7 @@ def main() -> int:
     env = {"device": prop.name, "sms": prop.multi_processor_count, "torch": torch.__version__,
            "cuda": torch.version.cuda, "copy_bandwidth_TBps": bw / 1e12, "rel_err_vs_twin_b4_8k": errs,
            "variants": {k: vars(v) if hasattr(v, "__dict__") else str(v) for k, v in variants.items()},
-           "command": "python -m oscar.bench.v11_bench " + " ".join(sys.argv[1:]), "opts": OPTS}
+           "command": "python -m oscar.bench.experimental.v11_bench " + " ".join(sys.argv[1:]), "opts": OPTS}
     print(json.dumps(env, default=str), flush=True)
     (args.out / f"{args.name}_env.json").write_text(json.dumps(env, indent=1, default=str))  # again at the end
     rows: list[dict] = []

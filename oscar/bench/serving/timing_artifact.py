@@ -1,12 +1,12 @@
 """A timing artifact for serving a model with dummy weights: seeded random orthogonal rotations (or identity).
 
-    python -m oscar.bench.timing_artifact CONFIG_DIR OUT_DIR [--rotation random|identity] [--bits 2] [--mu]
+    python -m oscar.bench.serving.timing_artifact CONFIG_DIR OUT_DIR [--rotation random|identity] [--bits 2] [--mu]
         [--format token|channel|mixed|rope]
 
 (``python -m oscar gpu serving`` and ``gpu prefix`` write one with ``write_timing_artifact``.)
 
 With random weights there is nothing to calibrate; a dense seeded orthogonal ``[Hkv, d, d]`` rotation per
-(layer, KV head) costs the kernels exactly what a calibrated ``U.H.P`` costs (as ``oscar.bench.throughput``'s
+(layer, KV head) costs the kernels exactly what a calibrated ``U.H.P`` costs (as ``oscar.bench.throughput.decode``'s
 timing rotations), and ``--mu`` adds key/value means (the centering terms the kernels also pay for).
 ``identity`` makes the quantization-free path exact (the correctness check while the windows cover the
 sequence). One group per row (``group_size = head_dim``: the mma layout). Plain torch + safetensors: runs

@@ -57,7 +57,7 @@ STEP_PATHS = ("compiled", "fused", "hf")  # fused: the fused step uncompiled (co
 
 
 from oscar.core.files import atomic_write_csv as write_csv, atomic_write_text as write_atomic  # noqa: E402
-from oscar.bench.throughput_report import read_csv  # noqa: E402
+from oscar.bench.throughput.report import read_csv  # noqa: E402
 
 
 def _ints(text: str) -> list[int]:
@@ -191,7 +191,7 @@ def pick_bf16_attention(cache: Any, batch: int, heads: int, d: int, machine: Mac
     import torch
     from torch.nn.attention import sdpa_kernel
 
-    from oscar.bench import throughput as tp  # local: keeps transformers out of import time
+    from oscar.bench.throughput import decode as tp  # local: keeps transformers out of import time
 
     if not machine.cuda:
         return "math/rows", {}
@@ -243,7 +243,7 @@ def measure_point(model: Any, fmt: Any, batch: int, context: int, s: Settings, m
     from torch.nn.attention import sdpa_kernel
 
     from oscar.cache import device_cache as dc  # local: keeps transformers out of import time
-    from oscar.bench import throughput as tp  # local: keeps transformers out of import time
+    from oscar.bench.throughput import decode as tp  # local: keeps transformers out of import time
 
     layers, heads, hkv, d = tp.geometry(model)
     path = "hf" if forward is None else ("compiled" if forward.compiled else "fused")
@@ -360,7 +360,7 @@ def run_check(s: Settings, machine: Machine) -> list[dict[str, Any]]:
     forward of each path against the CPU block-bootstrap interval."""
     import torch
 
-    from oscar.bench import throughput as tp  # local: keeps transformers out of import time
+    from oscar.bench.throughput import decode as tp  # local: keeps transformers out of import time
 
     c = s.prof["check"]
     family, dims = "qwen3", dict(c["architecture"])
@@ -470,7 +470,7 @@ def copy_bandwidth(machine: Machine) -> float:
     """Device-to-device copy bandwidth, bytes read + written per second (the memory ceiling)."""
     import torch
 
-    from oscar.bench import throughput as tp  # local: keeps transformers out of import time
+    from oscar.bench.throughput import decode as tp  # local: keeps transformers out of import time
 
     if not machine.cuda:
         return math.nan
@@ -510,7 +510,7 @@ def run(cfg: Any, s: Settings, out: Path) -> None:
     import torch
 
     from oscar.cache import device_cache as dc  # local: keeps transformers out of import time
-    from oscar.bench import throughput as tp  # local: keeps transformers out of import time
+    from oscar.bench.throughput import decode as tp  # local: keeps transformers out of import time
 
     device = str(cfg.device)
     if device == "auto":
@@ -625,7 +625,7 @@ def run(cfg: Any, s: Settings, out: Path) -> None:
 
 def _layout_of(fmt: Any, model: Any, machine: Machine) -> str:
     """The page layout a paged format gets on this machine (``-`` for BF16)."""
-    from oscar.bench import throughput as tp  # local: keeps transformers out of import time
+    from oscar.bench.throughput import decode as tp  # local: keeps transformers out of import time
 
     if fmt.transforms is None:
         return "-"

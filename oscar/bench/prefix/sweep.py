@@ -1,6 +1,6 @@
 """Prefix-hit sweep (the paper's Fig. 6): one job of N requests sharing a prefix, through SGLang's offline Engine.
 
-    python -m oscar.bench.prefix_sweep --model-path M --attention-backend oscar|flashinfer|... --out rows.jsonl \
+    python -m oscar.bench.prefix.sweep --model-path M --attention-backend oscar|flashinfer|... --out rows.jsonl \
         [--tag T] [--requests 8] [--input-len 30000] [--output-len 16] [--ratios 0,0.25,0.5,0.75,0.99] \
         [--check-hit] [--profile DIR] [--time-limit S] [--engine KEY=VALUE ...]
 
@@ -15,7 +15,7 @@ and the greedy tokens of the last request. ``--check-hit``: also one prompt of t
 largest difference of the first token's top-2 log-probabilities between the two. ``--profile DIR``: one prompt of
 the ``0.99`` shape cold, then hitting its cached prefix twice, first unprofiled, then each request under SGLang's
 ``torch.profiler`` in the scheduler process (the second hit also with Python stacks); the traces go to
-``DIR/traces/<name>/`` and their summary (``oscar.bench.prefix_profile``) to ``DIR/prefix_profile.{md,json}``; set
+``DIR/traces/<name>/`` and their summary (``oscar.bench.prefix.profile``) to ``DIR/prefix_profile.{md,json}``; set
 ``OSCAR_PROFILE_LABELS=1`` for the plugin's phases. ``--ratios ""`` runs no sweep.
 
 The oscar plugin is loaded through its ``sglang.srt.plugins`` entry point (the checkout installed with
@@ -102,7 +102,7 @@ def _profiled(engine: Any, ids: list[int], sampling: dict, folder: Path, stack: 
 
 def profile_hits(engine: Any, a: argparse.Namespace, sampling: dict, base: dict[str, Any], out: Path) -> list[Path]:
     """``--profile``: cold, hit, hit again unprofiled, then the same under the profiler; writes the summary."""
-    from oscar.bench import prefix_profile  # local: torch, imported by main after the arguments (as sglang)
+    from oscar.bench.prefix import profile as prefix_profile  # local: torch, imported by main after the arguments (as sglang)
 
     (ids,) = prompts(1, a.input_len, 0.99, a.seed + 777, a.vocab)
     plain: dict[str, dict[str, Any]] = {}
@@ -120,12 +120,12 @@ def profile_hits(engine: Any, a: argparse.Namespace, sampling: dict, base: dict[
                             trace=str(trace.relative_to(out)), summary=prefix_profile.summarize(prefix_profile.read_trace(trace))))
     header = [f"# Where a prefix hit's time goes: {a.attention_backend}, one prompt of {a.input_len} tokens, 99% then cached",
               "", f"SGLang {base['sglang']}, {base['device']}, page size {base['page_size']}, CUDA graphs "
-              f"{base['cuda_graph']}; `oscar.bench.prefix_sweep --profile` (`python -m oscar gpu prefix profile=1`). "
+              f"{base['cuda_graph']}; `oscar.bench.prefix.sweep --profile` (`python -m oscar gpu prefix profile=1`). "
               "Unprofiled: the prompt cold, then hitting its cached prefix twice (TTFT as served, "
               f"{sampling['max_new_tokens']} output tokens). Profiled (SGLang's torch.profiler in the scheduler, "
               "CPU + CUDA, 2 output tokens): the same after a flush, the last hit also with Python stacks (slower "
               "host). Phases `oscar.*`: oscar.serve.labels; the rest by kernel name. Module docstring of "
-              "oscar.bench.prefix_profile: what each column means.", ""]
+              "oscar.bench.prefix.profile: what each column means.", ""]
     return prefix_profile.write_profile(results, out, header)
 
 

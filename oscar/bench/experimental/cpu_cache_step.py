@@ -3,7 +3,7 @@ ms per step per layer for the rotated INT2 cache (OSCAR/auto/QuaRot/INT2/Saw-INT
 simulations, batch 64, Qwen2.5-Coder-0.5B's attention geometry (14 query heads, 2 KV heads, head_dim 64),
 S0/W = 16/64, after a 200-token prefill.
 
-    python -m oscar.bench.cpu_cache_step [--steps 60] [--threads 1] [--out reports/throughput/cpu_cache_step.csv]
+    python -m oscar.bench.experimental.cpu_cache_step [--steps 60] [--threads 1] [--out reports/throughput/cpu_cache_step.csv]
 
 Run it on two revisions (e.g. a worktree of each) to compare; it prints a table and writes the CSV.
 """

@@ -2,7 +2,7 @@
 timing, a per-step breakdown (GEMM / attention / quantize+demote / other) and the correctness check
 of the device path against the host-driven cache.
 
-Used by `python -m oscar profile` (measuring in `oscar.bench.throughput_run`); the functions take plain arguments so
+Used by `python -m oscar profile` (measuring in `oscar.bench.throughput.run`); the functions take plain arguments so
 tests can drive them on the CPU with tiny models.
 """
 

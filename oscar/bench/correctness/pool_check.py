@@ -1,6 +1,6 @@
 """The plugin's CUDA decode path against the torch twin on the pool's own pages (one GPU, no model).
 
-    python -m oscar.bench.serve_check [--out check.json]      (sglang importable: 0.5.17 bundle or 0.5.23)
+    python -m oscar.bench.correctness.pool_check [--out check.json]      (sglang importable: 0.5.17 bundle or 0.5.23)
 
 (``python -m oscar gpu correctness`` runs it beside the real-weight checks.)
 

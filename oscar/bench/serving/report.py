@@ -3,7 +3,7 @@
 One CSV row per (cache, backend, mode, batch, context) with ``decode_ms`` (median ms per decode step, SGLang's
 ``bench_one_batch`` timing), ``prefill_s``, ``cuda_graph``, ``radix``, ``status`` (ok | capacity: over the pool's
 tokens by ``bench_one_batch``'s rule | oom | failed), ``mode`` (real: prefill forward then decode; synthetic: the
-decode steps on a synthetic state, ``oscar.bench.sglang_synthetic``), the job's decode tokens/s, the server's token
+decode steps on a synthetic state, ``oscar.bench.serving.synthetic``), the job's decode tokens/s, the server's token
 capacity and the largest batch of that context it holds. The markdown adds the hardware and the command, the grid
 (OSCAR against the best BF16 backend of the same mode and shape), the issue's target ratios, the
 real-vs-synthetic cross-check, the greedy-token agreement of the real rows (seeded prompts: rows of one shape share
@@ -311,7 +311,7 @@ def profile_parts(p: dict[str, Any], mode: str) -> dict[str, dict[str, float]]:
     """GPU ms and kernels per step of each part of one profiled step kind (graph | eager): the plugin's labelled
     calls kept, the rest re-classified by name with today's ``kernel_category`` (from the per-kernel list, which
     covers the whole step when the step has at most 25 kernel names; the remainder goes to ``unlisted``)."""
-    from oscar.bench.sglang_synthetic import kernel_category  # local: keeps torch out of `gpu --help`
+    from oscar.bench.serving.synthetic import kernel_category  # local: keeps torch out of `gpu --help`
 
     parts: dict[str, dict[str, float]] = {}
     for k in p.get(f"top_{mode}") or []:
@@ -327,16 +327,16 @@ def profile_parts(p: dict[str, Any], mode: str) -> dict[str, dict[str, float]]:
 
 def write_profile(profiles: list[dict[str, Any]], out: Path) -> list[str]:
     """profile.csv (one row per profiled shape, step kind and part) and profile.md; returns the markdown lines."""
-    from oscar.bench.sglang_synthetic import kernel_category  # local: keeps torch out of `gpu --help`
+    from oscar.bench.serving.synthetic import kernel_category  # local: keeps torch out of `gpu --help`
 
     rows, md = [], ["# The decode step under torch.profiler (GPU ms per part of one step)", "",
-                    "`python -m oscar.bench.sglang_one_batch --oscar-profile BxN`: on the synthetic state, 2 warm-up + 5 timed "
+                    "`python -m oscar.bench.serving.one_batch --oscar-profile BxN`: on the synthetic state, 2 warm-up + 5 timed "
                     "steps (`wall_ms`, median), then 5 steps under `torch.profiler` (CPU + CUDA), first as SGLang's "
                     "CUDA-graph replay (`graph`), then eager with the decode graph runner set aside (`eager`: the "
                     "plugin's calls are labelled, `oscar.*`, and a kernel is attributed to the label around its "
                     "launch). `gpu_ms`: the sum of the step's kernel times; `wall - gpu`: the GPU idle between them "
                     "(launch gaps; in eager mode the host's Python). Other parts by kernel name "
-                    "(`oscar.bench.sglang_synthetic.CATEGORIES`).", ""]
+                    "(`oscar.bench.serving.synthetic.CATEGORIES`).", ""]
     for p in profiles:
         if p.get("status") != "ok":
             md += [f"- {p['tag']} batch {p['batch']} context {p['context']}: {p.get('status')}", ""]
@@ -377,7 +377,7 @@ def _header(rows: list[dict[str, Any]], env: dict[str, Any]) -> list[str]:
         lines += [hardware_line(env), "", f"Command: `{env.get('command', '?')}`", ""]
         if env.get("contract"):
             lines += [f"The plugin's SGLang contract (`oscar.serve.contract.check_contract`): {env['contract']}.", ""]
-    lines += [f"SGLang `bench_one_batch` timing (`python -m oscar.bench.sglang_one_batch`: SGLang's `load_model`, "
+    lines += [f"SGLang `bench_one_batch` timing (`python -m oscar.bench.serving.one_batch`: SGLang's `load_model`, "
               "`latency_test_run_once` and decode step, plugin loaded), `--load-format dummy` weights (the model's "
               f"config), CUDA graphs on (decode; one graph per batch size of the rows), `--mem-fraction-static {mem}`, "
               f"`--max-running-requests {running}`, `--disable-radix-cache`, output 16 tokens, median decode step. "
@@ -386,7 +386,7 @@ def _header(rows: list[dict[str, Any]], env: dict[str, Any]) -> list[str]:
               "calibrated artifact). Baseline: SGLang's best BF16 backend at each shape (flashinfer; triton beside "
               "it). Rows `real`: prefill forward, then 15 timed decode steps (`bench_one_batch`); rows `synthetic`: "
               "the same decode steps on a synthetic state (SGLang's own allocator and `req_to_token` hold the "
-              "batch's slots, the pool holds random valid data, no prefill forward: `oscar/bench/sglang_synthetic.py`), "
+              "batch's slots, the pool holds random valid data, no prefill forward: `oscar/bench/serving/synthetic.py`), "
               "so that every (batch, context) that fits in the pool is measured; `capacity`: over the server's token "
               "capacity by `bench_one_batch`'s rule (batch > capacity // (context + 16)). Reproduce:", "", "```",
               REPRODUCE, "```", ""]

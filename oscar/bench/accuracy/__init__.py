@@ -1,0 +1,5 @@
+"""The accuracy table on a GPU (``python -m oscar gpu accuracy table=niah|humaneval``): the shared-prefill eval cells
+of ``experiment=coder`` on CUDA with the embedded engine, or served through SGLang (``engine=sglang``).
+
+``spec``: the table's options, requirements, cells and report.
+"""
