@@ -126,7 +126,6 @@ def check(rope: bool, device: str = "cuda", heads: tuple[int, int, int] = (8, 32
 
 
 def main(argv: list[str]) -> int:
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--device", default="cuda", help="cuda (the check) or cpu (a smoke test: twin against twin)")

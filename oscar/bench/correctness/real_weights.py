@@ -134,7 +134,6 @@ def engine_main(spec_path: str, out_path: str) -> int:
 
 
 def start_engines(name: str, runs: list[dict], out: Path) -> subprocess.Popen:
-
     spec = out / f"{name}_spec.json"
     atomic_write_json(spec, {"runs": runs})
 
@@ -234,7 +233,6 @@ def compare_bf16(ref: list[list[int]], got: list[list[int]], bf16_logprobs: list
 
 
 def compare_eval(served_dir: Path, embedded_dir: Path) -> dict:
-
     def load(d: Path) -> tuple[dict, list]:
         return (json.loads((d / "result.json").read_text()),
                 [json.loads(x) for x in (d / "items.jsonl").read_text().splitlines()])
@@ -458,7 +456,6 @@ def write_report(out: Path, report: dict, t0: float) -> str:
 
 def merge_eval(out: Path, served: Path, embedded: Path) -> int:
     """The eval cell's comparison added to ``out/gpu_correctness.{json,md}`` (the cell runs beside the engines)."""
-
     report = json.loads((out / "gpu_correctness.json").read_text())
     if (served / "result.json").exists() and (embedded / "result.json").exists():
         report["eval_cell"] = compare_eval(served, embedded)

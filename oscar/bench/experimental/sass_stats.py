@@ -161,7 +161,6 @@ def cuda_stats(out: Path, cases: list = CUDA_CASES, rev: str = "") -> list[dict]
 
 
 def main() -> int:
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keep", type=Path, help="folder for the PTX/SASS files (default: a temporary one)")
     ap.add_argument("--only", choices=("triton", "cuda", "all"), default="all", help="which kernels to compile")

@@ -8,7 +8,7 @@ Usage on a GPU host (checkout installed with ``pip install -e .``):
 For each shape (head_dim 128, 32 query heads, 8 KV heads, sink 64 + INT2 pages + recent 256, pages of 64): torch SDPA
 BF16 with the cuDNN backend, then for each key format the v10 mma kernel through ``oscar.cache.paged.decode_attention``
 (the served path) and the v11 kernel (``oscar.kernels.decode_v11``) on records packed from the same pages
-(``pack_pages``), each timed as the kernel table does (``oscar.bench.kernels.spec.time_calls``: CUDA-graph replays
+(``pack_pages``), each timed as the kernel table does (``oscar.bench.kernels.timing.time_calls``: CUDA-graph replays
 over input sets several times the L2, median per call). Formats: ``token`` (per-token INT2 keys), ``rope``
 (rope-centered keys, the served ``auto`` format), ``channel`` (per-channel key pages, blocks of 64 tokens),
 ``rope_channel`` (both). Before timing, v11 and v10 are checked against the float32 twin for each format (batch 4,
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from oscar.bench.kernels.spec import _n_sets, bench_sdpa, copy_bandwidth, decode_inputs, time_calls
+from oscar.bench.kernels.timing import _n_sets, bench_sdpa, copy_bandwidth, decode_inputs, time_calls
 from oscar.cache.paged import HeadTransform, QuantPages, decode_attention, decode_attention_torch
 from oscar.kernels.decode_v11 import RecordLayout, V11Launch, pack_pages, paged_decode_attention_v11
 

@@ -98,7 +98,6 @@ def write_png(rows: list[dict[str, Any]], path: Path) -> None:
 def write_report(paths: list[Path], out: Path, env: dict[str, Any] | None = None,
                  notes: Path | None = None) -> list[Path]:
     """prefix_sweep.{csv,md,png} from the rows of ``paths``; returns the files written."""
-
     rows, checks = load(paths)
     if not rows:
         raise ValueError(f"no sweep rows in {[str(p) for p in paths]}")

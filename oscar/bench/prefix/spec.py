@@ -12,7 +12,7 @@ the OSCAR engine starts and measures; then it measures (the GPU runs one engine'
 and under SGLang's ``torch.profiler`` in the scheduler process (``oscar.bench.prefix.sweep --profile``); writes
 ``prefix_profile.{md,json}`` (``oscar.bench.prefix.profile``), the traces packed as ``prefix_traces.tar.gz``; then,
 without an engine, one layer's extend attention of that hit by route (in place, dequantize + SDPA, the torch twin:
-``prefix_extend_bench.json``, a section of the .md).
+``oscar.bench.prefix.extend_bench``, ``prefix_extend_bench.json``, a section of the .md).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from oscar.bench import host
+from oscar.bench import host, mirror
+from oscar.bench.prefix import profile as prefix_profile
 from oscar.bench.prefix import report as prefix_report
 from oscar.bench.serving.spec import BUNDLE_ENV, model_dir
 from oscar.serve.contract import SUPPORTED_VERSIONS
@@ -63,7 +64,6 @@ def _ratios(opts: dict[str, Any]) -> list[float]:
 
 
 def needs(opts: dict[str, Any]) -> list[host.Need]:
-
     _ratios(opts)
     mem = host.gpu_memory()
     return [host.cuda_device(), host.sglang(SUPPORTED_VERSIONS), host.plugin_entry_point(),
@@ -156,7 +156,7 @@ def _measure_profile(opts: dict[str, Any], out: Path, env: dict[str, Any], sweep
     env["runs"] = [{"name": "oscar", "rc": rc}]
     page, recent, n_in = 16, int(opts["recent"]), int(opts["input_len"])
     prefix = (n_in - recent) // page * page  # the hit's cached positions (the match capped at input_len - W, pages)
-    bench = [sys.executable, "-m", "oscar.bench.prefix.profile", "--bench", str(out / "prefix_extend_bench.json"),
+    bench = [sys.executable, "-m", "oscar.bench.prefix.extend_bench", "--bench", str(out / "prefix_extend_bench.json"),
              "--config", str(model_dir(opts) / "config.json"), "--prefix", str(prefix), "--n", str(n_in - prefix),
              "--sink", str(opts["sink"])]
     with open(out / "logs" / "prefix_extend_bench.log", "w") as log:  # one layer's extend by route (no engine)
@@ -176,10 +176,7 @@ def _measure_profile(opts: dict[str, Any], out: Path, env: dict[str, Any], sweep
 
 
 def report(out: Path, opts: dict[str, Any]) -> list[Path]:
-
     if opts["profile"]:
-        from oscar.bench.prefix import profile as prefix_profile  # local: keeps torch out of `gpu --help`
-
         return prefix_profile.rewrite(out, host.read_env(out / "prefix_profile_env.json"))
     rows = out / "prefix_rows.jsonl"
     if not rows.is_file():
@@ -193,8 +190,6 @@ def track(out: Path, opts: dict[str, Any], uri: str) -> str:
 
     if opts["profile"]:
         return "none (profile=true writes prefix_profile.{md,json} only)"
-
-    from oscar.bench import mirror  # local: keeps omegaconf and pandas out of import time (MLflow only)
 
     with open(out / "prefix_sweep.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from oscar.bench.prefix import profile as prefix_profile
+
 
 def _value(text: str) -> Any:
     for cast in (int, float):
@@ -102,8 +104,6 @@ def _profiled(engine: Any, ids: list[int], sampling: dict, folder: Path, stack: 
 
 def profile_hits(engine: Any, a: argparse.Namespace, sampling: dict, base: dict[str, Any], out: Path) -> list[Path]:
     """``--profile``: cold, hit, hit again unprofiled, then the same under the profiler; writes the summary."""
-    from oscar.bench.prefix import profile as prefix_profile  # local: torch, imported by main after the arguments (as sglang)
-
     (ids,) = prompts(1, a.input_len, 0.99, a.seed + 777, a.vocab)
     plain: dict[str, dict[str, Any]] = {}
     engine.flush_cache()

@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from oscar.bench.serving import synthetic as sy
+from oscar.bench.serving.trace import attribute_kernels, summarize, top_kernels
 from oscar.serve.plugin import register
 
 
@@ -152,10 +153,10 @@ def _profile(runner: Any, bs: int, il: int, ol: int, steps: int = 5) -> dict[str
             continue
         finally:
             mr.decode_cuda_graph_runner = graph_runner
-        kernels = sy.attribute_kernels(trace)
+        kernels = attribute_kernels(trace)
         out[f"{mode}_gpu_ms"] = sum(k["dur_us"] for k in kernels) / 1e3 / steps
-        out[f"{mode}_parts"] = sy.summarize(kernels, steps)
-        out[f"top_{mode}"] = sy.top_kernels(kernels, steps)
+        out[f"{mode}_parts"] = summarize(kernels, steps)
+        out[f"top_{mode}"] = top_kernels(kernels, steps)
     return out
 
 

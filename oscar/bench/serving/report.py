@@ -20,7 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from oscar.bench import mirror
 from oscar.bench.host import hardware_line
+from oscar.bench.serving.trace import kernel_category
 from oscar.core.files import atomic_write, atomic_write_csv, atomic_write_text
 
 COLUMNS = ("cache", "format", "backend", "mode", "batch", "context", "decode_ms", "prefill_s", "cuda_graph", "radix", "status",
@@ -257,8 +259,6 @@ def write_png(rows: list[dict[str, Any]], path: Path, context: int = 100000) -> 
 def track(out: Path, uri: str, env: Optional[dict[str, Any]] = None) -> str:
     """Mirror the table into MLflow (experiment ``oscar/gpu/serving``): a parent run with the report files, one
     child run per row (both replaced on every call). Returns the parent run id."""
-    from oscar.bench import mirror  # local: keeps omegaconf and pandas out of import time (MLflow only)
-
     with open(out / "decode.csv", newline="") as fh:
         table = list(csv.DictReader(fh))
     cells = []
@@ -311,8 +311,6 @@ def profile_parts(p: dict[str, Any], mode: str) -> dict[str, dict[str, float]]:
     """GPU ms and kernels per step of each part of one profiled step kind (graph | eager): the plugin's labelled
     calls kept, the rest re-classified by name with today's ``kernel_category`` (from the per-kernel list, which
     covers the whole step when the step has at most 25 kernel names; the remainder goes to ``unlisted``)."""
-    from oscar.bench.serving.synthetic import kernel_category  # local: keeps torch out of `gpu --help`
-
     parts: dict[str, dict[str, float]] = {}
     for k in p.get(f"top_{mode}") or []:
         part = k["part"] if k["part"].startswith("oscar.") else kernel_category(k["name"])
@@ -327,16 +325,14 @@ def profile_parts(p: dict[str, Any], mode: str) -> dict[str, dict[str, float]]:
 
 def write_profile(profiles: list[dict[str, Any]], out: Path) -> list[str]:
     """profile.csv (one row per profiled shape, step kind and part) and profile.md; returns the markdown lines."""
-    from oscar.bench.serving.synthetic import kernel_category  # local: keeps torch out of `gpu --help`
-
     rows, md = [], ["# The decode step under torch.profiler (GPU ms per part of one step)", "",
-                    "`python -m oscar.bench.serving.one_batch --oscar-profile BxN`: on the synthetic state, 2 warm-up + 5 timed "
-                    "steps (`wall_ms`, median), then 5 steps under `torch.profiler` (CPU + CUDA), first as SGLang's "
-                    "CUDA-graph replay (`graph`), then eager with the decode graph runner set aside (`eager`: the "
-                    "plugin's calls are labelled, `oscar.*`, and a kernel is attributed to the label around its "
-                    "launch). `gpu_ms`: the sum of the step's kernel times; `wall - gpu`: the GPU idle between them "
-                    "(launch gaps; in eager mode the host's Python). Other parts by kernel name "
-                    "(`oscar.bench.serving.synthetic.CATEGORIES`).", ""]
+                    "`python -m oscar.bench.serving.one_batch --oscar-profile BxN`: on the synthetic state, 2 warm-up"
+                    " + 5 timed steps (`wall_ms`, median), then 5 steps under `torch.profiler` (CPU + CUDA), first as"
+                    " SGLang's CUDA-graph replay (`graph`), then eager with the decode graph runner set aside "
+                    "(`eager`: the plugin's calls are labelled, `oscar.*`, and a kernel is attributed to the label "
+                    "around its launch). `gpu_ms`: the sum of the step's kernel times; `wall - gpu`: the GPU idle "
+                    "between them (launch gaps; in eager mode the host's Python). Other parts by kernel name "
+                    "(`oscar.bench.serving.trace.CATEGORIES`).", ""]
     for p in profiles:
         if p.get("status") != "ok":
             md += [f"- {p['tag']} batch {p['batch']} context {p['context']}: {p.get('status')}", ""]
@@ -367,7 +363,6 @@ def write_profile(profiles: list[dict[str, Any]], out: Path) -> list[str]:
 
 
 def _header(rows: list[dict[str, Any]], env: dict[str, Any]) -> list[str]:
-
     o = env.get("options") or {}
     sink, recent, page = o.get("sink", 64), o.get("recent", 256), o.get("page_size", 16)
     mem, running = o.get("mem_fraction", 0.85), o.get("max_running", 64)
@@ -397,7 +392,6 @@ def write_report(paths: list[Path], out: Path, env: Optional[dict[str, Any]] = N
                  compare: Optional[Path] = None, profile: Optional[Path] = None) -> list[Path]:
     """decode.{csv,md,png} (and profile.{csv,md} from ``profile`` or ``profile_rows.jsonl`` beside the first rows
     file) from the rows of ``paths``; returns the files written."""
-
     rows = load_rows(paths)
     if not rows:
         raise ValueError(f"no rows in {[str(p) for p in paths]}")

@@ -24,6 +24,7 @@ from typing import Any
 
 from oscar.bench import host
 from oscar.bench.serving import report as serving_report
+from oscar.bench.serving.formats import FORMATS, format_page_size
 from oscar.serve.contract import SUPPORTED_VERSIONS
 
 AREA = "serving"
@@ -31,7 +32,7 @@ SUMMARY = "SGLang decode step / prefill: the OSCAR plugin vs SGLang's BF16 backe
 BUNDLE_ENV = "OSCAR_SGLANG_BUNDLE"  # the offline bundle's folder (benchmarks/gpu.sh sets it)
 DEFAULTS: dict[str, Any] = {
     "backends": "oscar,flashinfer,triton",
-    "formats": "channel,token",  # OSCAR's served formats, one process each (oscar.bench.serving.timing_artifact.FORMATS)
+    "formats": "channel,token",  # OSCAR's served formats, one process each (oscar.bench.serving.formats.FORMATS)
     "graphs": "on",  # on | off | on,off: decode CUDA graphs (off: the rows a user gets with --disable-cuda-graph)
     "real": "plan",
     "synthetic": "plan",
@@ -92,8 +93,6 @@ FP8 = "_fp8"  # a BF16 backend name with this suffix runs with --kv-cache-dtype 
 
 
 def _formats(opts: dict[str, Any]) -> list[str]:
-    from oscar.bench.serving.timing_artifact import FORMATS  # local: keeps torch out of `gpu --help`
-
     names = [f.strip() for f in str(opts["formats"]).split(",") if f.strip()]
     bad = [f for f in names if f not in FORMATS]
     if bad or not names:
@@ -130,7 +129,6 @@ def plan(opts: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def needs(opts: dict[str, Any]) -> list[host.Need]:
-
     plan(opts)
     if int(opts["tp"]) < 1:
         raise ValueError(f"tp={opts['tp']}: the number of tensor-parallel GPUs, at least 1")
@@ -163,8 +161,6 @@ def command(run: dict[str, Any], opts: dict[str, Any], out: Path) -> list[str]:
             "--oscar-out", str(out / "serving_rows.jsonl"), "--oscar-profile-out", str(out / "profile_rows.jsonl"),
             "--oscar-tag", run["name"]]
     if run["backend"] == "oscar":
-        from oscar.bench.serving.timing_artifact import format_page_size  # local: keeps torch out of `gpu --help`
-
         args += ["--page-size", str(format_page_size(run["format"], int(opts["page_size"])))]
     if not run.get("cuda_graph", True):
         args += ["--disable-cuda-graph"]
@@ -230,7 +226,6 @@ def _contract(extra: dict[str, str]) -> str:
 
 
 def report(out: Path, opts: dict[str, Any]) -> list[Path]:
-
     rows = out / "serving_rows.jsonl"
     if not rows.is_file():
         raise FileNotFoundError(f"{rows}: no rows (run `python -m oscar gpu serving out={out}` on a GPU first)")
@@ -240,5 +235,4 @@ def report(out: Path, opts: dict[str, Any]) -> list[Path]:
 
 
 def track(out: Path, opts: dict[str, Any], uri: str) -> str:
-
     return serving_report.track(out, uri, host.read_env(out / "decode_env.json"))

@@ -12,7 +12,8 @@ timing rotations), and ``--mu`` adds key/value means (the centering terms the ke
 sequence). One group per row (``group_size = head_dim``: the mma layout). Plain torch + safetensors: runs
 on the GPU machine without the project's Hydra dependencies.
 
-``format`` (`FORMATS`) chooses the served format the artifact records, as a calibrated ``auto`` artifact would:
+``format`` (``oscar.bench.serving.formats.FORMATS``) chooses the served format the artifact records, as a calibrated
+``auto`` artifact would:
 ``token`` per-token keys everywhere (the ``rotated`` kind); ``channel`` per-channel keys over blocks of
 ``CHANNEL_BLOCK`` tokens in every layer (``rotated_channel``: the default ``auto``'s key candidates, the
 worst case of its per-layer choice); ``mixed`` per-channel keys in 3 layers of 4 (``auto`` on Qwen2.5-Coder-0.5B
@@ -32,16 +33,7 @@ from oscar.core.artifact import CalibrationArtifact, build_meta, config_hash_of,
 from oscar.core.rope import RopeSpec
 from oscar.core.rotation import random_orthogonal
 
-
-FORMATS = ("token", "channel", "mixed", "rope")
-CHANNEL_BLOCK = 32  # auto's default method.channel_block
-
-
-def format_page_size(fmt: str, page_size: int) -> int:
-    """The page size a format is served at: per-channel blocks live in one page (a multiple of the block)."""
-    if fmt in ("channel", "mixed"):
-        return max(page_size, CHANNEL_BLOCK) // CHANNEL_BLOCK * CHANNEL_BLOCK
-    return page_size
+from oscar.bench.serving.formats import CHANNEL_BLOCK, FORMATS, format_page_size
 
 
 def write_timing_artifact(config: str | Path, out: str | Path, rotation: str = "random", bits: int = 2,

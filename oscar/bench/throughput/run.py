@@ -25,7 +25,16 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+import transformers
+from omegaconf import OmegaConf
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from oscar.bench.throughput import decode as tp
+from oscar.bench.throughput.report import read_csv
+from oscar.cache import device_cache as dc
 from oscar.config import compose
+from oscar.core.files import atomic_write_csv as write_csv, atomic_write_text as write_atomic
 from oscar.eval.fidelity import block_bootstrap_ci
 from oscar.models.fused_step import FusedDecoder
 
@@ -53,11 +62,7 @@ STEP_PATHS = ("compiled", "fused", "hf")  # fused: the fused step uncompiled (co
 
 
 # ----------------------------------------------------------------------------------------------
-# files
-
-
-from oscar.core.files import atomic_write_csv as write_csv, atomic_write_text as write_atomic  # noqa: E402
-from oscar.bench.throughput.report import read_csv  # noqa: E402
+# parsing
 
 
 def _ints(text: str) -> list[int]:
@@ -85,8 +90,6 @@ class Settings:
     """The resolved profile settings: experiment config + verb flags."""
 
     def __init__(self, cfg: Any, flags: dict[str, Any]) -> None:
-        from omegaconf import OmegaConf
-
         prof = cfg.experiment.extra.get("profile")
         if prof is None:
             raise ValueError(f"experiment {cfg.experiment.name!r} has no extra.profile section; use experiment=throughput")
@@ -125,7 +128,6 @@ class Settings:
 
     def architecture(self, name: str, cfg: Any) -> tuple[str, dict[str, Any]]:
         """(family, config kwargs) of a model: registry geometry + extra sizes from the profile settings."""
-
         if name == "tiny-qwen3":
             return "qwen3", dict(self.prof["tiny"]["architecture"])
         model_cfg = cfg.model if cfg.model.name == name else compose([f"model={name}"]).model
@@ -146,8 +148,6 @@ class Machine:
     """Device, memory accounting and timing: CUDA graphs and events on a GPU, eager wall time on the CPU."""
 
     def __init__(self, device: str, budget: float) -> None:
-        import torch
-
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.budget = budget
@@ -155,21 +155,15 @@ class Machine:
         self.bandwidth = math.nan  # measured copy bandwidth, bytes/s (read + write), set by `run`
 
     def allocated(self) -> int:
-        import torch
-
         return torch.cuda.memory_allocated(self.device) if self.cuda else self.cpu_bytes
 
     def over_budget(self) -> bool:
         return self.budget > 0 and self.allocated() > self.budget
 
     def is_oom(self, exc: BaseException) -> bool:
-        import torch
-
         return isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc).lower()
 
     def release(self) -> None:
-        import torch
-
         gc.collect()
         if self.cuda:
             torch.cuda.empty_cache()
@@ -180,19 +174,12 @@ class BudgetExceeded(MemoryError):
 
 
 def _sdpa_backends() -> dict[str, Any]:
-    from torch.nn.attention import SDPBackend
-
     return {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 
 
 def pick_bf16_attention(cache: Any, batch: int, heads: int, d: int, machine: Machine, reps: int) -> tuple[str, dict[str, float]]:
     """Time layer 0's decode attention (write + SDPA) for each SDPA backend and GQA layout; the fastest
     name (``backend/layout``) and every variant's median microseconds (failed variants left out)."""
-    import torch
-    from torch.nn.attention import sdpa_kernel
-
-    from oscar.bench.throughput import decode as tp  # local: keeps transformers out of import time
-
     if not machine.cuda:
         return "math/rows", {}
     q = torch.randn(batch, heads, 1, d, dtype=torch.bfloat16, device=machine.device)
@@ -239,12 +226,6 @@ def measure_point(model: Any, fmt: Any, batch: int, context: int, s: Settings, m
     """One (cache, batch, context) point: allocate (OOM -> status), fill, capture, time, split, byte floor.
     ``forward``: the fused step (`oscar.models.fused_step.FusedDecoder`; row ``step_path`` ``compiled``), None for
     the transformers forward (``hf``). Returns the row and the per-kernel microseconds of one step."""
-    import torch
-    from torch.nn.attention import sdpa_kernel
-
-    from oscar.cache import device_cache as dc  # local: keeps transformers out of import time
-    from oscar.bench.throughput import decode as tp  # local: keeps transformers out of import time
-
     layers, heads, hkv, d = tp.geometry(model)
     path = "hf" if forward is None else ("compiled" if forward.compiled else "fused")
     row: dict[str, Any] = {"cache": fmt.name, "step_path": path, "layout": "-",
@@ -358,10 +339,6 @@ def run_check(s: Settings, machine: Machine) -> list[dict[str, Any]]:
     """Tiny Qwen3 (head_dim 128, the real kernels' path): greedy tokens and logits of the device path on
     this device (Triton, CUDA graph) against the CPU host-cache path (torch), and KL to the uncached
     forward of each path against the CPU block-bootstrap interval."""
-    import torch
-
-    from oscar.bench.throughput import decode as tp  # local: keeps transformers out of import time
-
     c = s.prof["check"]
     family, dims = "qwen3", dict(c["architecture"])
     rows = []
@@ -444,9 +421,6 @@ def run_check(s: Settings, machine: Machine) -> list[dict[str, Any]]:
 
 def environment(machine: Machine) -> dict[str, Any]:
     """Hardware and software versions of this run."""
-    import torch
-    import transformers
-
     env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": transformers.__version__, "host": platform.node(),
                            "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -468,10 +442,6 @@ def environment(machine: Machine) -> dict[str, Any]:
 
 def copy_bandwidth(machine: Machine) -> float:
     """Device-to-device copy bandwidth, bytes read + written per second (the memory ceiling)."""
-    import torch
-
-    from oscar.bench.throughput import decode as tp  # local: keeps transformers out of import time
-
     if not machine.cuda:
         return math.nan
     src = torch.randn(1 << 29, device=machine.device)
@@ -507,11 +477,6 @@ def keep_rows(rows: list[dict[str, Any]], part: str, s: Settings, remeasured: se
 
 def run(cfg: Any, s: Settings, out: Path) -> None:
     """Measure every part asked for; write the CSVs as each part ends."""
-    import torch
-
-    from oscar.cache import device_cache as dc  # local: keeps transformers out of import time
-    from oscar.bench.throughput import decode as tp  # local: keeps transformers out of import time
-
     device = str(cfg.device)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -625,14 +590,10 @@ def run(cfg: Any, s: Settings, out: Path) -> None:
 
 def _layout_of(fmt: Any, model: Any, machine: Machine) -> str:
     """The page layout a paged format gets on this machine (``-`` for BF16)."""
-    from oscar.bench.throughput import decode as tp  # local: keeps transformers out of import time
-
     if fmt.transforms is None:
         return "-"
     return fmt.format.resolve_layout(fmt.layout, tp.geometry(model)[3], machine.device)
 
 
 def _device_memory(machine: Machine) -> float:
-    import torch
-
     return float(torch.cuda.get_device_properties(machine.device).total_memory) if machine.cuda else math.nan

@@ -69,7 +69,6 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
 
 
 def report(out: Path, opts: dict[str, Any]) -> list[Path]:
-
     if not (out / "grid.csv").is_file():
         raise FileNotFoundError(f"{out / 'grid.csv'}: no rows (run `python -m oscar gpu throughput out={out}` on a GPU "
                                 "first)")
@@ -77,5 +76,4 @@ def report(out: Path, opts: dict[str, Any]) -> list[Path]:
 
 
 def track(out: Path, opts: dict[str, Any], uri: str) -> str:
-
     return str(throughput_report.track(out, uri, experiment="throughput")["parent_run_id"])
