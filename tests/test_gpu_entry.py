@@ -110,13 +110,14 @@ def test_sglang_need_reads_the_version_in_the_sglang_environment(tmp_path, monke
 
 def test_throughput_table_measures_and_reports_on_a_tiny_model(tmp_path, monkeypatch):
     """The throughput table's own path into `oscar.bench.throughput.run` (tiny architecture, the CPU, uncompiled),
-    then its report from the files it wrote."""
+    the command it records, then its report from the files it wrote."""
+    from oscar.bench.throughput import options
     from oscar.bench.throughput import spec as gpu_throughput
-    from oscar.bench.throughput import run as throughput_run
 
-    monkeypatch.setitem(throughput_run.FLAGS, "tiny", True)
+    monkeypatch.setitem(options.FLAGS, "tiny", True)
     opts = tables.parse("throughput", ["points=1x64", "parts=grid", "reps=1", "models=", "hf_caches="])
-    gpu_throughput._run(opts, tmp_path, compile_step=False)
+    gpu_throughput._run(opts, tmp_path, compile_step=False, command="python -m oscar gpu throughput points=1x64")
+    assert json.loads((tmp_path / "env.json").read_text())["commands"] == ["python -m oscar gpu throughput points=1x64"]
     grid = list(csv.DictReader((tmp_path / "grid.csv").open()))
     assert {(r["cache"], r["batch"], r["context"], r["status"]) for r in grid} >= {("bf16", "1", "64", "ok"),
                                                                                     ("oscar", "1", "64", "ok")}
@@ -386,3 +387,18 @@ def test_every_bench_module_named_in_the_checkout_exists():
                                  source.read_text(), re.M):
                     bad.append(f"{rel}: {found} ({attr} is not defined in {source.relative_to(ROOT)})")
     assert not bad, "\n".join(bad)
+
+
+def test_gpu_help_lists_every_table_without_heavy_imports():
+    """`python -m oscar gpu --help` imports every table's spec module and nothing heavy: the specs import their
+    measuring code (torch, omegaconf, SGLang) only when a table measures or reports."""
+    code = ("import sys\nfrom oscar.cli import main\ntry:\n    main(['gpu', '--help'])\nexcept SystemExit:\n    pass\n"
+            "heavy = ('torch', 'numpy', 'pandas', 'omegaconf', 'hydra', 'transformers', 'triton', 'sglang', 'mlflow')\n"
+            "print('LOADED', sorted({m.split('.')[0] for m in sys.modules} & set(heavy)))\n"
+            "print('SPECS', sorted(m for m in sys.modules if m.startswith('oscar.bench.') and m.endswith('.spec')))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "LOADED []" in proc.stdout, proc.stdout
+    specs = next(x for x in proc.stdout.splitlines() if x.startswith("SPECS"))
+    assert all(f"oscar.bench.{t}.spec" in specs for t in tables.TABLES), specs
+    assert "python -m oscar gpu" in proc.stdout and all(f"  {t} -> reports/" in proc.stdout for t in tables.TABLES)

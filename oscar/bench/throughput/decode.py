@@ -2,8 +2,8 @@
 timing, a per-step breakdown (GEMM / attention / quantize+demote / other) and the correctness check
 of the device path against the host-driven cache.
 
-Used by `python -m oscar profile` (measuring in `oscar.bench.throughput.run`); the functions take plain arguments so
-tests can drive them on the CPU with tiny models.
+Used by the throughput table (`python -m oscar gpu throughput`; measuring in `oscar.bench.throughput.run`); the
+functions take plain arguments so tests can drive them on the CPU with tiny models.
 """
 
 from __future__ import annotations

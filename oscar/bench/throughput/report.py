@@ -1,5 +1,5 @@
-"""Report of `python -m oscar profile`: Markdown tables, the figure and the MLflow mirror, all from the
-CSV files and `env.json` the run wrote (so a report can be rebuilt anywhere from the files)."""
+"""Report of the throughput table (`python -m oscar gpu throughput`): Markdown tables, the figure and the MLflow
+mirror, all from the CSV files and `env.json` the run wrote (so a report can be rebuilt anywhere from the files)."""
 
 from __future__ import annotations
 

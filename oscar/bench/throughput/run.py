@@ -1,4 +1,4 @@
-"""The measuring of `python -m oscar profile` (oscar/commands/profile.py is the verb): settings, the
+"""The measuring of the throughput table (``python -m oscar gpu throughput``; ``spec`` calls ``run``): settings, the
 device and its memory accounting, one timed point (cache allocated and filled, the decode step captured in
 a CUDA graph and timed, its kernels split by category), the largest batch that fits, the GPU
 correctness check, and the run that writes the CSV files.
@@ -17,10 +17,8 @@ import copy
 import gc
 import json
 import math
-import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -31,6 +29,7 @@ from omegaconf import OmegaConf
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from oscar.bench.throughput import decode as tp
+from oscar.bench.throughput import options
 from oscar.bench.throughput.report import read_csv
 from oscar.cache import device_cache as dc
 from oscar.config import compose
@@ -38,23 +37,6 @@ from oscar.core.files import atomic_write_csv as write_csv, atomic_write_text as
 from oscar.eval.fidelity import block_bootstrap_ci
 from oscar.models.fused_step import FusedDecoder
 
-FLAGS: dict[str, Any] = {
-    "parts": "check,grid,fit,job",
-    "models": "",
-    "caches": "",
-    "batches": "",
-    "contexts": "",
-    "output_dir": "reports/throughput",
-    "reps": 0,
-    "budget_gb": "0",
-    "report_only": False,
-    "tiny": False,
-    "layout": "auto",
-    "hf_caches": "bf16",
-    "points": "",
-    "compile": True,
-}
-PARTS = ("check", "grid", "fit", "job")
 GRID_KEYS = ["model", "cache", "step_path", "layout", "batch", "context", "status", "step_us", "gemm_us", "attention_us",
              "quantize_us", "other_us", "kernel_us", "tokens_per_s", "weight_bytes_read", "kv_bytes", "floor_us",
              "floor_share", "kv_bytes_per_element", "attn_variant", "attn_variants_us", "timing"]
@@ -62,32 +44,12 @@ STEP_PATHS = ("compiled", "fused", "hf")  # fused: the fused step uncompiled (co
 
 
 # ----------------------------------------------------------------------------------------------
-# parsing
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in str(text).split(",") if x.strip()]
-
-
-def _names(text: str) -> list[str]:
-    return [x.strip() for x in str(text).split(",") if x.strip()]
-
-
-def _point(text: str) -> tuple[int, int]:
-    """``"8x32000"`` -> (batch 8, context 32000)."""
-    try:
-        b, t = text.lower().split("x")
-        return int(b), int(t)
-    except ValueError:
-        raise ValueError(f"point {text!r} is not valid; write batch x context, e.g. 8x32000") from None
-
-
-# ----------------------------------------------------------------------------------------------
 # settings
 
 
 class Settings:
-    """The resolved profile settings: experiment config + verb flags."""
+    """The resolved settings of a run: ``experiment.extra.profile`` of the configuration + the flags
+    (``oscar.bench.throughput.options.FLAGS``)."""
 
     def __init__(self, cfg: Any, flags: dict[str, Any]) -> None:
         prof = cfg.experiment.extra.get("profile")
@@ -96,10 +58,10 @@ class Settings:
         self.prof = OmegaConf.to_container(prof, resolve=True)
         self.tiny = bool(flags["tiny"])
         p = self.prof
-        self.models = _names(flags["models"]) or list(cfg.experiment.models)
-        self.caches = _names(flags["caches"]) or list(cfg.experiment.methods)
-        self.batches = _ints(flags["batches"]) or list(p["batches"])
-        self.contexts = _ints(flags["contexts"]) or list(p["contexts"])
+        self.models = options.names(flags["models"]) or list(cfg.experiment.models)
+        self.caches = options.names(flags["caches"]) or list(cfg.experiment.methods)
+        self.batches = options.ints(flags["batches"]) or list(p["batches"])
+        self.contexts = options.ints(flags["contexts"]) or list(p["contexts"])
         self.speedup_contexts = list(p.get("speedup_contexts", []))
         self.job_context = int(p["job_context"])
         self.job_batches = list(p["job_batches"])
@@ -109,15 +71,15 @@ class Settings:
         self.extra_steps = int(p.get("extra_steps", 16))
         self.budget = float(flags["budget_gb"]) * 2**30
         self.layout = str(flags["layout"])
-        if self.layout not in ("auto", "rows", "mma"):
-            raise ValueError(f"layout={self.layout!r} is not valid; choose auto, rows or mma")
-        self.hf_caches = _names(flags["hf_caches"])
+        if self.layout not in options.LAYOUTS:
+            raise ValueError(f"layout={self.layout!r} is not valid; choose {', '.join(options.LAYOUTS)}")
+        self.hf_caches = options.names(flags["hf_caches"])
         self.compile = bool(flags["compile"])  # False: the fused step runs uncompiled (eager) on the GPU too
-        self.points = [_point(x) for x in _names(flags["points"])]
-        self.parts = _names(flags["parts"])
-        bad = [x for x in self.parts if x not in PARTS]
+        self.points = [options.point(x) for x in options.names(flags["points"])]
+        self.parts = options.names(flags["parts"])
+        bad = [x for x in self.parts if x not in options.PARTS]
         if bad:
-            raise ValueError(f"parts {bad} are not valid; choose from {', '.join(PARTS)}")
+            raise ValueError(f"parts {bad} are not valid; choose from {', '.join(options.PARTS)}")
         if self.tiny:
             t = p["tiny"]
             self.models = ["tiny-qwen3"]
@@ -419,12 +381,12 @@ def run_check(s: Settings, machine: Machine) -> list[dict[str, Any]]:
     return rows
 
 
-def environment(machine: Machine) -> dict[str, Any]:
-    """Hardware and software versions of this run."""
+def environment(machine: Machine, command: Optional[str] = None) -> dict[str, Any]:
+    """Hardware and software versions of this run, and its command (default: this process's command line)."""
     env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": transformers.__version__, "host": platform.node(),
                            "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                           "command": "python -m oscar profile " + " ".join(sys.argv[2:])}
+                           "command": command or " ".join(["python", *sys.argv])}
     try:
         import triton
 
@@ -475,18 +437,19 @@ def keep_rows(rows: list[dict[str, Any]], part: str, s: Settings, remeasured: se
     return [r for r in rows if not (r.get("model") in s.models and r.get("cache") in s.caches)]
 
 
-def run(cfg: Any, s: Settings, out: Path) -> None:
-    """Measure every part asked for; write the CSVs as each part ends."""
+def run(cfg: Any, s: Settings, out: Path, command: Optional[str] = None) -> None:
+    """Measure every part asked for; write the CSVs as each part ends (``command``: what ``env.json`` records as
+    this run's command line)."""
     device = str(cfg.device)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"device={device} asked for but torch sees no CUDA GPU")
     if device == "cpu" and not s.tiny:
-        raise RuntimeError("profile needs a CUDA GPU for the real architectures (none found); tiny=true runs the "
-                           "code path on the CPU")
+        raise RuntimeError("the throughput measurement needs a CUDA GPU for the real architectures (none found); "
+                           "the tiny architecture (flag tiny, the tests' path) runs the code on the CPU")
     machine = Machine(device, s.budget)
-    env = environment(machine)
+    env = environment(machine, command)
     machine.bandwidth = copy_bandwidth(machine)
     env["copy_bandwidth_tb_s"] = machine.bandwidth / 1e12
     env["settings"] = {k: v for k, v in vars(s).items() if k != "prof"}

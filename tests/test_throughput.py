@@ -1,5 +1,6 @@
-"""`python -m oscar profile`: the report's derived numbers from result files, the MLflow mirror, the refusal
-without a GPU, and (slow) the whole verb on a tiny architecture on the CPU, budget-limited OOM points included."""
+"""The throughput measurement (`python -m oscar gpu throughput`, `oscar.bench.throughput`): the report's derived
+numbers from result files, the MLflow mirror, the refusals (bad keys before any work, real architectures without a
+GPU), and (slow) the whole run on a tiny architecture on the CPU, budget-limited OOM points included."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import pytest
 import torch
 
 from oscar.bench.throughput import decode as tp
-from oscar.bench.throughput import report
+from oscar.bench.throughput import options, report
 from oscar.bench.throughput import run as profile_run
-from oscar.commands import profile
+from oscar.commands import gpu
 
 GB = 1e9
 
@@ -81,17 +82,27 @@ def test_mlflow_mirror_has_one_run_per_point(tmp_path):
     assert {(r.data.params["cache"], r.data.params["layout"]) for r in children} == {("bf16", "-"), ("oscar", "rows")}
 
 
-def test_profile_refuses_real_architectures_without_a_gpu(tmp_path, capsys):
+def test_the_run_refuses_real_architectures_without_a_gpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    rc = profile.main(["parts=grid", f"output_dir={tmp_path}", "tracking.enabled=false"])
-    assert rc == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
+    from oscar.config import compose
+
+    cfg = compose(["experiment=throughput", "tracking.enabled=false"])
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        profile_run.run(cfg, profile_run.Settings(cfg, {**options.FLAGS, "parts": "grid"}), tmp_path)
+    assert not (tmp_path / "grid.csv").exists()
 
 
-def test_bad_part_is_refused(tmp_path, capsys):
-    assert profile.main(["parts=grid,speed", f"output_dir={tmp_path}"]) == 2
-    assert "speed" in capsys.readouterr().err
+@pytest.mark.parametrize("arg, needle", [("parts=grid,speed", "speed"), ("layout=diag", "layout='diag'"),
+                                         ("points=8by32000", "8by32000"), ("budget_gb=-1", "budget_gb=-1")])
+def test_bad_keys_are_refused_before_any_work(arg, needle, tmp_path, capsys):
+    """`gpu throughput` checks its keys before the host's requirements (exit 2, nothing written)."""
+    assert gpu.main(["throughput", arg, f"out={tmp_path / 'out'}", "tracking=false"]) == 2
+    assert needle in capsys.readouterr().err and not (tmp_path / "out").exists()
+    from oscar.config import compose
+
+    with pytest.raises(ValueError, match="speed"):  # the run's own settings refuse it too
+        profile_run.Settings(compose(["experiment=throughput"]), {**options.FLAGS, "parts": "grid,speed"})
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +110,7 @@ def tiny_settings():
     from oscar.config import compose
 
     cfg = compose(["experiment=throughput"])
-    return cfg, profile_run.Settings(cfg, {**profile_run.FLAGS, "tiny": True})
+    return cfg, profile_run.Settings(cfg, {**options.FLAGS, "tiny": True})
 
 
 def test_points_over_the_budget_are_marked_oom_and_the_fit_search_finds_the_edge(tiny_settings):
@@ -125,9 +136,14 @@ def test_points_over_the_budget_are_marked_oom_and_the_fit_search_finds_the_edge
 
 
 @pytest.mark.slow
-def test_profile_verb_on_a_tiny_architecture(tmp_path):
+def test_throughput_run_on_a_tiny_architecture(tmp_path):
     """Every part end to end on the CPU: files written, each cache at each point, the check agreeing."""
-    assert profile.main(["tiny=true", f"output_dir={tmp_path}", "tracking.enabled=false"]) == 0
+    from oscar.config import compose
+
+    cfg = compose(["experiment=throughput", "tracking.enabled=false"])
+    profile_run.run(cfg, profile_run.Settings(cfg, {**options.FLAGS, "tiny": True}), tmp_path, command="c")
+    report.write_report(tmp_path)
+    assert json.loads((tmp_path / "env.json").read_text())["commands"] == ["c"]
     grid = report.read_csv(tmp_path / "grid.csv")
     points = {(r["cache"], r["batch"], r["context"]) for r in grid}
     planned = {(c, b, t) for c in ("bf16", "oscar", "saw_int4", "bf16+hf") for b in (1, 2) for t in (400, 800)}
