@@ -7,8 +7,8 @@ engine settings).
 The quantized row is INT4, not the GPU table's INT2: unclipped QuaRot-INT2 on SmolLM2 is a regime where a rounding
 difference between two float32 forwards (another CPU vendor's MKL path, SGLang's model code against transformers')
 moves codes across boundaries and the teacher-forced log-probabilities apart by up to 0.57 nats at one float32 ulp
-(serve_compare's docstring); on an Intel Xeon it failed the check at one of 4 steps. INT4 runs the same served write,
-pages and decode with codes 4x finer, so the check tests the plumbing, not the regime."""
+(oscar.bench.correctness.compare's docstring); on an Intel Xeon it failed the check at one of 4 steps. INT4 runs the
+same served write, pages and decode with codes 4x finer, so the check tests the plumbing, not the regime."""
 
 from __future__ import annotations
 

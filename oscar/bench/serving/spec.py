@@ -47,7 +47,7 @@ DEFAULTS: dict[str, Any] = {
     "recent": 256,
     "page_size": 16,
     "rotation": "random",
-    "tp": 1,  # tensor-parallel ranks (GPUs of one host; sglang_one_batch runs one process per rank)
+    "tp": 1,  # tensor-parallel ranks (GPUs of one host; one_batch runs one process per rank)
     "timeout_s": 0,  # per backend process (0: PLAN's)
     "notes": "",  # Markdown appended to decode.md (the reading of the run)
 }
@@ -146,7 +146,7 @@ def needs(opts: dict[str, Any]) -> list[host.Need]:
 
 
 def command(run: dict[str, Any], opts: dict[str, Any], out: Path) -> list[str]:
-    """The ``sglang_one_batch`` command line of one backend process."""
+    """The ``oscar.bench.serving.one_batch`` command line of one backend process."""
     shapes = [s for k in ("real", "synthetic", "profile") for s in _shapes(run[k])] + _shapes(opts["warmup"])
     mem = [] if str(opts["mem_fraction"]) == "default" else ["--mem-fraction-static", str(opts["mem_fraction"])]
     args = [sys.executable, "-m", "oscar.bench.serving.one_batch", "--model-path", str(model_dir(opts)),
