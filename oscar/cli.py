@@ -43,8 +43,6 @@ VERBS: dict[str, tuple[str, str, str]] = {
                "--table results/tables/default/table2.csv --output-dir /tmp/reports"),
     "gpu": ("oscar.commands.gpu", "one GPU table: kernels, serving, prefix, correctness, accuracy, throughput",
             "python -m oscar gpu kernels"),
-    "profile": ("oscar.commands.profile", "end-to-end decode throughput on a GPU (step split, speedup, batch that fits)",
-                "python -m oscar profile models=qwen3-8b batches=1,8 contexts=30000,100000 parts=grid"),
     "config": ("oscar.commands.config", "print or write the resolved configuration",
                "python -m oscar config model=qwen2.5-coder-0.5b method=quarot --format flat"),
     "docs": ("oscar.commands.docs", "render the report tables of README.md and docs/RESULTS.md from the reports' CSVs",
@@ -52,6 +50,12 @@ VERBS: dict[str, tuple[str, str, str]] = {
 }
 # Verbs whose module parses its own options with argparse (it prints their help itself).
 ARGPARSE_VERBS = ("aggregate", "report", "config", "gpu", "docs")
+# Retired verbs -> what replaces them (exit 2 with this line; one command per measurement).
+RETIRED: dict[str, str] = {
+    "profile": "the throughput measurement is one command: python -m oscar gpu throughput [key=value ...] "
+               "(python -m oscar gpu --help lists its keys; output_dir= is out=, tracking.enabled=false is "
+               "tracking=false, batches x contexts are points=BxT,..., other Hydra overrides go in overrides=\"...\")",
+}
 HELP = ("-h", "--help")
 
 
@@ -159,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     verb, rest = argv[0], argv[1:]
+    if verb in RETIRED:
+        print(f"oscar: the verb {verb!r} is retired: {RETIRED[verb]}", file=sys.stderr)
+        return 2
     if verb not in VERBS:
         print(f"oscar: unknown verb {verb!r}; valid verbs: {', '.join(VERBS)}", file=sys.stderr)
         return 2

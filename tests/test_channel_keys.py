@@ -187,7 +187,7 @@ def test_paged_paths_take_per_channel_keys() -> None:
     from oscar.cache.torch_cache import spec_for_model
     from oscar.models.engine import new_cache
     from oscar.serve.settings import head_transforms as serve_transforms
-    from oscar.bench.throughput import head_transforms
+    from oscar.bench.throughput.decode import head_transforms
 
     model, rots = _llama_with(4)
     assert [kt.block for kt, _ in head_transforms(rots)] == [4, 0]

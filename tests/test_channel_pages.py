@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from oscar.bench import throughput as tp
+from oscar.bench.throughput import decode as tp
 from oscar.cache import paged
 from oscar.cache.formats import BF16Format, CacheFormat, ChannelKeyFormat, KiviFormat, RotatedFormat, record_format
 from oscar.cache.torch_cache import LayerRotations

@@ -62,6 +62,15 @@ def test_unknown_verb_exits_2():
     assert done.returncode == 2 and "valid verbs" in done.stderr
 
 
+def test_a_retired_verb_names_its_replacement(capsys):
+    """One command per measurement: `profile` (the throughput measurement before `gpu throughput`) exits 2, names
+    the command that replaced it and how its keys map, and runs nothing."""
+    assert "profile" not in cli.VERBS
+    assert cli.main(["profile", "models=qwen3-8b", "parts=grid"]) == 2
+    err = capsys.readouterr().err
+    assert "verb 'profile' is retired" in err and "python -m oscar gpu throughput" in err and "out=" in err
+
+
 def test_job_ends_when_its_parent_is_killed(tmp_path):
     """`kill -9` of the process that started a job (snakemake, here a shell) ends the job within seconds."""
     child = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); from oscar.cli import exit_with_parent; "

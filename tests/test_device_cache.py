@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from oscar.cache import device_cache as dc
 from oscar.cache import paged
-from oscar.bench import throughput as tp
+from oscar.bench.throughput import decode as tp
 from oscar.cache.torch_cache import LayerRotations
 from oscar.cache.formats import BF16Format, RotatedFormat
 from oscar.core.rotation import random_orthogonal

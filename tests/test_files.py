@@ -57,11 +57,12 @@ def test_a_failing_writer_leaves_the_old_file_and_no_temp(tmp_path):
 
 
 def test_reports_and_benchmarks_write_through_the_helper(tmp_path, umask_022):
-    from oscar.bench import kernel_bench, throughput_report
+    from oscar.bench.kernels import report as kernel_report
+    from oscar.bench.throughput import report as throughput_report
 
     throughput_report.write_csv(tmp_path / "grid.csv", [{"model": "m", "batch": 1}])
     assert _mode(tmp_path / "grid.csv") == 0o644
-    assert kernel_bench.atomic_write_csv is atomic_write_csv and kernel_bench.atomic_write_text is atomic_write_text
+    assert kernel_report.atomic_write_csv is atomic_write_csv and kernel_report.atomic_write_text is atomic_write_text
     # one helper: no other module of the package (or the benchmark scripts) makes its own temp files
     offenders = [str(p.relative_to(ROOT)) for folder in ("oscar", "benchmarks") for p in (ROOT / folder).rglob("*.py")
                  if p.name != "files.py" and "mkstemp(" in p.read_text()]
@@ -88,7 +89,7 @@ def test_gpu_kernels_runs_without_omegaconf(tmp_path):
             import omegaconf
         except ModuleNotFoundError as exc:
             print("blocker:", exc)
-        import oscar.core.files, oscar.bench.kernel_bench, oscar.cache.paged, oscar.bench.throughput_report
+        import oscar.core.files, oscar.bench.kernels.timing, oscar.cache.paged, oscar.bench.throughput.report
         from oscar.cli import main
         print("bogus rc", main(["gpu", "kernels", "bogus=1"]))
         print("run rc", main(["gpu", "kernels", "out={out}", "tracking=false"]))

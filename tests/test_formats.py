@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from oscar.bench import throughput as tp
+from oscar.bench.throughput import decode as tp
 from oscar.cache import device_cache as dc
 from oscar.cache import formats, torch_cache
 from oscar.cache.formats import (KINDS, REGISTRY, BF16Format, CacheFormat, FormatNotServed, RotatedFormat, format_for,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from oscar.cache import device_cache as dc
-from oscar.bench import throughput as tp
+from oscar.bench.throughput import decode as tp
 from oscar.cache.torch_cache import LayerRotations
 from oscar.cache.formats import RotatedFormat
 from oscar.models.fused_step import FusedDecoder, fused_decoder

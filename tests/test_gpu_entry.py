@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from oscar.bench import host, kernel_bench, serving, tables
+from oscar.bench import host, tables
+from oscar.bench.kernels import options as kernel_options
+from oscar.bench.kernels import timing as kernel_timing
+from oscar.bench.serving import spec as serving
 from oscar.commands import gpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,13 +109,15 @@ def test_sglang_need_reads_the_version_in_the_sglang_environment(tmp_path, monke
 
 
 def test_throughput_table_measures_and_reports_on_a_tiny_model(tmp_path, monkeypatch):
-    """The throughput table's own path into `oscar.bench.throughput_run` (tiny architecture, the CPU, uncompiled),
-    then its report from the files it wrote."""
-    from oscar.bench import gpu_throughput, throughput_run
+    """The throughput table's own path into `oscar.bench.throughput.run` (tiny architecture, the CPU, uncompiled),
+    the command it records, then its report from the files it wrote."""
+    from oscar.bench.throughput import options
+    from oscar.bench.throughput import spec as gpu_throughput
 
-    monkeypatch.setitem(throughput_run.FLAGS, "tiny", True)
+    monkeypatch.setitem(options.FLAGS, "tiny", True)
     opts = tables.parse("throughput", ["points=1x64", "parts=grid", "reps=1", "models=", "hf_caches="])
-    gpu_throughput._run(opts, tmp_path, compile_step=False)
+    gpu_throughput._run(opts, tmp_path, compile_step=False, command="python -m oscar gpu throughput points=1x64")
+    assert json.loads((tmp_path / "env.json").read_text())["commands"] == ["python -m oscar gpu throughput points=1x64"]
     grid = list(csv.DictReader((tmp_path / "grid.csv").open()))
     assert {(r["cache"], r["batch"], r["context"], r["status"]) for r in grid} >= {("bf16", "1", "64", "ok"),
                                                                                     ("oscar", "1", "64", "ok")}
@@ -143,8 +149,8 @@ def test_model_gguf_names_where_it_belongs(tmp_path, monkeypatch):
 
 def test_kernel_options_are_checked_before_any_work():
     opts = tables.parse("kernels", [])
-    assert list(kernel_bench.variants(opts)) == ["int2", "int2_rope", "int4", "int4_rows"]
-    extra = kernel_bench.variants({**opts, "variants": "int2", "launch": 'w4:{"warps": 4}'})
+    assert list(kernel_options.variants(opts)) == ["int2", "int2_rope", "int4", "int4_rows"]
+    extra = kernel_options.variants({**opts, "variants": "int2", "launch": 'w4:{"warps": 4}'})
     assert extra["w4"] == {"bits": 2, "layout": "mma", "warps": 4}
     for bad, needle in ((dict(variants="int3"), "unknown variant 'int3'"), (dict(launch="x:{nope"), "launch='x:{nope'"),
                         (dict(head_dims="96"), "head_dim 64 or 128"), (dict(parts="all"), "parts='all'"),
@@ -153,7 +159,7 @@ def test_kernel_options_are_checked_before_any_work():
                         (dict(launch='x:{"mma_warps": 4}'), "MmaLaunch takes"),
                         (dict(launch='x:{"warps": 3}'), "warps")):
         with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace("{", r"\{")):
-            kernel_bench.check_options({**opts, **bad})
+            kernel_options.check_options({**opts, **bad})
 
 
 _SMALL = dict(tables.parse("kernels", []), page_size=16, sink=16, recent=32)
@@ -163,14 +169,14 @@ def test_decode_call_reaches_the_library_on_the_cpu():
     """The benchmark's inputs and call go through `oscar.cache.paged.decode_attention` (the twin here), with the
     rope-centered transform where the variant asks for it (it moves every logit, so the output changes)."""
     torch = pytest.importorskip("torch")
-    inp = kernel_bench.decode_inputs(2, 200, 8, 2, 64, _SMALL, 2, bits=2, device="cpu")
-    plain = kernel_bench.decode_call(inp, 1, kernel_bench.VARIANTS["int2"], backend="torch")().float()
-    rope = kernel_bench.decode_call(inp, 1, kernel_bench.VARIANTS["int2_rope"], backend="torch")().float()
-    again = kernel_bench.decode_call(inp, 1, kernel_bench.VARIANTS["int2"], backend="torch")().float()
+    inp = kernel_timing.decode_inputs(2, 200, 8, 2, 64, _SMALL, 2, bits=2, device="cpu")
+    plain = kernel_timing.decode_call(inp, 1, kernel_options.VARIANTS["int2"], backend="torch")().float()
+    rope = kernel_timing.decode_call(inp, 1, kernel_options.VARIANTS["int2_rope"], backend="torch")().float()
+    again = kernel_timing.decode_call(inp, 1, kernel_options.VARIANTS["int2"], backend="torch")().float()
     assert plain.shape == (2, 8, 64) and torch.isfinite(plain).all() and torch.equal(plain, again)
     assert float((rope - plain).norm() / plain.norm()) > 1e-2
-    assert kernel_bench.launch_of({"bits": 2, "layout": "mma", "warps": 4}).warps == 4
-    assert kernel_bench.launch_of(kernel_bench.VARIANTS["int4_rows"]) is None
+    assert kernel_options.launch_of({"bits": 2, "layout": "mma", "warps": 4}).warps == 4
+    assert kernel_options.launch_of(kernel_options.VARIANTS["int4_rows"]) is None
 
 
 def test_row_kernel_through_the_benchmark_call_matches_the_twin():
@@ -178,10 +184,10 @@ def test_row_kernel_through_the_benchmark_call_matches_the_twin():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("the GPU run covers it")
-    var = dict(kernel_bench.VARIANTS["int4_rows"])
-    inp = kernel_bench.decode_inputs(1, 100, 4, 1, 64, _SMALL, 1, bits=4, device="cpu")
-    ref = kernel_bench.decode_call(inp, 0, var, backend="torch")().float()
-    out = kernel_bench.decode_call(inp, 0, var)().float()
+    var = dict(kernel_options.VARIANTS["int4_rows"])
+    inp = kernel_timing.decode_inputs(1, 100, 4, 1, 64, _SMALL, 1, bits=4, device="cpu")
+    ref = kernel_timing.decode_call(inp, 0, var, backend="torch")().float()
+    out = kernel_timing.decode_call(inp, 0, var)().float()
     assert float(((out - ref).norm(dim=-1) / ref.norm(dim=-1)).max()) < 1.5e-2
 
 
@@ -230,7 +236,7 @@ def test_serving_plan_and_command_line(tmp_path):
         ("oscar_channel", "1x100000", "1x100000", ""), ("oscar_token", "1x100000", "1x100000", ""),
         ("bf16_flashinfer", "1x100000", "1x100000", "")]
     cmd = serving.command(runs[0], {**opts, "model": "/m"}, tmp_path)
-    assert cmd[1:3] == ["-m", "oscar.bench.sglang_one_batch"] and cmd[cmd.index("--page-size") + 1] == "32"
+    assert cmd[1:3] == ["-m", "oscar.bench.serving.one_batch"] and cmd[cmd.index("--page-size") + 1] == "32"
     assert serving.command(runs[1], {**opts, "model": "/m"}, tmp_path)[cmd.index("--page-size") + 1] == "16"
     assert "--disable-cuda-graph" not in cmd and "--mem-fraction-static" in cmd
     runs = serving.plan({**opts, "backends": "oscar,flashinfer_fp8", "formats": "mixed", "graphs": "on,off"})
@@ -277,7 +283,7 @@ def test_serving_report_compares_with_the_committed_rows(tmp_path):
 
 
 def test_prefix_and_correctness_reports_from_fake_rows(tmp_path):
-    from oscar.bench import gpu_correctness
+    from oscar.bench.correctness import spec as gpu_correctness
 
     out = tmp_path / "p"
     out.mkdir()
@@ -300,10 +306,11 @@ def test_prefix_and_correctness_reports_from_fake_rows(tmp_path):
 
 
 def test_accuracy_cells_and_their_calibration_needs(tmp_path, monkeypatch):
-    from oscar.bench import gpu_accuracy
+    from oscar.bench.accuracy import cells
+    from oscar.bench.accuracy import spec as gpu_accuracy
 
     opts = tables.parse("accuracy", [f"results={tmp_path}"])
-    args = gpu_accuracy.cell_args(opts)
+    args = cells.cell_args(opts)
     assert args.count("--") == 3 and "method=auto" in args and "device=cuda" in args
     assert f"output={tmp_path}/eval/qwen2.5-coder-0.5b/kivi2/niah/seed0" in args
     monkeypatch.setattr(host, "model_gguf", lambda model: host.Need("model", "fake"))
@@ -312,9 +319,9 @@ def test_accuracy_cells_and_their_calibration_needs(tmp_path, monkeypatch):
     assert not auto.ok and "method=auto" in auto.problem
     assert "calibration artifact of kivi2" not in names
     with pytest.raises(ValueError, match="table='mmlu'; valid: niah, humaneval"):
-        gpu_accuracy.variants({**opts, "table": "mmlu"})
+        cells.variants({**opts, "table": "mmlu"})
     he = tables.parse("accuracy", ["table=humaneval", "variants=a=method=auto method.sink=16"])
-    assert gpu_accuracy.variants(he) == [("a", ["method=auto", "method.sink=16"])]
+    assert cells.variants(he) == [("a", ["method=auto", "method.sink=16"])]
 
 
 def test_kernel_table_tracks_into_mlflow(tmp_path):
@@ -346,3 +353,52 @@ def test_gpu_sh_refuses_without_the_bundle(tmp_path):
                           env={"PATH": "/usr/bin:/bin", "SITE": str(tmp_path / "sg"),
                                "OSCAR_GPU_DIR": str(tmp_path / "g"), "HOME": str(tmp_path)}, timeout=60)
     assert proc.returncode == 2 and "no SGLang at" in proc.stderr and "bash benchmarks/gpu.sh pack" in proc.stderr
+
+
+_TEXT_SUFFIXES = {".py", ".md", ".sh", ".smk", ".rst", ".yaml", ".toml"}
+
+
+def test_every_bench_module_named_in_the_checkout_exists():
+    """Command lines (``python -m oscar.bench.<table>.<module>``, the tables' subprocess argv), imports and documents
+    name modules of ``oscar.bench``: each resolves to a module of the checkout, and a name after the module to one of
+    its top-level definitions (raw records, .json and .log, keep the names of their time)."""
+    name = re.compile(r"oscar\.bench(?:\.\w+)+")
+    bad = []
+    for path in sorted(ROOT.rglob("*")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in (".git", "results", "logs", ".dev") or path.is_symlink() or not path.is_file():
+            continue
+        if path.suffix not in _TEXT_SUFFIXES and path.name not in ("Snakefile", "Makefile"):
+            continue
+        for found in set(name.findall(path.read_text(errors="replace"))):
+            parts = found.split(".")
+            i = len(parts)
+            while i > 2 and not (ROOT.joinpath(*parts[:i]).with_suffix(".py").is_file()
+                                 or (ROOT.joinpath(*parts[:i]) / "__init__.py").is_file()):
+                i -= 1
+            if i == 2:
+                bad.append(f"{rel}: {found} (no such module)")
+                continue
+            if parts[i:]:
+                base = ROOT.joinpath(*parts[:i])
+                source = (base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py")
+                attr = parts[i]
+                if not re.search(rf"^(?:def|class) {attr}\b|^{attr}\s*[:=]|^from .* import .*\b{attr}\b",
+                                 source.read_text(), re.M):
+                    bad.append(f"{rel}: {found} ({attr} is not defined in {source.relative_to(ROOT)})")
+    assert not bad, "\n".join(bad)
+
+
+def test_gpu_help_lists_every_table_without_heavy_imports():
+    """`python -m oscar gpu --help` imports every table's spec module and nothing heavy: the specs import their
+    measuring code (torch, omegaconf, SGLang) only when a table measures or reports."""
+    code = ("import sys\nfrom oscar.cli import main\ntry:\n    main(['gpu', '--help'])\nexcept SystemExit:\n    pass\n"
+            "heavy = ('torch', 'numpy', 'pandas', 'omegaconf', 'hydra', 'transformers', 'triton', 'sglang', 'mlflow')\n"
+            "print('LOADED', sorted({m.split('.')[0] for m in sys.modules} & set(heavy)))\n"
+            "print('SPECS', sorted(m for m in sys.modules if m.startswith('oscar.bench.') and m.endswith('.spec')))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "LOADED []" in proc.stdout, proc.stdout
+    specs = next(x for x in proc.stdout.splitlines() if x.startswith("SPECS"))
+    assert all(f"oscar.bench.{t}.spec" in specs for t in tables.TABLES), specs
+    assert "python -m oscar gpu" in proc.stdout and all(f"  {t} -> reports/" in proc.stdout for t in tables.TABLES)

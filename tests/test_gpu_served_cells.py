@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from oscar.bench import gpu_accuracy, tables
+from oscar.bench import tables
+from oscar.bench.accuracy import cells
+from oscar.bench.accuracy import report as accuracy_report
+from oscar.bench.accuracy import spec as gpu_accuracy
 from oscar.commands import gpu
 
 
@@ -18,7 +21,7 @@ def _records(n: int, passed: set[int], tag: str = "") -> str:
 
 
 def _served_cell(opts, name: str, text: str) -> None:
-    cell = gpu_accuracy.served_output(opts, name)
+    cell = cells.served_output(opts, name)
     cell.mkdir(parents=True)
     (cell / "items.jsonl").write_text(text)
     (cell / "result.json").write_text(json.dumps({"wall_s": 30.0, "hardware": {"cpu": "host", "gpu": "NVIDIA H200"}}))
@@ -32,7 +35,7 @@ def test_served_cells_on_their_own_against_served_bf16_and_kivi2_and_embedded(tm
             "method.recent=64;auto+cb32=method=auto method.channel_block=32")
     opts = tables.parse("accuracy", ["table=humaneval", "engine=sglang", f"results={tmp_path / 'r'}",
                                      f"embedded={embedded}", spec])
-    cmds = gpu_accuracy.served_commands(opts, "/x/sglang_python")
+    cmds = cells.served_commands(opts, "/x/sglang_python")
     assert len(cmds) == 4 and "engine=sglang" in cmds[0] and "engine.python=/x/sglang_python" in cmds[0]
     assert "model.dtype=bfloat16" in cmds[2] and not any("shared_prefill" in a for a in cmds[2])
     assert f"output={tmp_path / 'r'}/eval/qwen2.5-coder-0.5b/auto/humaneval_sglang/seed0" in cmds[2]
@@ -51,7 +54,7 @@ def test_served_cells_on_their_own_against_served_bf16_and_kivi2_and_embedded(tm
     (out / "humaneval.md").write_text("Hand-written text.\n\n| method | pass@1 |\n|---|---|\n| bf16 | 44.5 |\n")
     assert gpu.main(["accuracy", "table=humaneval", "engine=sglang", "report_only=true", "tracking=false", f"out={out}",
                      f"results={tmp_path / 'r'}", f"embedded={embedded}", spec]) == 0
-    rows = {r["variant"]: r for r in gpu_accuracy.served_rows(opts)}
+    rows = {r["variant"]: r for r in accuracy_report.served_rows(opts)}
     auto = rows["auto"]
     assert (auto["method"], auto["n"], auto["pass_at_1"], auto["bits_per_element"]) == ("auto@sglang", 10, 0.5, 2.5)
     assert auto["ci_lo"] < 0.5 < auto["ci_hi"] and auto["served"] and auto["hardware"] == "NVIDIA H200"
@@ -91,7 +94,7 @@ def test_served_needles_per_length_without_embedded_records(tmp_path):
             json.dumps({"id": f"n{length}-{k}", "length": length, "score": float(k < hits), "correct": k < hits,
                         "kv_bits_per_element": 16.0 if name == "bf16" else 3.0}) + "\n"
             for length, hits in ((4096, at4k), (8192, at8k)) for k in range(4)))
-    rows = gpu_accuracy.served_rows(opts)
+    rows = accuracy_report.served_rows(opts)
     by = {(r["variant"], r.get("length")): r for r in rows}
     assert by[("int2", None)]["n"] == 0  # a variant of the table without a served cell
     assert by[("auto", 8192)]["score"] == 0.5 and by[("auto", 8192)]["n"] == 4
@@ -100,14 +103,14 @@ def test_served_needles_per_length_without_embedded_records(tmp_path):
     assert "n_common" not in by[("auto", 4096)] and by[("auto", 4096)]["embedded_items"] == 0
     out = tmp_path / "out"
     out.mkdir()
-    files = gpu_accuracy.served_report(out, opts)
+    files = accuracy_report.served_report(out, opts)
     md = files[0].read_text()
     assert "| auto | 8192 | 4 | 50.0 [" in md and "| int2 | - | 0 | (no served cell) |" in md
     assert "| 0 (0 embedded records) |" in md
     assert md.index("| bf16 | 8192 |") > md.index("| auto | 4096 |")  # by context length, variants in table order
     assert files[1].read_text().splitlines()[0].startswith("variant,method,length,n,score,")
     with pytest.raises(FileNotFoundError, match="no served niah cells"):
-        gpu_accuracy.served_report(out, {**opts, "results": str(tmp_path / "empty")})
+        accuracy_report.served_report(out, {**opts, "results": str(tmp_path / "empty")})
 
 
 def test_engine_key_is_checked():
@@ -120,7 +123,7 @@ def test_a_variant_sets_its_page_size():
     sink 16 pages of 16); it is not a configuration override."""
     opts = {**gpu_accuracy.DEFAULTS, "table": "humaneval", "engine": "sglang",
             "variants": "a=method=auto method.channel_block=0 method.sink=16;b=method=auto method.channel_block=32 method.sink=0 page=32"}
-    a, b = gpu_accuracy.served_commands(opts, "py")
+    a, b = cells.served_commands(opts, "py")
     pages = [[x for x in cmd if x.startswith("engine.extra_args=")][0] for cmd in (a, b)]
     assert pages[0].startswith("engine.extra_args=[--page-size,16,") and pages[1].startswith("engine.extra_args=[--page-size,32,")
     assert not any(x.startswith("page=") for x in a + b) and "method.channel_block=32" in b
@@ -130,7 +133,7 @@ def test_the_page_size_follows_the_key_block():
     """Without `page=N` a variant serves in the smallest pages of 16, 32, ... that hold its per-channel key block
     (KIVI-2: its group of 32; `method.channel_block`); a sink that is not whole pages is refused by name (the
     session-11 KIVI-2 needle cell failed in the server on pages of 16)."""
-    page = gpu_accuracy.served_page
+    page = cells.served_page
     assert page(["method=kivi2", "method.sink=0", "method.recent=64"]) == 32
     assert page(["method=kivi2", "method.group_size=64"]) == 64
     assert page(["method=auto", "method.channel_block=0", "method.sink=16"]) == 16

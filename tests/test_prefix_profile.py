@@ -1,4 +1,4 @@
-"""The prefix profile's trace summary (``oscar.bench.prefix_profile``) on a hand-built chrome trace.
+"""The prefix profile's trace summary (``oscar.bench.prefix.profile``) on a hand-built chrome trace.
 
 Times are exact sums of the events' durations (integers in microseconds), so the summary is checked exactly:
 a kernel belongs to the innermost ``oscar.*`` range around its launch (same correlation id), the extend window runs
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from oscar.bench import prefix_profile
+from oscar.bench.prefix import extend_bench
+from oscar.bench.prefix import profile as prefix_profile
 
 
 def _x(name, cat, ts, dur, tid=1, **args):
@@ -108,7 +109,7 @@ def test_gpu_prefix_profile_report_only(tmp_path, capsys):
 
 def test_extend_bench_rows_and_section(tmp_path):
     """The routes' timing on CPU (the kernels interpreted: the times mean nothing here, the agreement does)."""
-    rows = prefix_profile.extend_bench(hkv=2, heads=4, d=64, prefix=100, n=8, sink=16, layers=3, reps=1, device="cpu")
+    rows = extend_bench.extend_bench(hkv=2, heads=4, d=64, prefix=100, n=8, sink=16, layers=3, reps=1, device="cpu")
     assert [r["route"] for r in rows] == ["pages", "dequant", "twin"] and all("error" not in r for r in rows)
     assert rows[0]["rel_vs_pages"] == 0 and max(r["rel_vs_pages"] for r in rows) < 1e-4  # float32: reduction order
     assert all(r["ms_per_hit"] == pytest.approx(3 * r["ms_per_layer"]) for r in rows)
@@ -126,7 +127,8 @@ def test_profile_mode_runs_the_oscar_engine_alone_then_the_bench(tmp_path, monke
     the labels on, no sweep ratios, no check row, no flashinfer engine; then the extend bench at the hit's shape."""
     import subprocess
 
-    from oscar.bench import prefix, tables
+    from oscar.bench import tables
+    from oscar.bench.prefix import spec as prefix
 
     model = tmp_path / "model"
     model.mkdir()
@@ -153,6 +155,7 @@ def test_profile_mode_runs_the_oscar_engine_alone_then_the_bench(tmp_path, monke
     assert "--check-hit" not in engine and engine[engine.index("--ratios") + 1] == ""
     assert engine[engine.index("--profile") + 1] == str(out) and engine_env["OSCAR_PROFILE_LABELS"] == "1"
     assert bench[bench.index("--prefix") + 1] == "29744" and bench[bench.index("--n") + 1] == "256"
+    assert engine[1:3] == ["-m", "oscar.bench.prefix.sweep"] and bench[1:3] == ["-m", "oscar.bench.prefix.extend_bench"]
     assert [r["name"] for r in env["runs"]] == ["oscar", "extend_bench"]
     assert (out / "prefix_traces.tar.gz").is_file() and not (out / "traces").exists()
     assert prefix.stem(opts) == "prefix_profile"

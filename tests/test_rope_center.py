@@ -216,7 +216,7 @@ def test_paged_decode_with_rope_centered_keys_equals_the_segment_path(qwen) -> N
 
 def test_kernel_transforms_carry_rope_centered_keys(qwen) -> None:
     from oscar.models.adapters import key_rope
-    from oscar.bench.throughput import head_transforms
+    from oscar.bench.throughput.decode import head_transforms
 
     spec, _ = key_rope(qwen, 0, positions=64)
     rots = _rope_rotations(qwen, spec)

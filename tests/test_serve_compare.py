@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from oscar.bench.serve_compare import forced_logprobs_batch
+from oscar.bench.correctness.compare import forced_logprobs_batch
 from oscar.cache.attention import enable
 from oscar.cache.torch_cache import spec_for_model
 from oscar.models.engine import new_cache
@@ -38,8 +38,8 @@ def test_batched_forced_logprobs_equal_one_prompt_at_a_time_to_rounding() -> Non
 def test_served_run_comparison_and_its_table() -> None:
     """`compare_served` on a synthetic served run: SGLang's top-256 log-probabilities taken from a row that differs
     from the embedded one by a known shift at one step; the table row and the CSV rows carry what it measured."""
-    from oscar.bench.gpu_correctness import summary_rows
-    from oscar.bench.serve_correctness import TOP, compare_served, render
+    from oscar.bench.correctness.spec import summary_rows
+    from oscar.bench.correctness.real_weights import TOP, compare_served, render
 
     gen = torch.Generator().manual_seed(0)
     emb = [torch.log_softmax(3 * torch.randn(4, 300, generator=gen), -1) for _ in range(2)]

@@ -1,4 +1,4 @@
-"""oscar.bench.serving_report turns bench rows into decode.{csv,md,png}: the required columns, OSCAR's speed-up
+"""oscar.bench.serving.report turns bench rows into decode.{csv,md,png}: the required columns, OSCAR's speed-up
 over the best BF16 backend of the same shape and mode, the token agreement, the statuses of rows that did not run,
 the issue's target ratios from the synthetic-state rows, the real-vs-synthetic cross-check, and profile.{csv,md}."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import csv
 import json
 
-from oscar.bench import serving_report
+from oscar.bench.serving import report as serving_report
 
 
 def _module():

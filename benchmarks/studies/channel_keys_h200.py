@@ -3,12 +3,12 @@ reports/kernels/channel_keys_h200.{md,csv} (GPU host).
 
     python benchmarks/studies/channel_keys_h200.py OUT_DIR [--batches 1,8] [--contexts 32768,131072] [--reps 20]
 
-Same inputs as the kernel table (``oscar.bench.kernel_bench.decode_inputs``: Qwen3-8B attention shape, 32 q heads,
+Same inputs as the kernel table (``oscar.bench.kernels.timing.decode_inputs``: Qwen3-8B attention shape, 32 q heads,
 8 KV heads, d 128, pages of 64, sink 64, recent 256, random INT2 codes, shuffled page tables, rotation and means),
 the same codes read as per-token K pages (one bf16 scale/zero per slot) and as per-channel K pages of blocks of
 T = 64 and 32 (bf16 scale/zero ``[P, Hkv, 64/T, d]``), with and without rope-centered keys; each call through
-``oscar.cache.paged.decode_attention(backend="triton")``, timed by ``kernel_bench.time_calls`` (CUDA-graph replays
-of one call per input set, sets several times L2, median of ``reps``). Each variant is first checked against the
+``oscar.cache.paged.decode_attention(backend="triton")``, timed by ``oscar.bench.kernels.timing.time_calls``
+(CUDA-graph replays of one call per input set, sets several times L2, median of ``reps``). Each variant is first checked against the
 float32 twin (batch 4, 8k). Writes ``channel_keys_h200.csv`` and ``channel_keys_h200_env.json`` under OUT_DIR.
 """
 
@@ -21,7 +21,9 @@ from pathlib import Path
 
 import torch
 
-from oscar.bench import host, kernel_bench as kb
+from oscar.bench import host
+from oscar.bench.kernels import spec
+from oscar.bench.kernels import timing as kb
 from oscar.cache import paged
 from oscar.cache.paged import QuantPages
 from oscar.core.files import atomic_write_csv, atomic_write_json
@@ -66,7 +68,7 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     out = a.out
     out.mkdir(parents=True, exist_ok=True)
-    opts = dict(kb.DEFAULTS, reps=a.reps)
+    opts = dict(spec.DEFAULTS, reps=a.reps)
     batches = [int(x) for x in a.batches.split(",")]
     contexts = [int(x) for x in a.contexts.split(",")]
     H, hkv, d = opts["q_heads"], opts["kv_heads"], 128

@@ -7,7 +7,7 @@
 #                    bash benchmarks/studies/serving_tp2.sh check   (~3 min)
 #
 # bench: dummy-weight Qwen3-32B architecture (the bundle's Qwen3-8B config with the 32B sizes: 64 layers, 64 query
-#   heads, 8 KV heads, head_dim 128, hidden 5120, MLP 25600) at --tp-size 2, one python -m oscar.bench.sglang_one_batch
+#   heads, 8 KV heads, head_dim 128, hidden 5120, MLP 25600) at --tp-size 2, one python -m oscar.bench.serving.one_batch
 #   process per backend (one process per TP rank inside it): OSCAR (INT2, sink 64, recent 256, pages of 16, seeded
 #   random rotations with means) and SGLang's flashinfer BF16 (its best backend on the H200, reports/serving/decode.md);
 #   decode ms per step on the synthetic state at batch 1 / 8 / 32 x 32k / 100k, the largest batches at 100k, the
@@ -42,7 +42,7 @@ cfg.update(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, max_
            num_attention_heads=64, num_key_value_heads=8, head_dim=128)
 json.dump(cfg, open(sys.argv[1] + "/config.json", "w"))
 EOF
-python3 -m oscar.bench.timing_artifact "$M" /tmp/art_qwen3_32b --rotation random --mu --sink 64 --recent 256
+python3 -m oscar.bench.serving.timing_artifact "$M" /tmp/art_qwen3_32b --rotation random --mu --sink 64 --recent 256
 COMMON=(--model-path "$M" --load-format dummy --tp-size 2 --output-len 16 --sampling-backend pytorch
         --grammar-backend none --mem-fraction-static 0.85 --context-length 131072 --disable-radix-cache
         --max-running-requests 64 --disable-prefill-cuda-graph --oscar-warmup 1x2048 --oscar-out "$OUT/tp2_rows.jsonl")
@@ -52,7 +52,7 @@ run() {  # NAME LIMIT BACKEND REAL SYNTHETIC [more flags]
   local shapes="$real,$synth,1x2048"
   echo "== $name (t=$SECONDS s)"
   # shellcheck disable=SC2046
-  OSCAR_ARTIFACT=/tmp/art_qwen3_32b OSCAR_SINK=64 OSCAR_RECENT=256 timeout "$limit" python3 -m oscar.bench.sglang_one_batch \
+  OSCAR_ARTIFACT=/tmp/art_qwen3_32b OSCAR_SINK=64 OSCAR_RECENT=256 timeout "$limit" python3 -m oscar.bench.serving.one_batch \
     "${COMMON[@]}" --attention-backend "$backend" --oscar-tag "$name" --oscar-shapes "$real" --oscar-synthetic "$synth" \
     --batch-size $(echo "$shapes" | tr , '\n' | cut -dx -f1 | sort -un) \
     --input-len $(echo "$shapes" | tr , '\n' | cut -dx -f2 | sort -un) "$@" > "$OUT/logs/$name.log" 2>&1

@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -97,6 +98,16 @@ def sglang_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
         env["PYTHONPATH"] = os.pathsep.join(parts)
     env.update(extra or {})
     return env
+
+
+def sglang_python(work: Path) -> Path:
+    """A python launcher with the SGLang environment's PYTHONPATH, written under ``work`` (``oscar eval
+    engine=sglang`` starts its server with it: ``engine.python=``)."""
+    path = work / "sglang_python"
+    pp = sglang_env().get("PYTHONPATH", "")
+    path.write_text(f"#!/bin/sh\nPYTHONPATH={pp} exec {sys.executable} \"$@\"\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
 
 
 def sglang_version(timeout: float = 120.0) -> tuple[Optional[str], str]:

@@ -2,7 +2,7 @@
 (``oscar/gpu/<table>``), one parent run per measurement with the report files, the hardware and the command,
 one child run per job (a shape, a backend, a cell) linked by ``mlflow.parentRunId``. The report files are the
 source of truth; a new mirror of the same table replaces the previous runs. Needs mlflow (``ImportError``
-otherwise: the caller says tracking was skipped).
+otherwise: the caller says tracking was skipped). Light to import (``Cell``): the table modules import it at top.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from oscar.bench.host import ROOT
-from oscar.eval import tracking
 
 
 @dataclass
@@ -42,6 +41,7 @@ def mirror(table: str, cells: Sequence[Cell], files: Sequence[Path], env: dict[s
     from mlflow.entities import Metric, Param, RunTag
     from mlflow.tracking import MlflowClient
 
+    from oscar.eval import tracking  # local: keeps omegaconf and pandas out of the table modules' import (`gpu --help`)
 
     commit = str(env.get("git_commit") or tracking.git_commit(ROOT))
     name = tracking.experiment_name("gpu", table)

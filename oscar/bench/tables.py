@@ -1,10 +1,12 @@
-"""The GPU tables behind ``python -m oscar gpu <table>``: one module per table, one way to run each.
+"""The GPU tables behind ``python -m oscar gpu <table>``: one subpackage per table, one way to run each.
 
-A table module defines ``AREA`` (its folder under ``reports/``), ``SUMMARY``, ``DEFAULTS`` (its ``key=value``
-options; a value's type is its default's), ``stem(opts)`` (the name of its files), ``needs(opts)`` (the
-``oscar.bench.host.Need`` list checked before any work), ``measure(opts, out, env)`` (the GPU work: raw rows and
-``<stem>_env.json`` under ``out``), ``report(out, opts)`` (table .md/.csv/.png from the raw rows; runs anywhere)
-and ``track(out, opts, uri)`` (the MLflow mirror). ``run`` strings them together.
+``TABLES`` names each table's spec module (``oscar.bench.<table>.spec``: light, so that ``gpu --help`` lists every
+table without torch or omegaconf); the table's measuring and report code live beside it. A spec module defines
+``AREA`` (its folder under ``reports/``), ``SUMMARY``, ``DEFAULTS`` (its ``key=value`` options; a value's type is its
+default's), ``stem(opts)`` (the name of its files), ``needs(opts)`` (the ``oscar.bench.host.Need`` list checked
+before any work), ``measure(opts, out, env)`` (the GPU work: raw rows and ``<stem>_env.json`` under ``out``),
+``report(out, opts)`` (table .md/.csv/.png from the raw rows; runs anywhere) and ``track(out, opts, uri)`` (the
+MLflow mirror). ``run`` strings them together.
 """
 
 from __future__ import annotations
@@ -18,14 +20,14 @@ from typing import Any
 from oscar.bench import host
 from oscar.core.files import atomic_write_json
 
-# table -> module
+# table -> its spec module
 TABLES: dict[str, str] = {
-    "kernels": "oscar.bench.kernel_bench",
-    "serving": "oscar.bench.serving",
-    "prefix": "oscar.bench.prefix",
-    "correctness": "oscar.bench.gpu_correctness",
-    "accuracy": "oscar.bench.gpu_accuracy",
-    "throughput": "oscar.bench.gpu_throughput",
+    "kernels": "oscar.bench.kernels.spec",
+    "serving": "oscar.bench.serving.spec",
+    "prefix": "oscar.bench.prefix.spec",
+    "correctness": "oscar.bench.correctness.spec",
+    "accuracy": "oscar.bench.accuracy.spec",
+    "throughput": "oscar.bench.throughput.spec",
 }
 # keys every table takes
 COMMON: dict[str, Any] = {

@@ -3,7 +3,7 @@
 Each table checks what it needs first (CUDA device, SGLang and its version, the model, free GPU memory) and
 names what is missing, then measures, writes `reports/<area>/` (table .md, .csv, .png with the command and the
 hardware) and mirrors the runs into MLflow (`oscar/gpu/<table>`). `report_only=true` rebuilds the report and
-the MLflow runs from the raw rows already under `out=` (no GPU needed). The measuring code: `oscar.bench`.
+the MLflow runs from the raw rows already under `out=` (no GPU needed). The measuring code: `oscar.bench.<table>`.
 """
 
 from __future__ import annotations

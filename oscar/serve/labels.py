@@ -5,7 +5,7 @@ phases and its pool's (``install_labels``), so a trace taken there (SGLang's ``E
 sweep's ``profile`` mode) says which phase of an extend or decode step launched each kernel and how long the host
 spent in it. Off by default: a range costs a few microseconds of host time per call. The decode step's calls are
 left alone (they run inside SGLang's CUDA-graph capture, and a replay records no host ranges anyway); the decode
-profile with labels is ``oscar.bench.sglang_synthetic.label_ranges``.
+profile with labels is ``oscar.bench.serving.synthetic.label_ranges``.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# the tolerances of an INT2 comparison across engines and the teacher-forced check: oscar.bench.serve_compare (shared
+# the tolerances of an INT2 comparison across engines and the teacher-forced check: oscar.bench.correctness.compare (shared
 # with the GPU correctness table; it says where the bounds come from)
-from oscar.bench.serve_compare import (INT2_LOGPROB_TOL, INT2_MEDIAN_TOL, check_teacher_forced,  # noqa: F401
+from oscar.bench.correctness.compare import (INT2_LOGPROB_TOL, INT2_MEDIAN_TOL, check_teacher_forced,  # noqa: F401
                                        save_in_code_artifact)
 
 DRIVER = Path(__file__).with_name("sgl_driver.py")

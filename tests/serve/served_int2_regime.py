@@ -2,7 +2,7 @@
 difference 3.9 nats, 86% next-token agreement, while served `auto` gave 98%) a defect of the served path or
 QuaRot's sensitivity to float rounding? Reproduced on CPU with SGLang's CPU engine (sglang 0.5.23, the pool's
 torch twins) at the GPU run's settings (SmolLM2-135M, the 8 prompts and 32 greedy tokens of
-``oscar.bench.serve_correctness``, sink 16, recent 16), and compared with what two float paths of the embedded
+``oscar.bench.correctness.real_weights``, sink 16, recent 16), and compared with what two float paths of the embedded
 engine alone give along the same tokens:
 
 - embedded vs embedded, along its own greedy tokens: the BF16 model with the prompts in one batch vs in two
@@ -36,8 +36,8 @@ sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 from serve_helpers import SMOLLM2_DENSE, run_driver, save_in_code_artifact  # noqa: E402
 
-from oscar.bench.serve_compare import forced_logprobs_batch  # noqa: E402
-from oscar.bench.serve_correctness import NEW_TOKENS, S0_INT2, TEXTS, W_INT2, wilson  # noqa: E402
+from oscar.bench.correctness.compare import forced_logprobs_batch  # noqa: E402
+from oscar.bench.correctness.real_weights import NEW_TOKENS, S0_INT2, TEXTS, W_INT2, wilson  # noqa: E402
 from oscar.core.files import atomic_write_csv, atomic_write_text  # noqa: E402
 
 AUTO = ROOT / "results" / "calibration" / "smollm2-135m" / "auto"

@@ -1,4 +1,4 @@
-"""The correctness table's real-weights script (``oscar.bench.serve_correctness``) end to end on SGLang's CPU engine:
+"""The correctness table's real-weights script (``oscar.bench.correctness.real_weights``) end to end on SGLang's CPU engine:
 SmolLM2-135M, one prompt, 4 greedy tokens, bf16 (SGLang's torch_native and the plugin with covering windows) and
 QuaRot at INT4 (sink 16, recent 16; the prompt's 48 tokens reach the quantized segment), every engine compared with the
 embedded engine teacher forced. The GPU run uses the same code with triton/CUDA graphs (``--cpu`` only swaps the
@@ -7,8 +7,8 @@ engine settings).
 The quantized row is INT4, not the GPU table's INT2: unclipped QuaRot-INT2 on SmolLM2 is a regime where a rounding
 difference between two float32 forwards (another CPU vendor's MKL path, SGLang's model code against transformers')
 moves codes across boundaries and the teacher-forced log-probabilities apart by up to 0.57 nats at one float32 ulp
-(serve_compare's docstring); on an Intel Xeon it failed the check at one of 4 steps. INT4 runs the same served write,
-pages and decode with codes 4x finer, so the check tests the plumbing, not the regime."""
+(oscar.bench.correctness.compare's docstring); on an Intel Xeon it failed the check at one of 4 steps. INT4 runs the
+same served write, pages and decode with codes 4x finer, so the check tests the plumbing, not the regime."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_correctness_script_on_cpu(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "oscar.bench.serve_correctness", "--cpu", "--methods", "bf16,quarot",
+    proc = subprocess.run([sys.executable, "-m", "oscar.bench.correctness.real_weights", "--cpu", "--methods", "bf16,quarot",
                            "--in-code-override", "method.bits=4",
                            "--prompts", "1", "--new-tokens", "4", "--engine-timeout", "1500", "--out", str(out)],
                           capture_output=True, text=True, cwd=ROOT, timeout=1800)

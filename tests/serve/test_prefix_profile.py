@@ -4,8 +4,8 @@
   masks it replaces (same rows through the same quantizer: ``torch.equal``), and a layer's write with it asks the
   device nothing (no ``nonzero``, ``bool``, ``item`` or ``tolist`` of a tensor: on a GPU, no host sync per layer).
 - With the labels installed (``OSCAR_PROFILE_LABELS``), a hit's extend under ``torch.profiler`` on CPU shows each
-  phase once per layer, and the summary (``oscar.bench.prefix_profile``) finds the extend window.
-- ``python -m oscar.bench.prefix_sweep --profile`` through SGLang's CPU engine (tiny random Llama, INT2 quarot,
+  phase once per layer, and the summary (``oscar.bench.prefix.profile``) finds the extend window.
+- ``python -m oscar.bench.prefix.sweep --profile`` through SGLang's CPU engine (tiny random Llama, INT2 quarot,
   S0 = W = 16): a cold request and two hits profiled in the scheduler process; the hits reuse the cached prefix and
   the summary of each trace holds the extend's phases (one ``oscar.extend`` range per layer).
 - Through the backend, a hit with ``extend_route="dequant"`` (pages dequantized once, then SDPA) gives the outputs of
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from oscar.bench import prefix_profile
+from oscar.bench.prefix import profile as prefix_profile
 from oscar.serve.labels import LABELS, install_labels, labels_requested
 from serve_helpers import save_in_code_artifact
 from test_pool_paged import D, H, HKV, _backend, _extend, _history, _pool, _req_to_token
@@ -111,7 +111,7 @@ def test_sweep_profile_mode_through_the_cpu_engine(tiny_llama, tmp_path):
            "OSCAR_RECENT": "16", "OSCAR_PROFILE_LABELS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "oscar.bench.prefix_sweep", "--model-path", str(tiny_llama), "--attention-backend",
+    cmd = [sys.executable, "-m", "oscar.bench.prefix.sweep", "--model-path", str(tiny_llama), "--attention-backend",
            "oscar", "--out", str(out / "rows.jsonl"), "--input-len", "200", "--output-len", "4", "--ratios", "",
            "--vocab", "300", "--profile", str(out), "--engine", "device=cpu", "disable_cuda_graph=true", "page_size=16",
            "dtype=float32", "max_running_requests=4", "max_total_tokens=4096", "mem_fraction_static=0.5",

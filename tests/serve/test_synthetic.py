@@ -1,4 +1,4 @@
-"""The synthetic-state decode timing of ``python -m oscar.bench.sglang_one_batch`` and its profile parsing (CPU).
+"""The synthetic-state decode timing of ``python -m oscar.bench.serving.one_batch`` and its profile parsing (CPU).
 
 - ``fill_pool`` leaves every slot of the OSCAR pool valid (codes over all byte values, scales in range,
   ``zero = -1.5 * scale`` exactly as bf16 rounds it, finite BF16 windows), so a dequantized row is bounded
@@ -18,7 +18,8 @@ import torch
 from test_pool_paged import _pool
 
 from oscar.cache import paged
-from oscar.bench import sglang_synthetic as sy
+from oscar.bench.serving import synthetic as sy
+from oscar.bench.serving import trace
 
 
 def test_fill_pool_gives_valid_oscar_pages_and_windows():
@@ -64,15 +65,16 @@ def test_attribute_kernels_by_launch_range_then_name():
               x("elementwise_kernel<copy>", "kernel", 440, 10, pid=0, tid=3, correlation=2),
               x("nvjet_tst_128x64", "kernel", 460, 40, pid=0, tid=3, correlation=3),
               x("Memset (Device)", "gpu_memset", 500, 4, pid=0, tid=3)]
-    got = sy.attribute_kernels({"traceEvents": events})
+    got = trace.attribute_kernels({"traceEvents": events})
     assert [(k["name"], k["part"]) for k in got] == [("elementwise_kernel<copy>", "oscar.attention"),
                                                      ("elementwise_kernel<copy>", "oscar.write"),
                                                      ("nvjet_tst_128x64", "gemm"), ("Memset (Device)", "copy_index")]
-    parts = sy.summarize(got, steps=2)
+    parts = trace.summarize(got, steps=2)
     assert parts["oscar.attention"] == {"ms": 0.015, "kernels": 0.5} and parts["gemm"]["ms"] == 0.02
-    assert sy.top_kernels(got, 2)[0] == dict(name="nvjet_tst_128x64", part="gemm", ms=0.02, calls=0.5)
-    assert sy.kernel_category("flashinfer::norm::FusedAddRMSNormKernel") == "norm" and sy.kernel_category("zzz") == "other"
-    assert sy.kernel_category("flashinfer::BatchPrefillWithPagedKVCacheKernel") == "attention"
+    assert trace.top_kernels(got, 2)[0] == dict(name="nvjet_tst_128x64", part="gemm", ms=0.02, calls=0.5)
+    assert trace.kernel_category("flashinfer::norm::FusedAddRMSNormKernel") == "norm"
+    assert trace.kernel_category("zzz") == "other"
+    assert trace.kernel_category("flashinfer::BatchPrefillWithPagedKVCacheKernel") == "attention"
 
 
 def test_label_ranges_wraps_the_plugin_calls_and_restores_them():
@@ -96,7 +98,7 @@ def test_label_ranges_wraps_the_plugin_calls_and_restores_them():
 
 
 def test_bench_shapes_parse_and_refuse_bad_ones():
-    from oscar.bench.sglang_one_batch import _shapes
+    from oscar.bench.serving.one_batch import _shapes
 
     assert _shapes("1x30000, 51x100000,") == [(1, 30000), (51, 100000)] and _shapes("") == []
     for bad in ("1x", "0x100", "8*100", "ax1"):
