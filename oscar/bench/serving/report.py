@@ -226,7 +226,7 @@ def write_png(rows: list[dict[str, Any]], path: Path, context: int = 100000) -> 
                 if pts:
                     ax.plot([p[0] / 1e3 for p in pts], [p[1] for p in pts], color=colour[key],
                             marker="x" if mode == "real" else "o", linestyle="--" if mode == "real" else "-",
-                            label=f"{key[0]}/{key[1]} {mode}")
+                            label=f"{key[2] or key[0] + '/' + key[1]} {mode}")
         ax.set_title(f"batch {b}")
         ax.set_xlabel("context (k tokens)")
         ax.set_ylabel("decode ms / step")
@@ -238,7 +238,8 @@ def write_png(rows: list[dict[str, Any]], path: Path, context: int = 100000) -> 
         pts = sorted((r["batch"], 1e3 * r["batch"] / r["decode_ms"]) for r in rows if r["context"] == context
                      and r.get("decode_ms") and r["mode"] == "synthetic" and (r["cache"], r["backend"], r.get("tag", "")) == key)
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colour[key], marker="o", label=f"{key[0]}/{key[1]}")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colour[key], marker="o",
+                    label=key[2] or f"{key[0]}/{key[1]}")  # the tag: one line per served format
     ax.set_title(f"context {context // 1000}k: job tokens/s (synthetic)")
     ax.set_xlabel("batch (up to the token capacity)")
     ax.set_ylabel("tokens / s")
