@@ -32,12 +32,18 @@ from torch.utils._pytree import tree_leaves
 
 _aten = torch.ops.aten
 SYNC_OPS = {_aten._local_scalar_dense, _aten.nonzero, _aten.masked_select, _aten.unique_consecutive,
-            _aten._unique2, _aten.unique_dim, _aten.repeat_interleave, _aten.is_nonzero, _aten.equal}
+            _aten._unique2, _aten.unique_dim, _aten.is_nonzero, _aten.equal}
 HOST_DATA_OPS = {_aten.lift_fresh, _aten.lift_fresh_copy}
 COPY_OPS = {_aten._to_copy, _aten.copy_, _aten._copy_from}
-# An op with a Python-side shape argument (repeat_interleave with output_size, ...) is not a sync: only the
-# overloads that read a tensor to size their output are listed here.
+# repeat_interleave syncs only where it reads a tensor of repeats to size its output without an output_size
 _SIZED_BY_DATA = {_aten.repeat_interleave.Tensor, _aten.repeat_interleave.self_Tensor}
+
+
+def _syncs(func: Any, kwargs: dict) -> bool:
+    """Whether an aten op waits for the device (its output's shape or value read on the host)."""
+    if func in _SIZED_BY_DATA:
+        return kwargs.get("output_size") is None
+    return func.overloadpacket in SYNC_OPS
 
 OWN_CODE = ("/oscar/", "/kernels/")
 
@@ -72,9 +78,8 @@ class CaptureGuard(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         packet = func.overloadpacket
-        if packet in SYNC_OPS and (packet is not _aten.repeat_interleave or func in _SIZED_BY_DATA):
-            if not (packet is _aten.repeat_interleave and kwargs.get("output_size") is not None):
-                self.violations.append(f"host sync ({func}) at {_where()}")
+        if _syncs(func, kwargs):
+            self.violations.append(f"host sync ({func}) at {_where()}")
         elif packet in HOST_DATA_OPS:
             self.violations.append(f"tensor from host data ({func}: torch.tensor or a Python list) at {_where()}")
         out = func(*args, **kwargs)

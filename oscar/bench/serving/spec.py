@@ -111,18 +111,19 @@ def plan(opts: dict[str, Any]) -> list[dict[str, Any]]:
     """One entry per backend process (OSCAR: one per served format) and graph setting: its shapes of each kind
     and its time limit."""
     runs = []
+    _shapes(opts["warmup"])
     for backend in _backends(opts):
-        base = PLAN.get(backend.removesuffix(FP8), PLAN["triton"])
-        for fmt in (_formats(opts) if backend == "oscar" else [None]):
+        fp8, engine = backend.endswith(FP8), backend.removesuffix(FP8)
+        base = PLAN.get(engine, PLAN["triton"])
+        shapes = {kind: base[kind] if opts[kind] == "plan" else str(opts[kind])
+                  for kind in ("real", "synthetic", "profile")}
+        for text in shapes.values():
+            _shapes(text)  # refuse a bad shape before any work
+        for fmt in (_formats(opts) if engine == "oscar" else [None]):
             for graph in _graphs(opts):
-                name = f"oscar_{fmt}" if backend == "oscar" else f"{'fp8' if backend.endswith(FP8) else 'bf16'}_" \
-                                                                 f"{backend.removesuffix(FP8)}"
-                run = {"name": name + ("" if graph else "_nograph"), "backend": backend.removesuffix(FP8),
-                       "format": fmt, "cuda_graph": graph, "fp8": backend.endswith(FP8)}
-                for kind in ("real", "synthetic", "profile"):
-                    run[kind] = base[kind] if opts[kind] == "plan" else str(opts[kind])
-                    _shapes(run[kind])  # refuse a bad shape before any work
-                _shapes(opts["warmup"])
+                name = f"oscar_{fmt}" if fmt else f"{'fp8' if fp8 else 'bf16'}_{engine}"
+                run = {"name": name + ("" if graph else "_nograph"), "backend": engine, "format": fmt,
+                       "cuda_graph": graph, "fp8": fp8, **shapes}
                 run["timeout_s"] = int(opts["timeout_s"] or base["timeout_s"])
                 runs.append(run)
     return runs
