@@ -272,7 +272,13 @@ def test_serving_report_compares_with_the_committed_rows(tmp_path):
     (out / "serving_rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (out / "decode_env.json").write_text(json.dumps({"gpu": "NVIDIA H200", "sglang": "0.5.17", "command": "cmd",
                                                      "options": {"sink": 64, "recent": 256, "mem_fraction": 0.85}}))
-    committed = ROOT / "reports" / "serving" / "decode.csv"
+    # the committed numbers of an earlier run (its decode.csv, written by the same report)
+    old = tmp_path / "committed"
+    old.mkdir()
+    (old / "serving_rows.jsonl").write_text("".join(json.dumps(dict(r, decode_ms=ms)) + "\n" for r, ms in
+                                                    zip(rows[2:], (8.71, 8.41))))
+    assert gpu.main(["serving", "report_only=true", "tracking=false", f"out={old}"]) == 0
+    committed = old / "decode.csv"
     assert gpu.main(["serving", "report_only=true", "tracking=false", f"out={out}", f"compare={committed}"]) == 0
     md = (out / "decode.md").read_text()
     assert "sglang 0.5.17" in md and "Command: `cmd`" in md

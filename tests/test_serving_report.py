@@ -48,9 +48,18 @@ def test_targets_grid_cross_check_and_profile(tmp_path):
             dict(osc, batch=32, mode="synthetic", status="ok", decode_ms=40.0)]
     mod = _module()
     tg = mod.targets(rows, context=1000)
-    assert tg[0] == "| o: batch 1 decode at 1000 | >= 1.5x | flashinfer 9.90 ms / OSCAR 6.00 ms | 1.65x | holds |"
-    assert tg[1] == "| o: largest batch at 1000 (token capacity) | >= 6x | OSCAR 51 / BF16 7 | 7.29x | holds |"
-    assert tg[2].endswith("| OSCAR 800 / flashinfer 250 tok/s | 3.20x | missed |")  # BF16 at its largest batch, 7
+    assert tg[0] == "| o: batch 1 decode at 1000 vs BF16 | >= 1.5x | flashinfer 9.90 ms / OSCAR 6.00 ms | 1.65x | holds |"
+    assert tg[1] == "| o: largest batch at 1000 (token capacity) vs BF16 | >= 6x | OSCAR 51 / BF16 7 | 7.29x | holds |"
+    assert tg[2].endswith("| OSCAR 800 / flashinfer BF16 250 tok/s | 3.20x | missed |")  # BF16 at its largest batch, 7
+    assert len(tg) == 3  # no FP8 rows: no FP8 lines
+    # SGLang's FP8 cache as a second reference: its own batch-1 and capacity goals (1.2x, 3x), no job-tokens goal
+    fp8 = dict(bf, cache="fp8", tag="f8", max_total_num_tokens=14 * 1016 + 5)
+    tg8 = mod.targets(rows + [dict(fp8, batch=1, mode="synthetic", status="ok", decode_ms=8.0),
+                              dict(fp8, batch=14, mode="synthetic", status="ok", decode_ms=35.0)], context=1000)
+    assert tg8[:3] == tg
+    assert tg8[3] == "| o: batch 1 decode at 1000 vs FP8 | >= 1.2x | flashinfer 8.00 ms / OSCAR 6.00 ms | 1.33x | holds |"
+    assert tg8[4] == "| o: largest batch at 1000 (token capacity) vs FP8 | >= 3x | OSCAR 51 / FP8 14 | 3.64x | holds |"
+    assert tg8[5].endswith("| - | OSCAR 800 / flashinfer FP8 400 tok/s | 2.00x |  |")
     grid = mod.grid(rows)
     assert "| 32 | 1000 | capacity | 40.00 |  |" in grid and "| 1 | 1000 | 9.90 | 6.00 | 1.65x |" in grid
     assert mod.cross_check(rows) == ["| bf16/flashinfer | 1 | 1000 | 1.00 | 9.00 | 9.90 | +10.0% |"]

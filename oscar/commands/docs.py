@@ -406,82 +406,73 @@ def table2(ctx: Ctx) -> str:
             + f"\n\nReport: {ctx.link(rel.replace('.csv', '.md'))} ({ctx.link(rel)}).\n")
 
 
-# (mode, batch, context) of the decode-step rows, then the job and capacity rows.
-DECODE_SHAPES = (("synthetic", 1, 30000), ("synthetic", 1, 100000), ("real", 1, 100000), ("synthetic", 8, 60000))
-DECODE_RUNS = ("reports/serving/decode.csv", "reports/serving/rerun/decode.csv")
-TARGETS = {("synthetic", 1, 100000): 1.5, ("real", 1, 100000): 1.5, "job": 4.0, "capacity": 6.0}
+DECODE_CSV = "reports/serving/decode.csv"
+PREFILL_CSV = "reports/serving/prefill_defaults.csv"
+# the served caches, one column each: (cache, format) of decode.csv, tag of prefill_defaults.csv, header
+DECODE_COLUMNS = ((("oscar", "rotated_channel"), "oscar_channel", "default `auto` (per-channel keys)"),
+                  (("oscar", "rotated"), "oscar_token", "`auto` per-token keys"),
+                  (("bf16", "bf16"), "flashinfer", "BF16 (flashinfer)"),
+                  (("fp8", "fp8_e4m3"), "flashinfer_fp8", "FP8 KV (flashinfer)"))
+DECODE_SHAPES = ((1, 30000), (1, 100000), (3, 100000))
 
 
-def _run_date(ctx: Ctx, rel: str) -> str:
-    env = ctx.json(rel.replace(".csv", "_env.json"))
-    if env and env.get("date"):
-        return str(env["date"]).split(" ")[0]
-    md = ctx.root / rel.replace(".csv", ".md")
-    found = re.search(r"\b(\d{4}-\d{2}-\d{2})\b", md.read_text()) if md.is_file() else None
-    return found.group(1) if found else ""
-
-
-def _decode_cells(rows: list[dict[str, str]]) -> dict[object, tuple[float, str]]:
-    """OSCAR's advantage per measure of one serving run: the ratio (>1: OSCAR ahead) and the numbers behind it."""
-    ok = [r for r in rows if r.get("status") == "ok"]
-    cells: dict[object, tuple[float, str]] = {}
-    for mode, batch, context in DECODE_SHAPES:
-        here = [r for r in ok if r["mode"] == mode and int(need(r, "batch")) == batch and int(need(r, "context")) == context]
-        oscar = [r for r in here if r["cache"] == "oscar"]
-        bf16 = sorted((r for r in here if r["cache"] == "bf16"), key=lambda r: need(r, "decode_ms"))
-        if oscar and bf16:
-            o, b = need(oscar[0], "decode_ms"), need(bf16[0], "decode_ms")
-            cells[(mode, batch, context)] = (b / o, f"{ratio(b / o)} ({bf16[0]['backend']} {ms(b)} / OSCAR {ms(o)} ms)")
-    job = [r for r in ok if r["cache"] == "oscar" and int(need(r, "batch")) == 32 and int(need(r, "context")) == 100000]
-    bf16_at = [r for r in ok if r["cache"] == "bf16" and int(need(r, "context")) == 100000 and r["mode"] == "synthetic"]
-    if job and bf16_at:
-        largest = max(int(need(r, "batch")) for r in bf16_at)
-        best = max((r for r in bf16_at if int(need(r, "batch")) == largest), key=lambda r: need(r, "tokens_per_s"))
-        o, b = need(job[0], "tokens_per_s"), need(best, "tokens_per_s")
-        cells["job"] = (o / b, f"{ratio(o / b)} (OSCAR {o:,.0f} / {best['backend']} {b:,.0f} tokens/s at {largest} x 100k)")
-    cap_o = [need(r, "max_total_num_tokens") for r in rows if r["cache"] == "oscar" and num(r, "max_total_num_tokens")]
-    cap_b = [need(r, "max_total_num_tokens") for r in rows if r["cache"] == "bf16" and num(r, "max_total_num_tokens")]
-    if cap_o and cap_b:
-        o, b = max(cap_o), max(cap_b)
-        cells["capacity"] = (o / b, f"{o / b:.1f}x ({o:,.0f} / {b:,.0f} tokens)")
-    return cells
+def _decode_ms(rows: list[dict[str, str]], key: tuple[str, str], batch: int, context: int, graph: bool) -> Optional[float]:
+    """Decode ms of one cache at one shape (synthetic state), the fastest backend of that cache."""
+    hits = [need(r, "decode_ms") for r in rows if (r["cache"], r["format"]) == key and r["mode"] == "synthetic"
+            and r.get("status") == "ok" and int(need(r, "batch")) == batch and int(need(r, "context")) == context
+            and on_off(r.get("cuda_graph", "")) == ("on" if graph else "off")]
+    return min(hits) if hits else None
 
 
 def serving_decode(ctx: Ctx) -> str:
-    """Served decode through SGLang, OSCAR against SGLang's best BF16 backend in the same run:
-    `reports/serving/decode.csv` (the committed grid) and `reports/serving/rerun/decode.csv`."""
-    runs = [(rel, ctx.rows(rel)) for rel in DECODE_RUNS if (ctx.root / rel).is_file()]
-    if not runs:
-        raise DocsError(f"none of {', '.join(DECODE_RUNS)} found")
-    per_run = [_decode_cells(rows) for _, rows in runs]
-    labels: list[tuple[object, str]] = [
-        (shape, f"decode step, batch {shape[1]} / {kilo(shape[2])}" + (", after a real prefill" if shape[0] == "real" else ""))
-        for shape in DECODE_SHAPES]
-    labels += [("job", "job tokens/s, 32 x 100k (BF16 at its largest batch)"), ("capacity", "token capacity")]
+    """Served decode and prefill through SGLang, each served format beside SGLang's BF16 and FP8 caches:
+    `reports/serving/decode.csv` (decode steps, capacity) and `reports/serving/prefill_defaults.csv` (a 128k prompt
+    at SGLang's defaults)."""
+    rows = ctx.rows(DECODE_CSV)
+    bf16 = DECODE_COLUMNS[2][0]
     out = []
-    for key, label in labels:
-        vals = [cells.get(key) for cells in per_run]
-        if not any(vals):
-            continue
-        target = TARGETS.get(key)  # type: ignore[call-overload]
-        verdict = ""
-        if target:
-            measured = [v[0] for v in vals if v]
-            verdict = f"{target:g}x: " + ("holds" if min(measured) >= target else
-                                          "missed" if max(measured) < target else "holds in one run only")
-        out.append([label, *[v[1] if v else "" for v in vals], verdict])
-    header = ["OSCAR's advantage (>1: OSCAR ahead)"]
-    for rel, rows in runs:
-        date = _run_date(ctx, rel)
-        header.append(f"{ctx.link(rel)}{f' ({date})' if date else ''}")
-    header.append("target")
-    devices = sorted({r.get("device", "") for _, rows in runs for r in rows} - {""})
-    graphs = sorted({on_off(r.get("cuda_graph", "")) for _, rows in runs for r in rows} - {""})
-    radix = sorted({on_off(r.get("radix", "")) for _, rows in runs for r in rows} - {""})
-    caption = (f"{', '.join(devices)}; CUDA graphs {'/'.join(graphs) or '?'}, radix cache {'/'.join(radix) or '?'}; "
-               "a decode step is the median step on the synthetic state unless marked; the ratio is BF16's time over "
-               "OSCAR's for a step, OSCAR's over BF16's for tokens/s and capacity. Reports: "
-               + ", ".join(ctx.link(rel.replace(".csv", ".md")) for rel, _ in runs) + ".")
+    for graph in (True, False):
+        for batch, context in DECODE_SHAPES:
+            ref = _decode_ms(rows, bf16, batch, context, graph)
+            cells = []
+            for key, _, _ in DECODE_COLUMNS:
+                v = _decode_ms(rows, key, batch, context, graph)
+                cells.append("" if v is None else ms(v) + ("" if key == bf16 or ref is None else f" ({ratio(ref / v)})"))
+            if any(cells):
+                out.append([f"decode ms, {batch} x {kilo(context)}" + ("" if graph else ", CUDA graphs off"), *cells])
+    caps, jobs = [], []
+    for key, _, _ in DECODE_COLUMNS:
+        mine = [r for r in rows if (r["cache"], r["format"]) == key and on_off(r.get("cuda_graph", "")) == "on"]
+        cap = max((need(r, "max_total_num_tokens") for r in mine if num(r, "max_total_num_tokens")), default=None)
+        caps.append(cap)
+        ok = [r for r in mine if r["mode"] == "synthetic" and r.get("status") == "ok" and int(need(r, "context")) == 100000]
+        best = max(ok, key=lambda r: int(need(r, "batch")), default=None)
+        jobs.append(None if best is None else (int(need(best, "batch")), need(best, "tokens_per_s")))
+    ref_cap, ref_job = caps[2], jobs[2]
+    out.append(["token capacity (SGLang's default memory fraction)",
+                *["" if c is None else f"{c:,.0f}" + ("" if i == 2 or not ref_cap else f" ({c / ref_cap:.1f}x)")
+                  for i, c in enumerate(caps)]])
+    out.append(["job tokens/s at 100k, at the largest batch measured",
+                *["" if j is None else f"{j[1]:,.0f} at {j[0]} x 100k" + ("" if i == 2 or not ref_job else
+                                                                         f" ({j[1] / ref_job[1]:.1f}x)")
+                  for i, j in enumerate(jobs)]])
+    prefill = {r["tag"]: r for r in ctx.rows(PREFILL_CSV)} if (ctx.root / PREFILL_CSV).is_file() else {}
+    if prefill:
+        cells = []
+        for _, tag, _ in DECODE_COLUMNS:
+            r = prefill.get(tag)
+            cells.append("" if r is None else (f"{need(r, 'cold_ttft_s'):.1f} s" if r.get("status") == "ok"
+                                                else r.get("status", "")))
+        n = next((int(need(r, "input_len")) for r in prefill.values() if num(r, "input_len")), 0)
+        out.append([f"{n:,}-token prompt at SGLang's defaults, time to first token", *cells])
+    header = ["served through SGLang (>1x: faster than BF16)", *[h for _, _, h in DECODE_COLUMNS]]
+    devices = sorted({r.get("device", "") for r in rows} - {""})
+    caption = (f"{', '.join(devices)}; dummy Qwen3-8B weights; decode: median step on the synthetic state, CUDA graphs on "
+               "unless marked, the ratio is BF16's time over the cache's (the graphs-off and FP8 rows from a second card of "
+               "the same kind: decode.md says which call gave each row); the prompt row through SGLang's own Engine at "
+               "its defaults (chunked prefill, radix cache and CUDA graphs on). Reports: "
+               f"{ctx.link(DECODE_CSV.replace('.csv', '.md'))}"
+               + (f", {ctx.link(PREFILL_CSV.replace('.csv', '.md'))}" if prefill else "") + ".")
     return table(header, out) + "\n\n" + caption + "\n"
 
 

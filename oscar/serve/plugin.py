@@ -63,6 +63,80 @@ REFUSED_PARALLELISM = {
 }
 
 
+# -- serving defaults (launching process, before SGLang resolves its own) --------------------------
+
+DEFAULT_MAX_RUNNING = 64  # request slots whose BF16 sink and recent windows the pool reserves when none is given
+
+
+def serving_defaults(args: Any, key_block: int = 0) -> list[str]:
+    """Fill in what ``--attention-backend oscar`` needs where the user left SGLang's default, and say what was set.
+
+    A user who starts SGLang with ``--attention-backend oscar`` and nothing else gets a served configuration, not
+    a refusal: pages of ``MIN_CUDA_PAGE_SIZE`` tokens on a GPU (or of the artifact's per-channel key block where
+    that is larger), prefill CUDA graphs off (SGLang's default captures them; the extend attention loops over
+    requests on the host; decode CUDA graphs stay on), ``DEFAULT_MAX_RUNNING`` request slots. A value the user
+    gave is kept, and the start-up check (`check_server_args_after`) refuses it by name if it cannot be served.
+    Mutates ``args``; returns one line per value set."""
+    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    gpu = str(get("device") or _default_device()) != "cpu"
+    out = []
+    if get("page_size") is None:
+        page = max(MIN_CUDA_PAGE_SIZE if gpu else 1, int(key_block or 1))
+        page = 1 << (page - 1).bit_length()  # a power of two holding whole key blocks (blocks are powers of two)
+        if page > 1:
+            args.page_size = page
+            why = (f"per-channel key blocks of {key_block} tokens live in one page" if key_block >= page // 2 + 1
+                   else f"the GPU decode kernel reads pages of {MIN_CUDA_PAGE_SIZE} tokens")
+            out.append(f"--page-size {page} ({why})")
+    if gpu and not get("disable_cuda_graph") and not get("disable_prefill_cuda_graph") \
+            and get("cuda_graph_backend_prefill") is None:
+        args.disable_prefill_cuda_graph = True
+        out.append("--disable-prefill-cuda-graph (the extend attention loops over requests on the host; decode CUDA "
+                   "graphs stay on)")
+    if not get("max_running_requests"):
+        args.max_running_requests = DEFAULT_MAX_RUNNING
+        out.append(f"--max-running-requests {DEFAULT_MAX_RUNNING} (the pool reserves BF16 sink and recent windows "
+                   "per request slot; give your own to change it)")
+    return out
+
+
+def _default_device() -> str:
+    """SGLang's device when ``--device`` is not given: CUDA where torch sees a GPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _artifact_key_block(args: Any) -> int:
+    """The served format's per-channel key block (0: per-token keys); 0 where the artifact or the model cannot be
+    read here (the start-up check then names the problem)."""
+    # local: keeps torch and transformers out of the entry point's import time (SGLang loads it in every process)
+    from oscar.serve.settings import OscarServeError, ServeSettings, validate
+
+    try:
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(args.model_path, trust_remote_code=bool(getattr(args, "trust_remote_code",
+                                                                                               False)))
+        _, fmt = validate(ServeSettings.from_env(), hf_config)
+        cfg = getattr(hf_config, "text_config", None) or hf_config
+        return max((fmt.layer_key_block(i) for i in range(int(cfg.num_hidden_layers))), default=0)
+    except (OscarServeError, OSError, ValueError):
+        return 0
+
+
+def serving_defaults_before(args: Any, *rest: Any, **kwargs: Any) -> None:
+    """BEFORE hook of ``ServerArgs.__post_init__`` (SGLang loads plugins before it builds its arguments):
+    `serving_defaults` for ``--attention-backend oscar``, logged once."""
+    if getattr(args, "attention_backend", None) != BACKEND or str(getattr(args, "model_path", "")).lower() in ("none",
+                                                                                                             "dummy"):
+        return None
+    chosen = serving_defaults(args, _artifact_key_block(args))
+    if chosen:
+        logger.warning("OSCAR sets what SGLang's defaults leave unserved: %s", "; ".join(chosen))
+    return None
+
+
 # -- start-up check (launching process) -----------------------------------------------------------
 
 
@@ -451,6 +525,7 @@ def hooks(version: str) -> list[tuple[str, Any, Any]]:
     alloc = "sglang.srt.mem_cache.allocator"
     tree = {"finished": finished_before, "unfinished": unfinished_before, "checkpoint": checkpoint_before}
     return [
+        ("sglang.srt.server_args.ServerArgs.__post_init__", serving_defaults_before, "BEFORE"),
         ("sglang.srt.server_args.ServerArgs.check_server_args", check_server_args_after, "AFTER"),
         (s.pool_hook, pool_hook, "AROUND"),
         (f"{conf}._compute_cell_size", compute_cell_size_around, "AROUND"),

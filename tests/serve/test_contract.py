@@ -79,6 +79,7 @@ def test_register_adds_backend_choice_and_hooks():
     assert choices.count("oscar") == 1
     hooked = {t for t, entries in HookRegistry._hooks.items() for _, h, _ in entries if h.__module__ == plugin.__name__}
     assert hooked == {
+        "sglang.srt.server_args.ServerArgs.__post_init__",  # the serving defaults, before SGLang resolves its own
         "sglang.srt.server_args.ServerArgs.check_server_args",
         "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_kv_pool_class",
         "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",

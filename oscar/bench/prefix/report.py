@@ -139,3 +139,51 @@ def write_report(paths: list[Path], out: Path, env: dict[str, Any] | None = None
         print("matplotlib missing: no prefix_sweep.png", file=sys.stderr)
     print("\n".join(md))
     return written
+
+
+DEFAULT_COLUMNS = ("tag", "backend", "input_len", "status", "cold_ttft_s", "hit_ttft_s", "hit_cached", "equal_tokens",
+                   "max_total_num_tokens", "mem_fraction_static", "chunked_prefill_size", "page_size",
+                   "gpu_memory_used_mib", "cuda_graph", "radix", "device", "sglang")
+
+
+def write_defaults(rows_path: Path, out: Path, env: dict[str, Any] | None = None,
+                   notes: Path | None = None) -> list[Path]:
+    """prefill_defaults.{csv,md}: one long prompt per backend at SGLang's defaults (``defaults=true``); a backend
+    whose engine wrote no row (it failed: out of memory, a crash) is a row with its exit status."""
+    _, checks = load([rows_path]) if rows_path.is_file() else ([], [])
+    by_tag = {c["tag"]: c for c in checks}
+    runs = (env or {}).get("runs") or [{"name": t} for t in by_tag]
+    table = []
+    for run in runs:
+        c = by_tag.get(run["name"])
+        if c is None:
+            table.append({"tag": run["name"], "status": f"no row (exit {run.get('rc', '?')}; "
+                                                        f"logs/prefill_{run['name']}.log)"})
+            continue
+        a, b = c["cold_tokens"], c["hit_tokens"]
+        table.append({**{k: c.get(k) for k in DEFAULT_COLUMNS}, "status": "ok",
+                      "equal_tokens": f"{sum(x == y for x, y in zip(a, b))}/{min(len(a), len(b))}"})
+    if not table:
+        raise ValueError(f"{rows_path}: no rows and no runs")
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_csv(out / "prefill_defaults.csv", [{k: r.get(k) for k in DEFAULT_COLUMNS} for r in table],
+                     DEFAULT_COLUMNS)
+    n = next((r["input_len"] for r in table if r.get("input_len")), "?")
+    md = [f"# One {n}-token prompt at SGLang's defaults, each cache in turn", ""]
+    if env:
+        md += [hardware_line(env), "", f"Command: `{env.get('command', '?')}`", ""]
+    md += ["Each backend's `sglang.Engine` alone on the GPU with SGLang's own defaults: its memory fraction "
+           "(`mem_fraction_static` as SGLang chose it for the card), chunked prefill, context length (the model's), "
+           "CUDA graphs and the radix cache on; dummy weights. One prompt of seeded random token ids cold "
+           "(`cold_ttft_s`: its prefill through the chunked-prefill loop, then the first token), then the same prompt "
+           "again (`hit_ttft_s`, `hit_cached`: its prefix from the radix cache). `max_total_num_tokens`: the pool's "
+           "token capacity; `gpu_memory_used_mib`: nvidia-smi after the prompts (used/total). A backend that ran out "
+           "of memory or crashed has a row with its exit status. Reproduce:", "",
+           "```", "python -m oscar gpu prefix defaults=true requests=1 input_len=128000   # benchmarks/gpu.sh prefix ...",
+           "```", "", "| " + " | ".join(DEFAULT_COLUMNS[:14]) + " |", "|" + "---|" * 14]
+    md += ["| " + " | ".join(_fmt(r.get(c)) for c in DEFAULT_COLUMNS[:14]) + " |" for r in table]
+    if notes is not None and notes.is_file():
+        md += ["", notes.read_text().rstrip()]
+    atomic_write_text(out / "prefill_defaults.md", "\n".join(md) + "\n")
+    print("\n".join(md))
+    return [out / "prefill_defaults.csv", out / "prefill_defaults.md"]

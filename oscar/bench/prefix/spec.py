@@ -27,6 +27,7 @@ from typing import Any
 from oscar.bench import host, mirror
 from oscar.bench.prefix import profile as prefix_profile
 from oscar.bench.prefix import report as prefix_report
+from oscar.bench.serving.formats import FORMATS
 from oscar.bench.serving.spec import BUNDLE_ENV, model_dir
 from oscar.serve.contract import SUPPORTED_VERSIONS
 
@@ -43,14 +44,40 @@ DEFAULTS: dict[str, Any] = {
     "recent": 256,
     "notes": "",
     "profile": False,  # where a hit's time goes: no sweep; the OSCAR engine alone, cold + hits profiled
+    "defaults": False,  # one long prompt per backend at SGLang's defaults (no sweep): prefill_defaults.{md,csv}
+    "backends": "oscar_channel,oscar_token,flashinfer,flashinfer_fp8",  # defaults=true: one engine each, in turn
 }
+# defaults=true: what a user's `sglang.Engine(...)` gets: SGLang's own memory fraction, chunked prefill, context
+# length (the model's), CUDA graphs and radix cache on; only what dummy weights need is set
+ENGINE_DEFAULTS = ["load_format=dummy", "skip_tokenizer_init=true", "sampling_backend=pytorch", "grammar_backend=none",
+                   "log_level=info"]
 ENGINE = ["load_format=dummy", "skip_tokenizer_init=true", "sampling_backend=pytorch", "grammar_backend=none",
           "log_level=info", "context_length=65536", "max_running_requests=16", "cuda_graph_max_bs_decode=16",
           "chunked_prefill_size=32768", "max_prefill_tokens=32768", "disable_prefill_cuda_graph=true"]
 
 
 def stem(opts: dict[str, Any]) -> str:
-    return "prefix_profile" if opts["profile"] else "prefix_sweep"
+    return "prefill_defaults" if opts["defaults"] else "prefix_profile" if opts["profile"] else "prefix_sweep"
+
+
+def _default_runs(opts: dict[str, Any]) -> list[dict[str, Any]]:
+    """``defaults=true``: one engine per entry of ``backends`` (``oscar_<format>``, ``flashinfer``, ``triton``,
+    ``<bf16 backend>_fp8``)."""
+    runs = []
+    for name in (b.strip() for b in str(opts["backends"]).split(",") if b.strip()):
+        fmt = name.removeprefix("oscar_") if name.startswith("oscar_") else None
+        if fmt is not None and fmt not in FORMATS:
+            raise ValueError(f"backends: {name!r} names no served format; valid: "
+                             f"{', '.join('oscar_' + f for f in FORMATS)}, flashinfer, triton, flashinfer_fp8")
+        if fmt is not None:  # no page size, request slots or graph flags: the plugin's serving defaults choose
+            runs.append(dict(name=name, backend="oscar", format=fmt, engine=[]))
+        else:
+            fp8 = name.endswith("_fp8")
+            runs.append(dict(name=name, backend=name.removesuffix("_fp8"), format=None,
+                             engine=["kv_cache_dtype=fp8_e4m3"] if fp8 else []))
+    if not runs:
+        raise ValueError("backends= is empty; e.g. backends=oscar_channel,flashinfer")
+    return runs
 
 
 def _ratios(opts: dict[str, Any]) -> list[float]:
@@ -65,6 +92,8 @@ def _ratios(opts: dict[str, Any]) -> list[float]:
 
 def needs(opts: dict[str, Any]) -> list[host.Need]:
     _ratios(opts)
+    if opts["defaults"]:
+        _default_runs(opts)
     mem = host.gpu_memory()
     return [host.cuda_device(), host.sglang(SUPPORTED_VERSIONS), host.plugin_entry_point(),
             host.path_exists(model_dir(opts) / "config.json", "model config (dummy weights)",
@@ -92,6 +121,9 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
              "PYTHONUNBUFFERED": "1", "MAX_JOBS": "10"}  # flashinfer's JIT leaves cores to the engine that measures
     if opts["profile"]:
         _measure_profile(opts, out, env, sweep, extra, art)
+        return
+    if opts["defaults"]:
+        _measure_defaults(opts, out, env, sweep, extra)
         return
     limit = int(opts["limit_s"])
     fi_log = open(out / "logs" / "prefix_bf16_flashinfer.log", "w")  # noqa: SIM115 - closed below
@@ -130,6 +162,44 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
         for line in (out / "logs" / f"prefix_{name}.log").read_text(errors="replace").splitlines():
             if line.startswith("PREFIX_ROW") or "Traceback" in line or "Error" in line[:80]:
                 print("   " + line[:300], flush=True)
+
+
+def _measure_defaults(opts: dict[str, Any], out: Path, env: dict[str, Any], sweep: list[str],
+                      extra: dict[str, str]) -> None:
+    """``defaults=true``: each backend's engine alone at SGLang's defaults: its warm-up, then one prompt of
+    ``input_len`` tokens cold and again hitting its cached prefix (the check row: TTFT of each, greedy tokens),
+    the pool's capacity and the GPU memory in use after the long prompt."""
+    from oscar.bench.serving.timing_artifact import write_timing_artifact  # local: keeps torch out of `gpu --help`
+
+    i = sweep.index("--out")
+    rows = Path(sweep[i + 1])
+    cmd = sweep[:i] + sweep[i + 2:]  # --out goes last, beside this run's own flags
+    cmd[cmd.index("--ratios") + 1] = ""
+    arts = Path(tempfile.gettempdir()) / "oscar_timing_artifacts"
+    env["runs"] = []
+    t0 = time.time()
+    for run in _default_runs(opts):
+        penv = dict(extra)
+        if run["format"]:
+            art = arts / run["format"]
+            print(write_timing_artifact(model_dir(opts), art, mu=True, sink=int(opts["sink"]),
+                                        recent=int(opts["recent"]), fmt=run["format"]), flush=True)
+            penv.update(OSCAR_ARTIFACT=str(art), OSCAR_SINK=str(opts["sink"]), OSCAR_RECENT=str(opts["recent"]))
+        with open(out / "logs" / f"prefill_{run['name']}.log", "w") as log:
+            t1 = time.time()
+            try:
+                rc: Any = subprocess.run(cmd + ["--out", str(rows), "--attention-backend", run["backend"], "--tag",
+                                                run["name"], "--gpu-memory", "--engine", *ENGINE_DEFAULTS,
+                                                *run["engine"]],
+                                         stdout=log, stderr=subprocess.STDOUT, timeout=int(opts["oscar_limit_s"]),
+                                         env=host.sglang_env(penv)).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        print(f"{run['name']}: exit {rc} after {time.time() - t1:.0f} s (t={time.time() - t0:.0f} s)", flush=True)
+        env["runs"].append({"name": run["name"], "rc": rc, "wall_s": round(time.time() - t1, 1)})
+        for line in (out / "logs" / f"prefill_{run['name']}.log").read_text(errors="replace").splitlines():
+            if line.startswith("PREFIX_ROW") or "Traceback" in line or "Error" in line[:80]:
+                print("   " + line[:400], flush=True)
 
 
 def _measure_profile(opts: dict[str, Any], out: Path, env: dict[str, Any], sweep: list[str], extra: dict[str, str],
@@ -176,6 +246,10 @@ def _measure_profile(opts: dict[str, Any], out: Path, env: dict[str, Any], sweep
 
 
 def report(out: Path, opts: dict[str, Any]) -> list[Path]:
+    if opts["defaults"]:
+        return prefix_report.write_defaults(out / "prefix_rows.jsonl", out,
+                                            env=host.read_env(out / "prefill_defaults_env.json"),
+                                            notes=Path(opts["notes"]) if opts["notes"] else None)
     if opts["profile"]:
         return prefix_profile.rewrite(out, host.read_env(out / "prefix_profile_env.json"))
     rows = out / "prefix_rows.jsonl"
@@ -188,8 +262,8 @@ def report(out: Path, opts: dict[str, Any]) -> list[Path]:
 def track(out: Path, opts: dict[str, Any], uri: str) -> str:
     import csv
 
-    if opts["profile"]:
-        return "none (profile=true writes prefix_profile.{md,json} only)"
+    if opts["profile"] or opts["defaults"]:
+        return "none (profile=true and defaults=true write their .md/.csv only)"
 
     with open(out / "prefix_sweep.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))

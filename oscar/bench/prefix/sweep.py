@@ -31,6 +31,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -129,6 +130,28 @@ def profile_hits(engine: Any, a: argparse.Namespace, sampling: dict, base: dict[
     return prefix_profile.write_profile(results, out, header)
 
 
+def _capacity(engine: Any) -> dict[str, Any]:
+    """The pool's token capacity and memory fraction as the engine reports them (``get_server_info``)."""
+    try:
+        info = engine.get_server_info()
+    except Exception as err:  # noqa: BLE001 - a missing field is reported, the row is still written
+        return {"capacity_error": f"{type(err).__name__}: {err}"[:200]}
+    internal = (info.get("internal_states") or [{}])[0] if isinstance(info, dict) else {}
+    pick = {**(info if isinstance(info, dict) else {}), **(internal if isinstance(internal, dict) else {})}
+    return {k: pick.get(k) for k in ("max_total_num_tokens", "mem_fraction_static", "chunked_prefill_size",
+                                     "context_len", "page_size", "max_running_requests")}
+
+
+def _gpu_memory_used_mib() -> Any:
+    try:
+        text = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30).stdout
+        used, total = (int(x) for x in text.splitlines()[0].split(","))
+        return f"{used}/{total}"
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", required=True)
@@ -147,6 +170,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--wait-for", type=Path, default=None, help="after the warm-up, wait until this file exists "
                     "(two engines started in one run: the second compiles while the first measures)")
     ap.add_argument("--ready", type=Path, default=None, help="touch this file once the engine is warm")
+    ap.add_argument("--gpu-memory", action="store_true", help="the check row also records the pool's token capacity "
+                    "and the GPU memory in use after the long prompt (nvidia-smi)")
     ap.add_argument("--engine", nargs="*", default=[], help="more sglang.Engine arguments, KEY=VALUE")
     a = ap.parse_args(argv)
     import sglang
@@ -159,7 +184,9 @@ def main(argv: list[str]) -> int:
     engine = sglang.Engine(**kwargs)
     started = time.perf_counter() - t_start
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    base = dict(cache="oscar" if a.attention_backend == "oscar" else "bf16", backend=a.attention_backend,
+    kv_dtype = str(kwargs.get("kv_cache_dtype", "auto"))
+    base = dict(cache="oscar" if a.attention_backend == "oscar" else "fp8" if kv_dtype.startswith("fp8") else "bf16",
+                backend=a.attention_backend, kv_cache_dtype=kv_dtype,
                 tag=a.tag, requests=a.requests, input_len=a.input_len, output_len=a.output_len, device=device,
                 radix=True, cuda_graph=not bool(kwargs.get("disable_cuda_graph", False)),
                 page_size=int(kwargs.get("page_size", 1)), engine_start_s=round(started, 2),
@@ -194,6 +221,8 @@ def main(argv: list[str]) -> int:
             lp = dict(return_logprob=True, top_logprobs_num=2)
             _, (cold,) = loop.run_until_complete(_job(engine, [ids], sampling, **lp))
             _, (hit,) = loop.run_until_complete(_job(engine, [ids], sampling, **lp))
+            if a.gpu_memory:
+                base.update(_capacity(engine), gpu_memory_used_mib=_gpu_memory_used_mib())
             write(dict(base, kind="check", cold_tokens=cold["output_ids"], hit_tokens=hit["output_ids"],
                        cold_cached=cold["cached"], hit_cached=hit["cached"], cold_ttft_s=cold["ttft"],
                        hit_ttft_s=hit["ttft"], equal=cold["output_ids"] == hit["output_ids"],

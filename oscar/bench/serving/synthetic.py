@@ -46,7 +46,12 @@ def fill_pool(pool: Any, seed: int = 0) -> str:
     if getattr(pool, "k_buffer", None) is None:
         raise TypeError(f"fill_pool: {type(pool).__name__} has neither OSCAR pages nor SGLang's k_buffer/v_buffer")
     for buf in (*pool.k_buffer, *pool.v_buffer):
-        buf.normal_(generator=gen)
+        if buf.element_size() == 1:  # an FP8 cache (SGLang stores it as uint8): normal values cast to its dtype
+            dtype = getattr(pool, "dtype", torch.float8_e4m3fn)
+            for part in buf.split(1 << 16):
+                part.copy_(torch.randn(part.shape, generator=gen, device=part.device).to(dtype).view(buf.dtype))
+        else:
+            buf.normal_(generator=gen)
     return "bf16"
 
 
