@@ -408,17 +408,18 @@ def table2(ctx: Ctx) -> str:
 
 DECODE_CSV = "reports/serving/decode.csv"
 PREFILL_CSV = "reports/serving/prefill_defaults.csv"
-# the served caches, one column each: (cache, format) of decode.csv, tag of prefill_defaults.csv, header
-DECODE_COLUMNS = ((("oscar", "rotated_channel"), "oscar_channel", "default `auto` (per-channel keys)"),
-                  (("oscar", "rotated"), "oscar_token", "`auto` per-token keys"),
-                  (("bf16", "bf16"), "flashinfer", "BF16 (flashinfer)"),
-                  (("fp8", "fp8_e4m3"), "flashinfer_fp8", "FP8 KV (flashinfer)"))
+# the served caches, one column each: the `format` of decode.csv (the registry's kind, or SGLang's own cache),
+# the tag of prefill_defaults.csv, the header
+DECODE_COLUMNS = (("rotated_channel", "oscar_channel", "default `auto` (per-channel keys)"),
+                  ("rotated", "oscar_token", "`auto` per-token keys"),
+                  ("bf16", "flashinfer", "BF16 (flashinfer)"),
+                  ("fp8_e4m3", "flashinfer_fp8", "FP8 KV (flashinfer)"))
 DECODE_SHAPES = ((1, 30000), (1, 100000), (3, 100000))
 
 
-def _decode_ms(rows: list[dict[str, str]], key: tuple[str, str], batch: int, context: int, graph: bool) -> Optional[float]:
-    """Decode ms of one cache at one shape (synthetic state), the fastest backend of that cache."""
-    hits = [need(r, "decode_ms") for r in rows if (r["cache"], r["format"]) == key and r["mode"] == "synthetic"
+def _decode_ms(rows: list[dict[str, str]], key: str, batch: int, context: int, graph: bool) -> Optional[float]:
+    """Decode ms of one cache format at one shape (synthetic state), the fastest backend of that format."""
+    hits = [need(r, "decode_ms") for r in rows if r["format"] == key and r["mode"] == "synthetic"
             and r.get("status") == "ok" and int(need(r, "batch")) == batch and int(need(r, "context")) == context
             and on_off(r.get("cuda_graph", "")) == ("on" if graph else "off")]
     return min(hits) if hits else None
@@ -442,7 +443,7 @@ def serving_decode(ctx: Ctx) -> str:
                 out.append([f"decode ms, {batch} x {kilo(context)}" + ("" if graph else ", CUDA graphs off"), *cells])
     caps, jobs = [], []
     for key, _, _ in DECODE_COLUMNS:
-        mine = [r for r in rows if (r["cache"], r["format"]) == key and on_off(r.get("cuda_graph", "")) == "on"]
+        mine = [r for r in rows if r["format"] == key and on_off(r.get("cuda_graph", "")) == "on"]
         cap = max((need(r, "max_total_num_tokens") for r in mine if num(r, "max_total_num_tokens")), default=None)
         caps.append(cap)
         ok = [r for r in mine if r["mode"] == "synthetic" and r.get("status") == "ok" and int(need(r, "context")) == 100000]

@@ -121,8 +121,8 @@ def _artifact_key_block(args: Any) -> int:
         _, fmt = validate(ServeSettings.from_env(), hf_config)
         cfg = getattr(hf_config, "text_config", None) or hf_config
         return max((fmt.layer_key_block(i) for i in range(int(cfg.num_hidden_layers))), default=0)
-    except (OscarServeError, OSError, ValueError):
-        return 0
+    except (OscarServeError, OSError, ValueError, KeyError, RuntimeError, TypeError):
+        return 0  # the start-up check reads the same artifact and model, and names what is wrong
 
 
 def serving_defaults_before(args: Any, *rest: Any, **kwargs: Any) -> None:

@@ -54,7 +54,7 @@ def _rotations(gen: torch.Generator, block: int, rope: bool, kivi: bool) -> Laye
                           rope=SPEC if rope and not block else None)
 
 
-def _pool(name: str, monkeypatch):
+def _pool(name: str, monkeypatch, device: str = "cpu"):
     from oscar.serve import state as serve_state
     from oscar.serve.pool import OscarTokenToKVPool
 
@@ -68,7 +68,7 @@ def _pool(name: str, monkeypatch):
     state = dict(settings=ServeSettings(artifact=Path("unused"), sink=sink, recent=recent, kernels="triton"),
                  rotations=[_rotations(gen, t, rope, kind == "kivi2") for t in blocks], format=fmt, fold=True)
     monkeypatch.setattr(serve_state, "_STATE", state)  # what the plugin's ensure_state leaves in a server process
-    return OscarTokenToKVPool(2048, PAGE, torch.bfloat16, HKV, D, len(blocks), "cpu", False, oscar_state=state,
+    return OscarTokenToKVPool(2048, PAGE, torch.bfloat16, HKV, D, len(blocks), device, False, oscar_state=state,
                               oscar_layout=layout)
 
 
@@ -108,19 +108,26 @@ def _attend_twin_on_cpu(pool):
     return run
 
 
-@pytest.mark.parametrize("name", list(FORMATS))
-def test_decode_step_of_every_format_is_capturable(name, fresh_caches, monkeypatch):
-    from oscar.serve.backend import OscarAttnBackend
-
-    gen = torch.Generator().manual_seed(1)
-    pool = _pool(name, monkeypatch)
-    lengths = {0: 95, 1: 130, 2: 64}  # entries before, at and past a block boundary; slot 3 free
+def _requests(device: str = "cpu") -> tuple[dict[int, int], torch.Tensor]:
+    """Three requests' prompt lengths by request slot (before, at and past a block boundary; slot 3 free) and
+    SGLang's ``req_to_token`` holding their pages (one more token each: the decode step's row)."""
+    lengths = {0: 95, 1: 130, 2: 64}
     r2t = torch.zeros(5, 512, dtype=torch.int32)
     free = list(range(1, 2048 // PAGE))
     for r, n in lengths.items():
         for j in range((n + 1 + PAGE - 1) // PAGE):
             p = free.pop()
             r2t[r, j * PAGE:(j + 1) * PAGE] = torch.arange(p * PAGE, (p + 1) * PAGE, dtype=torch.int32)
+    return lengths, r2t.to(device)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_decode_step_of_every_format_is_capturable(name, fresh_caches, monkeypatch):
+    from oscar.serve.backend import OscarAttnBackend
+
+    gen = torch.Generator().manual_seed(1)
+    pool = _pool(name, monkeypatch)
+    lengths, r2t = _requests()
     runner = SimpleNamespace(token_to_kv_pool=pool, device="cpu",
                              req_to_token_pool=SimpleNamespace(req_to_token=r2t))
     be = OscarAttnBackend(runner)
@@ -168,6 +175,75 @@ def test_decode_step_of_every_format_is_capturable(name, fresh_caches, monkeypat
     loc = torch.tensor([int(r2t[r, int(L) - 1]) for r, L in zip(req[:3].tolist(), seq[:3])] + [0])
     capture(SimpleNamespace(forward_mode=_Mode(), batch_size=MAX_BS, req_pool_indices=req, seq_lens=seq,
                             seq_lens_cpu=seq, out_cache_loc=loc), "a batch of real requests")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the real capture of each format on the GPU host")
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_decode_step_of_every_format_captures_on_cuda(name, fresh_caches, monkeypatch):
+    """On the GPU host: the decode step of each format recorded in a real ``torch.cuda.CUDAGraph`` (SGLang's
+    order: buffers bound, eager warm-up on a side stream, the capture), then replayed on a batch of real requests;
+    the replay's outputs match an eager step's (same kernels, so within BF16 rounding)."""
+    from oscar.serve.backend import OscarAttnBackend
+
+    dev = "cuda"
+    gen = torch.Generator().manual_seed(1)
+    pool = _pool(name, monkeypatch, dev)
+    lengths, r2t = _requests(dev)
+    be = OscarAttnBackend(SimpleNamespace(token_to_kv_pool=pool, device=dev,
+                                          req_to_token_pool=SimpleNamespace(req_to_token=r2t)))
+    layer = lambda i: SimpleNamespace(layer_id=i, tp_q_head_num=H, tp_k_head_num=HKV, qk_head_dim=D,  # noqa: E731
+                                      v_head_dim=D, scaling=D**-0.5, sliding_window_size=-1, logit_cap=0)
+    q = torch.randn(MAX_BS, H * D, generator=gen).to(torch.bfloat16).to(dev)
+    kv = torch.randn(MAX_BS, HKV * D, generator=gen).to(torch.bfloat16).to(dev)
+    for r, n in lengths.items():  # the prompts, written as an extend writes them
+        k = torch.randn(n, HKV, D, generator=gen).to(torch.bfloat16).to(dev)
+        for i in range(pool.layer_num):
+            pool.write(i, k, k, r2t[r, :n].long(), torch.full((n,), r, device=dev), torch.arange(n, device=dev),
+                       torch.full((n,), n, device=dev))
+    be.init_cuda_graph_state(MAX_BS, MAX_BS)
+    # SGLang's static inputs: the captured step reads these buffers; a replay copies the batch into them
+    req_buf = torch.zeros(MAX_BS, dtype=torch.int64, device=dev)
+    seq_buf, loc_buf = torch.ones(MAX_BS, dtype=torch.int64, device=dev), torch.zeros(MAX_BS, dtype=torch.int64, device=dev)
+    static = SimpleNamespace(forward_mode=_Mode(), batch_size=MAX_BS, req_pool_indices=req_buf, seq_lens=seq_buf,
+                             seq_lens_cpu=seq_buf.cpu(), out_cache_loc=loc_buf)
+
+    def run_once(fb: SimpleNamespace) -> list[torch.Tensor]:
+        be.init_forward_metadata_in_graph(fb)
+        return [be.forward_decode(q, kv, kv, layer(i), fb) for i in range(pool.layer_num)]
+
+    be.init_forward_metadata_out_graph(static, in_capture=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run_once(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    pool.static_block_writes = True
+    try:
+        with torch.cuda.graph(graph):
+            outs = run_once(static)
+    finally:
+        pool.static_block_writes = False
+    # a step of real requests (before, at and past a block boundary; one padded entry): the recorded step replayed
+    req = torch.tensor([0, 1, 2, 0], device=dev)
+    seq = torch.tensor([lengths[0] + 1, lengths[1] + 1, lengths[2] + 1, 1], device=dev)
+    loc = torch.tensor([int(r2t[r, int(L) - 1]) for r, L in zip(req[:3].tolist(), seq[:3].tolist())] + [0], device=dev)
+    req_buf.copy_(req)
+    seq_buf.copy_(seq)
+    loc_buf.copy_(loc)
+    static.seq_lens_cpu = seq.cpu()
+    be.init_forward_metadata_out_graph(static, in_capture=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [o[:3].float().clone() for o in outs]
+    real = SimpleNamespace(forward_mode=_Mode(), batch_size=MAX_BS, req_pool_indices=req, seq_lens=seq,
+                           seq_lens_cpu=seq.cpu(), out_cache_loc=loc)
+    be.init_forward_metadata_out_graph(real, in_capture=False)
+    eager = [o[:3].float() for o in run_once(real)]  # the same step again, eagerly (its writes are idempotent)
+    for i, (a, b) in enumerate(zip(replayed, eager)):
+        assert torch.isfinite(a).all(), (name, i)
+        assert torch.allclose(a, b, atol=2e-2, rtol=2e-2), (name, i, float((a - b).abs().max()))
 
 
 def test_guard_names_what_a_capture_refuses():
