@@ -81,12 +81,12 @@ def serving_defaults(args: Any, key_block: int = 0) -> list[str]:
     gpu = str(get("device") or _default_device()) != "cpu"
     out = []
     if get("page_size") is None:
-        page = max(MIN_CUDA_PAGE_SIZE if gpu else 1, int(key_block or 1))
-        page = 1 << (page - 1).bit_length()  # a power of two holding whole key blocks (blocks are powers of two)
+        floor = MIN_CUDA_PAGE_SIZE if gpu else 1
+        page = 1 << (max(floor, int(key_block or 1)) - 1).bit_length()  # a power of two holding whole key blocks
         if page > 1:
             args.page_size = page
-            why = (f"per-channel key blocks of {key_block} tokens live in one page" if key_block >= page // 2 + 1
-                   else f"the GPU decode kernel reads pages of {MIN_CUDA_PAGE_SIZE} tokens")
+            why = (f"per-channel key blocks of {key_block} tokens live in one page" if key_block > floor
+                   else f"the GPU decode kernel reads pages of {floor} tokens")
             out.append(f"--page-size {page} ({why})")
     if gpu and not get("disable_cuda_graph") and not get("disable_prefill_cuda_graph") \
             and get("cuda_graph_backend_prefill") is None:
