@@ -51,6 +51,7 @@ DEFAULTS: dict[str, Any] = {
 # length (the model's), CUDA graphs and radix cache on; only what dummy weights need is set
 ENGINE_DEFAULTS = ["load_format=dummy", "skip_tokenizer_init=true", "sampling_backend=pytorch", "grammar_backend=none",
                    "log_level=info"]
+DEFAULTS_ROWS = "prefill_defaults_rows.jsonl"  # defaults=true's raw rows (the sweep's are prefix_rows.jsonl)
 ENGINE = ["load_format=dummy", "skip_tokenizer_init=true", "sampling_backend=pytorch", "grammar_backend=none",
           "log_level=info", "context_length=65536", "max_running_requests=16", "cuda_graph_max_bs_decode=16",
           "chunked_prefill_size=32768", "max_prefill_tokens=32768", "disable_prefill_cuda_graph=true"]
@@ -172,7 +173,8 @@ def _measure_defaults(opts: dict[str, Any], out: Path, env: dict[str, Any], swee
     from oscar.bench.serving.timing_artifact import write_timing_artifact  # local: keeps torch out of `gpu --help`
 
     i = sweep.index("--out")
-    rows = Path(sweep[i + 1])
+    rows = out / DEFAULTS_ROWS  # this run's rows only
+    rows.unlink(missing_ok=True)
     cmd = sweep[:i] + sweep[i + 2:]  # --out goes last, beside this run's own flags
     cmd[cmd.index("--ratios") + 1] = ""
     arts = Path(tempfile.gettempdir()) / "oscar_timing_artifacts"
@@ -247,7 +249,7 @@ def _measure_profile(opts: dict[str, Any], out: Path, env: dict[str, Any], sweep
 
 def report(out: Path, opts: dict[str, Any]) -> list[Path]:
     if opts["defaults"]:
-        return prefix_report.write_defaults(out / "prefix_rows.jsonl", out,
+        return prefix_report.write_defaults(out / DEFAULTS_ROWS, out,
                                             env=host.read_env(out / "prefill_defaults_env.json"),
                                             notes=Path(opts["notes"]) if opts["notes"] else None)
     if opts["profile"]:
