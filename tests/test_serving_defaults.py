@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from oscar.serve.plugin import DEFAULT_MAX_RUNNING, MIN_CUDA_PAGE_SIZE, _flag_problems, serving_defaults
+from oscar.serve.plugin import (DEFAULT_MAX_RUNNING, MIN_CUDA_PAGE_SIZE, _flag_problems, _format_problems,
+                                serving_defaults)
 
 
 def _args(**kw):
@@ -54,6 +55,23 @@ def test_given_values_are_kept_and_refused_by_name():
     # graphs off altogether: no prefill switch needed, none set
     off = _args(disable_cuda_graph=True)
     assert not any("prefill" in line for line in serving_defaults(off, 0)) and off.disable_prefill_cuda_graph is False
+
+
+def test_a_page_must_hold_whole_key_blocks():
+    """A per-channel artifact served at a page the user gave that splits its key blocks is refused at start-up, by
+    name, before any server process (the pool would refuse it later, in the scheduler)."""
+    from oscar.cache.formats import ChannelKeyFormat
+
+    fmt = ChannelKeyFormat(name="auto", bits=2, group_size=64, sink=64, recent=64, page_size=32, key_block=32,
+                           layer_blocks=(0, 32, 32))
+    problems = _format_problems(fmt, SimpleNamespace(page_size=16), 3)
+    assert problems == ["--page-size 16: the artifact's per-channel key blocks of 32 tokens live in one page; use "
+                        "--page-size 32 or a multiple (or leave it unset: the plugin then sets it)"]
+    assert _format_problems(fmt, SimpleNamespace(page_size=32), 3) == []
+    assert _format_problems(fmt, SimpleNamespace(page_size=64), 3) == []
+    args = _args()
+    serving_defaults(args, 32)  # what the plugin sets when the page is left unset is served
+    assert _format_problems(fmt, args, 3) == []
 
 
 def test_hook_leaves_other_backends_alone(monkeypatch):

@@ -179,13 +179,20 @@ def _flag_problems(args: Any) -> list[str]:
     return out
 
 
-def _format_problems(fmt: Any, args: Any) -> list[str]:
-    """What of the served cache format does not fit the server's flags (the sink must fill whole pages)."""
+def _format_problems(fmt: Any, args: Any, num_layers: int = 0) -> list[str]:
+    """What of the served cache format does not fit the server's flags: the sink must fill whole pages, and a page
+    must hold whole per-channel key blocks (of the ``num_layers`` layers')."""
     page = int(getattr(args, "page_size", None) or 1)
+    out = []
     if fmt.sink % page:
-        return [f"the sink of {fmt.sink} tokens (OSCAR_SINK, else the artifact's format) must be a multiple of "
-                f"--page-size {page} (quantized rows start on a page)"]
-    return []
+        out.append(f"the sink of {fmt.sink} tokens (OSCAR_SINK, else the artifact's format) must be a multiple of "
+                   f"--page-size {page} (quantized rows start on a page)")
+    blocks = sorted({fmt.layer_key_block(i) for i in range(num_layers)} - {0})
+    if blocks and page % blocks[-1]:
+        out.append(f"--page-size {page}: the artifact's per-channel key blocks of {blocks[-1]} tokens live in one page; "
+                   f"use --page-size {max(blocks[-1], MIN_CUDA_PAGE_SIZE)} or a multiple (or leave it unset: the "
+                   "plugin then sets it)")
+    return out
 
 
 def _tp_problems(args: Any, hf_config: Any) -> list[str]:
@@ -214,7 +221,8 @@ def check_server_args_after(result: Any, args: Any, *rest: Any, **kwargs: Any) -
 
     hf_config = AutoConfig.from_pretrained(args.model_path, trust_remote_code=bool(args.trust_remote_code))
     _, fmt = validate(settings, hf_config)
-    problems = _format_problems(fmt, args)
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    problems = _format_problems(fmt, args, int(getattr(cfg, "num_hidden_layers", 0) or 0))
     if problems:
         raise OscarServeError("--attention-backend oscar refuses these settings:\n  - " + "\n  - ".join(problems))
     problems = _tp_problems(args, hf_config)
