@@ -40,15 +40,20 @@ class Seams:
     pool_hook: str  # the KVCacheConfigurator method the plugin hooks (AROUND) to put its pool in
     pool_hook_kind: str  # "build" (swap mha_pool_class) or "resolve" (return the class for kind="mha")
     tree_hooks: tuple[tuple[str, str], ...]  # (tree method, kind): where the radix tree takes a request's pages
+    args_hook: str  # the ServerArgs method that runs before SGLang resolves its defaults (the serving defaults' seam)
 
 
 _KVC = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 _RADIX = "sglang.srt.mem_cache.radix_cache.RadixCache"
 SEAMS = {
+    # 0.5.17 resolves its arguments in ServerArgs.__post_init__; 0.5.23 leaves __post_init__ empty and resolves in
+    # ServerArgs.resolve_once (called by the launchers)
     "0.5.17": Seams("sglang.srt.server_args", f"{_KVC}._build_mha_kv_pool", "build",
-                    ((f"{_RADIX}.cache_finished_req", "finished"), (f"{_RADIX}.cache_unfinished_req", "unfinished"))),
+                    ((f"{_RADIX}.cache_finished_req", "finished"), (f"{_RADIX}.cache_unfinished_req", "unfinished")),
+                    "sglang.srt.server_args.ServerArgs.__post_init__"),
     "0.5.23": Seams("sglang.srt.arg_groups.choices", f"{_KVC}._resolve_kv_pool_class", "resolve",
-                    (("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint", "checkpoint"),)),
+                    (("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint", "checkpoint"),),
+                    "sglang.srt.server_args.ServerArgs.resolve_once"),
 }
 _POOL_HOOK_PARAMS = {"build": ["self", "max_total_num_tokens", "mha_pool_class"], "resolve": ["self", "kind", "default"]}
 # the tree hooks read the request and how many of its positions the tree takes (a keyword argument)
@@ -129,7 +134,7 @@ def signatures(version: str) -> dict[str, Any]:
     s = seams(version)
     return {**COMMON, f"{s.choices_module}.ATTENTION_BACKEND_CHOICES": None,
             f"{s.choices_module}.add_attention_backend_choices": None,
-            s.pool_hook: _POOL_HOOK_PARAMS[s.pool_hook_kind],
+            s.pool_hook: _POOL_HOOK_PARAMS[s.pool_hook_kind], s.args_hook: ["self"],
             **{target: _TREE_HOOK_PARAMS[kind] for target, kind in s.tree_hooks}}
 
 

@@ -126,8 +126,9 @@ def _artifact_key_block(args: Any) -> int:
 
 
 def serving_defaults_before(args: Any, *rest: Any, **kwargs: Any) -> None:
-    """BEFORE hook of ``ServerArgs.__post_init__`` (SGLang loads plugins before it builds its arguments):
-    `serving_defaults` for ``--attention-backend oscar``, logged once."""
+    """BEFORE hook of the ``ServerArgs`` method that resolves SGLang's defaults (``Seams.args_hook``: 0.5.17's
+    ``__post_init__``, 0.5.23's ``resolve_once``; SGLang loads plugins before either runs): `serving_defaults` for
+    ``--attention-backend oscar``, logged once."""
     if getattr(args, "attention_backend", None) != BACKEND or str(getattr(args, "model_path", "")).lower() in ("none",
                                                                                                              "dummy"):
         return None
@@ -533,7 +534,7 @@ def hooks(version: str) -> list[tuple[str, Any, Any]]:
     alloc = "sglang.srt.mem_cache.allocator"
     tree = {"finished": finished_before, "unfinished": unfinished_before, "checkpoint": checkpoint_before}
     return [
-        ("sglang.srt.server_args.ServerArgs.__post_init__", serving_defaults_before, "BEFORE"),
+        (s.args_hook, serving_defaults_before, "BEFORE"),
         ("sglang.srt.server_args.ServerArgs.check_server_args", check_server_args_after, "AFTER"),
         (s.pool_hook, pool_hook, "AROUND"),
         (f"{conf}._compute_cell_size", compute_cell_size_around, "AROUND"),

@@ -79,7 +79,7 @@ def test_register_adds_backend_choice_and_hooks():
     assert choices.count("oscar") == 1
     hooked = {t for t, entries in HookRegistry._hooks.items() for _, h, _ in entries if h.__module__ == plugin.__name__}
     assert hooked == {
-        "sglang.srt.server_args.ServerArgs.__post_init__",  # the serving defaults, before SGLang resolves its own
+        "sglang.srt.server_args.ServerArgs.resolve_once",  # the serving defaults, before SGLang resolves its own
         "sglang.srt.server_args.ServerArgs.check_server_args",
         "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_kv_pool_class",
         "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
@@ -99,6 +99,7 @@ def test_register_adds_backend_choice_and_hooks():
     # and its tree takes pages in cache_finished_req / cache_unfinished_req (0.5.23: checkpoint)
     radix = "sglang.srt.mem_cache.radix_cache.RadixCache"
     assert {f"{radix}.cache_finished_req", f"{radix}.cache_unfinished_req"} <= targets
+    assert "sglang.srt.server_args.ServerArgs.__post_init__" in targets  # 0.5.17 resolves its arguments there
     assert len(targets) == len(hooked) + 1
     for target, entries in HookRegistry._hooks.items():
         assert sum(h.__module__ == plugin.__name__ for _, h, _ in entries) <= 1, target
@@ -142,3 +143,26 @@ def test_refusals_name_the_flag():
     fmt = SimpleNamespace(sink=24)
     assert any("sink of 24 tokens" in p and "--page-size 16" in p for p in _format_problems(fmt, gpu))
     assert _format_problems(SimpleNamespace(sink=64), gpu) == []
+
+
+def test_serving_defaults_fill_what_sglang_leaves(tiny_llama, tmp_path, monkeypatch):
+    """``--attention-backend oscar`` and nothing else: the installed SGLang's own argument resolution, with the
+    plugin loaded, ends in values the start-up check serves (0.5.23 resolves in ``resolve_once``, 0.5.17 in
+    ``__post_init__``: the hook sits on whichever the version's seams name)."""
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs
+
+    from serve_helpers import save_in_code_artifact
+    from oscar.serve import plugin
+
+    monkeypatch.setenv("OSCAR_ARTIFACT", str(save_in_code_artifact(tiny_llama, "int2", tmp_path / "int2")))
+    load_plugins()
+    args = ServerArgs(model_path=str(tiny_llama), attention_backend="oscar", device="cpu")
+    if hasattr(args, "resolve_once"):
+        args.resolve_once()
+    assert args.max_running_requests == plugin.DEFAULT_MAX_RUNNING
+    assert plugin._flag_problems(args) == []
+    given = ServerArgs(model_path=str(tiny_llama), attention_backend="oscar", device="cpu", max_running_requests=5)
+    if hasattr(given, "resolve_once"):
+        given.resolve_once()
+    assert given.max_running_requests == 5  # a value the user gave is kept
