@@ -54,10 +54,12 @@ def _generate(engine: Any, ids: list[int], new: int, **extra: Any) -> dict[str, 
 def forced_argmax(engine: Any, prompt: list[int], completion: list[int]) -> tuple[list[int], int]:
     """The argmax at each completion position with ``prompt + completion`` as input (teacher forcing), and the
     prompt tokens SGLang served from its cache."""
-    out = _generate(engine, prompt + completion, 1, return_logprob=True, logprob_start_len=len(prompt),
+    out = _generate(engine, prompt + completion, 1, return_logprob=True, logprob_start_len=len(prompt) - 1,
                     top_logprobs_num=1)
     meta = out["meta_info"]
-    # entry i: the distribution over the token at input position logprob_start_len + i
+    # entry i: the distribution over the token at input position logprob_start_len + i (the first entry has none:
+    # its distribution is at the position before the range), so the last len(completion) entries are the
+    # completion's
     picks = [int(t[0][1]) if t else -1 for t in meta["input_top_logprobs"]][-len(completion):]
     return picks, int(meta.get("cached_tokens", 0))
 
