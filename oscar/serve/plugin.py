@@ -129,9 +129,9 @@ def serving_defaults_before(args: Any, *rest: Any, **kwargs: Any) -> None:
     """BEFORE hook of the ``ServerArgs`` method that resolves SGLang's defaults (``Seams.args_hook``: 0.5.17's
     ``__post_init__``, 0.5.23's ``resolve_once``; SGLang loads plugins before either runs): `serving_defaults` for
     ``--attention-backend oscar``, logged once."""
-    if getattr(args, "attention_backend", None) != BACKEND or str(getattr(args, "model_path", "")).lower() in ("none",
-                                                                                                             "dummy"):
-        return None
+    if getattr(args, "attention_backend", None) != BACKEND or getattr(args, "_resolution_finished", False) \
+            or str(getattr(args, "model_path", "")).lower() in ("none", "dummy"):
+        return None  # not ours, already resolved (0.5.23 calls resolve_once again in child processes), or no model
     chosen = serving_defaults(args, _artifact_key_block(args))
     if chosen:
         logger.warning("OSCAR sets what SGLang's defaults leave unserved: %s", "; ".join(chosen))
