@@ -125,3 +125,21 @@ def test_fp8_pool_fill_is_finite():
     bf = [torch.zeros(10, 2, 8, dtype=torch.bfloat16)]
     fill_pool(SimpleNamespace(device="cpu", k_buffer=bf, v_buffer=[torch.zeros_like(bf[0])]))
     assert bf[0].std().item() > 0.5
+
+
+def test_capacity_reads_what_the_engine_reports(monkeypatch):
+    from oscar.bench import host
+    from oscar.bench.prefix import sweep
+
+    monkeypatch.setattr(host, "gpu_memory", lambda: {"total_gib": 79.6474609375, "used_gib": 77.484375, "free_gib": 2.0})
+    info = {"mem_fraction_static": 0.835, "chunked_prefill_size": 8192, "page_size": 32, "max_running_requests": 64,
+            "internal_states": [{"max_total_num_tokens": 2045504, "context_len": 131072}]}
+    got = sweep._capacity(SimpleNamespace(get_server_info=lambda: info))
+    assert got == {"max_total_num_tokens": 2045504, "mem_fraction_static": 0.835, "chunked_prefill_size": 8192,
+                   "context_len": 131072, "page_size": 32, "max_running_requests": 64,
+                   "gpu_memory_used_mib": "79344/81559"}
+
+    def broken():
+        raise RuntimeError("no server info")
+
+    assert sweep._capacity(SimpleNamespace(get_server_info=broken)) == {"capacity_error": "RuntimeError: no server info"}

@@ -414,6 +414,7 @@ DECODE_COLUMNS = (("rotated_channel", "oscar_channel", "default `auto` (per-chan
                   ("rotated", "oscar_token", "`auto` per-token keys"),
                   ("bf16", "flashinfer", "BF16 (flashinfer)"),
                   ("fp8_e4m3", "flashinfer_fp8", "FP8 KV (flashinfer)"))
+BF16_COLUMN = 2  # the reference of every ratio
 DECODE_SHAPES = ((1, 30000), (1, 100000), (3, 100000))
 
 
@@ -430,7 +431,7 @@ def serving_decode(ctx: Ctx) -> str:
     `reports/serving/decode.csv` (decode steps, capacity) and `reports/serving/prefill_defaults.csv` (a 128k prompt
     at SGLang's defaults)."""
     rows = ctx.rows(DECODE_CSV)
-    bf16 = DECODE_COLUMNS[2][0]
+    bf16 = DECODE_COLUMNS[BF16_COLUMN][0]
     out = []
     for graph in (True, False):
         for batch, context in DECODE_SHAPES:
@@ -449,12 +450,12 @@ def serving_decode(ctx: Ctx) -> str:
         ok = [r for r in mine if r["mode"] == "synthetic" and r.get("status") == "ok" and int(need(r, "context")) == 100000]
         best = max(ok, key=lambda r: int(need(r, "batch")), default=None)
         jobs.append(None if best is None else (int(need(best, "batch")), need(best, "tokens_per_s")))
-    ref_cap, ref_job = caps[2], jobs[2]
+    ref_cap, ref_job = caps[BF16_COLUMN], jobs[BF16_COLUMN]
     out.append(["token capacity (SGLang's default memory fraction)",
-                *["" if c is None else f"{c:,.0f}" + ("" if i == 2 or not ref_cap else f" ({c / ref_cap:.1f}x)")
+                *["" if c is None else f"{c:,.0f}" + ("" if i == BF16_COLUMN or not ref_cap else f" ({c / ref_cap:.1f}x)")
                   for i, c in enumerate(caps)]])
     out.append(["job tokens/s at 100k, at the largest batch measured",
-                *["" if j is None else f"{j[1]:,.0f} at {j[0]} x 100k" + ("" if i == 2 or not ref_job else
+                *["" if j is None else f"{j[1]:,.0f} at {j[0]} x 100k" + ("" if i == BF16_COLUMN or not ref_job else
                                                                          f" ({j[1] / ref_job[1]:.1f}x)")
                   for i, j in enumerate(jobs)]])
     prefill = {r["tag"]: r for r in ctx.rows(PREFILL_CSV)} if (ctx.root / PREFILL_CSV).is_file() else {}

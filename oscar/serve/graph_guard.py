@@ -45,6 +45,7 @@ def _syncs(func: Any, kwargs: dict) -> bool:
         return kwargs.get("output_size") is None
     return func.overloadpacket in SYNC_OPS
 
+
 OWN_CODE = ("/oscar/", "/kernels/")
 
 

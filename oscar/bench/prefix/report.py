@@ -55,14 +55,19 @@ def comparison(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _equal_tokens(check: dict[str, Any]) -> str:
+    """Greedy tokens of a check row equal cold and on the hit, position by position: ``equal/compared``."""
+    a, b = check["cold_tokens"], check["hit_tokens"]
+    return f"{sum(x == y for x, y in zip(a, b))}/{min(len(a), len(b))}"
+
+
 def check_lines(checks: list[dict[str, Any]]) -> list[str]:
     out = []
     for c in checks:
         a, b = c["cold_tokens"], c["hit_tokens"]
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         gap = c.get("first_logprob_gap")
-        out.append(f"| {c['tag']} | {c['input_len']} | {c['cold_cached']} | {c['hit_cached']} | "
-                   f"{sum(x == y for x, y in zip(a, b))}/{min(len(a), len(b))} | "
+        out.append(f"| {c['tag']} | {c['input_len']} | {c['cold_cached']} | {c['hit_cached']} | {_equal_tokens(c)} | "
                    f"{'none' if first is None else first} | {'-' if gap is None else f'{gap:.3g}'} | {c['cold_ttft_s']:.2f} | {c['hit_ttft_s']:.2f} |")
     return out
 
@@ -160,9 +165,7 @@ def write_defaults(rows_path: Path, out: Path, env: dict[str, Any] | None = None
             table.append({"tag": run["name"], "status": f"no row (exit {run.get('rc', '?')}; "
                                                         f"logs/prefill_{run['name']}.log)"})
             continue
-        a, b = c["cold_tokens"], c["hit_tokens"]
-        table.append({**{k: c.get(k) for k in DEFAULT_COLUMNS}, "status": "ok",
-                      "equal_tokens": f"{sum(x == y for x, y in zip(a, b))}/{min(len(a), len(b))}"})
+        table.append({**{k: c.get(k) for k in DEFAULT_COLUMNS}, "status": "ok", "equal_tokens": _equal_tokens(c)})
     if not table:
         raise ValueError(f"{rows_path}: no rows and no runs")
     out.mkdir(parents=True, exist_ok=True)

@@ -31,12 +31,12 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from oscar.bench import host
 from oscar.bench.prefix import profile as prefix_profile
 
 
@@ -131,25 +131,17 @@ def profile_hits(engine: Any, a: argparse.Namespace, sampling: dict, base: dict[
 
 
 def _capacity(engine: Any) -> dict[str, Any]:
-    """The pool's token capacity and memory fraction as the engine reports them (``get_server_info``)."""
+    """The pool's token capacity and the settings SGLang resolved, as the engine reports them (``get_server_info``),
+    and the GPU memory in use (MiB, used/total)."""
     try:
         info = engine.get_server_info()
     except Exception as err:  # noqa: BLE001 - a missing field is reported, the row is still written
         return {"capacity_error": f"{type(err).__name__}: {err}"[:200]}
-    internal = (info.get("internal_states") or [{}])[0] if isinstance(info, dict) else {}
-    pick = {**(info if isinstance(info, dict) else {}), **(internal if isinstance(internal, dict) else {})}
-    return {k: pick.get(k) for k in ("max_total_num_tokens", "mem_fraction_static", "chunked_prefill_size",
-                                     "context_len", "page_size", "max_running_requests")}
-
-
-def _gpu_memory_used_mib() -> Any:
-    try:
-        text = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, timeout=30).stdout
-        used, total = (int(x) for x in text.splitlines()[0].split(","))
-        return f"{used}/{total}"
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-        return None
+    pick = {**info, **(info.get("internal_states") or [{}])[0]}
+    mem = host.gpu_memory()
+    return {**{k: pick.get(k) for k in ("max_total_num_tokens", "mem_fraction_static", "chunked_prefill_size",
+                                        "context_len", "page_size", "max_running_requests")},
+            "gpu_memory_used_mib": mem and f"{mem['used_gib'] * 1024:.0f}/{mem['total_gib'] * 1024:.0f}"}
 
 
 def main(argv: list[str]) -> int:
@@ -222,7 +214,7 @@ def main(argv: list[str]) -> int:
             _, (cold,) = loop.run_until_complete(_job(engine, [ids], sampling, **lp))
             _, (hit,) = loop.run_until_complete(_job(engine, [ids], sampling, **lp))
             if a.gpu_memory:
-                base.update(_capacity(engine), gpu_memory_used_mib=_gpu_memory_used_mib())
+                base.update(_capacity(engine))
             write(dict(base, kind="check", cold_tokens=cold["output_ids"], hit_tokens=hit["output_ids"],
                        cold_cached=cold["cached"], hit_cached=hit["cached"], cold_ttft_s=cold["ttft"],
                        hit_ttft_s=hit["ttft"], equal=cold["output_ids"] == hit["output_ids"],

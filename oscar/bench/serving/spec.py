@@ -164,7 +164,8 @@ def needs(opts: dict[str, Any]) -> list[host.Need]:
 def command(run: dict[str, Any], opts: dict[str, Any], out: Path) -> list[str]:
     """The ``oscar.bench.serving.one_batch`` command line of one backend process."""
     shapes = [s for k in ("real", "synthetic", "profile") for s in _shapes(run[k])] + _shapes(opts["warmup"])
-    mem = [] if str(opts["mem_fraction"]) == "default" else ["--mem-fraction-static", str(opts["mem_fraction"])]
+    frac = _mem_fraction(opts)
+    mem = [] if frac is None else ["--mem-fraction-static", str(opts["mem_fraction"])]
     args = [sys.executable, "-m", "oscar.bench.serving.one_batch", "--model-path", str(model_dir(opts)),
             "--load-format", "dummy", "--output-len", str(opts["output_len"]), "--sampling-backend", "pytorch",
             "--grammar-backend", "none", *mem, "--context-length",
