@@ -469,8 +469,9 @@ def serving_decode(ctx: Ctx) -> str:
         out.append([f"{n:,}-token prompt at SGLang's defaults, time to first token", *cells])
     header = ["served through SGLang (>1x: faster than BF16)", *[h for _, _, h in DECODE_COLUMNS]]
     devices = sorted({r.get("device", "") for r in rows} - {""})
-    caption = (f"{', '.join(devices)}; dummy Qwen3-8B weights; decode: median step on the synthetic state, CUDA graphs on "
-               "unless marked, the ratio is BF16's time over the cache's (the graphs-off and FP8 rows from a second card of "
+    caption = (f"{', '.join(devices)}; dummy Qwen3-8B weights; decode and capacity: SGLang's one-batch harness "
+               "(`bench_one_batch`, radix cache off), median step on the synthetic state, CUDA graphs on unless marked, "
+               "the ratio is BF16's time over the cache's (the graphs-off and FP8 rows from a second card of "
                "the same kind: decode.md says which call gave each row); the prompt row through SGLang's own Engine at "
                "its defaults (chunked prefill, radix cache and CUDA graphs on). Reports: "
                f"{ctx.link(DECODE_CSV.replace('.csv', '.md'))}"
