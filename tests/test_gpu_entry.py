@@ -58,7 +58,7 @@ def test_every_table_dispatches_and_names_what_is_missing(table, tmp_path, monke
     err = capsys.readouterr().err
     assert f"oscar gpu {table}:" in err and "CUDA device (found: none): this table runs on a CUDA GPU" in err
     assert "free GPU memory" in err
-    if table in ("serving", "prefix", "correctness"):
+    if table in ("serving", "prefix", "correctness", "soak"):
         assert "sglang (found: not importable: No module named 'sglang')" in err
     assert not out.exists()  # stopped before measuring
 
@@ -309,6 +309,44 @@ def test_prefix_and_correctness_reports_from_fake_rows(tmp_path):
     assert [(r["check"], r["holds"]) for r in summary] == [
         ("pool vs twin: plain, original frame", True), ("pool vs twin: plain, rotated frame", False),
         ("greedy tokens, covering windows vs triton BF16 (prompts equal)", True)]
+
+
+def test_soak_table_serves_as_a_user_starts_it_and_reports_each_check(tmp_path, monkeypatch):
+    """The soak's server gets only what dummy weights need, ``--attention-backend oscar`` and the pool's size (the page
+    size, graphs and request slots are the plugin's serving defaults); its report names every check; bad options are
+    refused naming the valid values; the log counts find SGLang's leak and retract lines."""
+    from oscar.bench.soak import spec as soak
+
+    opts = tables.parse("soak", [])
+    args = soak.server_args(opts)
+    assert args[args.index("--attention-backend") + 1] == "oscar"
+    assert args[args.index("--max-total-tokens") + 1] == "300000"
+    assert not {"--page-size", "--disable-cuda-graph", "--disable-radix-cache", "--chunked-prefill-size",
+                "--max-running-requests", "--mem-fraction-static"} & set(args)
+    assert "--max-total-tokens" not in soak.server_args(tables.parse("soak", ["pool=0"]))
+    monkeypatch.setattr(host, "gpu_memory", lambda: None)
+    with pytest.raises(ValueError, match="format='bogus'; valid: .*channel"):
+        soak.needs(tables.parse("soak", ["format=bogus"]))
+    with pytest.raises(ValueError, match="lengths='1000,x'"):
+        soak.needs(tables.parse("soak", ["lengths=1000,x"]))
+    counts = soak.log_counts("KV cache pool is full. Retract requests.\nTraceback (most recent call last)\n"
+                             "token_to_kv_pool_allocator memory leak detected!\n")
+    assert counts["retracted"] == 1 and counts["tracebacks"] == 1 and counts["leak"] >= 1
+    out = tmp_path / "soak"
+    out.mkdir()
+    rep = {"ok": True, "checks": {"no_failed_request": True, "healthy_after": True, "free_tokens_restored": True,
+                                  "gpu_memory_growth_mib": 12, "greedy_equal": "4/4"},
+           "stats": {"sent": 120, "done": 108, "hits": 30, "aborted": 12, "failed": 0, "errors": [],
+                     "tokens_in": 4_200_000, "wall_s": 241.0},
+           "free_tokens": [300000, 300000], "gpu_memory_mib": [70000, 70012], "log_counts": counts,
+           "settings": {"workers": 12, "lengths": "1000,100000", "new_tokens": 32, "seconds": 240.0},
+           "command_server": "python -m sglang.launch_server --model-path m " + " ".join(args)}
+    (out / "soak.json").write_text(json.dumps(rep))
+    assert gpu.main(["soak", "report_only=true", "tracking=false", f"out={out}"]) == 0
+    md = (out / "soak.md").read_text()
+    assert "**Verdict: clean.**" in md and "| requests sent / answered / aborted on purpose / failed | 120 / 108 / 12 / 0 |" in md
+    assert "| pool's free tokens before / after | 300000 / 300000 |" in md and "| greedy samples equal to the fresh server's | 4/4 |" in md
+    assert "| prompt tokens sent | 4,200,000 |" in md and "--attention-backend oscar" in md
 
 
 def test_accuracy_cells_and_their_calibration_needs(tmp_path, monkeypatch):

@@ -28,6 +28,7 @@ TABLES: dict[str, str] = {
     "correctness": "oscar.bench.correctness.spec",
     "accuracy": "oscar.bench.accuracy.spec",
     "throughput": "oscar.bench.throughput.spec",
+    "soak": "oscar.bench.soak.spec",
 }
 # keys every table takes
 COMMON: dict[str, Any] = {
