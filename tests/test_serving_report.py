@@ -78,7 +78,9 @@ def test_targets_grid_cross_check_and_profile(tmp_path):
                 top_graph=[dict(name="nvjet_x", part="gemm", ms=4.0, calls=217),
                            dict(name="flashinfer::norm::FusedAddRMSNormKernel", part="attention", ms=1.0, calls=72)],
                 top_eager=[dict(name="oscar_decode_mma<>", part="oscar.attention", ms=2.0, calls=36),
-                           dict(name="nvjet_x", part="gemm", ms=4.0, calls=217)])
+                           dict(name="nvjet_x", part="gemm", ms=4.0, calls=217)],
+                host_eager=[dict(function="oscar/serve/pool.py:445:write_decode", calls_per_step=36.0,
+                                 own_us_per_step=900.0, cum_us_per_step=5200.0)])
     src = tmp_path / "rows.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "profile_rows.jsonl").write_text(json.dumps(prof) + "\n")
@@ -88,3 +90,4 @@ def test_targets_grid_cross_check_and_profile(tmp_path):
     assert parts == {("graph", "gemm"): 4.0, ("graph", "norm"): 1.0, ("graph", "unlisted"): 2.0,
                      ("eager", "gemm"): 4.0, ("eager", "oscar.attention"): 2.0, ("eager", "unlisted"): 1.0}
     assert "wall 8.00 ms per step, GPU 7.00 ms, wall - gpu 1.00 ms" in (tmp_path / "out" / "profile.md").read_text()
+    assert "| 900 | 5200 | 36 | `oscar/serve/pool.py:445:write_decode` |" in (tmp_path / "out" / "profile.md").read_text()

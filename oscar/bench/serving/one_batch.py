@@ -29,6 +29,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from oscar.bench.serving import synthetic as sy
@@ -153,11 +154,35 @@ def _profile(runner: Any, bs: int, il: int, ol: int, steps: int = 5) -> dict[str
             continue
         finally:
             mr.decode_cuda_graph_runner = graph_runner
+        if mode == "eager":  # where the host time goes: the Python functions of the eager step (cProfile)
+            mr.decode_cuda_graph_runner = None
+            try:
+                out["host_eager"] = _host_profile(runner, batch, ids, steps)
+            finally:
+                mr.decode_cuda_graph_runner = graph_runner
         kernels = attribute_kernels(trace)
         out[f"{mode}_gpu_ms"] = sum(k["dur_us"] for k in kernels) / 1e3 / steps
         out[f"{mode}_parts"] = summarize(kernels, steps)
         out[f"top_{mode}"] = top_kernels(kernels, steps)
     return out
+
+
+def _host_profile(runner: Any, batch: Any, ids: Any, steps: int, top: int = 30) -> list[dict[str, Any]]:
+    """``steps`` eager decode steps under ``cProfile``: the ``top`` functions by own time, each with its calls and
+    its own and cumulative microseconds per step (where an eager step's host time goes)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    _decode_steps(runner, batch, ids, steps)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (primitive calls, calls, tottime, cumtime, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    root = str(Path(__file__).resolve().parents[3])
+    return [{"function": f"{file.replace(root + '/', '')}:{line}:{name}", "calls_per_step": round(v[1] / steps, 1),
+             "own_us_per_step": round(1e6 * v[2] / steps, 1), "cum_us_per_step": round(1e6 * v[3] / steps, 1)}
+            for (file, line, name), v in rows]
 
 
 def _profiled_steps(runner: Any, batch: Any, ids: Any, steps: int, attn_backend: Any, out: dict[str, Any],

@@ -352,7 +352,8 @@ def write_profile(profiles: list[dict[str, Any]], out: Path) -> list[str]:
         if p.get("status") != "ok":
             md += [f"- {p['tag']} batch {p['batch']} context {p['context']}: {p.get('status')}", ""]
             continue
-        md += [f"## {p['cache']}/{p['backend']}, batch {p['batch']}, context {p['context']} ({p.get('device', '')})", ""]
+        md += [f"## {p['tag']} ({p['cache']}/{p['backend']}), batch {p['batch']}, context {p['context']} "
+               f"({p.get('device', '')})", ""]
         for mode in ("graph", "eager"):
             if f"{mode}_gpu_ms" not in p:
                 md += [f"- {mode}: {p.get(f'{mode}_error', 'not measured')}", ""]
@@ -372,6 +373,13 @@ def write_profile(profiles: list[dict[str, Any]], out: Path) -> list[str]:
             part = k["part"] if k["part"].startswith("oscar.") else kernel_category(k["name"])
             md.append(f"| {k['ms']:.3f} | {k['calls']:.0f} | {part} | `{k['name'][:90]}` |")
         md.append("")
+        if p.get("host_eager"):
+            md += ["Host time of the eager step (`cProfile` over 5 eager steps, unprofiled by torch; own and "
+                   "cumulative microseconds per step, the top functions by own time):", "",
+                   "| own us / step | cum us / step | calls / step | function |", "|---|---|---|---|"]
+            md += [f"| {h['own_us_per_step']:.0f} | {h['cum_us_per_step']:.0f} | {h['calls_per_step']:g} | "
+                   f"`{h['function'][:110]}` |" for h in p["host_eager"][:20]]
+            md.append("")
     atomic_write_csv(out / "profile.csv", rows, PROFILE_COLUMNS)
     atomic_write_text(out / "profile.md", "\n".join(md) + "\n")
     return md
