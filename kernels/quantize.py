@@ -215,23 +215,20 @@ def _rotate_quantize_kernel(
 
 
 @triton.jit
-def _channel_quantize_kernel(
-    x_ptr, slot_ptr, stride_xn, stride_xh,
+def _channel_quantize_store(
+    x, slot, s0, h,
     r_ptr, mu_ptr, rho_ptr, perm_ptr, bidx_ptr,
     codes_ptr, scale_ptr, zero_ptr,
     stride_cp, stride_ch, stride_cs, stride_sp, stride_sh, stride_ss,
     PAGE_SIZE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, T: tl.constexpr,
     HAS_ROT: tl.constexpr, HAS_MU: tl.constexpr, CLIP: tl.constexpr, PRECISION: tl.constexpr, MMA: tl.constexpr,
 ):
-    """Program ``(block, KV head)``: ``T`` consecutive rows quantized per channel (docs/DESIGN.md "Per-channel key
-    pages"): ``x = (row - mu) @ R`` (columns in the layout's channel order), per-channel clip over the block's ``T``
-    values, per-channel bf16 scale/zero, per-token packed codes at the rows' slots, scale/zero at the block's row
-    of its page (actual channel index ``perm[k]`` of kernel column ``k``)."""
-    blk = tl.program_id(0)
-    h = tl.program_id(1)
-    rows = blk * T + tl.arange(0, T)
+    """One block of ``T`` rows ``x`` ``[T, D]`` (float32, original frame, rope-centered offsets already off) of KV
+    head ``h`` quantized per channel: ``x = (row - mu) @ R`` (columns in the layout's channel order), per-channel
+    clip over the block's ``T`` values, per-channel bf16 scale/zero, per-token packed codes at the rows' slots
+    ``slot`` ``[T]`` (int64), scale/zero at the block's row of its page (``s0``: the block's first slot; actual
+    channel index ``perm[k]`` of kernel column ``k``)."""
     cols = tl.arange(0, D)
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xn + h * stride_xh + cols[None, :]).to(tl.float32)
     if HAS_MU:
         x = x - tl.load(mu_ptr + h * D + cols)[None, :]
     if HAS_ROT:
@@ -277,7 +274,6 @@ def _channel_quantize_kernel(
     shifts = tl.arange(0, PER) * BITS
     packed = tl.sum(planes << shifts[None, None, :, None], axis=2)
     packed = tl.reshape(packed, (T, D // PER)).to(tl.uint8)
-    slot = tl.load(slot_ptr + rows).to(tl.int64)
     page = slot // PAGE_SIZE
     off = slot % PAGE_SIZE
     bcols = tl.arange(0, D // PER)
@@ -288,11 +284,80 @@ def _channel_quantize_kernel(
     else:
         c_off = page[:, None] * stride_cp + h * stride_ch + off[:, None] * stride_cs + bcols[None, :]
     tl.store(codes_ptr + c_off, packed)
-    s0 = tl.load(slot_ptr + blk * T).to(tl.int64)
     chan = tl.load(perm_ptr + cols)
     m_off = (s0 // PAGE_SIZE) * stride_sp + h * stride_sh + ((s0 % PAGE_SIZE) // T) * stride_ss + chan
     tl.store(scale_ptr + m_off, scale.to(tl.bfloat16))
     tl.store(zero_ptr + m_off, zero.to(tl.bfloat16))
+
+
+@triton.jit
+def _channel_quantize_kernel(
+    x_ptr, slot_ptr, stride_xn, stride_xh,
+    r_ptr, mu_ptr, rho_ptr, perm_ptr, bidx_ptr,
+    codes_ptr, scale_ptr, zero_ptr,
+    stride_cp, stride_ch, stride_cs, stride_sp, stride_sh, stride_ss,
+    PAGE_SIZE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, T: tl.constexpr,
+    HAS_ROT: tl.constexpr, HAS_MU: tl.constexpr, CLIP: tl.constexpr, PRECISION: tl.constexpr, MMA: tl.constexpr,
+):
+    """Program ``(block, KV head)``: ``T`` consecutive rows quantized per channel (docs/DESIGN.md "Per-channel key
+    pages"; ``_channel_quantize_store``)."""
+    blk = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = blk * T + tl.arange(0, T)
+    cols = tl.arange(0, D)
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xn + h * stride_xh + cols[None, :]).to(tl.float32)
+    slot = tl.load(slot_ptr + rows).to(tl.int64)
+    s0 = tl.load(slot_ptr + blk * T).to(tl.int64)
+    _channel_quantize_store(x, slot, s0, h, r_ptr, mu_ptr, rho_ptr, perm_ptr, bidx_ptr, codes_ptr, scale_ptr, zero_ptr,
+                            stride_cp, stride_ch, stride_cs, stride_sp, stride_sh, stride_ss, PAGE_SIZE, D, G, BITS, T,
+                            HAS_ROT, HAS_MU, CLIP, PRECISION, MMA)
+
+
+@triton.jit
+def _channel_ring_kernel(
+    new_ptr, stride_nb, stride_nh,
+    wk_ptr, wv_ptr, stride_wr, stride_wh, stride_ws,
+    req_ptr, done_ptr, src_ptr, slot0_ptr, move_ptr, dst_ptr, tail,
+    off_ptr, stride_ob, stride_ot, stride_oh,
+    r_ptr, mu_ptr, rho_ptr, perm_ptr, bidx_ptr,
+    codes_ptr, scale_ptr, zero_ptr,
+    stride_cp, stride_ch, stride_cs, stride_sp, stride_sh, stride_ss,
+    PAGE_SIZE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, T: tl.constexpr,
+    HAS_ROT: tl.constexpr, HAS_MU: tl.constexpr, CLIP: tl.constexpr, PRECISION: tl.constexpr, MMA: tl.constexpr,
+    HAS_OFF: tl.constexpr,
+):
+    """Program ``(batch entry b, KV head h)`` of a decode step (``quantize_key_blocks_from_ring``): nothing unless
+    ``done[b]`` (the step's new row completes a key block); then the block's ``T`` rows (``T - 1`` from the window
+    buffer of request slot ``req[b]`` at columns ``src[b] ..``, the new row last; minus their rope-centered offsets
+    ``off[b]`` when given) are quantized per channel into slots ``slot0[b] ..``, and the ``T - 1`` rows of request
+    slot ``move[b]`` at columns ``tail ..`` of both window buffers move to columns ``dst[b] ..`` (the ring's tail
+    into the block that left the window; ``move[b]`` is the padding slot where nothing moves)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    if tl.load(done_ptr + b) != 0:
+        t = tl.arange(0, T)
+        cols = tl.arange(0, D)
+        keep = (t < T - 1)[:, None]
+        r = tl.load(req_ptr + b).to(tl.int64)
+        s = tl.load(src_ptr + b).to(tl.int64)
+        ring = tl.load(wk_ptr + r * stride_wr + h * stride_wh + (s + t)[:, None] * stride_ws + cols[None, :],
+                       mask=keep, other=0.0).to(tl.float32)
+        new = tl.load(new_ptr + b * stride_nb + h * stride_nh + cols).to(tl.float32)
+        x = tl.where(keep, ring, tl.broadcast_to(new[None, :], (T, D)))
+        if HAS_OFF:
+            x = x - tl.load(off_ptr + b * stride_ob + t[:, None] * stride_ot + h * stride_oh + cols[None, :])
+        s0 = tl.load(slot0_ptr + b).to(tl.int64)
+        _channel_quantize_store(x, s0 + t, s0, h, r_ptr, mu_ptr, rho_ptr, perm_ptr, bidx_ptr, codes_ptr, scale_ptr,
+                                zero_ptr, stride_cp, stride_ch, stride_cs, stride_sp, stride_sh, stride_ss, PAGE_SIZE, D,
+                                G, BITS, T, HAS_ROT, HAS_MU, CLIP, PRECISION, MMA)
+        mv = tl.load(move_ptr + b).to(tl.int64)
+        dst = tl.load(dst_ptr + b).to(tl.int64)
+        src_off = mv * stride_wr + h * stride_wh + (tail + t)[:, None] * stride_ws + cols[None, :]
+        dst_off = mv * stride_wr + h * stride_wh + (dst + t)[:, None] * stride_ws + cols[None, :]
+        tk = tl.load(wk_ptr + src_off, mask=keep)
+        tv = tl.load(wv_ptr + src_off, mask=keep)
+        tl.store(wk_ptr + dst_off, tk, mask=keep)
+        tl.store(wv_ptr + dst_off, tv, mask=keep)
 
 
 _MMA_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -529,30 +594,7 @@ def rotate_quantize_pack_channels(
         check(t.device == dev, f"{name} is on {t.device} but x is on {dev}")
     check((pages.layout == "rows") == (token_map is None),
           f"pages in the {pages.layout!r} layout need " + ("no token_map" if pages.layout == "rows" else "its token_map"))
-    R, mu, rho = transform.R, transform.mu, transform.rho
-    if R is not None:
-        check(tuple(R.shape) == (hkv, d, d), f"R must be [{hkv}, {d}, {d}], got {tuple(R.shape)}")
-    bidx = None
-    if token_map is not None:
-        check(group_size == d and d in (64, 128) and page_size % 16 == 0,
-              f"the mma layouts need one group per row, d 64/128 and pages of 16k slots; got group_size={group_size}, "
-              f"d={d}, page_size={page_size}")
-        bidx, perm = _mma_tables(token_map, d, dev, bits)
-        R = _permuted_rotation(R, perm, hkv, d, dev)
-        perm32 = perm.to(device=dev, dtype=torch.int32).contiguous()
-    else:
-        if R is not None:
-            R = R.to(device=dev, dtype=torch.float32).contiguous()
-        key = (d, dev)
-        if key not in _IDENTITY_PERMS:
-            _IDENTITY_PERMS[key] = torch.arange(d, dtype=torch.int32, device=dev)
-        perm32 = _IDENTITY_PERMS[key]
-    if mu is not None:
-        check(tuple(mu.shape) == (hkv, d), f"mu must be [{hkv}, {d}], got {tuple(mu.shape)}")
-        mu = mu.to(device=dev, dtype=torch.float32).contiguous()
-    if rho is not None:
-        check(tuple(rho.shape) == (hkv,), f"rho must be [{hkv}], got {tuple(rho.shape)}")
-        rho = rho.to(device=dev, dtype=torch.float32).contiguous()
+    R, mu, rho, perm32, bidx = _channel_tables(pages, transform, hkv, d, dev, token_map)
     if n == 0:
         return
     dummy = perm32
@@ -568,4 +610,111 @@ def rotate_quantize_pack_channels(
     )
 
 
-__all__ = ["ROW_PATH_MAX_ROWS", "rotate_quantize_pack", "rotate_quantize_pack_channels", "rotate_quantize_pack_pair"]
+def _channel_tables(pages: Pages, transform: HeadTransform, hkv: int, d: int, dev: torch.device,
+                    token_map: Optional[tuple[torch.Tensor, torch.Tensor]]) -> tuple:
+    """(R, mu, rho, perm32, bidx) of a per-channel writer: the rotation with the layout's channel permutation folded
+    in (fragment-order pages) and the byte index of that layout, built once per tensor (``_mma_tables``,
+    ``_permuted_rotation``)."""
+    R, mu, rho = transform.R, transform.mu, transform.rho
+    if R is not None:
+        check(tuple(R.shape) == (hkv, d, d), f"R must be [{hkv}, {d}, {d}], got {tuple(R.shape)}")
+    bidx = None
+    if token_map is not None:
+        check(pages.group_size == d and d in (64, 128) and pages.codes.shape[2] % 16 == 0,
+              f"the mma layouts need one group per row, d 64/128 and pages of 16k slots; got "
+              f"group_size={pages.group_size}, d={d}, page_size={pages.codes.shape[2]}")
+        bidx, perm = _mma_tables(token_map, d, dev, pages.bits)
+        R = _permuted_rotation(R, perm, hkv, d, dev)
+        perm32 = perm.to(device=dev, dtype=torch.int32).contiguous()
+    else:
+        if R is not None:
+            R = R.to(device=dev, dtype=torch.float32).contiguous()
+        key = (d, dev)
+        if key not in _IDENTITY_PERMS:
+            _IDENTITY_PERMS[key] = torch.arange(d, dtype=torch.int32, device=dev)
+        perm32 = _IDENTITY_PERMS[key]
+    if mu is not None:
+        check(tuple(mu.shape) == (hkv, d), f"mu must be [{hkv}, {d}], got {tuple(mu.shape)}")
+        mu = mu.to(device=dev, dtype=torch.float32).contiguous()
+    if rho is not None:
+        check(tuple(rho.shape) == (hkv,), f"rho must be [{hkv}], got {tuple(rho.shape)}")
+        rho = rho.to(device=dev, dtype=torch.float32).contiguous()
+    return R, mu, rho, perm32, bidx
+
+
+def quantize_key_blocks_from_ring(
+    new: torch.Tensor,
+    win_k: torch.Tensor,
+    win_v: torch.Tensor,
+    req: torch.Tensor,
+    done: torch.Tensor,
+    src: torch.Tensor,
+    slot0: torch.Tensor,
+    move_row: torch.Tensor,
+    move_dst: torch.Tensor,
+    tail: int,
+    pages: Pages,
+    transform: HeadTransform,
+    *,
+    offsets: Optional[torch.Tensor] = None,
+    token_map: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+) -> None:
+    """A decode step's per-channel key blocks in one launch (Triton; fixed shapes, no host sync: CUDA-graph
+    capturable): for each batch entry ``b`` whose new row completes a block (``done[b]``), the block's ``T`` keys
+    (``T - 1`` rows of ``win_k[req[b], :, src[b] : src[b] + T - 1]``, then ``new[b]``) quantized per channel into
+    slots ``slot0[b] .. slot0[b] + T - 1`` of ``pages`` (``rotate_quantize_pack_channels`` of those rows, the same
+    math), and the ``T - 1`` rows at columns ``tail ..`` of request slot ``move_row[b]`` moved to columns
+    ``move_dst[b] ..`` in both window buffers; entries not ``done`` do nothing. The twin is the pool's gather,
+    ``oscar.cache.paged.rotate_quantize_pack_torch`` and the window moves (``OscarTokenToKVPool._write_decode_blocks``).
+
+    ``new`` ``[B, Hkv, d]``; ``win_k``/``win_v`` ``[R, Hkv, S, d]`` with equal strides; ``req``, ``src``, ``slot0``,
+    ``move_row``, ``move_dst`` ``[B]`` int; ``done`` ``[B]`` bool; ``offsets``: rope-centered keys' offsets ``[B, T,
+    Hkv, d]`` float32 of the block's positions (then ``transform`` without them), else None."""
+    T = int(pages.block)
+    check(T > 1 and is_pow2(T), f"per-channel pages need a power-of-two block > 1, got block={T}")
+    check(not transform.rope_centered, "pass the transform without rope_mu and the offsets as offsets=")
+    check(new.dim() == 3 and win_k.dim() == 4 and win_k.shape == win_v.shape and win_k.stride() == win_v.stride(),
+          f"new must be [B, Hkv, d] and the window buffers [R, Hkv, S, d] alike; got {tuple(new.shape)}, "
+          f"{tuple(win_k.shape)} and {tuple(win_v.shape)}")
+    bsz, hkv, d = (int(v) for v in new.shape)
+    check(tuple(win_k.shape[1:2]) == (hkv,) and win_k.shape[3] == d and new.stride(-1) == 1 and win_k.stride(-1) == 1,
+          f"window buffers [R, {hkv}, S, {d}] contiguous in d expected, got {tuple(win_k.shape)}")
+    check(0 < tail and tail + T - 1 <= win_k.shape[2], f"tail={tail} leaves no {T - 1} rows in windows of "
+          f"{win_k.shape[2]} columns")
+    for name, t in (("req", req), ("done", done), ("src", src), ("slot0", slot0), ("move_row", move_row),
+                    ("move_dst", move_dst)):
+        check(t.shape == (bsz,) and t.device == new.device, f"{name} must be [B={bsz}] on {new.device}, got "
+              f"{tuple(t.shape)} on {t.device}")
+    codes, scale, zero, bits, group_size = pages.codes, pages.scale, pages.zero, pages.bits, pages.group_size
+    check(bits in (2, 4) and codes.shape[1] == hkv and codes.shape[3] == d * bits // 8 and codes.shape[2] % T == 0,
+          f"pages must be INT2/INT4 [P, {hkv}, page_size, {d * bits // 8}] with page_size a multiple of {T}, got "
+          f"INT{bits} {tuple(codes.shape)}")
+    check(scale.stride() == zero.stride() and scale.stride(-1) == 1, "scale/zero must have equal strides, "
+          "contiguous in d")
+    check((pages.layout == "rows") == (token_map is None),
+          f"pages in the {pages.layout!r} layout need " + ("no token_map" if pages.layout == "rows" else "its token_map"))
+    if offsets is not None:
+        check(tuple(offsets.shape) == (bsz, T, hkv, d) and offsets.dtype == torch.float32 and offsets.stride(-1) == 1,
+              f"offsets must be float32 [B={bsz}, T={T}, {hkv}, {d}], got {offsets.dtype} {tuple(offsets.shape)}")
+    dev = new.device
+    R, mu, rho, perm32, bidx = _channel_tables(pages, transform, hkv, d, dev, token_map)
+    if bsz == 0:
+        return
+    dummy = perm32
+    off = offsets if offsets is not None else dummy
+    ostr = offsets.stride()[:3] if offsets is not None else (0, 0, 0)
+    launchable(_channel_ring_kernel, dev)[(bsz, hkv)](
+        new, new.stride(0), new.stride(1), win_k, win_v, win_k.stride(0), win_k.stride(1), win_k.stride(2),
+        req, done, src, slot0, move_row, move_dst, int(tail), off, *ostr,
+        R if R is not None else dummy, mu if mu is not None else dummy, rho if rho is not None else dummy, perm32,
+        bidx if bidx is not None else dummy,
+        codes, scale, zero, codes.stride(0), codes.stride(1), codes.stride(2),
+        scale.stride(0), scale.stride(1), scale.stride(2),
+        PAGE_SIZE=int(codes.shape[2]), D=d, G=group_size, BITS=bits, T=T, HAS_ROT=R is not None, HAS_MU=mu is not None,
+        CLIP=rho is not None, PRECISION="ieee" if dev.type != "cuda" else "tf32x3", MMA=bidx is not None,
+        HAS_OFF=offsets is not None, num_warps=4,
+    )
+
+
+__all__ = ["ROW_PATH_MAX_ROWS", "quantize_key_blocks_from_ring", "rotate_quantize_pack", "rotate_quantize_pack_channels",
+           "rotate_quantize_pack_pair"]

@@ -104,6 +104,61 @@ def test_triton_writer_matches_the_twin(layout, d, group, block, bits, rope):
     assert (ra - rb).abs().max().item() <= step * 1.01 + 1e-3
 
 
+@triton_cpu
+@pytest.mark.parametrize("layout,rope", [("rows", False), ("mma_k", True)])
+def test_decode_block_writer_is_the_gather_then_the_block_writer(layout, rope):
+    """A decode step's per-channel key blocks in one launch (`quantize_key_blocks_from_ring`) leave the pages and the
+    window buffers the pool's gather-then-write leaves: each entry that completes a block has its ``T - 1`` ring rows
+    and its new row quantized by the block writer at its slots (exact: the same kernel math on the same rows), the
+    tail moved where it moves; an entry that completes no block touches nothing."""
+    from oscar.kernels.quantize import quantize_key_blocks_from_ring, rotate_quantize_pack_channels
+
+    d, T, page, S0, W = 64, 16, 32, 16, 32
+    gen = torch.Generator().manual_seed(5)
+    kt = key_transform(d, T, rope=rope)
+    tail, cols = S0 + W, S0 + W + T - 1
+    win_k = torch.randn(6, HKV, cols, d, generator=gen).to(torch.bfloat16)
+    win_v = torch.randn(6, HKV, cols, d, generator=gen).to(torch.bfloat16)
+    new = torch.randn(4, HKV, d, generator=gen).to(torch.bfloat16)
+    req = torch.tensor([3, 1, 5, 0])
+    done = torch.tensor([True, False, True, True])
+    src = torch.tensor([S0, S0 + T, tail, S0 + T])  # entry 2 completes the block past the window: it moves the tail
+    slot0 = torch.tensor([2 * page, 0, 5 * page + T, 3 * page])
+    move_row = torch.tensor([0, 0, 5, 0])  # 0: the padding slot (nothing that is read moves)
+    move_dst = torch.tensor([S0, S0, S0 + T, S0])
+    pos = torch.tensor([S0 + T - 1, 40, S0 + 3 * T - 1, S0 + 2 * T - 1])
+
+    def pages():
+        return paged.QuantPages.empty(8, HKV, page, d, 2, d, "cpu", layout, T)
+
+    a, b = pages(), pages()
+    wk, wv = win_k.clone(), win_v.clone()
+    kplain = kt.without_rope() if rope else kt
+    offsets = paged.rope_offsets(kt, (pos[:, None] - (T - 1) + torch.arange(T)).clamp(min=0)).contiguous() if rope else None
+    quantize_key_blocks_from_ring(new, wk, wv, req, done, src, slot0, move_row, move_dst, tail, a, kplain,
+                                  offsets=offsets, token_map=paged.mma_map(a))
+    for e in done.nonzero().flatten().tolist():  # the reference: gather, then the block writer
+        rows = torch.cat([win_k[req[e], :, src[e]:src[e] + T - 1].transpose(0, 1), new[e][None]]).float()
+        if rope:
+            rows = rows - offsets[e]
+        rotate_quantize_pack_channels(rows, slot0[e] + torch.arange(T), b, kplain, token_map=paged.mma_map(b))
+    for t in ("codes", "scale", "zero"):
+        assert torch.equal(getattr(a, t), getattr(b, t)), t
+    want_k, want_v = win_k.clone(), win_v.clone()
+    want_k[5, :, S0 + T:S0 + 2 * T - 1] = win_k[5, :, tail:tail + T - 1]
+    want_v[5, :, S0 + T:S0 + 2 * T - 1] = win_v[5, :, tail:tail + T - 1]
+    want_k[0, :, S0:S0 + T - 1] = win_k[0, :, tail:tail + T - 1]  # the padding slot's rows (done, no move)
+    want_v[0, :, S0:S0 + T - 1] = win_v[0, :, tail:tail + T - 1]
+    assert torch.equal(wk, want_k) and torch.equal(wv, want_v)
+    assert not a.codes[0].any() and not a.scale[0].any()  # entry 1 (not done) wrote nothing into its slots
+    with pytest.raises(ValueError, match=r"offsets must be float32 \[B=4, T=16"):
+        quantize_key_blocks_from_ring(new, wk, wv, req, done, src, slot0, move_row, move_dst, tail, a, kplain,
+                                      offsets=torch.zeros(4, T, HKV, d, dtype=torch.bfloat16), token_map=paged.mma_map(a))
+    with pytest.raises(ValueError, match="done must be"):
+        quantize_key_blocks_from_ring(new, wk, wv, req, done[:2], src, slot0, move_row, move_dst, tail, a, kplain,
+                                      token_map=paged.mma_map(a))
+
+
 # -- reads ---------------------------------------------------------------------------------------------
 
 

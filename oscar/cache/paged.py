@@ -266,13 +266,14 @@ def rotate_quantize_pack(x: torch.Tensor, slots: torch.Tensor, pages: QuantPages
     if pages.block:
         from oscar.kernels.quantize import rotate_quantize_pack_channels  # local: keeps triton out of import time
 
-        rotate_quantize_pack_channels(_select_rows(x, src_index), slots, pages, t, token_map=_mma_map(pages),
+        rotate_quantize_pack_channels(_select_rows(x, src_index), slots, pages, t, token_map=mma_map(pages),
                                       launch=launch)
         return
-    kernel(x, slots, pages, t, src_index=src_index, token_map=_mma_map(pages), launch=launch)
+    kernel(x, slots, pages, t, src_index=src_index, token_map=mma_map(pages), launch=launch)
 
 
-def _mma_map(pages: QuantPages) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+def mma_map(pages: QuantPages) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """The token map of pages in a fragment-order layout (``oscar.core.quant.mma_token_map``), None for rows."""
     return None if pages.layout == "rows" else quant.mma_token_map(pages.head_dim, pages.layout, pages.bits)
 
 
@@ -298,7 +299,7 @@ def rotate_quantize_pack_kv(xk: torch.Tensor, xv: torch.Tensor, slots: torch.Ten
     from oscar.kernels.quantize import rotate_quantize_pack_pair  # local: keeps triton out of import time
 
     rotate_quantize_pack_pair(xk, xv, slots, k_pages, v_pages, kt, vt, src_index=src_index,
-                              token_maps=(_mma_map(k_pages), _mma_map(v_pages)), launch=launch)
+                              token_maps=(mma_map(k_pages), mma_map(v_pages)), launch=launch)
 
 
 # ----------------------------------------------------------------------------------------------

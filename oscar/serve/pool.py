@@ -144,6 +144,23 @@ class OscarTokenToKVPool(MHATokenToKVPool):
             pos = torch.zeros(n, dtype=torch.int64, device=self.device) if self.rope_centered else None
             self.format.write(rows, rows, slots, (kp, vp), self.transforms[i], backend=self.kernels, positions=pos)
 
+    def _prepare_block_writes(self) -> None:
+        """The per-channel layers' decode write once, eagerly (Triton/CUDA kernels), with the windows in place: one
+        entry of the padding slot completing a block into SGLang's padding page 0, so that the launch is compiled
+        before SGLang captures a decode step (the eager warm-up steps may complete no block)."""
+        if self.kernels == "torch" or not self.block:
+            return
+        dev, T = self.device, self.block
+        i64 = lambda v: torch.full((1,), v, dtype=torch.int64, device=dev)  # noqa: E731
+        m = BlockMeta(int_len=torch.zeros(1, dtype=torch.int32, device=dev),
+                      recent_len=torch.zeros(1, dtype=torch.int32, device=dev), col=i64(self.sink),
+                      done=torch.ones(1, dtype=torch.bool, device=dev), src=i64(self.sink), slot0=i64(0),
+                      pos=i64(T - 1), move_row=i64(self.pad_slot), move_dst=i64(self.sink))
+        row = torch.zeros((1, self.head_num, self.head_dim), dtype=self.window_dtype, device=dev)
+        for i, t in enumerate(self.key_blocks):
+            if t:
+                self._write_decode_blocks_fused(i, row, row, i64(self.pad_slot), m, i64(T - 1), t)
+
     # -- storage -----------------------------------------------------------------------------------
 
     def _create_buffers(self) -> None:
@@ -178,6 +195,7 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         self.win_k = [z(i) for i in range(self.layer_num)]
         self.win_v = [z(i) for i in range(self.layer_num)]
         self.num_req_slots = num_req_slots
+        self._prepare_block_writes()
         logger.info("OSCAR KV pool: BF16 windows for %d request slots: %.3f GB", num_req_slots,
                     self.windows_nbytes() / 2**30)
         if self.prefix_cache and self.sink:
@@ -456,7 +474,7 @@ class OscarTokenToKVPool(MHATokenToKVPool):
             if blocks is None:
                 raise RuntimeError(f"OSCAR KV pool: layer {layer_id} has per-channel keys; its decode write needs the "
                                    "step's BlockMeta (decode_metadata computes it)")
-            self._write_decode_blocks(i, kb, vb, req, blocks)
+            self._write_decode_blocks(i, kb, vb, req, blocks, loc)
             col = blocks.col
         else:
             self.format.write(kb, vb, loc, (self.k_pages[i], self.v_pages[i]), self.transforms[i],
@@ -465,14 +483,22 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         self.win_v[i][req, :, col] = vb
 
     def _write_decode_blocks(self, i: int, kb: torch.Tensor, vb: torch.Tensor, req: torch.Tensor,
-                             m: "BlockMeta") -> None:
+                             m: "BlockMeta", loc: torch.Tensor) -> None:
         """A decode step of a per-channel layer, before the new rows ``[B, Hkv, d]`` take their ring columns: the
         entries whose row completes a key block quantize it (the block's first ``T - 1`` rows from the ring, then
         the new row) into its slots, and those past the first ``m`` blocks move the tail into the block slot of
-        the block that leaves the window (already quantized). Fixed shapes under CUDA graph capture (the other
-        entries write SGLang's padding page and move the padding slot's rows); eager, only the entries that
-        complete a block."""
+        the block that leaves the window (already quantized).
+
+        Triton/CUDA kernels: one launch for the keys (``oscar.kernels.quantize.quantize_key_blocks_from_ring``: the
+        entries that complete no block do nothing; no gather, no host sync, the same under CUDA graphs and eager)
+        and the new value rows quantized per token into their slots ``loc`` now (a value's codes depend on its row
+        only: those a block would write later, in slots no read reaches before the block completes). The torch
+        twin (CPU): fixed shapes under CUDA graph capture or ``static_block_writes`` (the other entries write
+        SGLang's padding page and move the padding slot's rows); eager, only the entries that complete a block."""
         T = self.key_blocks[i]
+        if self.kernels != "torch":
+            self._write_decode_blocks_fused(i, kb, vb, req, m, loc, T)
+            return
         j = torch.arange(T - 1, device=kb.device)
         static = self.static_block_writes or (kb.is_cuda and torch.cuda.is_current_stream_capturing())
         idx = None if static else m.done.nonzero().flatten()
@@ -485,14 +511,37 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         rows_k = torch.cat([win_k[r[:, None], :, cols], sel(kb)[:, None]], dim=1)  # [N, T, Hkv, d]
         rows_v = torch.cat([win_v[r[:, None], :, cols], sel(vb)[:, None]], dim=1)
         slots = sel(m.slot0)[:, None] + torch.arange(T, device=kb.device)
-        positions = (sel(m.pos)[:, None] - (T - 1) + torch.arange(T, device=kb.device)).clamp(min=0)
+        positions = (self._block_positions(sel(m.pos), T).flatten() if self.transforms[i][0].rope_centered
+                     else None)
         self.format.write(rows_k.flatten(0, 1), rows_v.flatten(0, 1), slots.flatten(), (self.k_pages[i], self.v_pages[i]),
-                          self.transforms[i], backend=self.kernels,
-                          positions=positions.flatten() if self.rope_centered else None)
+                          self.transforms[i], backend=self.kernels, positions=positions)
         mv, dst = sel(m.move_row), sel(m.move_dst)
         tail = self.sink + self.recent + j  # the tail's T - 1 rows
         for win in (win_k, win_v):
             win[mv[:, None], :, dst[:, None] + j] = win[mv[:, None], :, tail[None, :].expand(mv.shape[0], T - 1)]
+
+    @staticmethod
+    def _block_positions(pos: torch.Tensor, T: int) -> torch.Tensor:
+        """``[N, T]`` token positions of the blocks that end at positions ``pos`` ``[N]`` (clamped at 0: entries
+        that complete no block)."""
+        return (pos[:, None] - (T - 1) + torch.arange(T, device=pos.device)).clamp(min=0)
+
+    def _write_decode_blocks_fused(self, i: int, kb: torch.Tensor, vb: torch.Tensor, req: torch.Tensor,
+                                   m: "BlockMeta", loc: torch.Tensor, T: int) -> None:
+        """`_write_decode_blocks` on the Triton/CUDA kernels: two launches (keys by block, values by row) plus the
+        rope-centered offsets of the block's positions where the layer's keys have them."""
+        from oscar.kernels.quantize import quantize_key_blocks_from_ring  # local: keeps triton out of import time
+
+        kt, vt = self.transforms[i]
+        offsets = None
+        if kt.rope_centered:  # [B, T, Hkv, d]
+            offsets = paged.rope_offsets(kt, self._block_positions(m.pos, T)).contiguous()
+            kt = kt.without_rope()
+        kp = self.k_pages[i]
+        quantize_key_blocks_from_ring(kb, self.win_k[i], self.win_v[i], req, m.done, m.src, m.slot0, m.move_row,
+                                      m.move_dst, self.sink + self.recent, kp, kt, offsets=offsets,
+                                      token_map=paged.mma_map(kp))
+        paged.rotate_quantize_pack(vb, loc, self.v_pages[i], vt, backend=self.kernels)
 
     # -- per-channel decode metadata ----------------------------------------------------------------
 

@@ -220,6 +220,56 @@ def test_graph_writes_equal_eager_writes_with_padding():
         assert torch.equal(pools[0].win_v[0][r], pools[1].win_v[0][r])
 
 
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1", reason="Triton on a CPU needs TRITON_INTERPRET=1")
+def test_fused_decode_writes_equal_the_twins_with_padding():
+    """The Triton/CUDA pool's decode write of a per-channel layer (one launch for the key blocks, the value rows
+    quantized per token at once: `_write_decode_blocks_fused`) against the torch twin's eager block writes, over
+    steps that complete blocks inside the window and past it, with padded entries: the same windows (exact) and
+    the same pages up to the writers' float order (the Triton rotation sums in another order than torch: a code may
+    move one step at a rounding boundary; measured 0 here, bound 1%)."""
+    from oscar.serve.backend import decode_metadata
+
+    gen = torch.Generator().manual_seed(4)
+    S0, W, T, P = 16, 32, 16, 16
+    lengths = {0: 40, 2: 75, 3: 57}
+    steps = 2 * T + 3
+    r2t = _req_to_token({r: n + steps for r, n in lengths.items()}, P)
+    rows = {r: _rows(n + steps, gen) for r, n in lengths.items()}
+    pools = [_pool(S0, W, [T], P) for _ in range(2)]
+    req = torch.tensor([2, 0, 3, 0, 0])  # two padded entries
+    for pool in pools:
+        for r, n in lengths.items():
+            _prefill(pool, r2t, r, *rows[r], 0, n)
+    pools[1].kernels = "triton"
+    for s in range(steps):
+        seq = torch.tensor([lengths[2] + s + 1, lengths[0] + s + 1, lengths[3] + s + 1, 1, 1])
+        loc = torch.tensor([int(r2t[r, int(L) - 1]) for r, L in zip(req[:3].tolist(), seq[:3])] + [0, 0])
+        k = torch.stack([rows[r][0][int(L) - 1] for r, L in zip(req[:3].tolist(), seq[:3])] + [rows[0][0][0]] * 2)
+        v = torch.stack([rows[r][1][int(L) - 1] for r, L in zip(req[:3].tolist(), seq[:3])] + [rows[0][1][0]] * 2)
+        eager = decode_metadata(pools[0], r2t, req[:3], seq[:3], loc[:3])
+        pools[0].write_decode(0, k[:3], v[:3], loc[:3], eager.req, eager.col, eager.pos, blocks=eager.blocks)
+        fused = decode_metadata(pools[1], r2t, req, seq, loc)
+        pools[1].write_decode(0, k, v, loc, fused.req, fused.col, fused.pos, blocks=fused.blocks)
+    # the slots attention reads as INT2: the sink's end to the quantized end (the fused writer also holds the values
+    # of ring rows, which no read reaches before their block completes)
+    read = torch.cat([r2t[r, S0:pools[0].quantized_end(0, n + steps)].long() for r, n in lengths.items()])
+    pg, off = read // P, read % P
+    for a, b in ((pools[0].k_pages[0], pools[1].k_pages[0]), (pools[0].v_pages[0], pools[1].v_pages[0])):
+        flips = (a.codes[pg, :, off] != b.codes[pg, :, off]).float().mean().item()
+        assert flips <= 0.01
+        for t in ("scale", "zero"):
+            x, y = getattr(a, t), getattr(b, t)
+            idx = (pg, slice(None), off // T) if a.block else (pg, slice(None), off)
+            torch.testing.assert_close(x[idx].float(), y[idx].float(), rtol=1e-2, atol=1e-3)
+    for r in lengths:
+        assert torch.equal(pools[0].win_k[0][r], pools[1].win_k[0][r])
+        assert torch.equal(pools[0].win_v[0][r], pools[1].win_v[0][r])
+    for r, n in lengths.items():  # what attention reads: the same rows back
+        c0, c1 = pools[0].cached_rows(0, r2t, r, n + steps), pools[1].cached_rows(0, r2t, r, n + steps)
+        for x, y in zip(c0, c1):
+            torch.testing.assert_close(x, y, rtol=0, atol=0.3)
+
+
 def test_chunked_prefill_leaves_the_pool_as_one_extend():
     """Chunks that end inside key blocks and past the window: the blocks are quantized when their last row arrives
     (from the ring's earlier rows and the chunk's), the ring moves with the length; the same pages and windows as one
