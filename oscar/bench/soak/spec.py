@@ -27,6 +27,8 @@ from oscar.bench.serving.formats import FORMATS
 from oscar.bench.serving.spec import BUNDLE_ENV, model_dir
 from oscar.core.files import atomic_write_json, atomic_write_text
 from oscar.serve.contract import SUPPORTED_VERSIONS
+from oscar.serve.server import SGLangServer
+from oscar.serve.soak import run
 
 AREA = "serving"
 SUMMARY = "soak of the served default: minutes of mixed requests (1k-100k tokens, hits, aborts, a full pool), then leak checks"
@@ -90,8 +92,6 @@ def log_counts(text: str) -> dict[str, int]:
 
 def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
     from oscar.bench.serving.timing_artifact import write_timing_artifact  # local: keeps torch out of `gpu --help`
-    from oscar.serve.server import SGLangServer
-    from oscar.serve.soak import run
 
     art = Path(tempfile.gettempdir()) / "oscar_soak_artifact" / str(opts["format"])
     print(write_timing_artifact(model_dir(opts), art, mu=True, sink=int(opts["sink"]), recent=int(opts["recent"]),
