@@ -221,7 +221,8 @@ def test_graph_writes_equal_eager_writes_with_padding():
 
 
 @pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1", reason="Triton on a CPU needs TRITON_INTERPRET=1")
-def test_fused_decode_writes_equal_the_twins_with_padding():
+@pytest.mark.parametrize("rope", [False, True])
+def test_fused_decode_writes_equal_the_twins_with_padding(rope, monkeypatch):
     """The Triton/CUDA pool's decode write of a per-channel layer (one launch for the key blocks, the value rows
     quantized per token at once: `_write_decode_blocks_fused`) against the torch twin's eager block writes, over
     steps that complete blocks inside the window and past it, with padded entries: the same windows (exact) and
@@ -235,7 +236,19 @@ def test_fused_decode_writes_equal_the_twins_with_padding():
     steps = 2 * T + 3
     r2t = _req_to_token({r: n + steps for r, n in lengths.items()}, P)
     rows = {r: _rows(n + steps, gen) for r, n in lengths.items()}
+    if rope:  # rope-centered per-channel keys (the default `auto`'s `raw+rope/ch32` layers)
+        from oscar.core.rope import RopeSpec
+
+        spec = RopeSpec(1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)), 1.0, head_dim=D)
+        base = _rotations
+
+        def with_rope(g: torch.Generator, block: int) -> LayerRotations:
+            r = base(g, block)
+            return LayerRotations(r.r_k, r.r_v, r.mu_k, r.mu_v, k_block=block, rope_k=torch.randn(HKV, D, generator=g),
+                                  rope=spec)
+        monkeypatch.setitem(globals(), "_rotations", with_rope)
     pools = [_pool(S0, W, [T], P) for _ in range(2)]
+    assert pools[0].transforms[0][0].rope_centered == rope
     req = torch.tensor([2, 0, 3, 0, 0])  # two padded entries
     for pool in pools:
         for r, n in lengths.items():
