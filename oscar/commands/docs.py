@@ -471,8 +471,9 @@ def serving_decode(ctx: Ctx) -> str:
     devices = sorted({r.get("device", "") for r in rows} - {""})
     caption = (f"{', '.join(devices)}; dummy Qwen3-8B weights; decode and capacity: SGLang's one-batch harness "
                "(`bench_one_batch`, radix cache off), median step on the synthetic state, CUDA graphs on unless marked, "
-               "the ratio is BF16's time over the cache's (the graphs-off and FP8 rows from a second card of "
-               "the same kind: decode.md says which call gave each row); the prompt row through SGLang's own Engine at "
+               "the ratio is BF16's time over the cache's; the rows come from several calls on H100s of one kind "
+               "(BF16 and OSCAR are not all from one call: decode.md's notes say which call gave each row); the "
+               "prompt row through SGLang's own Engine at "
                "its defaults (chunked prefill, radix cache and CUDA graphs on). Reports: "
                f"{ctx.link(DECODE_CSV.replace('.csv', '.md'))}"
                + (f", {ctx.link(PREFILL_CSV.replace('.csv', '.md'))}" if prefill else "") + ".")
