@@ -564,13 +564,42 @@ def rotate_quantize_pack_channels(
     ``mma_k`` pages, their map (``oscar.core.quant.mma_token_map``). ``launch`` is accepted for symmetry (one program
     per block and head)."""
     check(launch is None or isinstance(launch, QuantizeLaunch), f"launch={launch!r} is not a QuantizeLaunch")
+    check(x.dim() == 3, f"x must be [N, Hkv, d], got shape {tuple(x.shape)}")
+    n, hkv, d = (int(v) for v in x.shape)
+    T = _check_channel_pages(pages, transform, hkv, d, x.device, token_map)
+    check(n % T == 0, f"per-channel key pages take whole blocks of {T} rows; got N={n}")
+    codes, scale, zero, bits, group_size = pages.codes, pages.scale, pages.zero, pages.bits, pages.group_size
+    page_size = int(codes.shape[2])
+    check(x.stride(-1) == 1 and x.dtype in (torch.float32, torch.float16, torch.bfloat16),
+          f"x must be float32/float16/bfloat16 contiguous in d, got {x.dtype} strides {x.stride()}")
+    check(slots.shape == (n,), f"slots must be [N={n}], got {tuple(slots.shape)}")
+    dev = x.device
+    check(slots.device == dev, f"slots is on {slots.device} but x is on {dev}")
+    R, mu, rho, perm32, bidx = _channel_tables(pages, transform, hkv, d, dev, token_map)
+    if n == 0:
+        return
+    dummy = perm32
+    launchable(_channel_quantize_kernel, dev)[(n // T, hkv)](
+        x, slots, x.stride(0), x.stride(1),
+        R if R is not None else dummy, mu if mu is not None else dummy, rho if rho is not None else dummy, perm32,
+        bidx if bidx is not None else dummy,
+        codes, scale, zero, codes.stride(0), codes.stride(1), codes.stride(2),
+        scale.stride(0), scale.stride(1), scale.stride(2),
+        PAGE_SIZE=page_size, D=d, G=group_size, BITS=bits, T=T, HAS_ROT=R is not None, HAS_MU=mu is not None,
+        CLIP=rho is not None, PRECISION="ieee" if dev.type != "cuda" else "tf32x3", MMA=bidx is not None,
+        num_warps=4,
+    )
+
+
+def _check_channel_pages(pages: Pages, transform: HeadTransform, hkv: int, d: int, dev: torch.device,
+                         token_map: Optional[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Refuse, by name, per-channel key pages (and a transform) that the per-channel writers cannot fill with rows
+    ``[*, hkv, d]`` on ``dev``; returns the pages' block ``T``."""
     T = int(pages.block)
     check(T > 0 and is_pow2(T), f"per-channel pages need a power-of-two block, got block={T}")
     check(not transform.rope_centered, "the Triton writer takes rows whose rope-centered offsets are already "
-          "subtracted: pass the transform without rope_mu (oscar.cache.paged.rotate_quantize_pack does both)")
-    check(x.dim() == 3, f"x must be [N, Hkv, d], got shape {tuple(x.shape)}")
-    n, hkv, d = (int(v) for v in x.shape)
-    check(n % T == 0, f"per-channel key pages take whole blocks of {T} rows; got N={n}")
+          "subtracted: pass the transform without rope_mu (oscar.cache.paged.rotate_quantize_pack does both; the "
+          "decode writer takes them as offsets=)")
     codes, scale, zero, bits, group_size = pages.codes, pages.scale, pages.zero, pages.bits, pages.group_size
     check(bits in (2, 4), f"bits={bits} is not supported; valid values are 2 and 4")
     check(is_pow2(d) and is_pow2(group_size) and group_size <= d and group_size % (8 // bits) == 0,
@@ -586,28 +615,11 @@ def rotate_quantize_pack_channels(
           f"scale/zero must be bf16 {list(meta)} with equal strides, got {scale.dtype} {tuple(scale.shape)} and "
           f"{zero.dtype} {tuple(zero.shape)}")
     check(codes.stride(-1) == 1, "codes must be contiguous in their last dim")
-    check(x.stride(-1) == 1 and x.dtype in (torch.float32, torch.float16, torch.bfloat16),
-          f"x must be float32/float16/bfloat16 contiguous in d, got {x.dtype} strides {x.stride()}")
-    check(slots.shape == (n,), f"slots must be [N={n}], got {tuple(slots.shape)}")
-    dev = x.device
-    for name, t in (("slots", slots), ("codes", codes), ("scale", scale), ("zero", zero)):
-        check(t.device == dev, f"{name} is on {t.device} but x is on {dev}")
+    for name, t in (("codes", codes), ("scale", scale), ("zero", zero)):
+        check(t.device == dev, f"{name} is on {t.device} but the rows are on {dev}")
     check((pages.layout == "rows") == (token_map is None),
           f"pages in the {pages.layout!r} layout need " + ("no token_map" if pages.layout == "rows" else "its token_map"))
-    R, mu, rho, perm32, bidx = _channel_tables(pages, transform, hkv, d, dev, token_map)
-    if n == 0:
-        return
-    dummy = perm32
-    launchable(_channel_quantize_kernel, dev)[(n // T, hkv)](
-        x, slots, x.stride(0), x.stride(1),
-        R if R is not None else dummy, mu if mu is not None else dummy, rho if rho is not None else dummy, perm32,
-        bidx if bidx is not None else dummy,
-        codes, scale, zero, codes.stride(0), codes.stride(1), codes.stride(2),
-        scale.stride(0), scale.stride(1), scale.stride(2),
-        PAGE_SIZE=page_size, D=d, G=group_size, BITS=bits, T=T, HAS_ROT=R is not None, HAS_MU=mu is not None,
-        CLIP=rho is not None, PRECISION="ieee" if dev.type != "cuda" else "tf32x3", MMA=bidx is not None,
-        num_warps=4,
-    )
+    return T
 
 
 def _channel_tables(pages: Pages, transform: HeadTransform, hkv: int, d: int, dev: torch.device,
@@ -670,13 +682,12 @@ def quantize_key_blocks_from_ring(
     ``new`` ``[B, Hkv, d]``; ``win_k``/``win_v`` ``[R, Hkv, S, d]`` with equal strides; ``req``, ``src``, ``slot0``,
     ``move_row``, ``move_dst`` ``[B]`` int; ``done`` ``[B]`` bool; ``offsets``: rope-centered keys' offsets ``[B, T,
     Hkv, d]`` float32 of the block's positions (then ``transform`` without them), else None."""
-    T = int(pages.block)
-    check(T > 1 and is_pow2(T), f"per-channel pages need a power-of-two block > 1, got block={T}")
-    check(not transform.rope_centered, "pass the transform without rope_mu and the offsets as offsets=")
     check(new.dim() == 3 and win_k.dim() == 4 and win_k.shape == win_v.shape and win_k.stride() == win_v.stride(),
           f"new must be [B, Hkv, d] and the window buffers [R, Hkv, S, d] alike; got {tuple(new.shape)}, "
           f"{tuple(win_k.shape)} and {tuple(win_v.shape)}")
     bsz, hkv, d = (int(v) for v in new.shape)
+    T = _check_channel_pages(pages, transform, hkv, d, new.device, token_map)
+    check(T > 1, f"the decode writer takes blocks of more than one row, got block={T}")
     check(tuple(win_k.shape[1:2]) == (hkv,) and win_k.shape[3] == d and new.stride(-1) == 1 and win_k.stride(-1) == 1,
           f"window buffers [R, {hkv}, S, {d}] contiguous in d expected, got {tuple(win_k.shape)}")
     check(0 < tail and tail + T - 1 <= win_k.shape[2], f"tail={tail} leaves no {T - 1} rows in windows of "
@@ -686,13 +697,6 @@ def quantize_key_blocks_from_ring(
         check(t.shape == (bsz,) and t.device == new.device, f"{name} must be [B={bsz}] on {new.device}, got "
               f"{tuple(t.shape)} on {t.device}")
     codes, scale, zero, bits, group_size = pages.codes, pages.scale, pages.zero, pages.bits, pages.group_size
-    check(bits in (2, 4) and codes.shape[1] == hkv and codes.shape[3] == d * bits // 8 and codes.shape[2] % T == 0,
-          f"pages must be INT2/INT4 [P, {hkv}, page_size, {d * bits // 8}] with page_size a multiple of {T}, got "
-          f"INT{bits} {tuple(codes.shape)}")
-    check(scale.stride() == zero.stride() and scale.stride(-1) == 1, "scale/zero must have equal strides, "
-          "contiguous in d")
-    check((pages.layout == "rows") == (token_map is None),
-          f"pages in the {pages.layout!r} layout need " + ("no token_map" if pages.layout == "rows" else "its token_map"))
     if offsets is not None:
         check(tuple(offsets.shape) == (bsz, T, hkv, d) and offsets.dtype == torch.float32 and offsets.stride(-1) == 1,
               f"offsets must be float32 [B={bsz}, T={T}, {hkv}, {d}], got {offsets.dtype} {tuple(offsets.shape)}")

@@ -175,6 +175,17 @@ def test_decode_steps_across_blocks_agree_with_the_torch_cache(sink, recent, blo
             assert 0.05 < rel < 0.6, rel
 
 
+def _padded_step(r2t, rows, lengths: dict[int, int], req: torch.Tensor, s: int):
+    """Step ``s`` of a batch of request slots ``req`` whose last two entries are padded (SGLang's padding: length 1,
+    token slot 0): each real entry's length, token slot and new K/V rows ``[B, Hkv, d]``."""
+    real = req[:-2].tolist()
+    seq = torch.tensor([lengths[r] + s + 1 for r in real] + [1, 1])
+    loc = torch.tensor([int(r2t[r, int(L) - 1]) for r, L in zip(real, seq)] + [0, 0])
+    k, v = (torch.stack([rows[r][j][int(L) - 1] for r, L in zip(real, seq)] + [rows[0][j][0]] * 2)
+            for j in (0, 1))
+    return seq, loc, k, v
+
+
 def test_graph_writes_equal_eager_writes_with_padding():
     """The fixed-shape decode write of a CUDA-graph batch (every entry writes a block and moves a tail; the entries
     that complete none into SGLang's padding page and the padding slot) leaves the same pages and windows as the
@@ -195,10 +206,7 @@ def test_graph_writes_equal_eager_writes_with_padding():
             _prefill(pool, r2t, r, *rows[r], 0, n)
     cols = pools[0].page_columns(r2t).shape[1]
     for s in range(steps):
-        seq = torch.tensor([lengths[2] + s + 1, lengths[0] + s + 1, lengths[3] + s + 1, 1, 1])
-        loc = torch.tensor([int(r2t[r, int(L) - 1]) for r, L in zip(req[:3].tolist(), seq[:3])] + [0, 0])
-        k = torch.stack([rows[r][0][int(L) - 1] for r, L in zip(req[:3].tolist(), seq[:3])] + [rows[0][0][0]] * 2)
-        v = torch.stack([rows[r][1][int(L) - 1] for r, L in zip(req[:3].tolist(), seq[:3])] + [rows[0][1][0]] * 2)
+        seq, loc, k, v = _padded_step(r2t, rows, lengths, req, s)
         eager = decode_metadata(pools[0], r2t, req[:3], seq[:3], loc[:3])
         pools[0].write_decode(0, k[:3], v[:3], loc[:3], eager.req, eager.col, eager.pos, blocks=eager.blocks)
         bufs = DecodeMeta(req=torch.zeros(8, dtype=torch.int64), win_row=torch.zeros(8, dtype=torch.int32),
@@ -255,10 +263,7 @@ def test_fused_decode_writes_equal_the_twins_with_padding(rope, monkeypatch):
             _prefill(pool, r2t, r, *rows[r], 0, n)
     pools[1].kernels = "triton"
     for s in range(steps):
-        seq = torch.tensor([lengths[2] + s + 1, lengths[0] + s + 1, lengths[3] + s + 1, 1, 1])
-        loc = torch.tensor([int(r2t[r, int(L) - 1]) for r, L in zip(req[:3].tolist(), seq[:3])] + [0, 0])
-        k = torch.stack([rows[r][0][int(L) - 1] for r, L in zip(req[:3].tolist(), seq[:3])] + [rows[0][0][0]] * 2)
-        v = torch.stack([rows[r][1][int(L) - 1] for r, L in zip(req[:3].tolist(), seq[:3])] + [rows[0][1][0]] * 2)
+        seq, loc, k, v = _padded_step(r2t, rows, lengths, req, s)
         eager = decode_metadata(pools[0], r2t, req[:3], seq[:3], loc[:3])
         pools[0].write_decode(0, k[:3], v[:3], loc[:3], eager.req, eager.col, eager.pos, blocks=eager.blocks)
         fused = decode_metadata(pools[1], r2t, req, seq, loc)

@@ -28,8 +28,7 @@ from oscar.bench import host, mirror
 from oscar.bench.prefix import profile as prefix_profile
 from oscar.bench.prefix import report as prefix_report
 from oscar.bench.serving.formats import FORMATS
-from oscar.bench.serving.spec import BUNDLE_ENV, model_dir
-from oscar.serve.contract import SUPPORTED_VERSIONS
+from oscar.bench.serving.spec import model_dir, oscar_engine_needs
 
 AREA = "serving"
 SUMMARY = "prefix-hit sweep (radix cache on): job tokens/s and TTFT, OSCAR vs SGLang flashinfer BF16"
@@ -95,11 +94,7 @@ def needs(opts: dict[str, Any]) -> list[host.Need]:
     _ratios(opts)
     if opts["defaults"]:
         _default_runs(opts)
-    mem = host.gpu_memory()
-    return [host.cuda_device(), host.sglang(SUPPORTED_VERSIONS), host.plugin_entry_point(),
-            host.path_exists(model_dir(opts) / "config.json", "model config (dummy weights)",
-                             f"model= a folder with config.json and tokenizer (offline: ${BUNDLE_ENV}/qwen3-8b)"),
-            host.free_gpu_memory(0.9 * (mem["total_gib"] if mem else 80.0))]
+    return oscar_engine_needs(opts)
 
 
 def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:

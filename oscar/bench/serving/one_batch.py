@@ -149,17 +149,13 @@ def _profile(runner: Any, bs: int, il: int, ol: int, steps: int = 5) -> dict[str
             mr.decode_cuda_graph_runner = None
         try:
             trace = _profiled_steps(runner, batch, ids, steps, mr.attn_backend, out, mode)
+            if mode == "eager":  # where the host time goes: the Python functions of the eager step (cProfile)
+                out["host_eager"] = _host_profile(runner, batch, ids, steps)
         except Exception as err:  # noqa: BLE001 - reported; the other mode still runs
             out[f"{mode}_error"] = f"{type(err).__name__}: {err}"[:300]
             continue
         finally:
             mr.decode_cuda_graph_runner = graph_runner
-        if mode == "eager":  # where the host time goes: the Python functions of the eager step (cProfile)
-            mr.decode_cuda_graph_runner = None
-            try:
-                out["host_eager"] = _host_profile(runner, batch, ids, steps)
-            finally:
-                mr.decode_cuda_graph_runner = graph_runner
         kernels = attribute_kernels(trace)
         out[f"{mode}_gpu_ms"] = sum(k["dur_us"] for k in kernels) / 1e3 / steps
         out[f"{mode}_parts"] = summarize(kernels, steps)

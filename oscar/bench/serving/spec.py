@@ -143,16 +143,28 @@ def _mem_fraction(opts: dict[str, Any]) -> Optional[float]:
     return value
 
 
+def model_config_need(opts: dict[str, Any]) -> host.Need:
+    """The model config that dummy weights are built from (``model=``, else the offline bundle's Qwen3-8B)."""
+    return host.path_exists(model_dir(opts) / "config.json", "model config (dummy weights)",
+                            f"model= a folder with the model's config.json and tokenizer "
+                            f"(offline: ${BUNDLE_ENV}/qwen3-8b)")
+
+
+def oscar_engine_needs(opts: dict[str, Any]) -> list[host.Need]:
+    """What one OSCAR engine on dummy weights needs that uses most of the card: a CUDA device, SGLang, the plugin, the
+    model config, 90% of the card's memory free (the prefix and soak tables)."""
+    mem = host.gpu_memory()
+    return [host.cuda_device(), host.sglang(SUPPORTED_VERSIONS), host.plugin_entry_point(), model_config_need(opts),
+            host.free_gpu_memory(0.9 * (mem["total_gib"] if mem else 80.0))]
+
+
 def needs(opts: dict[str, Any]) -> list[host.Need]:
     plan(opts)
     _mem_fraction(opts)
     if int(opts["tp"]) < 1:
         raise ValueError(f"tp={opts['tp']}: the number of tensor-parallel GPUs, at least 1")
     out = [host.cuda_device() if int(opts["tp"]) == 1 else host.cuda_devices(int(opts["tp"])),
-           host.sglang(SUPPORTED_VERSIONS),
-           host.path_exists(model_dir(opts) / "config.json", "model config (dummy weights)",
-                            f"model= a folder with the model's config.json and tokenizer "
-                            f"(offline: ${BUNDLE_ENV}/qwen3-8b)")]
+           host.sglang(SUPPORTED_VERSIONS), model_config_need(opts)]
     if "oscar" in _backends(opts):
         out.append(host.plugin_entry_point())
     mem = host.gpu_memory()

@@ -24,9 +24,8 @@ from typing import Any
 
 from oscar.bench import host
 from oscar.bench.serving.formats import FORMATS
-from oscar.bench.serving.spec import BUNDLE_ENV, model_dir
+from oscar.bench.serving.spec import model_dir, oscar_engine_needs
 from oscar.core.files import atomic_write_json, atomic_write_text
-from oscar.serve.contract import SUPPORTED_VERSIONS
 from oscar.serve.server import SGLangServer
 from oscar.serve.soak import run
 
@@ -78,11 +77,7 @@ def needs(opts: dict[str, Any]) -> list[host.Need]:
     if opts["format"] not in FORMATS:
         raise ValueError(f"format={opts['format']!r}; valid: {', '.join(FORMATS)}")
     _lengths(opts)
-    mem = host.gpu_memory()
-    return [host.cuda_device(), host.sglang(SUPPORTED_VERSIONS), host.plugin_entry_point(),
-            host.path_exists(model_dir(opts) / "config.json", "model config (dummy weights)",
-                             f"model= a folder with config.json (offline: ${BUNDLE_ENV}/qwen3-8b)"),
-            host.free_gpu_memory(0.9 * (mem["total_gib"] if mem else 80.0))]
+    return oscar_engine_needs(opts)
 
 
 def log_counts(text: str) -> dict[str, int]:
