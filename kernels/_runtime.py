@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Union
 
 import torch
 import triton
@@ -82,10 +82,11 @@ def launchable(kernel: Any, device: torch.device) -> Any:
     return _Launcher(kernel)
 
 
-def check(cond: bool, message: str) -> None:
-    """Raise ValueError(message) unless `cond`."""
+def check(cond: bool, message: Union[str, Callable[[], str]]) -> None:
+    """Raise ValueError(message) unless `cond`. ``message`` may be a zero-argument callable (``lambda: f"..."``): it is
+    formatted only when the check fails (the launchers' checks run per layer and step: eager decode is host-bound)."""
     if not cond:
-        raise ValueError(message)
+        raise ValueError(message() if callable(message) else message)
 
 
 def is_pow2(n: int) -> bool:

@@ -124,7 +124,7 @@ def _function(d: int, rep: int, num_warps: int, stages: int, min_blocks: int, de
         name = kernel_name(d, rep, num_warps, stages, min_blocks, rope_blocks, bits, block)
         with torch.cuda.device(dev):
             major, minor = torch.cuda.get_device_capability(dev)
-            check(major >= 8, f"the mma decode kernel needs compute capability >= 8.0, got {major}.{minor}")
+            check(major >= 8, lambda: f"the mma decode kernel needs compute capability >= 8.0, got {major}.{minor}")
             cubin, mangled = _nvrtc_compile(SOURCE.read_text(), name, f"{major}{minor}", None, ["-std=c++17"])
             _KERNELS[key] = _cuda_load_module(cubin, [mangled])[mangled].func
     return _KERNELS[key]
@@ -144,11 +144,20 @@ def _set_attribute(lib, func: ctypes.c_void_p, attr: int, value: int) -> None:
         _ATTRS[key] = value
 
 
+_DRIVER: list = []  # the CUDA driver library, opened once (torch's helper opens a new ctypes.CDLL per call)
+
+
+def _driver():
+    if not _DRIVER:
+        from torch.cuda._utils import _get_gpu_runtime_library
+
+        _DRIVER.append(_get_gpu_runtime_library())
+    return _DRIVER[0]
+
+
 def _launch(func: ctypes.c_void_p, grid: tuple, threads: int, params: Params, dev: torch.device, dynamic: int = 0,
             carveout: Optional[int] = None) -> None:
-    from torch.cuda._utils import _get_gpu_runtime_library
-
-    lib = _get_gpu_runtime_library()
+    lib = _driver()
     _set_attribute(lib, func, _MAX_DYNAMIC_SHARED, dynamic)
     if carveout is not None:
         _set_attribute(lib, func, _CARVEOUT, carveout)
@@ -213,13 +222,14 @@ def default_num_splits(batch: int, num_kv_heads: int, capacity_tokens: int, num_
 
 def _window(name, k, v, n, B, hkv, d, dev, rows):
     check(k.shape == v.shape and k.dim() == 4 and (rows or k.shape[0] == B) and k.shape[1] == hkv and k.shape[3] == d,
-          f"{name} keys/values must be [B={B}, Hkv={hkv}, S, {d}] (or [R, Hkv, S, {d}] with window_rows), got "
+          lambda: f"{name} keys/values must be [B={B}, Hkv={hkv}, S, {d}] (or [R, Hkv, S, {d}] with window_rows), got "
           f"{tuple(k.shape)} and {tuple(v.shape)}")
-    check(k.dtype == torch.bfloat16 and v.dtype == torch.bfloat16, f"{name} keys/values must be bf16, got {k.dtype}")
+    check(k.dtype == torch.bfloat16 and v.dtype == torch.bfloat16,
+          lambda: f"{name} keys/values must be bf16, got {k.dtype}")
     check(k.stride() == v.stride() and k.stride(-1) == 1 and all(st % 2 == 0 for st in k.stride()[:3]),
-          f"{name} keys and values need equal strides, contiguous rows of even stride; got {k.stride()}, {v.stride()}")
+          lambda: f"{name} keys and values need equal strides, contiguous rows of even stride; got {k.stride()}, {v.stride()}")
     check(n.dtype == torch.int32 and n.numel() >= B and n.device == dev,
-          f"{name} lengths must be int32 [>= {B}] on {dev}")
+          lambda: f"{name} lengths must be int32 [>= {B}] on {dev}")
     return k, v, n
 
 
@@ -255,38 +265,40 @@ def paged_decode_attention_mma(
     fp16 (scales below 6e-5 lose precision there, above 65504 overflow).
     """
     launch = MmaLaunch() if launch is None else launch
-    check(isinstance(launch, MmaLaunch), f"launch={launch!r} is not an MmaLaunch (the mma kernel's settings)")
+    check(isinstance(launch, MmaLaunch), lambda: f"launch={launch!r} is not an MmaLaunch (the mma kernel's settings)")
     num_warps, min_blocks, rope_blocks = launch.warps, launch.min_blocks, launch.rope_blocks
     R_K, mu_K, R_V, mu_V = k_t.R, k_t.mu, v_t.R, v_t.mu
     page_table, int_len, window_rows = segments.page_table, segments.int_len, segments.window_rows
     check(k_pages.layout == "mma_k" and v_pages.layout == "mma_v",
-          f"the mma decode kernel reads K pages in 'mma_k' and V pages in 'mma_v', got {k_pages.layout!r} and "
+          lambda: f"the mma decode kernel reads K pages in 'mma_k' and V pages in 'mma_v', got {k_pages.layout!r} and "
           f"{v_pages.layout!r} (row-layout pages: oscar.kernels.decode_rows)")
     bits = k_pages.bits
-    check(v_pages.bits == bits, f"K and V pages need one format, got INT{bits} and INT{v_pages.bits}")
+    check(v_pages.bits == bits, lambda: f"K and V pages need one format, got INT{bits} and INT{v_pages.bits}")
     block = int(getattr(k_pages, "block", 0))
-    check(int(getattr(v_pages, "block", 0)) == 0, "V pages are per token (block=0); per-channel blocks are a key "
+    check(int(getattr(v_pages, "block", 0)) == 0,
+          lambda: "V pages are per token (block=0); per-channel blocks are a key "
           f"format, got V pages with block={getattr(v_pages, 'block', 0)}")
     k_codes, k_scale, k_zero = k_pages.codes, k_pages.scale, k_pages.zero
     v_codes, v_scale, v_zero = v_pages.codes, v_pages.scale, v_pages.zero
-    check(q.is_cuda, f"the mma decode kernel runs on CUDA tensors, q is on {q.device}")
-    check(q.dim() == 3, f"q must be [B, H, d], got shape {tuple(q.shape)}")
+    check(q.is_cuda, lambda: f"the mma decode kernel runs on CUDA tensors, q is on {q.device}")
+    check(q.dim() == 3, lambda: f"q must be [B, H, d], got shape {tuple(q.shape)}")
     B, H, d = (int(s) for s in q.shape)
-    check(d in (64, 128), f"head_dim d={d} is not supported by the mma layout; valid: 64, 128")
+    check(d in (64, 128), lambda: f"head_dim d={d} is not supported by the mma layout; valid: 64, 128")
     dev = q.device
     check(k_codes.dim() == 4 and k_codes.dtype == torch.uint8 and k_codes.shape == v_codes.shape,
-          f"codes must be uint8 [P, Hkv, page_size, {d // 4}] for K and V, got {tuple(k_codes.shape)}, "
+          lambda: f"codes must be uint8 [P, Hkv, page_size, {d // 4}] for K and V, got {tuple(k_codes.shape)}, "
           f"{tuple(v_codes.shape)}")
     npages, hkv, page_size, nbytes = (int(s) for s in k_codes.shape)
-    check(bits in (2, 4), f"bits={bits} is not supported by the mma layout; valid: 2, 4")
-    check(nbytes == d * bits // 8, f"codes rows must be d*bits/8={d * bits // 8} bytes (INT{bits}), got {nbytes}")
+    check(bits in (2, 4), lambda: f"bits={bits} is not supported by the mma layout; valid: 2, 4")
+    check(nbytes == d * bits // 8,
+          lambda: f"codes rows must be d*bits/8={d * bits // 8} bytes (INT{bits}), got {nbytes}")
     check(page_size % 16 == 0 and page_size & (page_size - 1) == 0,
-          f"page_size={page_size} must be a power of two >= 16 for the mma layout")
+          lambda: f"page_size={page_size} must be a power of two >= 16 for the mma layout")
     check(block == 0 or (block >= 16 and block & (block - 1) == 0 and page_size % block == 0),
-          f"per-channel key block={block} must be 0 (per-token keys) or a power of two >= 16 dividing "
+          lambda: f"per-channel key block={block} must be 0 (per-token keys) or a power of two >= 16 dividing "
           f"page_size={page_size} (the kernel takes whole 16-token blocks of one channel block)")
     check(H % hkv == 0 and H // hkv in (1, 2, 4, 8),
-          f"query heads H={H} over KV heads Hkv={hkv}: GQA ratio must be 1, 2, 4 or 8")
+          lambda: f"query heads H={H} over KV heads Hkv={hkv}: GQA ratio must be 1, 2, 4 or 8")
     rep = H // hkv
     rope = k_t.rope_centered
     rope_pos0 = segments.int_pos0
@@ -299,33 +311,34 @@ def paged_decode_attention_mma(
         while stages > 2 and shared_bytes(d, rep, num_warps, stages, rope, bits, block) > limit:
             stages -= 1
     check(2 <= stages <= 6 and shared_bytes(d, rep, num_warps, stages, rope, bits, block) <= limit,
-          f"stages={stages} must be in 2-6 and fit {limit} bytes of shared memory "
+          lambda: f"stages={stages} must be in 2-6 and fit {limit} bytes of shared memory "
           f"({shared_bytes(d, rep, num_warps, stages, rope, bits, block)} bytes at d={d}, INT{bits}, GQA {rep}, "
           f"{num_warps} warps{f', key block {block}' if block else ''})")
     for name, t in (("k_codes", k_codes), ("v_codes", v_codes)):
-        check(t.is_contiguous() and t.device == dev, f"{name} must be contiguous on {dev}")
+        check(t.is_contiguous() and t.device == dev, lambda: f"{name} must be contiguous on {dev}")
     for name, t in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
         if block and name[0] == "k":
             check(tuple(t.shape) == (npages, hkv, page_size // block, d) and t.dtype == torch.bfloat16
                   and t.is_contiguous() and t.device == dev and t.data_ptr() % 16 == 0,
-                  f"{name} of per-channel keys must be contiguous, 16-byte aligned bf16 [{npages}, {hkv}, "
+                  lambda: f"{name} of per-channel keys must be contiguous, 16-byte aligned bf16 [{npages}, {hkv}, "
                   f"{page_size // block}, {d}] on {dev} (block {block}), got {t.dtype} {tuple(t.shape)}")
             continue
         check(tuple(t.shape) == (npages, hkv, page_size, 1) and t.dtype == torch.bfloat16 and t.is_contiguous()
-              and t.device == dev, f"{name} must be contiguous bf16 [{npages}, {hkv}, {page_size}, 1] on {dev} "
+              and t.device == dev, lambda: f"{name} must be contiguous bf16 [{npages}, {hkv}, {page_size}, 1] on {dev} "
               f"(one group per row), got {t.dtype} {tuple(t.shape)}")
     check(page_table.dtype == torch.int32 and page_table.dim() == 2 and page_table.shape[0] >= B
           and page_table.stride(1) == 1 and page_table.device == dev,
-          f"page_table must be int32 [>= {B}, pages] with contiguous rows on {dev}, got {page_table.dtype} "
+          lambda: f"page_table must be int32 [>= {B}, pages] with contiguous rows on {dev}, got {page_table.dtype} "
           f"{tuple(page_table.shape)}")
     check(int_len.dtype == torch.int32 and int_len.numel() >= B and int_len.device == dev,
-          f"int_len must be int32 [>= {B}] on {dev}, got {int_len.dtype} {tuple(int_len.shape)}")
-    check(output_frame in ("original", "rotated"), f"output_frame={output_frame!r} must be 'original' or 'rotated'")
-    check(32 * num_warps >= d, f"MmaLaunch(warps={num_warps}) is too few for d={d}: at least d/32 warps")
+          lambda: f"int_len must be int32 [>= {B}] on {dev}, got {int_len.dtype} {tuple(int_len.shape)}")
+    check(output_frame in ("original", "rotated"),
+          lambda: f"output_frame={output_frame!r} must be 'original' or 'rotated'")
+    check(32 * num_warps >= d, lambda: f"MmaLaunch(warps={num_warps}) is too few for d={d}: at least d/32 warps")
     rows = window_rows is not None
     check(not rows or (window_rows.dtype == torch.int32 and window_rows.dim() == 1 and window_rows.numel() >= B
                        and window_rows.device == dev),
-          f"window_rows must be int32 [>= {B}] on {dev}, got "
+          lambda: f"window_rows must be int32 [>= {B}] on {dev}, got "
           f"{None if window_rows is None else (window_rows.dtype, tuple(window_rows.shape), str(window_rows.device))}")
     sink = rec = None
     for name, k, v, n in segments.windows:
@@ -341,13 +354,13 @@ def paged_decode_attention_mma(
     def f32(t, shape, name):
         if t is None:
             return None
-        check(tuple(t.shape) == shape, f"{name} must be {list(shape)}, got {tuple(t.shape)}")
+        check(tuple(t.shape) == shape, lambda: f"{name} must be {list(shape)}, got {tuple(t.shape)}")
         return _derived(t, "f32", lambda x: x.to(device=dev, dtype=torch.float32).contiguous())
 
     def frags(t, kind, name):
         if t is None:
             return None
-        check(tuple(t.shape) == (hkv, d, d), f"{name} must be [{hkv}, {d}, {d}], got {tuple(t.shape)}")
+        check(tuple(t.shape) == (hkv, d, d), lambda: f"{name} must be [{hkv}, {d}, {d}], got {tuple(t.shape)}")
         make = (lambda x: mma_b_fragments(x.to(dev, torch.float32).transpose(1, 2))) if kind == "T" else \
             (lambda x: mma_b_fragments(x.to(dev, torch.float32)))
         return _derived(t, "frag" + kind, make)
@@ -360,7 +373,7 @@ def paged_decode_attention_mma(
     capacity = int(page_table.shape[1]) * page_size
     s_int = launch.num_splits if launch.num_splits is not None else default_num_splits(B, hkv, capacity, num_warps)
     s_total = s_int + (sink is not None) + (rec is not None)
-    check(s_int >= 1 and s_total <= MAX_PARTIALS, f"num_splits={s_int} must be in [1, {MAX_PARTIALS - 2}]")
+    check(s_int >= 1 and s_total <= MAX_PARTIALS, lambda: f"num_splits={s_int} must be in [1, {MAX_PARTIALS - 2}]")
     part_o = torch.empty(B, hkv, s_total, rep, d, dtype=torch.float32, device=dev)
     part_ml = torch.empty(B, hkv, s_total, rep, 2, dtype=torch.float32, device=dev)
     counters = _counters(dev, B * hkv)
@@ -401,7 +414,7 @@ def paged_decode_attention_mma(
         rt = rope_blocks
         rope_freq = k_t.rope_freq
         h = int(rope_freq.numel())
-        check(rope_freq.dim() == 1 and 0 < 2 * h <= d, f"rope_freq must be [<= {d // 2}] frequencies, got "
+        check(rope_freq.dim() == 1 and 0 < 2 * h <= d, lambda: f"rope_freq must be [<= {d // 2}] frequencies, got "
               f"{tuple(rope_freq.shape)}")
         ptr("rope_m", f32(k_t.rope_mu, (hkv, d), "rope_mu"))
         ptr("rope_w", _derived(rope_freq, f"ropew{d}", lambda x: torch.nn.functional.pad(
@@ -411,10 +424,10 @@ def paged_decode_attention_mma(
                                  lambda x: rope_table(x, d, stride, rt).to(dev)))
         if isinstance(rope_pos0, torch.Tensor):
             check(rope_pos0.dtype == torch.int32 and rope_pos0.numel() >= B and rope_pos0.device == dev,
-                  f"int_pos0 must be an int or int32 [>= {B}] on {dev}, got {rope_pos0.dtype} {tuple(rope_pos0.shape)}")
+                  lambda: f"int_pos0 must be an int or int32 [>= {B}] on {dev}, got {rope_pos0.dtype} {tuple(rope_pos0.shape)}")
             ptr("rope_pos0", rope_pos0)
         else:
-            check(0 <= int(rope_pos0) < 2**30, f"int_pos0={rope_pos0} must be a position in [0, 2^30)")
+            check(0 <= int(rope_pos0) < 2**30, lambda: f"int_pos0={rope_pos0} must be a position in [0, 2^30)")
             p.rope_pos_add = int(rope_pos0)
         p.rope_scaling, p.rope_half = float(k_t.rope_scaling), h
     _launch(_function(d, rep, num_warps, stages, min_blocks, dev, rt, bits, block), (s_total, hkv, B), 32 * num_warps,

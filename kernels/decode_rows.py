@@ -921,49 +921,49 @@ def _fp16_copy(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
 def _check_pages(k_pages: Pages, v_pages: Pages, d: int) -> tuple[int, int, int]:
     """Refuse pages the row kernel does not read; return ``(Hkv, page_size, codes bytes per row)``."""
     check(k_pages.layout == "rows" and v_pages.layout == "rows",
-          f"the Triton decode kernel reads row-layout pages, got K {k_pages.layout!r} and V {v_pages.layout!r} "
+          lambda: f"the Triton decode kernel reads row-layout pages, got K {k_pages.layout!r} and V {v_pages.layout!r} "
           "(fragment-order pages: oscar.kernels.decode_mma)")
     bits, group_size = k_pages.bits, k_pages.group_size
-    check(bits in (2, 4), f"bits={bits} is not supported; valid values are 2 and 4")
+    check(bits in (2, 4), lambda: f"bits={bits} is not supported; valid values are 2 and 4")
     check(v_pages.bits == bits and v_pages.group_size == group_size,
-          f"K and V pages need one format, got INT{bits} G={group_size} and INT{v_pages.bits} G={v_pages.group_size}")
+          lambda: f"K and V pages need one format, got INT{bits} G={group_size} and INT{v_pages.bits} G={v_pages.group_size}")
     k_codes, k_scale, v_codes = k_pages.codes, k_pages.scale, v_pages.codes
     npages, hkv, page_size, nbytes = (int(s) for s in k_codes.shape)
     check(is_pow2(d) and 16 <= d <= 256 and d * bits >= 32,
-          f"head_dim={d} must be a power of two in [16, 256] (at least one 32-bit word of codes per row)")
+          lambda: f"head_dim={d} must be a power of two in [16, 256] (at least one 32-bit word of codes per row)")
     check(is_pow2(group_size) and group_size <= d and group_size % (8 // bits) == 0,
-          f"group_size={group_size} must be a power of two dividing head_dim={d}")
+          lambda: f"group_size={group_size} must be a power of two dividing head_dim={d}")
     check(nbytes == d * bits // 8 and k_codes.dtype == torch.uint8,
-          f"codes must be uint8 [P, Hkv, page_size, {d * bits // 8}], got {k_codes.dtype} {tuple(k_codes.shape)}")
+          lambda: f"codes must be uint8 [P, Hkv, page_size, {d * bits // 8}], got {k_codes.dtype} {tuple(k_codes.shape)}")
     check(v_codes.shape == k_codes.shape and v_codes.stride() == k_codes.stride(),
-          f"V codes {tuple(v_codes.shape)} must match K codes {tuple(k_codes.shape)} in shape and strides")
+          lambda: f"V codes {tuple(v_codes.shape)} must match K codes {tuple(k_codes.shape)} in shape and strides")
     meta_shape = (npages, hkv, page_size, d // group_size)
     kblock = int(getattr(k_pages, "block", 0))
     check(int(getattr(v_pages, "block", 0)) == 0, "V pages are per token (block=0); per-channel blocks are for keys")
     check(kblock == 0 or (is_pow2(kblock) and page_size % kblock == 0),
-          f"per-channel key block={kblock} must be a power of two dividing page_size={page_size}")
+          lambda: f"per-channel key block={kblock} must be a power of two dividing page_size={page_size}")
     k_meta = (npages, hkv, page_size // kblock, d) if kblock else meta_shape
     metas = (("k_scale", k_scale, k_meta), ("k_zero", k_pages.zero, k_meta), ("v_scale", v_pages.scale, meta_shape),
              ("v_zero", v_pages.zero, meta_shape))
     for name, t, shape in metas:
         ref = k_scale if name.startswith("k") else v_pages.scale
         check(tuple(t.shape) == shape and t.dtype == torch.bfloat16 and t.stride() == ref.stride() and t.stride(-1) == 1,
-              f"{name} must be bf16 {shape} with the strides of {name[0]}_scale, got {t.dtype} {tuple(t.shape)}")
+              lambda: f"{name} must be bf16 {shape} with the strides of {name[0]}_scale, got {t.dtype} {tuple(t.shape)}")
     check(kblock or k_scale.stride() == v_pages.scale.stride(), "K and V scales must have equal strides")
     check(k_codes.stride(-1) == 1 and k_codes.stride(-2) == nbytes and v_pages.scale.stride(-2) == d // group_size
           and (kblock or k_scale.stride(-2) == d // group_size) and (not kblock or k_scale.stride(-2) == d),
           "codes and scales must be contiguous within a page (slot stride = row size)")
-    check(is_pow2(page_size), f"page_size={page_size} must be a power of two")
+    check(is_pow2(page_size), lambda: f"page_size={page_size} must be a power of two")
     return hkv, page_size, nbytes
 
 
 def _window(name: str, k: torch.Tensor, v: torch.Tensor, n: torch.Tensor, B: int, hkv: int, d: int,
             rows: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check(k.dim() == 4 and (k.shape[0] >= B or rows) and k.shape[1] == hkv and k.shape[3] == d,
-          f"{name}_k must be [B, {hkv}, S, {d}] (or [R, {hkv}, S, {d}] with window_rows), got {tuple(k.shape)}")
+          lambda: f"{name}_k must be [B, {hkv}, S, {d}] (or [R, {hkv}, S, {d}] with window_rows), got {tuple(k.shape)}")
     check(v.shape == k.shape and v.stride() == k.stride() and k.stride(-1) == 1,
-          f"{name}_v {tuple(v.shape)} must match {name}_k in shape and strides, contiguous in d")
-    check(n.dtype == torch.int32 and n.shape[0] >= B, f"{name}_len must be int32 [B], got {n.dtype}")
+          lambda: f"{name}_v {tuple(v.shape)} must match {name}_k in shape and strides, contiguous in d")
+    check(n.dtype == torch.int32 and n.shape[0] >= B, lambda: f"{name}_len must be int32 [B], got {n.dtype}")
     return k, v, n
 
 
@@ -990,27 +990,30 @@ def paged_decode_attention_rows(
     ``RowsLaunch`` (fields left at ``None`` follow ``default_config``).
     """
     launch = RowsLaunch() if launch is None else launch
-    check(isinstance(launch, RowsLaunch), f"launch={launch!r} is not a RowsLaunch (the row-layout kernel's settings)")
-    check(q.dim() == 3, f"q must be [B, H, d], got shape {tuple(q.shape)}")
+    check(isinstance(launch, RowsLaunch),
+          lambda: f"launch={launch!r} is not a RowsLaunch (the row-layout kernel's settings)")
+    check(q.dim() == 3, lambda: f"q must be [B, H, d], got shape {tuple(q.shape)}")
     B, H, d = (int(s) for s in q.shape)
     hkv, page_size, _ = _check_pages(k_pages, v_pages, d)
     bits, group_size = k_pages.bits, k_pages.group_size
     check(not k_t.rope_centered, "rope-centered keys (k_t.rope_mu) are read by the mma-layout kernel only "
           "(oscar.kernels.decode_mma); row-layout pages take keys without the RoPE offset")
-    check(H % hkv == 0, f"query heads H={H} must be a multiple of KV heads Hkv={hkv}")
+    check(H % hkv == 0, lambda: f"query heads H={H} must be a multiple of KV heads Hkv={hkv}")
     page_table, int_len, window_rows = segments.page_table, segments.int_len, segments.window_rows
     check(page_table.dim() == 2 and page_table.shape[0] >= B and page_table.dtype == torch.int32,
-          f"page_table must be int32 [B={B}, M], got {page_table.dtype} {tuple(page_table.shape)}")
-    check(int_len.shape[0] >= B and int_len.dtype == torch.int32, f"int_len must be int32 [B={B}], got {int_len.dtype}")
-    check(output_frame in ("original", "rotated"), f"output_frame={output_frame!r} must be 'original' or 'rotated'")
+          lambda: f"page_table must be int32 [B={B}, M], got {page_table.dtype} {tuple(page_table.shape)}")
+    check(int_len.shape[0] >= B and int_len.dtype == torch.int32,
+          lambda: f"int_len must be int32 [B={B}], got {int_len.dtype}")
+    check(output_frame in ("original", "rotated"),
+          lambda: f"output_frame={output_frame!r} must be 'original' or 'rotated'")
     kblock = int(getattr(k_pages, "block", 0))
     planes = launch.planes
-    check(not (planes and kblock), f"per-channel key pages (block={kblock}) are read by the word path; "
+    check(not (planes and kblock), lambda: f"per-channel key pages (block={kblock}) are read by the word path; "
           "RowsLaunch(planes=True) is refused for them")
     if planes is None:  # bit-plane path where measured faster: one group per row, planes of >= 32 channels
         planes = group_size == d and d * bits // 8 >= 32 and not kblock
     check(not planes or (group_size == d and d * bits // 8 >= 32),
-          f"the bit-plane path needs one group per row and at least 32 bytes per row (int8 scores), got "
+          lambda: f"the bit-plane path needs one group per row and at least 32 bytes per row (int8 scores), got "
           f"group_size={group_size}, d={d}, INT{bits}")
     dev = q.device
     fast_unpack = (bits == 2 or planes) and dev.type == "cuda"  # inline PTX wherever it runs
@@ -1024,7 +1027,7 @@ def paged_decode_attention_rows(
     rows = window_rows is not None
     check(not rows or (window_rows.dtype == torch.int32 and window_rows.dim() == 1
                        and window_rows.numel() >= B and window_rows.device == dev),
-          f"window_rows must be int32 [>= {B}] on {dev}, got "
+          lambda: f"window_rows must be int32 [>= {B}] on {dev}, got "
           f"{None if window_rows is None else (window_rows.dtype, tuple(window_rows.shape), str(window_rows.device))}")
     sink = recent = None
     for name, k, v, n in segments.windows:

@@ -55,13 +55,13 @@ class RecordLayout:
     key_block: int = 0
 
     def __post_init__(self) -> None:
-        check(self.d in (64, 128), f"RecordLayout(d={self.d}): head_dim must be 64 or 128")
-        check(self.bits == 2, f"RecordLayout(bits={self.bits}): records hold INT2 codes (INT4: not yet)")
+        check(self.d in (64, 128), lambda: f"RecordLayout(d={self.d}): head_dim must be 64 or 128")
+        check(self.bits == 2, lambda: f"RecordLayout(bits={self.bits}): records hold INT2 codes (INT4: not yet)")
         ps = self.page_size
-        check(ps in (16, 32, 64, 128), f"RecordLayout(page_size={ps}): must be 16, 32, 64 or 128")
+        check(ps in (16, 32, 64, 128), lambda: f"RecordLayout(page_size={ps}): must be 16, 32, 64 or 128")
         kb = self.key_block
         check(kb == 0 or (kb % TILE == 0 and ps % kb == 0),
-              f"RecordLayout(key_block={kb}): 0 (per-token keys) or a multiple of 16 dividing page_size={ps}")
+              lambda: f"RecordLayout(key_block={kb}): 0 (per-token keys) or a multiple of 16 dividing page_size={ps}")
 
     @property
     def code_bytes(self) -> int:
@@ -108,14 +108,14 @@ def pack_records(k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Ten
     -> records uint8 ``[P, Hkv, layout.bytes]``."""
     P, hkv, ps, nb = (int(s) for s in k_codes.shape)
     check(ps == layout.page_size and nb == layout.d * layout.bits // 8 and v_codes.shape == k_codes.shape,
-          f"codes {tuple(k_codes.shape)} / {tuple(v_codes.shape)} do not match {layout}")
+          lambda: f"codes {tuple(k_codes.shape)} / {tuple(v_codes.shape)} do not match {layout}")
     kb = layout.key_block
     k_meta = (P, hkv, ps // kb, layout.d) if kb else (P, hkv, ps, 1)
     for name, t, shape in (("k_scale", k_scale, k_meta), ("k_zero", k_zero, k_meta),
                            ("v_scale", v_scale, (P, hkv, ps, 1)), ("v_zero", v_zero, (P, hkv, ps, 1))):
         what = "one pair per channel and key block" if kb and name[0] == "k" else "one group per row"
         check(tuple(t.shape) == shape and t.dtype == torch.bfloat16,
-              f"{name} must be bf16 {list(shape)} ({what}), got {t.dtype} {tuple(t.shape)}")
+              lambda: f"{name} must be bf16 {list(shape)} ({what}), got {t.dtype} {tuple(t.shape)}")
     rec = torch.zeros(P, hkv, layout.bytes, dtype=torch.uint8, device=k_codes.device)
     cb = layout.code_bytes
     rec[..., layout.k_off:layout.k_off + cb] = k_codes.reshape(P, hkv, cb)
@@ -135,8 +135,9 @@ def pack_pages(k_pages: Pages, v_pages: Pages) -> tuple[torch.Tensor, RecordLayo
     """Records ``[P, Hkv, bytes]`` and their layout from a layer's K and V pages in the mma layouts (INT2, one group per
     row; K pages per token or per channel, ``k_pages.block``): the pages' codes and scale/zero, moved, not changed."""
     check(k_pages.layout == "mma_k" and v_pages.layout == "mma_v",
-          f"pack_pages takes pages in the 'mma_k'/'mma_v' layouts, got {k_pages.layout!r}/{v_pages.layout!r}")
-    check(k_pages.bits == 2 and v_pages.bits == 2, f"records hold INT2 codes, got bits {k_pages.bits}/{v_pages.bits}")
+          lambda: f"pack_pages takes pages in the 'mma_k'/'mma_v' layouts, got {k_pages.layout!r}/{v_pages.layout!r}")
+    check(k_pages.bits == 2 and v_pages.bits == 2,
+          lambda: f"records hold INT2 codes, got bits {k_pages.bits}/{v_pages.bits}")
     check(int(getattr(v_pages, "block", 0)) == 0, "V pages are per token (block=0)")
     ps, d = int(k_pages.codes.shape[2]), int(k_pages.codes.shape[3]) * 4
     lay = RecordLayout(d, ps, key_block=int(getattr(k_pages, "block", 0)))
@@ -148,7 +149,7 @@ def unpack_records(records: torch.Tensor, layout: RecordLayout) -> tuple[torch.T
     """Records -> ``(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)`` as ``pack_records`` took them (exact)."""
     P, hkv, nbytes = (int(s) for s in records.shape)
     check(nbytes == layout.bytes and records.dtype == torch.uint8,
-          f"records must be uint8 [P, Hkv, {layout.bytes}] for {layout}, got {records.dtype} {tuple(records.shape)}")
+          lambda: f"records must be uint8 [P, Hkv, {layout.bytes}] for {layout}, got {records.dtype} {tuple(records.shape)}")
     ps, cb, nb = layout.page_size, layout.code_bytes, layout.d * layout.bits // 8
     kc = records[..., layout.k_off:layout.k_off + cb].reshape(P, hkv, ps, nb).contiguous()
     vc = records[..., layout.v_off:layout.v_off + cb].reshape(P, hkv, ps, nb).contiguous()
@@ -176,12 +177,12 @@ def write_tokens(records: torch.Tensor, layout: RecordLayout, slots: torch.Tenso
     ps, hkv = layout.page_size, int(records.shape[1])
     n = int(slots.numel())
     check(k_bytes.shape == (n, hkv, layout.d // 4) and v_bytes.shape == k_bytes.shape,
-          f"k_bytes/v_bytes must be uint8 [{n}, {hkv}, {layout.d // 4}], got {tuple(k_bytes.shape)}")
+          lambda: f"k_bytes/v_bytes must be uint8 [{n}, {hkv}, {layout.d // 4}], got {tuple(k_bytes.shape)}")
     check((k_meta is None) == (layout.key_block > 0),
-          f"k_meta must be None for per-channel key records (key_block={layout.key_block}) and given otherwise")
+          lambda: f"k_meta must be None for per-channel key records (key_block={layout.key_block}) and given otherwise")
     check(v_meta.shape == (n, hkv, 2) and v_meta.dtype == torch.bfloat16
           and (k_meta is None or (k_meta.shape == v_meta.shape and k_meta.dtype == torch.bfloat16)),
-          f"k_meta/v_meta must be bf16 [{n}, {hkv}, 2], got {v_meta.dtype} {tuple(v_meta.shape)}")
+          lambda: f"k_meta/v_meta must be bf16 [{n}, {hkv}, 2], got {v_meta.dtype} {tuple(v_meta.shape)}")
     if k_meta is None:
         k_meta = torch.zeros_like(v_meta)
     dev = records.device
@@ -205,13 +206,13 @@ def write_key_blocks(records: torch.Tensor, layout: RecordLayout, first_slots: t
     and V meta go through ``write_tokens``)."""
     T, ps, d, hkv = layout.key_block, layout.page_size, layout.d, int(records.shape[1])
     n = int(first_slots.numel())
-    check(T > 0, f"write_key_blocks writes per-channel key records; {layout} has per-token keys")
+    check(T > 0, lambda: f"write_key_blocks writes per-channel key records; {layout} has per-token keys")
     check(k_scale.shape == (n, hkv, d) and k_zero.shape == k_scale.shape and k_scale.dtype == torch.bfloat16
           and k_zero.dtype == torch.bfloat16,
-          f"k_scale/k_zero must be bf16 [{n}, {hkv}, {d}], got {k_scale.dtype} {tuple(k_scale.shape)}")
+          lambda: f"k_scale/k_zero must be bf16 [{n}, {hkv}, {d}], got {k_scale.dtype} {tuple(k_scale.shape)}")
     dev = records.device
     first = first_slots.to(dev, torch.int64)
-    check(bool((first % T == 0).all()), f"first_slots must be multiples of key_block={T}")
+    check(bool((first % T == 0).all()), lambda: f"first_slots must be multiples of key_block={T}")
     page, blk = first // ps, (first % ps) // T
     bf = records.view(torch.bfloat16)  # [P, Hkv, bytes/2]
     heads = torch.arange(hkv, device=dev)
@@ -235,13 +236,13 @@ class V11Launch:
 
     def __post_init__(self) -> None:
         check(self.num_splits is None or (isinstance(self.num_splits, int) and 1 <= self.num_splits <= 254),
-              f"V11Launch(num_splits={self.num_splits!r}) must be None or an int in [1, 254]")
-        check(self.warps in (2, 4, 8), f"V11Launch(warps={self.warps!r}) must be one of 2, 4, 8")
+              lambda: f"V11Launch(num_splits={self.num_splits!r}) must be None or an int in [1, 254]")
+        check(self.warps in (2, 4, 8), lambda: f"V11Launch(warps={self.warps!r}) must be one of 2, 4, 8")
         check(isinstance(self.stages, int) and self.stages >= self.warps and self.stages % self.warps == 0
-              and self.stages <= 32, f"V11Launch(stages={self.stages!r}) must be a multiple of warps={self.warps} "
+              and self.stages <= 32, lambda: f"V11Launch(stages={self.stages!r}) must be a multiple of warps={self.warps} "
               "in [warps, 32]")
         check(self.min_blocks is None or self.min_blocks in (1, 2, 3, 4),
-              f"V11Launch(min_blocks={self.min_blocks!r}) must be None or in 1-4")
+              lambda: f"V11Launch(min_blocks={self.min_blocks!r}) must be None or in 1-4")
 
 
 def default_min_blocks(batch: int, num_kv_heads: int) -> int:
@@ -304,7 +305,7 @@ def _function(name: str, dev: torch.device) -> ctypes.c_void_p:
 
         with torch.cuda.device(dev):
             major, minor = torch.cuda.get_device_capability(dev)
-            check(major >= 9, f"the v11 decode kernel needs compute capability >= 9.0 (cp.async.bulk), got "
+            check(major >= 9, lambda: f"the v11 decode kernel needs compute capability >= 9.0 (cp.async.bulk), got "
                   f"{major}.{minor}")
             cubin, mangled = _nvrtc_compile(SOURCE.read_text(), name, f"{major}{minor}", None, ["-std=c++17"])
             _KERNELS[key] = _cuda_load_module(cubin, [mangled])[mangled].func
@@ -329,30 +330,31 @@ def paged_decode_attention_v11(q: torch.Tensor, records: torch.Tensor, layout: R
     int32 ``[B]`` on the query's device: the position of each sequence's first quantized token) add
     ``q . RoPE_p(rope_mu)`` to each quantized logit."""
     launch = V11Launch() if launch is None else launch
-    check(isinstance(launch, V11Launch), f"launch={launch!r} is not a V11Launch")
-    check(q.is_cuda and q.dim() == 3, f"q must be a CUDA [B, H, d] tensor, got {tuple(q.shape)} on {q.device}")
+    check(isinstance(launch, V11Launch), lambda: f"launch={launch!r} is not a V11Launch")
+    check(q.is_cuda and q.dim() == 3, lambda: f"q must be a CUDA [B, H, d] tensor, got {tuple(q.shape)} on {q.device}")
     B, H, d = (int(s) for s in q.shape)
-    check(d == layout.d, f"q's head_dim {d} differs from the records' {layout.d}")
+    check(d == layout.d, lambda: f"q's head_dim {d} differs from the records' {layout.d}")
     rope = k_t.rope_centered
     check(not rope or segments.int_pos0 is not None, "rope-centered keys need segments.int_pos0 (the position of each "
           "sequence's first quantized token)")
     dev = q.device
     check(records.dtype == torch.uint8 and records.dim() == 3 and records.shape[2] == layout.bytes
           and records.is_contiguous() and records.device == dev,
-          f"records must be contiguous uint8 [P, Hkv, {layout.bytes}] on {dev}, got {records.dtype} "
+          lambda: f"records must be contiguous uint8 [P, Hkv, {layout.bytes}] on {dev}, got {records.dtype} "
           f"{tuple(records.shape)}")
     hkv = int(records.shape[1])
-    check(H % hkv == 0 and H // hkv in (1, 2, 4, 8), f"GQA ratio H={H} / Hkv={hkv} must be 1, 2, 4 or 8")
+    check(H % hkv == 0 and H // hkv in (1, 2, 4, 8), lambda: f"GQA ratio H={H} / Hkv={hkv} must be 1, 2, 4 or 8")
     rep = H // hkv
     page_table, int_len, window_rows = segments.page_table, segments.int_len, segments.window_rows
     check(page_table.dtype == torch.int32 and page_table.dim() == 2 and page_table.shape[0] >= B
-          and page_table.stride(1) == 1 and page_table.device == dev, "page_table must be int32 [>= B, pages] on "
+          and page_table.stride(1) == 1 and page_table.device == dev, lambda: "page_table must be int32 [>= B, pages] on "
           f"{dev} with contiguous rows")
     check(int_len.dtype == torch.int32 and int_len.numel() >= B and int_len.device == dev,
-          f"int_len must be int32 [>= {B}] on {dev}")
-    check(output_frame in ("original", "rotated"), f"output_frame={output_frame!r} must be 'original' or 'rotated'")
+          lambda: f"int_len must be int32 [>= {B}] on {dev}")
+    check(output_frame in ("original", "rotated"),
+          lambda: f"output_frame={output_frame!r} must be 'original' or 'rotated'")
     check(32 * launch.warps >= d // 2 and (d // 8) % launch.warps == 0,
-          f"V11Launch(warps={launch.warps}) must divide d/8={d // 8}")
+          lambda: f"V11Launch(warps={launch.warps}) must divide d/8={d // 8}")
     rows = window_rows is not None
     sink = rec = None
     for name, k, v, n in segments.windows:
@@ -368,13 +370,13 @@ def paged_decode_attention_v11(q: torch.Tensor, records: torch.Tensor, layout: R
     def f32(t, name):
         if t is None:
             return None
-        check(tuple(t.shape) == (hkv, d), f"{name} must be [{hkv}, {d}], got {tuple(t.shape)}")
+        check(tuple(t.shape) == (hkv, d), lambda: f"{name} must be [{hkv}, {d}], got {tuple(t.shape)}")
         return _derived(t, "f32", lambda x: x.to(device=dev, dtype=torch.float32).contiguous())
 
     def frags(t, kind, name):
         if t is None:
             return None
-        check(tuple(t.shape) == (hkv, d, d), f"{name} must be [{hkv}, {d}, {d}], got {tuple(t.shape)}")
+        check(tuple(t.shape) == (hkv, d, d), lambda: f"{name} must be [{hkv}, {d}, {d}], got {tuple(t.shape)}")
         make = (lambda x: mma_b_fragments(x.to(dev, torch.float32).transpose(1, 2))) if kind == "T" else \
             (lambda x: mma_b_fragments(x.to(dev, torch.float32)))
         return _derived(t, "frag" + kind, make)
@@ -382,7 +384,7 @@ def paged_decode_attention_v11(q: torch.Tensor, records: torch.Tensor, layout: R
     pages_per_seq = int(page_table.shape[1])
     s_int = launch.num_splits or default_num_splits(B, hkv, pages_per_seq, launch)
     s_total = s_int + (sink is not None) + (rec is not None)
-    check(s_total <= MAX_PARTIALS, f"num_splits={s_int} must be at most {MAX_PARTIALS - 2}")
+    check(s_total <= MAX_PARTIALS, lambda: f"num_splits={s_int} must be at most {MAX_PARTIALS - 2}")
     part_o = torch.empty(B, hkv, s_total, rep, d, dtype=torch.float32, device=dev)
     part_ml = torch.empty(B, hkv, s_total, rep, 2, dtype=torch.float32, device=dev)
     counters = _counters(dev, B * hkv)
@@ -419,7 +421,7 @@ def paged_decode_attention_v11(q: torch.Tensor, records: torch.Tensor, layout: R
     if rope:
         rope_freq, pos0, ps = k_t.rope_freq, segments.int_pos0, layout.page_size
         h = int(rope_freq.numel())
-        check(rope_freq.dim() == 1 and 0 < 2 * h <= d, f"rope_freq must be [<= {d // 2}] frequencies, got "
+        check(rope_freq.dim() == 1 and 0 < 2 * h <= d, lambda: f"rope_freq must be [<= {d // 2}] frequencies, got "
               f"{tuple(rope_freq.shape)}")
         ptr("rope_m", f32(k_t.rope_mu, "rope_mu"))
         ptr("rope_w", _derived(rope_freq, f"ropew{d}", lambda x: torch.nn.functional.pad(
@@ -428,10 +430,10 @@ def paged_decode_attention_v11(q: torch.Tensor, records: torch.Tensor, layout: R
                                  lambda x: rope_table(x, d, 1, ps // TILE).to(dev)))
         if isinstance(pos0, torch.Tensor):
             check(pos0.dtype == torch.int32 and pos0.numel() >= B and pos0.device == dev,
-                  f"int_pos0 must be an int or int32 [>= {B}] on {dev}, got {pos0.dtype} {tuple(pos0.shape)}")
+                  lambda: f"int_pos0 must be an int or int32 [>= {B}] on {dev}, got {pos0.dtype} {tuple(pos0.shape)}")
             ptr("rope_pos0", pos0)
         else:
-            check(0 <= int(pos0) < 2**30, f"int_pos0={pos0} must be a position in [0, 2^30)")
+            check(0 <= int(pos0) < 2**30, lambda: f"int_pos0={pos0} must be a position in [0, 2^30)")
             p.rope_pos_add = int(pos0)
         p.rope_scaling, p.rope_half = float(k_t.rope_scaling), h
     minb = launch.min_blocks or default_min_blocks(B, hkv)

@@ -183,16 +183,17 @@ def code_map(d: int, bits: int, group_size: int, token_map: Optional[tuple[torch
 
 def _check_pages(pages: Pages, name: str, hkv: int, d: int) -> None:
     check(pages.codes.dtype == torch.uint8 and pages.codes.dim() == 4,
-          f"{name}.codes must be uint8 [P, Hkv, page_size, d*bits/8], got {pages.codes.dtype} "
+          lambda: f"{name}.codes must be uint8 [P, Hkv, page_size, d*bits/8], got {pages.codes.dtype} "
           f"{tuple(pages.codes.shape)}")
     check(int(pages.codes.shape[1]) == hkv and int(pages.codes.shape[3]) * 8 // pages.bits == d,
-          f"{name}.codes {tuple(pages.codes.shape)} do not hold Hkv={hkv} heads of d={d} channels at INT{pages.bits}")
-    check(pages.codes.is_contiguous(), f"{name}.codes must be contiguous")
-    check(not getattr(pages, "block", 0), f"{name} holds per-channel key blocks (block={getattr(pages, 'block', 0)}); "
+          lambda: f"{name}.codes {tuple(pages.codes.shape)} do not hold Hkv={hkv} heads of d={d} channels at INT{pages.bits}")
+    check(pages.codes.is_contiguous(), lambda: f"{name}.codes must be contiguous")
+    check(not getattr(pages, "block", 0),
+          lambda: f"{name} holds per-channel key blocks (block={getattr(pages, 'block', 0)}); "
           "this kernel reads per-token scale/zero pages (the twin reads both)")
     for t, what in ((pages.scale, "scale"), (pages.zero, "zero")):
         check(tuple(t.shape) == (*pages.codes.shape[:3], d // pages.group_size) and t.stride() == pages.scale.stride(),
-              f"{name}.{what} must be [P, Hkv, page_size, d/G] with the strides of {name}.scale, got "
+              lambda: f"{name}.{what} must be [P, Hkv, page_size, d/G] with the strides of {name}.scale, got "
               f"{tuple(t.shape)}")
 
 
@@ -235,11 +236,11 @@ def extend_paged_attention(
     float32 accumulation, default on CUDA; float32 operands elsewhere.
     """
     check(q_rot.dim() == 3 and q_rot.dtype == torch.float32 and q_rot.is_contiguous(),
-          f"q_rot must be contiguous float32 [n, H, d], got {q_rot.dtype} {tuple(q_rot.shape)}")
+          lambda: f"q_rot must be contiguous float32 [n, H, d], got {q_rot.dtype} {tuple(q_rot.shape)}")
     n, H, d = (int(s) for s in q_rot.shape)
     hkv = int(k_pages.codes.shape[1])
-    check(H % hkv == 0, f"query heads H={H} must be a multiple of KV heads Hkv={hkv}")
-    check(d >= 16 and d == next_pow2(d), f"head_dim d={d} must be a power of two >= 16")
+    check(H % hkv == 0, lambda: f"query heads H={H} must be a multiple of KV heads Hkv={hkv}")
+    check(d >= 16 and d == next_pow2(d), lambda: f"head_dim d={d} must be a power of two >= 16")
     _check_pages(k_pages, "k_pages", hkv, d)
     _check_pages(v_pages, "v_pages", hkv, d)
     check(k_pages.codes.shape == v_pages.codes.shape and k_pages.bits == v_pages.bits
@@ -247,18 +248,18 @@ def extend_paged_attention(
           "k_pages and v_pages must have one shape, bits and group size")
     page = int(k_pages.codes.shape[2])
     check(page_table.dim() == 1 and page_table.dtype == torch.int32 and page_table.numel() * page >= int_len,
-          f"page_table must be int32 [>= ceil(int_len / page_size) = {math.ceil(int_len / page)}], got "
+          lambda: f"page_table must be int32 [>= ceil(int_len / page_size) = {math.ceil(int_len / page)}], got "
           f"{page_table.dtype} {tuple(page_table.shape)}")
     check(bf_k.dim() == 3 and tuple(bf_k.shape) == tuple(bf_v.shape) and bf_k.shape[0] == hkv and bf_k.shape[2] == d
           and bf_k.dtype == bf_v.dtype == torch.float32 and bf_k.stride() == bf_v.stride() and bf_k.stride(2) == 1,
-          f"bf_k/bf_v must be float32 [Hkv={hkv}, T, d={d}] of one shape and strides, got {tuple(bf_k.shape)} "
+          lambda: f"bf_k/bf_v must be float32 [Hkv={hkv}, T, d={d}] of one shape and strides, got {tuple(bf_k.shape)} "
           f"{bf_k.dtype}, {tuple(bf_v.shape)} {bf_v.dtype}")
     check(0 <= n_fixed and n_fixed + n <= int(bf_k.shape[1]),
-          f"n_fixed={n_fixed} plus the {n} queries' own rows exceed the {int(bf_k.shape[1])} BF16 rows")
+          lambda: f"n_fixed={n_fixed} plus the {n} queries' own rows exceed the {int(bf_k.shape[1])} BF16 rows")
     dev = q_rot.device
     layout = "rows" if k_pages.layout == "rows" else "mma"
     check((k_pages.layout, v_pages.layout) in (("rows", "rows"), ("mma_k", "mma_v")),
-          f"K/V page layouts {(k_pages.layout, v_pages.layout)} are not a pair: ('rows', 'rows') or ('mma_k', 'mma_v')")
+          lambda: f"K/V page layouts {(k_pages.layout, v_pages.layout)} are not a pair: ('rows', 'rows') or ('mma_k', 'mma_v')")
     check((token_maps[0] is None) == (layout == "rows") and (token_maps[1] is None) == (layout == "rows"),
           "token_maps: (None, None) for row-layout pages, the K and V token maps (oscar.core.quant.mma_token_map) "
           "for the fragment-order layouts")
@@ -308,9 +309,9 @@ def dequantize_pages(pages: Pages, page_table: torch.Tensor, int_len: int, *, to
     hkv, page, wb = int(pages.codes.shape[1]), int(pages.codes.shape[2]), int(pages.codes.shape[3])
     d = wb * 8 // pages.bits
     check((token_map is None) == (pages.layout == "rows"),
-          f"token_map: None for row-layout pages, the layout's map for {pages.layout!r} pages")
+          lambda: f"token_map: None for row-layout pages, the layout's map for {pages.layout!r} pages")
     check(page_table.dim() == 1 and page_table.dtype == torch.int32 and page_table.numel() * page >= int_len,
-          f"page_table must be int32 [>= ceil(int_len / page_size) = {math.ceil(int_len / page)}], got "
+          lambda: f"page_table must be int32 [>= ceil(int_len / page_size) = {math.ceil(int_len / page)}], got "
           f"{page_table.dtype} {tuple(page_table.shape)}")
     dev = pages.codes.device
     out = torch.empty(hkv, int_len, d, dtype=dtype, device=dev)

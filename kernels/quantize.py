@@ -374,7 +374,7 @@ def _mma_tables(mma_map: tuple[torch.Tensor, torch.Tensor], d: int, dev: torch.d
     key = (id(order), id(byte_index), dev, bits)
     if key not in _MMA_TABLES:
         check(tuple(order.shape) == (16, d) and tuple(byte_index.shape) == (16, nb),
-              f"mma_map must be (channel order [16, {d}], byte index [16, {nb}])")
+              lambda: f"mma_map must be (channel order [16, {d}], byte index [16, {nb}])")
         check(bool((order == order[0]).all()), "mma layouts keep one channel order for every token of a block")
         perm = order[0].reshape(nb, per).t().reshape(d)  # perm[k + nb s] = order[per k + s]
         _MMA_TABLES[key] = (byte_index.to(device=dev, dtype=torch.int32).contiguous(), perm.to(dev))
@@ -407,52 +407,54 @@ def _kernel_args(x, slots, pages: Pages, transform: HeadTransform, src_index, to
     check(not transform.rope_centered, "the Triton writer takes rows whose rope-centered offsets are already "
           "subtracted: pass the transform without rope_mu (oscar.cache.paged.rotate_quantize_pack does both)")
     R, mu, rho = transform.R, transform.mu, transform.rho
-    check(bits in (2, 4), f"bits={bits} is not supported; valid values are 2 and 4")
+    check(bits in (2, 4), lambda: f"bits={bits} is not supported; valid values are 2 and 4")
     check((pages.layout == "rows") == (token_map is None),
-          f"pages in the {pages.layout!r} layout need " + ("no token_map" if pages.layout == "rows" else
+          lambda: f"pages in the {pages.layout!r} layout need " + ("no token_map" if pages.layout == "rows" else
                                                          "its token_map (oscar.core.quant.mma_token_map)"))
     d = int(x.shape[-1])
     check(x.dim() == (4 if src_index is not None else 3),
-          f"x must be [N, Hkv, d] (or [N, Hkv, T, d] with src_index), got shape {tuple(x.shape)}")
+          lambda: f"x must be [N, Hkv, d] (or [N, Hkv, T, d] with src_index), got shape {tuple(x.shape)}")
     n, hkv = int(x.shape[0]), int(x.shape[1])
     check(is_pow2(d) and is_pow2(group_size) and group_size <= d,
-          f"head_dim={d} and group_size={group_size} must be powers of two with group_size <= head_dim")
-    check(group_size % (8 // bits) == 0, f"group_size={group_size} must be a multiple of {8 // bits} for INT{bits}")
-    check(x.stride(-1) == 1, f"x must be contiguous in its last dim, got strides {x.stride()}")
-    check(x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype} must be float32/float16/bfloat16")
+          lambda: f"head_dim={d} and group_size={group_size} must be powers of two with group_size <= head_dim")
+    check(group_size % (8 // bits) == 0,
+          lambda: f"group_size={group_size} must be a multiple of {8 // bits} for INT{bits}")
+    check(x.stride(-1) == 1, lambda: f"x must be contiguous in its last dim, got strides {x.stride()}")
+    check(x.dtype in (torch.float32, torch.float16, torch.bfloat16),
+          lambda: f"x dtype {x.dtype} must be float32/float16/bfloat16")
     npages, hkv_c, page_size, nbytes = codes.shape
     check(codes.dtype == torch.uint8 and nbytes == d * bits // 8 and hkv_c == hkv,
-          f"codes must be uint8 [P, {hkv}, page_size, {d * bits // 8}], got {codes.dtype} {tuple(codes.shape)}")
+          lambda: f"codes must be uint8 [P, {hkv}, page_size, {d * bits // 8}], got {codes.dtype} {tuple(codes.shape)}")
     check(tuple(scale.shape) == (npages, hkv, page_size, d // group_size) and scale.shape == zero.shape
           and scale.dtype == torch.bfloat16 and zero.dtype == torch.bfloat16,
-          f"scale/zero must be bf16 [{npages}, {hkv}, {page_size}, {d // group_size}], got "
+          lambda: f"scale/zero must be bf16 [{npages}, {hkv}, {page_size}, {d // group_size}], got "
           f"{scale.dtype} {tuple(scale.shape)} and {zero.dtype} {tuple(zero.shape)}")
     check(codes.stride(-1) == 1 and scale.stride(-1) == 1 and zero.stride() == scale.stride(),
           "codes/scale/zero must be contiguous in their last dim, scale and zero with equal strides")
-    check(is_pow2(page_size), f"page_size={page_size} must be a power of two")
-    check(slots.shape == (n,), f"slots must be [N={n}], got {tuple(slots.shape)}")
+    check(is_pow2(page_size), lambda: f"page_size={page_size} must be a power of two")
+    check(slots.shape == (n,), lambda: f"slots must be [N={n}], got {tuple(slots.shape)}")
     dev = x.device
     for name, t in (("slots", slots), ("codes", codes), ("scale", scale), ("zero", zero)):
-        check(t.device == dev, f"{name} is on {t.device} but x is on {dev}")
+        check(t.device == dev, lambda: f"{name} is on {t.device} but x is on {dev}")
     if R is not None:
-        check(tuple(R.shape) == (hkv, d, d), f"R must be [{hkv}, {d}, {d}], got {tuple(R.shape)}")
+        check(tuple(R.shape) == (hkv, d, d), lambda: f"R must be [{hkv}, {d}, {d}], got {tuple(R.shape)}")
     bidx = None
     if token_map is not None:
         check(bits in (2, 4) and group_size == d and d in (64, 128) and page_size % 16 == 0,
-              f"the mma layouts need INT2/INT4, one group per row, d 64/128 and pages of 16k slots; got bits={bits}, "
+              lambda: f"the mma layouts need INT2/INT4, one group per row, d 64/128 and pages of 16k slots; got bits={bits}, "
               f"group_size={group_size}, d={d}, page_size={page_size}")
         bidx, perm = _mma_tables(token_map, d, dev, bits)
         R = _permuted_rotation(R, perm, hkv, d, dev)  # channels come out in the token's byte order
     elif R is not None:
         R = R.to(device=dev, dtype=torch.float32).contiguous()
     if mu is not None:
-        check(tuple(mu.shape) == (hkv, d), f"mu must be [{hkv}, {d}], got {tuple(mu.shape)}")
+        check(tuple(mu.shape) == (hkv, d), lambda: f"mu must be [{hkv}, {d}], got {tuple(mu.shape)}")
         mu = mu.to(device=dev, dtype=torch.float32).contiguous()
     if rho is not None:
-        check(tuple(rho.shape) == (hkv,), f"rho must be [{hkv}], got {tuple(rho.shape)}")
+        check(tuple(rho.shape) == (hkv,), lambda: f"rho must be [{hkv}], got {tuple(rho.shape)}")
         rho = rho.to(device=dev, dtype=torch.float32).contiguous()
     if src_index is not None:
-        check(src_index.shape == (n,), f"src_index must be [N={n}], got {tuple(src_index.shape)}")
+        check(src_index.shape == (n,), lambda: f"src_index must be [N={n}], got {tuple(src_index.shape)}")
     dummy = slots
     ptrs = (x, R if R is not None else dummy, mu if mu is not None else dummy, rho if rho is not None else dummy,
             codes, scale, zero, bidx if bidx is not None else dummy)
@@ -470,7 +472,8 @@ ROW_PATH_MAX_ROWS = 128
 
 def _launch(first, second, slots, src_index, launch: Optional[QuantizeLaunch]) -> None:
     launch = QuantizeLaunch() if launch is None else launch
-    check(isinstance(launch, QuantizeLaunch), f"launch={launch!r} is not a QuantizeLaunch (the writer's settings)")
+    check(isinstance(launch, QuantizeLaunch),
+          lambda: f"launch={launch!r} is not a QuantizeLaunch (the writer's settings)")
     ptrs, strides, flags, (n, hkv) = first
     row_path = n <= ROW_PATH_MAX_ROWS if launch.row_path is None else launch.row_path
     # row path: one row per program on one warp (2 or 4 warps were measured slower), FMA rotation in chunks,
@@ -563,18 +566,18 @@ def rotate_quantize_pack_channels(
     ``oscar.cache.paged.check_whole_blocks``). ``transform`` without rope-centered offsets. ``token_map``: for
     ``mma_k`` pages, their map (``oscar.core.quant.mma_token_map``). ``launch`` is accepted for symmetry (one program
     per block and head)."""
-    check(launch is None or isinstance(launch, QuantizeLaunch), f"launch={launch!r} is not a QuantizeLaunch")
-    check(x.dim() == 3, f"x must be [N, Hkv, d], got shape {tuple(x.shape)}")
+    check(launch is None or isinstance(launch, QuantizeLaunch), lambda: f"launch={launch!r} is not a QuantizeLaunch")
+    check(x.dim() == 3, lambda: f"x must be [N, Hkv, d], got shape {tuple(x.shape)}")
     n, hkv, d = (int(v) for v in x.shape)
     T = _check_channel_pages(pages, transform, hkv, d, x.device, token_map)
-    check(n % T == 0, f"per-channel key pages take whole blocks of {T} rows; got N={n}")
+    check(n % T == 0, lambda: f"per-channel key pages take whole blocks of {T} rows; got N={n}")
     codes, scale, zero, bits, group_size = pages.codes, pages.scale, pages.zero, pages.bits, pages.group_size
     page_size = int(codes.shape[2])
     check(x.stride(-1) == 1 and x.dtype in (torch.float32, torch.float16, torch.bfloat16),
-          f"x must be float32/float16/bfloat16 contiguous in d, got {x.dtype} strides {x.stride()}")
-    check(slots.shape == (n,), f"slots must be [N={n}], got {tuple(slots.shape)}")
+          lambda: f"x must be float32/float16/bfloat16 contiguous in d, got {x.dtype} strides {x.stride()}")
+    check(slots.shape == (n,), lambda: f"slots must be [N={n}], got {tuple(slots.shape)}")
     dev = x.device
-    check(slots.device == dev, f"slots is on {slots.device} but x is on {dev}")
+    check(slots.device == dev, lambda: f"slots is on {slots.device} but x is on {dev}")
     R, mu, rho, perm32, bidx = _channel_tables(pages, transform, hkv, d, dev, token_map)
     if n == 0:
         return
@@ -596,29 +599,29 @@ def _check_channel_pages(pages: Pages, transform: HeadTransform, hkv: int, d: in
     """Refuse, by name, per-channel key pages (and a transform) that the per-channel writers cannot fill with rows
     ``[*, hkv, d]`` on ``dev``; returns the pages' block ``T``."""
     T = int(pages.block)
-    check(T > 0 and is_pow2(T), f"per-channel pages need a power-of-two block, got block={T}")
+    check(T > 0 and is_pow2(T), lambda: f"per-channel pages need a power-of-two block, got block={T}")
     check(not transform.rope_centered, "the Triton writer takes rows whose rope-centered offsets are already "
           "subtracted: pass the transform without rope_mu (oscar.cache.paged.rotate_quantize_pack does both; the "
           "decode writer takes them as offsets=)")
     codes, scale, zero, bits, group_size = pages.codes, pages.scale, pages.zero, pages.bits, pages.group_size
-    check(bits in (2, 4), f"bits={bits} is not supported; valid values are 2 and 4")
+    check(bits in (2, 4), lambda: f"bits={bits} is not supported; valid values are 2 and 4")
     check(is_pow2(d) and is_pow2(group_size) and group_size <= d and group_size % (8 // bits) == 0,
-          f"head_dim={d} and group_size={group_size} must be powers of two, group_size <= head_dim and a multiple of "
+          lambda: f"head_dim={d} and group_size={group_size} must be powers of two, group_size <= head_dim and a multiple of "
           f"{8 // bits}")
     npages, hkv_c, page_size, nbytes = (int(v) for v in codes.shape)
     check(codes.dtype == torch.uint8 and nbytes == d * bits // 8 and hkv_c == hkv,
-          f"codes must be uint8 [P, {hkv}, page_size, {d * bits // 8}], got {codes.dtype} {tuple(codes.shape)}")
-    check(page_size % T == 0, f"block={T} must divide page_size={page_size}")
+          lambda: f"codes must be uint8 [P, {hkv}, page_size, {d * bits // 8}], got {codes.dtype} {tuple(codes.shape)}")
+    check(page_size % T == 0, lambda: f"block={T} must divide page_size={page_size}")
     meta = (npages, hkv, page_size // T, d)
     check(tuple(scale.shape) == meta and zero.shape == scale.shape and scale.dtype == torch.bfloat16
           and zero.dtype == torch.bfloat16 and scale.stride() == zero.stride() and scale.stride(-1) == 1,
-          f"scale/zero must be bf16 {list(meta)} with equal strides, got {scale.dtype} {tuple(scale.shape)} and "
+          lambda: f"scale/zero must be bf16 {list(meta)} with equal strides, got {scale.dtype} {tuple(scale.shape)} and "
           f"{zero.dtype} {tuple(zero.shape)}")
     check(codes.stride(-1) == 1, "codes must be contiguous in their last dim")
     for name, t in (("codes", codes), ("scale", scale), ("zero", zero)):
-        check(t.device == dev, f"{name} is on {t.device} but the rows are on {dev}")
+        check(t.device == dev, lambda: f"{name} is on {t.device} but the rows are on {dev}")
     check((pages.layout == "rows") == (token_map is None),
-          f"pages in the {pages.layout!r} layout need " + ("no token_map" if pages.layout == "rows" else "its token_map"))
+          lambda: f"pages in the {pages.layout!r} layout need " + ("no token_map" if pages.layout == "rows" else "its token_map"))
     return T
 
 
@@ -629,11 +632,11 @@ def _channel_tables(pages: Pages, transform: HeadTransform, hkv: int, d: int, de
     ``_permuted_rotation``)."""
     R, mu, rho = transform.R, transform.mu, transform.rho
     if R is not None:
-        check(tuple(R.shape) == (hkv, d, d), f"R must be [{hkv}, {d}, {d}], got {tuple(R.shape)}")
+        check(tuple(R.shape) == (hkv, d, d), lambda: f"R must be [{hkv}, {d}, {d}], got {tuple(R.shape)}")
     bidx = None
     if token_map is not None:
         check(pages.group_size == d and d in (64, 128) and pages.codes.shape[2] % 16 == 0,
-              f"the mma layouts need one group per row, d 64/128 and pages of 16k slots; got "
+              lambda: f"the mma layouts need one group per row, d 64/128 and pages of 16k slots; got "
               f"group_size={pages.group_size}, d={d}, page_size={pages.codes.shape[2]}")
         bidx, perm = _mma_tables(token_map, d, dev, pages.bits)
         R = _permuted_rotation(R, perm, hkv, d, dev)
@@ -646,10 +649,10 @@ def _channel_tables(pages: Pages, transform: HeadTransform, hkv: int, d: int, de
             _IDENTITY_PERMS[key] = torch.arange(d, dtype=torch.int32, device=dev)
         perm32 = _IDENTITY_PERMS[key]
     if mu is not None:
-        check(tuple(mu.shape) == (hkv, d), f"mu must be [{hkv}, {d}], got {tuple(mu.shape)}")
+        check(tuple(mu.shape) == (hkv, d), lambda: f"mu must be [{hkv}, {d}], got {tuple(mu.shape)}")
         mu = mu.to(device=dev, dtype=torch.float32).contiguous()
     if rho is not None:
-        check(tuple(rho.shape) == (hkv,), f"rho must be [{hkv}], got {tuple(rho.shape)}")
+        check(tuple(rho.shape) == (hkv,), lambda: f"rho must be [{hkv}], got {tuple(rho.shape)}")
         rho = rho.to(device=dev, dtype=torch.float32).contiguous()
     return R, mu, rho, perm32, bidx
 
@@ -683,23 +686,23 @@ def quantize_key_blocks_from_ring(
     ``move_row``, ``move_dst`` ``[B]`` int; ``done`` ``[B]`` bool; ``offsets``: rope-centered keys' offsets ``[B, T,
     Hkv, d]`` float32 of the block's positions (then ``transform`` without them), else None."""
     check(new.dim() == 3 and win_k.dim() == 4 and win_k.shape == win_v.shape and win_k.stride() == win_v.stride(),
-          f"new must be [B, Hkv, d] and the window buffers [R, Hkv, S, d] alike; got {tuple(new.shape)}, "
+          lambda: f"new must be [B, Hkv, d] and the window buffers [R, Hkv, S, d] alike; got {tuple(new.shape)}, "
           f"{tuple(win_k.shape)} and {tuple(win_v.shape)}")
     bsz, hkv, d = (int(v) for v in new.shape)
     T = _check_channel_pages(pages, transform, hkv, d, new.device, token_map)
-    check(T > 1, f"the decode writer takes blocks of more than one row, got block={T}")
+    check(T > 1, lambda: f"the decode writer takes blocks of more than one row, got block={T}")
     check(tuple(win_k.shape[1:2]) == (hkv,) and win_k.shape[3] == d and new.stride(-1) == 1 and win_k.stride(-1) == 1,
-          f"window buffers [R, {hkv}, S, {d}] contiguous in d expected, got {tuple(win_k.shape)}")
-    check(0 < tail and tail + T - 1 <= win_k.shape[2], f"tail={tail} leaves no {T - 1} rows in windows of "
+          lambda: f"window buffers [R, {hkv}, S, {d}] contiguous in d expected, got {tuple(win_k.shape)}")
+    check(0 < tail and tail + T - 1 <= win_k.shape[2], lambda: f"tail={tail} leaves no {T - 1} rows in windows of "
           f"{win_k.shape[2]} columns")
     for name, t in (("req", req), ("done", done), ("src", src), ("slot0", slot0), ("move_row", move_row),
                     ("move_dst", move_dst)):
-        check(t.shape == (bsz,) and t.device == new.device, f"{name} must be [B={bsz}] on {new.device}, got "
+        check(t.shape == (bsz,) and t.device == new.device, lambda: f"{name} must be [B={bsz}] on {new.device}, got "
               f"{tuple(t.shape)} on {t.device}")
     codes, scale, zero, bits, group_size = pages.codes, pages.scale, pages.zero, pages.bits, pages.group_size
     if offsets is not None:
         check(tuple(offsets.shape) == (bsz, T, hkv, d) and offsets.dtype == torch.float32 and offsets.stride(-1) == 1,
-              f"offsets must be float32 [B={bsz}, T={T}, {hkv}, {d}], got {offsets.dtype} {tuple(offsets.shape)}")
+              lambda: f"offsets must be float32 [B={bsz}, T={T}, {hkv}, {d}], got {offsets.dtype} {tuple(offsets.shape)}")
     dev = new.device
     R, mu, rho, perm32, bidx = _channel_tables(pages, transform, hkv, d, dev, token_map)
     if bsz == 0:

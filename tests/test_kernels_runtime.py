@@ -41,3 +41,32 @@ def test_an_interpreted_launch_leaves_triton_language_unpatched():
     assert out["compiled_mode"] == "JITFunction"  # the GPU host's path: compiled-mode kernels, interpreted launch
     assert out["same_codes"]  # the launch ran, as its twin
     assert out["added"] == [] and out["replaced"] == []
+
+
+def test_check_formats_its_message_only_when_it_fails() -> None:
+    """`check` takes the message as a string or a zero-argument callable; the callable runs only on failure (the
+    launchers check their inputs per layer and decode step, and the eager step is host-bound)."""
+    import pytest
+
+    from oscar.kernels._runtime import check
+
+    check(True, lambda: f"{1 / 0}")  # a message that would raise if formatted
+    with pytest.raises(ValueError, match="^page_size=24 must be a power of two$"):
+        check(False, lambda: f"page_size={24} must be a power of two")
+    with pytest.raises(ValueError, match="^plain$"):
+        check(False, "plain")
+
+
+def test_launcher_checks_format_messages_lazily() -> None:
+    """No `check(cond, f"...")` in kernels/: an f-string message is formatted on every call even when the check holds
+    (about 1-2 us each, 30-40 checks per launch, a launch per layer and step); such messages go in a `lambda:`."""
+    import ast
+    from pathlib import Path
+
+    eager = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "check"
+                    and len(node.args) == 2 and not isinstance(node.args[1], (ast.Constant, ast.Lambda))):
+                eager.append(f"{path.name}:{node.lineno}")
+    assert not eager, f"checks that format their message on every call: {eager}"
