@@ -74,6 +74,14 @@ def test_served_columns_and_links_relative_to_the_document(tmp_path):
     # a new measurement prints its variants by name, not with the committed cells' labels
     assert "| `bf16` |" in new and "SGLang's own attention" not in new
     assert "(../reports/accuracy/humaneval_served.csv)" in new
+    # with the windows and calibration each variant ran with (no windows for bf16, no calibration for kivi2)
+    csv_text = (SERVED_CSV.replace("variant,method,", "variant,method,windows,calibration,")
+                .replace("bf16,bf16@sglang,", "bf16,bf16@sglang,-,-,").replace("kivi2,kivi2@sglang,", "kivi2,kivi2@sglang,0/64,-,")
+                + "auto,auto@sglang,0/64,code,4,0.5,0.25,0.75,6.4,0,-0.25,0.25,,,,GPU X\n")
+    csv_text = csv_text.replace("hardware\n", "hardware,cuda_graph,radix\n").replace("GPU X\n", "GPU X,true,true\n")
+    (root / "reports" / "accuracy" / "humaneval_served.csv").write_text(csv_text)
+    _, new = docs.render_file(root, "docs/RESULTS.md")
+    assert "| `bf16` | 50.0" in new and "| `kivi2`, 0/64 | 25.0" in new and "| `auto`, 0/64, code calibration | 50.0" in new
 
 
 def test_check_mode_prints_a_diff_and_exits_1(tmp_path, capsys):

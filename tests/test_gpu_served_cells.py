@@ -68,12 +68,16 @@ def test_served_cells_on_their_own_against_served_bf16_and_kivi2_and_embedded(tm
     assert auto["predictions_equal"] == 0.5 and auto["verdict_agreement_lo"] < 0.7 < auto["verdict_agreement_hi"]
     assert rows["auto+cb32"]["n"] == 0 and rows["int2"]["n"] == 4  # a served cell beside the variants: listed too
     md = (out / "humaneval_served.md").read_text()
-    assert "| auto | 10 | 50.0 [" in md and "| 2.50 | not recorded / not recorded | -10.0 [" in md and "| +0.0 [" in md
+    assert (rows["auto"]["windows"], rows["auto"]["calibration"], rows["kivi2"]["windows"], rows["kivi2"]["calibration"],
+            rows["bf16"]["windows"], rows["auto+cb32"]["windows"], rows["int2"]["windows"]) == (
+        "16/64", "default", "0/64", "-", "-", "64/256", "?")  # the method's file or MethodConfig where unset
+    assert "| auto | 16/64 | default | 10 | 50.0 [" in md and "| 2.50 | not recorded / not recorded | -10.0 [" in md and "| +0.0 [" in md
     assert "| 10 | 50.0 / 40.0 | +10.0 [" in md and "| 70.0 [" in md and "| 2 / 1 | 50.0 |" in md
-    assert "| kivi2 | 10 | 50.0 [" in md and "(reference)" in md and "| 0 (0 embedded records) |" in md
-    assert "| auto+cb32 | 0 | (no served cell) |" in md and md.index("| int2 | 4 |") > md.index("| auto+cb32 |")
+    assert "| kivi2 | 0/64 | - | 10 | 50.0 [" in md and "(reference)" in md and "| 0 (0 embedded records) |" in md
+    assert "| auto+cb32 | 64/256 | default | 0 | (no served cell) |" in md and md.index("| int2 | ? | ? | 4 |") > md.index("| auto+cb32 |")
     served_csv = (out / "humaneval_served.csv").read_text().splitlines()
-    assert served_csv[0].startswith("variant,method,n,pass_at_1,ci_lo,ci_hi,bits_per_element,cuda_graph,radix,complete,diff_vs_bf16,")
+    assert served_csv[0].startswith("variant,method,windows,calibration,n,pass_at_1,ci_lo,ci_hi,bits_per_element,cuda_graph,radix,"
+                                    "complete,diff_vs_bf16,")
     table = (out / "humaneval.csv").read_text().splitlines()
     assert table[0].endswith(",complete,wall_s,hardware,served")
     assert table[1] == "bf16,0.445122,0.365854,0.518293,16,164,,,,True,207.731,AMD EPYC,False"
@@ -105,10 +109,11 @@ def test_served_needles_per_length_without_embedded_records(tmp_path):
     out.mkdir()
     files = accuracy_report.served_report(out, opts)
     md = files[0].read_text()
-    assert "| auto | 8192 | 4 | 50.0 [" in md and "| int2 | - | 0 | (no served cell) |" in md
+    assert "| auto | 64/256 | default | 8192 | 4 | 50.0 [" in md
+    assert "| int2 | 64/256 | - | - | 0 | (no served cell) |" in md
     assert "| 0 (0 embedded records) |" in md
-    assert md.index("| bf16 | 8192 |") > md.index("| auto | 4096 |")  # by context length, variants in table order
-    assert files[1].read_text().splitlines()[0].startswith("variant,method,length,n,score,")
+    assert md.index("| bf16 | - | - | 8192 |") > md.index("| auto | 64/256 | default | 4096 |")  # by context length, variants in table order
+    assert files[1].read_text().splitlines()[0].startswith("variant,method,windows,calibration,length,n,score,")
     with pytest.raises(FileNotFoundError, match="no served niah cells"):
         accuracy_report.served_report(out, {**opts, "results": str(tmp_path / "empty")})
 

@@ -178,8 +178,16 @@ def says_per_token(ctx: Ctx, *csv_rels: str) -> bool:
     return all(t.is_file() and PER_TOKEN_NOTE in t.read_text() for t in texts)
 
 
-def served_label(variant: str, flagged: bool) -> str:
-    return f"`{variant}`" if flagged else SERVED_LABELS.get(variant, variant)
+def served_label(row: dict[str, str], flagged: bool) -> str:
+    """A served variant's label: the old cells' description (`SERVED_LABELS`), or for a CSV with the serving
+    switches its name with the windows and calibration it ran with (columns ``windows``, ``calibration``)."""
+    variant = row["variant"]
+    if not flagged:
+        return SERVED_LABELS.get(variant, variant)
+    windows, calib = row.get("windows", "?"), row.get("calibration", "?")
+    said = [w for w in ((f"{windows}" if windows not in ("-", "", "?") else ""),
+                        (f"{calib} calibration" if calib not in ("-", "", "?") else "")) if w]
+    return f"`{variant}`" + (f", {', '.join(said)}" if said else "")
 
 
 def served_flags(rows: list[dict[str, str]]) -> tuple[bool, str]:
@@ -208,7 +216,7 @@ def humaneval_served(ctx: Ctx) -> str:
         emb = num(r, "pass_embedded")
         agree = num(r, "verdict_agreement")
         both = f"{pct(need(r, 'pass_served'))} / {pct(emb)} ({pct(agree)})" if emb is not None and agree is not None else "-"
-        cells = [served_label(r["variant"], flagged),
+        cells = [served_label(r, flagged),
                  pct_ci(need(r, "pass_at_1"), num(r, "ci_lo"), num(r, "ci_hi")),
                  pts_ci(num(r, "diff_vs_bf16"), num(r, "diff_ci_lo"), num(r, "diff_ci_hi")),
                  f"{need(r, 'bits_per_element'):.2f}", both]
@@ -240,7 +248,7 @@ def niah_served(ctx: Ctx) -> str:
         header.append("graphs / radix")
     out = []
     for variant, per in by.items():
-        cells = [served_label(variant, flagged)]
+        cells = [served_label(per[min(per)], flagged)]
         for L in lengths:
             r = per.get(L)
             cells.append(f"{round(need(r, 'score') * need(r, 'n'))}/{int(need(r, 'n'))}" if r else "not run")
@@ -471,8 +479,7 @@ def serving_decode(ctx: Ctx) -> str:
     devices = sorted({r.get("device", "") for r in rows} - {""})
     caption = (f"{', '.join(devices)}; dummy Qwen3-8B weights; decode and capacity: SGLang's one-batch harness "
                "(`bench_one_batch`, radix cache off), median step on the synthetic state, CUDA graphs on unless marked, "
-               "the ratio is BF16's time over the cache's; the rows come from several calls on H100s of one kind "
-               "(BF16 and OSCAR are not all from one call: decode.md's notes say which call gave each row); the "
+               "the ratio is BF16's time over the cache's; which call and machine gave each row: decode.md's notes; the "
                "prompt row through SGLang's own Engine at "
                "its defaults (chunked prefill, radix cache and CUDA graphs on). Reports: "
                f"{ctx.link(DECODE_CSV.replace('.csv', '.md'))}"

@@ -101,6 +101,24 @@ def served_page(over: list[str]) -> int:
     return page
 
 
+UNCALIBRATED_METHODS = ("bf16", "kivi2", "int2")  # methods that read no calibration artifact
+DEFAULT_WINDOWS = (64, 256)  # MethodConfig's sink / recent where neither the method's file nor the variant sets them
+
+
+def variant_settings(over: list[str]) -> dict[str, str]:
+    """What a served variant ran with, from its overrides and its method's ``conf/method/<name>.yaml``: ``windows``
+    (``sink/recent`` BF16 tokens; ``-`` for bf16, where every row is BF16) and ``calibration`` (the calibration
+    corpus, ``default`` where the variant names none; ``-`` for methods that read no artifact)."""
+    opts = dict(o.split("=", 1) for o in over if "=" in o)
+    method = opts.get("method", "")
+    conf = CONF_DIR / "method" / f"{method}.yaml"
+    base = _yaml_scalars(conf) if conf.is_file() else {}
+    sink = opts.get("method.sink", base.get("sink", DEFAULT_WINDOWS[0]))
+    recent = opts.get("method.recent", base.get("recent", DEFAULT_WINDOWS[1]))
+    return {"windows": "-" if method == "bf16" else f"{sink}/{recent}",
+            "calibration": "-" if method in UNCALIBRATED_METHODS else opts.get("calibration", "default")}
+
+
 def _yaml_scalars(path: Path) -> dict[str, str]:
     """The top-level ``key: value`` scalars of a method's YAML file (no omegaconf: `gpu --help` stays light)."""
     out = {}

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from oscar.bench import host
-from oscar.bench.accuracy.cells import served_output, stem, variants
+from oscar.bench.accuracy.cells import served_output, stem, variant_settings, variants
 from oscar.bench.correctness.real_weights import wilson
 from oscar.core.files import atomic_write_text
 from oscar.eval.stats import paired_bootstrap
@@ -72,19 +72,22 @@ def served_rows(opts: dict[str, Any]) -> list[dict[str, Any]]:
     else:
         cells = accuracy.humaneval_rows(results, model, versus, engine=accuracy.SERVED_ENGINE)
     rows = []
-    names = [name for name, _ in variants(opts)]
+    spec = dict(variants(opts))
+    names = list(spec)
+    settings = {name: variant_settings(over) for name, over in spec.items()}
     for name in names + [c for c in found if c not in names]:
         embedded = _items(Path(opts["embedded"]) / f"{table}_{name}.items.jsonl")
         mine = [r for r in cells if r["variant"] == name]
         if not mine:
             rows.append({"variant": name, "method": f"{name}@{accuracy.SERVED_ENGINE}", "n": 0,
-                         "embedded_items": len(embedded)})
+                         **settings.get(name, {"windows": "?", "calibration": "?"}), "embedded_items": len(embedded)})
             continue
         found = accuracy.read_cell(served_output(opts, name))
         records = found[1] if found else []
         for r in mine:
             sub = [x for x in records if r.get("length") is None or x.get("length") == r["length"]]
-            rows.append({**r, **served_switches(sub), "embedded_items": sum(r.get("length") is None or x.get("length") == r["length"]
+            rows.append({**r, **settings.get(name, {"windows": "?", "calibration": "?"}), **served_switches(sub),
+                         "embedded_items": sum(r.get("length") is None or x.get("length") == r["length"]
                                                     for x in embedded.values()),
                          **_versus_embedded(sub, embedded, table)})
     return sorted(rows, key=lambda r: r.get("length") or 1 << 62)  # NIAH: by context length, variants in order
@@ -101,8 +104,8 @@ def served_switches(records: list[dict[str, Any]]) -> dict[str, str]:
 
 
 # "score": pass_at_1 for HumanEval; "length": NIAH only
-SERVED_COLUMNS = ["variant", "method", "length", "n", "score", "ci_lo", "ci_hi", "bits_per_element", "cuda_graph",
-                  "radix", "complete",
+SERVED_COLUMNS = ["variant", "method", "windows", "calibration", "length", "n", "score", "ci_lo", "ci_hi",
+                  "bits_per_element", "cuda_graph", "radix", "complete",
                   "diff_vs_bf16", "diff_ci_lo", "diff_ci_hi", "diff_vs_kivi2", "diff_vs_kivi2_lo", "diff_vs_kivi2_hi",
                   "embedded_items", "n_common", "pass_served", "pass_embedded", "diff_vs_embedded",
                   "diff_vs_embedded_lo", "diff_vs_embedded_hi", "verdict_agreement", "verdict_agreement_lo",
@@ -133,14 +136,15 @@ def served_report(out: Path, opts: dict[str, Any]) -> list[Path]:
               f"cells. Against the embedded engine (records `{opts['embedded']}/{table}_<variant>.items.jsonl`, where "
               f"they exist): on the items both hold, {what} served / embedded, their paired difference, the share with "
               f"the {verdict} (Wilson 95%), items won by one engine only, equal completions.", "",
-              f"| variant |{' context |' if niah else ''} n | {what} (%) [95% CI] | bits / element | CUDA graphs / "
+              f"| variant | windows sink/recent | calibration |{' context |' if niah else ''} n | {what} (%) [95% CI] | "
+              "bits / element | CUDA graphs / "
               "radix | diff to served "
               "BF16 (pts) [95% CI] | diff to served KIVI-2 (pts) [95% CI] | embedded: n | served / embedded (%) | "
               f"served - embedded (pts) [95% CI] | {verdict} (%) [95% CI] | served only / embedded only | "
               "completions equal (%) |",
-              "|---|" + "---|" * (12 + niah)]
+              "|---|" + "---|" * (14 + niah)]
     for r in rows:
-        ctx = f" {r.get('length') or '-'} |" if niah else ""
+        ctx = f" {r.get('windows', '?')} | {r.get('calibration', '?')} |" + (f" {r.get('length') or '-'} |" if niah else "")
         if not r["n"]:
             lines.append(f"| {r['variant']} |{ctx} 0 | (no served cell) |" + " |" * 10)
             continue

