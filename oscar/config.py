@@ -198,6 +198,7 @@ class EngineConfig:
     cuda_graph: Any = "auto"  # auto | true | false (oscar.serve.client.served_config)
     radix: Any = "auto"  # auto | true | false
     chunked_prefill_size: Any = "auto"  # auto | tokens (-1: one chunk)
+    prefix_reuse: str = "exact"  # OSCAR_PREFIX_REUSE: exact (a radix hit reuses the BF16 sink) | quantized
     startup_timeout_s: float = 900.0
     request_timeout_s: float = 3600.0
     extra_args: list[str] = field(default_factory=list)  # more `sglang.launch_server` flags

@@ -190,11 +190,19 @@ def served_label(row: dict[str, str], flagged: bool) -> str:
     return f"`{variant}`" + (f", {', '.join(said)}" if said else "")
 
 
+def _switches(r: dict[str, str]) -> str:
+    """``graphs / radix`` of a served row, with what a radix hit reused where the row says (``prefix_reuse``)."""
+    out = f"{on_off(r['cuda_graph'])} / {on_off(r['radix'])}"
+    reuse = r.get("prefix_reuse", "")
+    return out + (f" ({reuse} reuse)" if reuse not in ("", "-", "not recorded") and on_off(r["radix"]) == "on" else "")
+
+
 def served_flags(rows: list[dict[str, str]]) -> tuple[bool, str]:
     """(whether the CSV records `cuda_graph`/`radix` per row, the caption's words on the serving configuration)."""
     if rows and "cuda_graph" in rows[0] and "radix" in rows[0]:
-        return True, ("CUDA graphs and the radix cache as in the column `graphs / radix`; each variant's method, "
-                      "calibration and windows in the report")
+        return True, ("CUDA graphs and the radix cache as in the column `graphs / radix` (with what a radix hit reuses: "
+                      "`quantized`, the cached INT2 pages, or `exact`, the BF16 sink only, `OSCAR_PREFIX_REUSE`); each "
+                      "variant's method, calibration and windows in the report")
     return False, ("CUDA graphs off, radix cache off, the BF16 row through SGLang's `torch_native` attention (these "
                    "cells predate the production configuration, and the CSV has no `cuda_graph`/`radix` columns)")
 
@@ -221,7 +229,7 @@ def humaneval_served(ctx: Ctx) -> str:
                  pts_ci(num(r, "diff_vs_bf16"), num(r, "diff_ci_lo"), num(r, "diff_ci_hi")),
                  f"{need(r, 'bits_per_element'):.2f}", both]
         if flagged:
-            cells.append(f"{on_off(r['cuda_graph'])} / {on_off(r['radix'])}")
+            cells.append(_switches(r))
         out.append(cells)
     hw = sorted({r.get("hardware", "") for r in rows} - {""})
     n = sorted({int(need(r, "n")) for r in rows})
@@ -256,8 +264,7 @@ def niah_served(ctx: Ctx) -> str:
         agree = [num(per[L], "verdict_agreement") if L in per else None for L in lengths]
         cells.append(" / ".join(pct(a) for a in agree) if all(a is not None for a in agree) else "-")
         if flagged:
-            first = per[min(per)]
-            cells.append(f"{on_off(first['cuda_graph'])} / {on_off(first['radix'])}")
+            cells.append(_switches(per[min(per)]))
         out.append(cells)
     caption = (f"Needles retrieved of the needles asked per length (Paul Graham haystacks, one 7-digit value, "
                f"greedy); {config}. Report: {ctx.link(rel.replace('.csv', '.md'))} ({ctx.link(rel)}).")

@@ -23,6 +23,7 @@ from oscar.core.artifact import artifact_dir, config_hash_of, model_config_field
 from oscar.models.loading import dense_dir, load_model
 from oscar.models.methods import in_code_artifact, needs_statistics
 from oscar.serve.server import SGLangServer, ServerError
+from oscar.serve.settings import ENV_PREFIX_REUSE, PREFIX_REUSE
 
 
 def model_path(model_cfg: Any) -> str:
@@ -84,8 +85,9 @@ def _device(cfg: Any) -> str:
 
 
 def served_config(e: Any, device: str) -> dict[str, Any]:
-    """What the server runs with: ``cuda_graph`` (decode CUDA graphs), ``radix`` (the prefix cache) and
-    ``chunked_prefill_size`` (None: SGLang's default). ``auto`` (the default of each) is the production configuration
+    """What the server runs with: ``cuda_graph`` (decode CUDA graphs), ``radix`` (the prefix cache),
+    ``chunked_prefill_size`` (None: SGLang's default) and ``prefix_reuse`` (``OSCAR_PREFIX_REUSE`` of the oscar
+    backend: ``exact``, the default, or ``quantized``). ``auto`` (the default of each) is the production configuration
     on a GPU (graphs on, radix on, SGLang's chunked prefill) and, on the CPU, graphs off (SGLang has none there), the
     radix cache off and one prefill chunk (the CPU engine's comparisons with the embedded engine); ``false`` /
     ``true`` / a size override either (``engine.cuda_graph=false`` is the debug switch)."""
@@ -103,8 +105,11 @@ def served_config(e: Any, device: str) -> dict[str, Any]:
     elif not isinstance(chunk, int):
         raise ValueError(f"engine.chunked_prefill_size={chunk!r} is not valid; choose auto or a number of tokens "
                          "(-1: one chunk)")
+    reuse = str(e.get("prefix_reuse", "exact") if hasattr(e, "get") else getattr(e, "prefix_reuse", "exact"))
+    if reuse not in PREFIX_REUSE:
+        raise ValueError(f"engine.prefix_reuse={reuse!r} is not valid; choose one of {', '.join(PREFIX_REUSE)}")
     return {"cuda_graph": flag("cuda_graph", True, False) and device == "cuda", "radix": flag("radix", True, False),
-            "chunked_prefill_size": chunk}
+            "chunked_prefill_size": chunk, "prefix_reuse": reuse}
 
 
 class SGLangEngine:
@@ -157,7 +162,8 @@ class SGLangEngine:
             else:
                 self._tmp = tempfile.mkdtemp(prefix="oscar-sglang-")
                 art = _in_code_artifact(cfg, self.path, Path(self._tmp) / "artifact")
-            env = {"OSCAR_ARTIFACT": str(art), "OSCAR_KERNELS": str(cfg.backend), **served_windows(fmt, art)}
+            env = {"OSCAR_ARTIFACT": str(art), "OSCAR_KERNELS": str(cfg.backend), **served_windows(fmt, art),
+                   ENV_PREFIX_REUSE: self.served["prefix_reuse"]}
             fmt = with_key_blocks(fmt, read_meta(art))  # per-channel key layers of an `auto` artifact
             args += ["--attention-backend", "oscar"]
         self.format = fmt  # the format the pool serves (windows as served), for `request_info`
@@ -198,7 +204,9 @@ class SGLangEngine:
         steps = len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
         bits = self.format.expected_bits(n_prompt + steps, int(self.cfg.model.head_dim))
         return {"kv_bits_per_element": float(bits), "steps": steps, "cuda_graph": self.served["cuda_graph"],
-                "radix": self.served["radix"]}
+                "radix": self.served["radix"],
+                # what a radix hit reuses (OSCAR_PREFIX_REUSE); "-" for SGLang's own BF16 cache (hits read BF16)
+                "prefix_reuse": self.served["prefix_reuse"] if self.format.quantized else "-"}
 
     def loglikelihood(self, contexts: Sequence[str], continuations: Sequence[str], mode: str = "serving",
                       batch_size: int = 1) -> list[tuple[float, bool]]:

@@ -23,7 +23,8 @@ SGLang versions of ``oscar.serve.contract.SUPPORTED_VERSIONS``; the state lives 
   ``UnifiedRadixCache.checkpoint``) the request's BF16 sink rows go to the pool's sink store; the paged
   allocator's ``_release_page_ids`` (and ``TokenToKVPoolAllocator.free`` for pages of one token) releases
   them, ``clear`` empties the store; ``Req._compute_max_prefix_len`` (after) caps a match at
-  ``input_len - OSCAR_RECENT`` so that every request computes its own recent window.
+  ``input_len - OSCAR_RECENT`` so that every request computes its own recent window, and under
+  ``OSCAR_PREFIX_REUSE=exact`` (the default) at the sink, so that a hit reads what a cold prefill reads.
 """
 
 from __future__ import annotations
@@ -440,14 +441,21 @@ def clear_after(result: Any, allocator: Any, *args: Any, **kwargs: Any) -> Any:
 
 def cap_prefix_after(result: Any, req: Any, input_len: int, *args: Any, **kwargs: Any) -> Any:
     """``Req._compute_max_prefix_len`` (after): a match leaves at least the served format's recent window of tokens
-    to compute, so the request's recent window holds its own exact BF16 rows (a cached prefix has no BF16 ring rows)."""
+    to compute, so the request's recent window holds its own exact BF16 rows (a cached prefix has no BF16 ring rows);
+    under ``OSCAR_PREFIX_REUSE=exact`` (the default) it also ends at the sink, whose BF16 rows the sink store keeps:
+    the hit's extend then reads what a cold prefill reads (the quantized pages of a cached prefix are not reused)."""
     if not active():
         return result
     try:
-        recent = int(current_state()["format"].recent)
+        st = current_state()
+        fmt = st["format"]
     except RuntimeError:  # no pool in this process
         return result
-    return max(0, min(int(result), int(input_len) - recent))
+    cap = int(input_len) - int(fmt.recent)
+    settings = st.get("settings")
+    if getattr(settings, "prefix_reuse", "exact") == "exact":
+        cap = min(cap, int(fmt.sink))
+    return max(0, min(int(result), cap))
 
 
 def _attention_modules(model: Any) -> list[Any]:

@@ -16,6 +16,11 @@ may be changed at serve time.
 ``OSCAR_MMA``             launch of the mma decode kernel, ``KEY=INT,...`` with keys ``warps`` (2, 4, 8),
                           ``stages``, ``min_blocks``, ``carveout``, ``waves`` (split-K waves of CTAs) or
                           ``splits`` (fixed split-K); default: the kernel's own (``default_num_splits``)
+``OSCAR_PREFIX_REUSE``    what a radix-cache hit reuses: ``exact`` (default) the cached prefix's BF16 sink only
+                          (the sink store), so that a hit reads what a cold prefill reads and its tokens are
+                          the cold run's; ``quantized`` every cached page up to the recent window: the hit's
+                          extend reads the INT2 history (faster; HumanEval at 0/64 windows lost 9-10 points
+                          to it, docs/SERVING.md "Prefix reuse")
 ========================  ==========================================================================
 
 Everything here is plain Python + torch (no sglang import), so it is tested in the default environment too.
@@ -40,7 +45,9 @@ ENV_RECENT = "OSCAR_RECENT"
 RETIRED_ENV = {"OSCAR_BITS": "bits", "OSCAR_GROUP_SIZE": "group_size"}  # the artifact's format fixes them
 ENV_KERNELS = "OSCAR_KERNELS"
 ENV_MMA = "OSCAR_MMA"
-ENV_VARS = (ENV_ARTIFACT, ENV_SINK, ENV_RECENT, ENV_KERNELS, ENV_MMA)
+ENV_PREFIX_REUSE = "OSCAR_PREFIX_REUSE"
+PREFIX_REUSE = ("exact", "quantized")  # the first is the default
+ENV_VARS = (ENV_ARTIFACT, ENV_SINK, ENV_RECENT, ENV_KERNELS, ENV_MMA, ENV_PREFIX_REUSE)
 MMA_KEYS = ("warps", "stages", "min_blocks", "carveout", "waves", "splits")
 
 # Model types whose attention the plugin handles (the oscar.models adapter registry) and config fields
@@ -77,6 +84,7 @@ class ServeSettings:
     recent: Optional[int] = None
     kernels: Optional[str] = None
     mma: tuple[tuple[str, int], ...] = ()  # OSCAR_MMA, parsed (parse_mma)
+    prefix_reuse: str = PREFIX_REUSE[0]  # OSCAR_PREFIX_REUSE
 
     @staticmethod
     def from_env(env: Optional[Mapping[str, str]] = None) -> "ServeSettings":
@@ -97,12 +105,17 @@ class ServeSettings:
         kernels = env.get(ENV_KERNELS) or None
         if kernels not in (None, "torch", "triton"):
             raise OscarServeError(f"{ENV_KERNELS}={kernels!r} is not valid; choose 'torch' or 'triton'")
+        reuse = env.get(ENV_PREFIX_REUSE) or PREFIX_REUSE[0]
+        if reuse not in PREFIX_REUSE:
+            raise OscarServeError(f"{ENV_PREFIX_REUSE}={reuse!r} is not valid; choose one of {', '.join(PREFIX_REUSE)} "
+                                  "(exact: a radix hit reuses the BF16 sink only; quantized: every cached page)")
         s = ServeSettings(
             artifact=Path(art),
             sink=_int_env(env, ENV_SINK, None),
             recent=_int_env(env, ENV_RECENT, None),
             kernels=kernels,
             mma=parse_mma(env.get(ENV_MMA) or ""),
+            prefix_reuse=reuse,
         )
         if s.sink is not None and s.sink < 0:
             raise OscarServeError(f"{ENV_SINK}={s.sink} must be >= 0")
@@ -241,7 +254,9 @@ def head_transforms(rot: Any, device: Any) -> tuple[Any, Any]:
 
 
 __all__ = [
+    "ENV_PREFIX_REUSE",
     "ENV_VARS",
+    "PREFIX_REUSE",
     "OscarServeError",
     "ServeSettings",
     "check_architecture",

@@ -43,7 +43,8 @@ def main(spec_path: str, out_path: str) -> int:
                     kwargs["prompt"] = run["prompts"]
                 outs = engine.generate(**kwargs)
             results[run["name"]] = {"output_ids": [o["output_ids"] for o in outs],
-                                    "text": [o["text"] for o in outs], "start_s": started}
+                                    "text": [o["text"] for o in outs], "start_s": started,
+                                    "cached_tokens": [o["meta_info"].get("cached_tokens") for o in outs]}
             if kwargs.get("return_logprob"):  # [(logprob, token id, text)] per step; top-k lists per step
                 results[run["name"]]["logprobs"] = [
                     {key: o["meta_info"].get(key) for key in ("output_token_logprobs", "output_top_logprobs")}

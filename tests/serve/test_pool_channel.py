@@ -414,7 +414,7 @@ def channel_served(tiny_llama, tmp_path_factory):
         {"name": "kivi2", "engine_args": common, "env": {"OSCAR_ARTIFACT": str(kivi), "OSCAR_RECENT": 64},
          "input_ids": prompts, "sampling": sampling, "generate_args": logprobs},
         {"name": "radix", "engine_args": {**common, "disable_radix_cache": False},
-         "env": {"OSCAR_ARTIFACT": str(mixed), "OSCAR_SINK": 32, "OSCAR_RECENT": 64},
+         "env": {"OSCAR_ARTIFACT": str(mixed), "OSCAR_SINK": 32, "OSCAR_RECENT": 64, "OSCAR_PREFIX_REUSE": "quantized"},
          "rounds": [shared[:1], shared[1:]], "sampling": sampling, "generate_args": logprobs},
     ]
     results, log = run_driver(runs, tmp)

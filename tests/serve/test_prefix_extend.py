@@ -254,10 +254,10 @@ def cold_and_hit(tiny_llama, tmp_path_factory):
     logprobs = {"return_logprob": True, "top_logprobs_num": 2}
     runs = [
         {"name": "int2", "engine_args": radix, "env": {"OSCAR_ARTIFACT": str(quarot), "OSCAR_SINK": 16,
-                                                       "OSCAR_RECENT": 16},
+                                                       "OSCAR_RECENT": 16, "OSCAR_PREFIX_REUSE": "quantized"},
          "rounds": [[prompt], [prompt]], "sampling": sampling, "generate_args": logprobs},
         {"name": "covered", "engine_args": radix, "env": {"OSCAR_ARTIFACT": str(quarot), "OSCAR_SINK": 96,
-                                                          "OSCAR_RECENT": 32},
+                                                          "OSCAR_RECENT": 32, "OSCAR_PREFIX_REUSE": "quantized"},
          "rounds": [[prompt], [prompt]], "sampling": sampling, "generate_args": logprobs},
     ]
     return run_driver(runs, tmp)

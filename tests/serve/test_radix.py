@@ -159,9 +159,14 @@ def radix_served(tiny_llama, tmp_path_factory):
         {"name": "native", "engine_args": {"model_path": str(tiny_llama), "attention_backend": "torch_native",
                                            "dtype": "bfloat16"}, "input_ids": bf, "sampling": sampling},
         {"name": "bf16eq", "engine_args": {**radix, "dtype": "bfloat16", "chunked_prefill_size": 32},
-         "env": {"OSCAR_ARTIFACT": str(int2), "OSCAR_SINK": 96, "OSCAR_RECENT": 32},
+         "env": {"OSCAR_ARTIFACT": str(int2), "OSCAR_SINK": 96, "OSCAR_RECENT": 32, "OSCAR_PREFIX_REUSE": "quantized"},
          "rounds": [bf[:1], bf[1:]], "sampling": sampling},
         {"name": "int2", "engine_args": {**radix, "dtype": "float32"},
+         "env": {"OSCAR_ARTIFACT": str(quarot), "OSCAR_SINK": 16, "OSCAR_RECENT": 16, "OSCAR_PREFIX_REUSE": "quantized"},
+         "rounds": [q[:1], q[1:]], "sampling": sampling,
+         "generate_args": {"return_logprob": True, "top_logprobs_num": 2}},
+        # the default reuse (exact): the same prompts hit only the 16-token sink; teacher-forced as the cold run
+        {"name": "int2_exact", "engine_args": {**radix, "dtype": "float32"},
          "env": {"OSCAR_ARTIFACT": str(quarot), "OSCAR_SINK": 16, "OSCAR_RECENT": 16},
          "rounds": [q[:1], q[1:]], "sampling": sampling,
          "generate_args": {"return_logprob": True, "top_logprobs_num": 2}},
@@ -193,18 +198,46 @@ def test_int2_hits_agree_with_the_embedded_engine_alone(radix_served, tiny_llama
     assert "sink store of the prefix cache grew" not in log
 
 
-def test_match_cap_leaves_the_recent_window_to_compute(monkeypatch):
-    from oscar.serve import plugin, state
+def test_exact_reuse_hits_only_the_sink_and_agrees_with_the_embedded_engine(radix_served, tiny_llama):
+    """The default reuse (exact): the second round hits only the 16-token BF16 sink of the cached 96-token prefix, so
+    its extend reads what a cold prefill reads; teacher-forced against the embedded engine (each prompt alone, cold)
+    within the same bounds as the quantized hits."""
+    from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(state, "_STATE", {**_state(16, 48)})
+    results, _, quarot, prompts = radix_served
+    exact, quantized = results["int2_exact"], results["int2"]
+    assert exact["cached_tokens"] == [0, 16, 16], exact["cached_tokens"]  # the first round is cold
+    assert quantized["cached_tokens"] == [0, 96, 96], quantized["cached_tokens"]
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype="float32").eval()
+    check_teacher_forced(exact, embedded_forced_logprobs(model, "quarot", quarot, 16, 16, prompts, exact["output_ids"]))
+
+
+@pytest.mark.parametrize("reuse", ["quantized", "exact"])
+def test_match_cap_leaves_the_recent_window_to_compute(monkeypatch, reuse):
+    from oscar.serve import plugin, state
+    from oscar.serve.settings import ServeSettings
+
+    settings = ServeSettings.from_env({"OSCAR_ARTIFACT": "/a", "OSCAR_PREFIX_REUSE": reuse})
+    monkeypatch.setattr(state, "_STATE", {**_state(16, 48), "settings": settings})
     state.set_active(True)
     try:
-        assert plugin.cap_prefix_after(199, None, 200) == 200 - 48  # SGLang's own cap was input_len - 1
+        # SGLang's own cap was input_len - 1; quantized: every cached page up to the recent window; exact: the sink
+        # (16 tokens, BF16 in the sink store), so that the hit's extend reads what a cold prefill reads
+        assert plugin.cap_prefix_after(199, None, 200) == (200 - 48 if reuse == "quantized" else 16)
         assert plugin.cap_prefix_after(10, None, 200) == 10  # a tighter cap of SGLang's (logprob_start_len) stays
         assert plugin.cap_prefix_after(30, None, 40) == 0  # a prompt shorter than the window: no reuse
     finally:
         state.set_active(False)
     assert plugin.cap_prefix_after(199, None, 200) == 199  # inert without --attention-backend oscar
+
+
+def test_prefix_reuse_setting_defaults_to_exact_and_refuses_others_by_name():
+    from oscar.serve.settings import OscarServeError, ServeSettings
+
+    assert ServeSettings.from_env({"OSCAR_ARTIFACT": "/a"}).prefix_reuse == "exact"
+    assert ServeSettings.from_env({"OSCAR_ARTIFACT": "/a", "OSCAR_PREFIX_REUSE": "quantized"}).prefix_reuse == "quantized"
+    with pytest.raises(OscarServeError, match=r"OSCAR_PREFIX_REUSE='int2' is not valid; choose one of exact, quantized"):
+        ServeSettings.from_env({"OSCAR_ARTIFACT": "/a", "OSCAR_PREFIX_REUSE": "int2"})
 
 
 def test_sink_store_only_with_the_radix_cache():

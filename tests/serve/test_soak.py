@@ -28,8 +28,8 @@ def test_soak_of_the_per_channel_default_on_the_cpu_engine(tiny_llama, tmp_path)
     args = ["--device", "cpu", "--dtype", "float32", "--page-size", "32", "--chunked-prefill-size", "64",
             "--max-running-requests", "4", "--max-total-tokens", "1536", "--mem-fraction-static", "0.5",
             "--attention-backend", "oscar"]
-    env = {"OSCAR_ARTIFACT": str(art), "OSCAR_SINK": "0", "OSCAR_RECENT": "32",
-           "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
+    env = {"OSCAR_ARTIFACT": str(art), "OSCAR_SINK": "0", "OSCAR_RECENT": "32", "OSCAR_PREFIX_REUSE": "quantized",
+           "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}  # quantized reuse: hits take cached INT2 pages
     server = SGLangServer(str(tiny_llama), args, env=env, log_path=tmp_path / "server.log", startup_timeout_s=600)
     opts = argparse.Namespace(vocab=320, lengths="40,120,300,600", seconds=150.0, max_requests=36, workers=4,
                               new_tokens=8, samples=3, idle_s=3.0, request_timeout_s=300.0, gpu_memory=False,

@@ -86,26 +86,31 @@ def served_rows(opts: dict[str, Any]) -> list[dict[str, Any]]:
         records = found[1] if found else []
         for r in mine:
             sub = [x for x in records if r.get("length") is None or x.get("length") == r["length"]]
-            rows.append({**r, **settings.get(name, {"windows": "?", "calibration": "?"}), **served_switches(sub),
+            mine_settings = settings.get(name, {"windows": "?", "calibration": "?"})
+            rows.append({**r, **mine_settings, **served_switches(sub, quantized=mine_settings["windows"] != "-"),
                          "embedded_items": sum(r.get("length") is None or x.get("length") == r["length"]
                                                     for x in embedded.values()),
                          **_versus_embedded(sub, embedded, table)})
     return sorted(rows, key=lambda r: r.get("length") or 1 << 62)  # NIAH: by context length, variants in order
 
 
-def served_switches(records: list[dict[str, Any]]) -> dict[str, str]:
-    """``cuda_graph`` / ``radix`` of a served cell from its records (`SGLangEngine.request_info`): true, false,
-    mixed, or "not recorded" for records served before the engine said (decode graphs and the radix cache off)."""
+def served_switches(records: list[dict[str, Any]], quantized: bool = True) -> dict[str, str]:
+    """``cuda_graph`` / ``radix`` / ``prefix_reuse`` of a served cell from its records (`SGLangEngine.request_info`):
+    true, false, mixed, or "not recorded" for records served before the engine said (decode graphs and the radix
+    cache off). ``prefix_reuse`` not recorded with the radix cache on: ``quantized`` for a quantized cache (the only
+    reuse before ``OSCAR_PREFIX_REUSE``), ``-`` for BF16 (``quantized``: whether the cell's cache is)."""
     out = {}
-    for key in ("cuda_graph", "radix"):
+    for key in ("cuda_graph", "radix", "prefix_reuse"):
         vals = {x.get(key) for x in records}
         out[key] = ("not recorded" if vals == {None} else "mixed" if len(vals) > 1 else str(vals.pop()).lower())
+    if out["prefix_reuse"] == "not recorded" and out["radix"] in ("true", "false"):
+        out["prefix_reuse"] = "-" if not quantized or out["radix"] == "false" else "quantized"
     return out
 
 
 # "score": pass_at_1 for HumanEval; "length": NIAH only
 SERVED_COLUMNS = ["variant", "method", "windows", "calibration", "length", "n", "score", "ci_lo", "ci_hi",
-                  "bits_per_element", "cuda_graph", "radix", "complete",
+                  "bits_per_element", "cuda_graph", "radix", "prefix_reuse", "complete",
                   "diff_vs_bf16", "diff_ci_lo", "diff_ci_hi", "diff_vs_kivi2", "diff_vs_kivi2_lo", "diff_vs_kivi2_hi",
                   "embedded_items", "n_common", "pass_served", "pass_embedded", "diff_vs_embedded",
                   "diff_vs_embedded_lo", "diff_vs_embedded_hi", "verdict_agreement", "verdict_agreement_lo",
@@ -137,8 +142,7 @@ def served_report(out: Path, opts: dict[str, Any]) -> list[Path]:
               f"they exist): on the items both hold, {what} served / embedded, their paired difference, the share with "
               f"the {verdict} (Wilson 95%), items won by one engine only, equal completions.", "",
               f"| variant | windows sink/recent | calibration |{' context |' if niah else ''} n | {what} (%) [95% CI] | "
-              "bits / element | CUDA graphs / "
-              "radix | diff to served "
+              "bits / element | CUDA graphs / radix / prefix reuse | diff to served "
               "BF16 (pts) [95% CI] | diff to served KIVI-2 (pts) [95% CI] | embedded: n | served / embedded (%) | "
               f"served - embedded (pts) [95% CI] | {verdict} (%) [95% CI] | served only / embedded only | "
               "completions equal (%) |",
@@ -149,7 +153,7 @@ def served_report(out: Path, opts: dict[str, Any]) -> list[Path]:
             lines.append(f"| {r['variant']} |{ctx} 0 | (no served cell) |" + " |" * 10)
             continue
         cells = [f"{_pct(r[score])} [{_pct(r['ci_lo'])}, {_pct(r['ci_hi'])}]" + ("" if r["complete"] else " (running)"),
-                 f"{r['bits_per_element']:.2f}", f"{r.get('cuda_graph', '?')} / {r.get('radix', '?')}", _diff(r),
+                 f"{r['bits_per_element']:.2f}", f"{r.get('cuda_graph', '?')} / {r.get('radix', '?')} / {r.get('prefix_reuse', '?')}", _diff(r),
                  _diff(r, "kivi2")]
         if r.get("n_common"):
             cells += [str(r["n_common"]), f"{_pct(r['pass_served'])} / {_pct(r['pass_embedded'])}",

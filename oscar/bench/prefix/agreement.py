@@ -101,6 +101,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     finally:
         engine.shutdown()
     os.environ["OSCAR_ARTIFACT"] = str(a.artifact)
+    os.environ["OSCAR_PREFIX_REUSE"] = a.prefix_reuse
     engine = sglang.Engine(**common, attention_backend="oscar")
     rows = []
     try:
@@ -165,6 +166,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--mem-fraction", type=float, default=0.5)
+    ap.add_argument("--prefix-reuse", default="quantized", choices=("exact", "quantized"),
+                    help="OSCAR_PREFIX_REUSE of the OSCAR engine (quantized: the hit reads the cached INT2 pages)")
     ap.add_argument("--out", type=Path, required=True, help="writes <out>.json and <out>.md")
     a = ap.parse_args(argv)
     a.bf16_backend = a.bf16_backend or ("torch_native" if a.device == "cpu" else "flashinfer")

@@ -41,6 +41,9 @@ DEFAULTS: dict[str, Any] = {
     "oscar_limit_s": 190,  # the OSCAR engine from its start (its sweep stops starting ratios 30 s before)
     "sink": 64,
     "recent": 256,
+    # OSCAR_PREFIX_REUSE of the sweep and the profile (they time hits that take cached INT2 pages); defaults=true
+    # serves the plugin's own default (exact: a hit reuses the BF16 sink only)
+    "reuse": "quantized",
     "notes": "",
     "profile": False,  # where a hit's time goes: no sweep; the OSCAR engine alone, cold + hits profiled
     "defaults": False,  # one long prompt per backend at SGLang's defaults (no sweep): prefill_defaults.{md,csv}
@@ -92,6 +95,8 @@ def _ratios(opts: dict[str, Any]) -> list[float]:
 
 def needs(opts: dict[str, Any]) -> list[host.Need]:
     _ratios(opts)
+    if opts["reuse"] not in ("exact", "quantized"):
+        raise ValueError(f"reuse={opts['reuse']!r}: exact or quantized (OSCAR_PREFIX_REUSE of the sweep and profile)")
     if opts["defaults"]:
         _default_runs(opts)
     return oscar_engine_needs(opts)
@@ -137,7 +142,7 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
     with open(out / "logs" / "prefix_oscar.log", "w") as log:
         try:
             oscar_env = host.sglang_env(dict(extra, OSCAR_ARTIFACT=str(art), OSCAR_SINK=str(opts["sink"]),
-                                             OSCAR_RECENT=str(opts["recent"])))
+                                             OSCAR_RECENT=str(opts["recent"]), OSCAR_PREFIX_REUSE=str(opts["reuse"])))
             rc: Any = subprocess.run(sweep + ["--attention-backend", "oscar", "--tag", "oscar", "--time-limit",
                                               str(oscar_limit - 30), "--engine", *ENGINE, "mem_fraction_static=0.80",
                                               "page_size=16"], stdout=log, stderr=subprocess.STDOUT,
@@ -209,7 +214,8 @@ def _measure_profile(opts: dict[str, Any], out: Path, env: dict[str, Any], sweep
     cmd = [x for x in sweep if x != "--check-hit"]
     cmd[cmd.index("--ratios") + 1] = ""
     oscar_env = host.sglang_env(dict(extra, OSCAR_ARTIFACT=str(art), OSCAR_SINK=str(opts["sink"]),
-                                     OSCAR_RECENT=str(opts["recent"]), OSCAR_PROFILE_LABELS="1"))
+                                     OSCAR_RECENT=str(opts["recent"]), OSCAR_PROFILE_LABELS="1",
+                                     OSCAR_PREFIX_REUSE=str(opts["reuse"])))
     t0 = time.time()
     with open(out / "logs" / "prefix_oscar.log", "w") as log:
         try:
