@@ -30,6 +30,11 @@ def test_paired_to_the_first_cell_with_wins_losses_and_equal_completions(tmp_pat
     assert r["pass_at_1"] == pytest.approx(3 / 6) and r["diff"] == pytest.approx(-1 / 6) and r["diff_lo"] <= r["diff"] <= r["diff_hi"]
     assert (r["wins"], r["losses"], r["completions_equal"]) == (1, 2, 1)  # item 0 predicts "same" in both
     assert r["radix"] == "true" and r["prefix_reuse"] == "quantized (before the setting)"
+    bf16 = _cell(tmp_path, "bf16", [True], radix=True)
+    (bf16 / "items.jsonl").write_text(json.dumps({"id": "HumanEval/0", "correct": True, "radix": True,
+                                                  "kv_bits_per_element": 16.0}) + "\n")
+    rows = prefix_reuse.compare([("bf16", prefix_reuse.read_items(bf16)), ("on", prefix_reuse.read_items(on))])
+    assert rows[0]["prefix_reuse"] == "-"  # SGLang's own BF16 cache: a hit reads BF16
     md = out.with_suffix(".md").read_text()
     assert "| radix on | 6 | 50.0 [" in md and "| 1 / 2 | 1/6 |" in md and "(reference)" in md
     assert out.with_suffix(".csv").read_text().splitlines()[0].startswith("cell,n,pass_at_1,ci_lo,ci_hi,diff,")

@@ -51,8 +51,10 @@ def compare(cells: list[tuple[str, dict[str, dict[str, Any]]]]) -> list[dict[str
         row: dict[str, Any] = {"cell": label, "n": len(common), "pass_at_1": sum(ok) / len(ok), "ci_lo": lo, "ci_hi": hi,
                                "radix": _switch(cell, "radix"), "prefix_reuse": _switch(cell, "prefix_reuse"),
                                "cuda_graph": _switch(cell, "cuda_graph")}
+        bf16 = all(float(r.get("kv_bits_per_element") or 0) >= 16 for r in cell.values())  # SGLang's own BF16 cache
         if row["radix"] == "true" and row["prefix_reuse"] == "not recorded":
-            row["prefix_reuse"] = "quantized (before the setting)"  # the only reuse before OSCAR_PREFIX_REUSE
+            # the only reuse of a quantized cache before OSCAR_PREFIX_REUSE; BF16 hits read BF16
+            row["prefix_reuse"] = "-" if bf16 else "quantized (before the setting)"
         if label != ref_label:
             d = paired_bootstrap({(i, 0): float(bool(cell[i].get("correct"))) for i in common},
                                  {(i, 0): float(bool(ref[i].get("correct"))) for i in common})
