@@ -108,7 +108,7 @@ def test_sweep_profile_mode_through_the_cpu_engine(tiny_llama, tmp_path):
     quarot = save_in_code_artifact(tiny_llama, "quarot", tmp_path / "quarot")
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "OSCAR_ARTIFACT": str(quarot), "OSCAR_SINK": "16",
-           "OSCAR_RECENT": "16", "OSCAR_PROFILE_LABELS": "1",
+           "OSCAR_RECENT": "16", "OSCAR_PROFILE_LABELS": "1", "OSCAR_PREFIX_REUSE": "quantized",  # the profile's reuse
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "oscar.bench.prefix.sweep", "--model-path", str(tiny_llama), "--attention-backend",
