@@ -20,6 +20,7 @@ launch settings: ``oscar.kernels.launch.MmaLaunch``; torch twin (the specificati
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import weakref
 from pathlib import Path
@@ -144,15 +145,12 @@ def _set_attribute(lib, func: ctypes.c_void_p, attr: int, value: int) -> None:
         _ATTRS[key] = value
 
 
-_DRIVER: list = []  # the CUDA driver library, opened once (torch's helper opens a new ctypes.CDLL per call)
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    """The CUDA driver library, opened once (torch's helper opens a new ``ctypes.CDLL`` per call)."""
+    from torch.cuda._utils import _get_gpu_runtime_library
 
-
-def _driver():
-    if not _DRIVER:
-        from torch.cuda._utils import _get_gpu_runtime_library
-
-        _DRIVER.append(_get_gpu_runtime_library())
-    return _DRIVER[0]
+    return _get_gpu_runtime_library()
 
 
 def _launch(func: ctypes.c_void_p, grid: tuple, threads: int, params: Params, dev: torch.device, dynamic: int = 0,

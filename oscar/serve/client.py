@@ -23,7 +23,7 @@ from oscar.core.artifact import artifact_dir, config_hash_of, model_config_field
 from oscar.models.loading import dense_dir, load_model
 from oscar.models.methods import in_code_artifact, needs_statistics
 from oscar.serve.server import SGLangServer, ServerError
-from oscar.serve.settings import ENV_PREFIX_REUSE, PREFIX_REUSE
+from oscar.serve.reuse import ENV_PREFIX_REUSE, PREFIX_REUSE
 
 
 def model_path(model_cfg: Any) -> str:
@@ -105,7 +105,7 @@ def served_config(e: Any, device: str) -> dict[str, Any]:
     elif not isinstance(chunk, int):
         raise ValueError(f"engine.chunked_prefill_size={chunk!r} is not valid; choose auto or a number of tokens "
                          "(-1: one chunk)")
-    reuse = str(e.get("prefix_reuse", "exact") if hasattr(e, "get") else getattr(e, "prefix_reuse", "exact"))
+    reuse = str(e.get("prefix_reuse", PREFIX_REUSE[0]) if hasattr(e, "get") else getattr(e, "prefix_reuse", PREFIX_REUSE[0]))
     if reuse not in PREFIX_REUSE:
         raise ValueError(f"engine.prefix_reuse={reuse!r} is not valid; choose one of {', '.join(PREFIX_REUSE)}")
     return {"cuda_graph": flag("cuda_graph", True, False) and device == "cuda", "radix": flag("radix", True, False),

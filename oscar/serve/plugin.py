@@ -33,6 +33,7 @@ import logging
 from typing import Any, Callable, Optional
 
 from oscar.serve.contract import seams
+from oscar.serve.reuse import PREFIX_REUSE
 from oscar.serve.state import BACKEND, active, current_state, ensure_state, set_active
 
 logger = logging.getLogger(__name__)
@@ -453,7 +454,7 @@ def cap_prefix_after(result: Any, req: Any, input_len: int, *args: Any, **kwargs
         return result
     cap = int(input_len) - int(fmt.recent)
     settings = st.get("settings")
-    if getattr(settings, "prefix_reuse", "exact") == "exact":
+    if getattr(settings, "prefix_reuse", PREFIX_REUSE[0]) == "exact":
         cap = min(cap, int(fmt.sink))
     return max(0, min(int(result), cap))
 

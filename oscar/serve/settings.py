@@ -38,6 +38,7 @@ import torch
 from oscar.cache.formats import CacheFormat
 from oscar.core.artifact import ArtifactMismatch, load_artifact, model_config_fields
 from oscar.models.adapters import UnsupportedModel, check_head_dim, get_adapter
+from oscar.serve.reuse import ENV_PREFIX_REUSE, PREFIX_REUSE
 
 ENV_ARTIFACT = "OSCAR_ARTIFACT"
 ENV_SINK = "OSCAR_SINK"
@@ -45,8 +46,6 @@ ENV_RECENT = "OSCAR_RECENT"
 RETIRED_ENV = {"OSCAR_BITS": "bits", "OSCAR_GROUP_SIZE": "group_size"}  # the artifact's format fixes them
 ENV_KERNELS = "OSCAR_KERNELS"
 ENV_MMA = "OSCAR_MMA"
-ENV_PREFIX_REUSE = "OSCAR_PREFIX_REUSE"
-PREFIX_REUSE = ("exact", "quantized")  # the first is the default
 ENV_VARS = (ENV_ARTIFACT, ENV_SINK, ENV_RECENT, ENV_KERNELS, ENV_MMA, ENV_PREFIX_REUSE)
 MMA_KEYS = ("warps", "stages", "min_blocks", "carveout", "waves", "splits")
 

@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 from oscar.core.files import atomic_write_text
 from oscar.data.corpora import corpus_text
+from oscar.serve.reuse import ENV_PREFIX_REUSE, PREFIX_REUSE
 
 
 def held_out_prompts(tokenizer: Any, n: int, length: int, skip_tokens: int = 16384) -> list[list[int]]:
@@ -101,7 +102,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     finally:
         engine.shutdown()
     os.environ["OSCAR_ARTIFACT"] = str(a.artifact)
-    os.environ["OSCAR_PREFIX_REUSE"] = a.prefix_reuse
+    os.environ[ENV_PREFIX_REUSE] = a.prefix_reuse
     engine = sglang.Engine(**common, attention_backend="oscar")
     rows = []
     try:
@@ -166,7 +167,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--mem-fraction", type=float, default=0.5)
-    ap.add_argument("--prefix-reuse", default="quantized", choices=("exact", "quantized"),
+    ap.add_argument("--prefix-reuse", default="quantized", choices=PREFIX_REUSE,
                     help="OSCAR_PREFIX_REUSE of the OSCAR engine (quantized: the hit reads the cached INT2 pages)")
     ap.add_argument("--out", type=Path, required=True, help="writes <out>.json and <out>.md")
     a = ap.parse_args(argv)

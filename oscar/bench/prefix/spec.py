@@ -29,6 +29,7 @@ from oscar.bench.prefix import profile as prefix_profile
 from oscar.bench.prefix import report as prefix_report
 from oscar.bench.serving.formats import FORMATS
 from oscar.bench.serving.spec import model_dir, oscar_engine_needs
+from oscar.serve.reuse import PREFIX_REUSE
 
 AREA = "serving"
 SUMMARY = "prefix-hit sweep (radix cache on): job tokens/s and TTFT, OSCAR vs SGLang flashinfer BF16"
@@ -95,8 +96,9 @@ def _ratios(opts: dict[str, Any]) -> list[float]:
 
 def needs(opts: dict[str, Any]) -> list[host.Need]:
     _ratios(opts)
-    if opts["reuse"] not in ("exact", "quantized"):
-        raise ValueError(f"reuse={opts['reuse']!r}: exact or quantized (OSCAR_PREFIX_REUSE of the sweep and profile)")
+    if opts["reuse"] not in PREFIX_REUSE:
+        raise ValueError(f"reuse={opts['reuse']!r}: one of {', '.join(PREFIX_REUSE)} (OSCAR_PREFIX_REUSE of the sweep "
+                         "and profile)")
     if opts["defaults"]:
         _default_runs(opts)
     return oscar_engine_needs(opts)
