@@ -76,7 +76,7 @@ def test_served_cells_on_their_own_against_served_bf16_and_kivi2_and_embedded(tm
     assert "| kivi2 | 0/64 | - | 10 | 50.0 [" in md and "(reference)" in md and "| 0 (0 embedded records) |" in md
     assert "| auto+cb32 | 64/256 | default | 0 | (no served cell) |" in md and md.index("| int2 | ? | ? | 4 |") > md.index("| auto+cb32 |")
     served_csv = (out / "humaneval_served.csv").read_text().splitlines()
-    assert served_csv[0].startswith("variant,method,windows,calibration,n,pass_at_1,ci_lo,ci_hi,bits_per_element,cuda_graph,radix,"
+    assert served_csv[0].startswith("model,variant,method,windows,calibration,n,pass_at_1,ci_lo,ci_hi,bits_per_element,cuda_graph,radix,"
                                     "prefix_reuse,complete,diff_vs_bf16,")
     table = (out / "humaneval.csv").read_text().splitlines()
     assert table[0].endswith(",complete,wall_s,hardware,served")
@@ -113,9 +113,46 @@ def test_served_needles_per_length_without_embedded_records(tmp_path):
     assert "| int2 | 64/256 | - | - | 0 | (no served cell) |" in md
     assert "| 0 (0 embedded records) |" in md
     assert md.index("| bf16 | - | - | 8192 |") > md.index("| auto | 64/256 | default | 4096 |")  # by context length, variants in table order
-    assert files[1].read_text().splitlines()[0].startswith("variant,method,windows,calibration,length,n,score,")
+    assert files[1].read_text().splitlines()[0].startswith("model,variant,method,windows,calibration,length,n,score,")
+    assert files[1].read_text().splitlines()[1].startswith("qwen2.5-coder-0.5b,")
     with pytest.raises(FileNotFoundError, match="no served niah cells"):
         accuracy_report.served_report(out, {**opts, "results": str(tmp_path / "empty")})
+
+
+def test_multikey_needles_at_chosen_lengths(tmp_path):
+    """`table=niah_multikey` (RULER's niah_multikey_1 on the essays) serves at the lengths asked for and reports per
+    length like the single needles, in its own cells and files (no embedded table to merge into)."""
+    opts = tables.parse("accuracy", ["table=niah_multikey", "engine=sglang", f"results={tmp_path / 'r'}",
+                                     "model=qwen2.5-coder-1.5b", "lengths=16384,32768", "samples=4",
+                                     f"embedded={tmp_path / 'none'}"])
+    cmds = cells.served_commands(opts, "py")
+    assert [c for c in cmds[0] if c.startswith("benchmark")] == [
+        "benchmark=ruler_niah_multikey", "benchmark.context_lengths=[16384,32768]",
+        "benchmark.extra.samples_per_length=4", "benchmark.max_new_tokens=12"]
+    assert str(cells.served_output(opts, "auto")).endswith("qwen2.5-coder-1.5b/auto/niah_multikey_sglang/seed0")
+    for name, hits in {"bf16": 4, "kivi2": 1, "auto": 3}.items():
+        _served_cell(opts, name, "".join(
+            json.dumps({"id": f"m{length}-{k}", "length": length, "score": float(k < hits), "correct": k < hits,
+                        "kv_bits_per_element": 16.0 if name == "bf16" else 2.6}) + "\n"
+            for length in (16384, 32768) for k in range(4)))
+    out = tmp_path / "out"
+    out.mkdir()
+    files = accuracy_report.write_report(out, opts)
+    assert [f.name for f in files] == ["niah_multikey_served.md", "niah_multikey_served.csv"]
+    md = files[0].read_text()
+    assert md.startswith("# niah_multikey: qwen2.5-coder-1.5b served through SGLang")
+    assert "| auto | 64/256 | default | 32768 | 4 | 75.0 [" in md and not (out / "niah.csv").exists()
+    rows = {(r["variant"], r["length"]): r for r in accuracy_report.served_rows(opts)}
+    assert rows[("kivi2", 16384)]["diff_vs_bf16"] == pytest.approx(-0.75) and rows[("auto", 16384)]["model"] == opts["model"]
+
+
+@pytest.mark.parametrize("args, match", [(["table=humaneval", "lengths=4096"], "only the needle tables"),
+                                         (["table=niah", "lengths=4k"], "comma-separated context lengths"),
+                                         (["table=niah", "lengths=512"], "at least 1024"),
+                                         (["table=niah", "samples=0"], "positive number of needles")])
+def test_needle_lengths_and_samples_are_checked(args, match):
+    with pytest.raises(ValueError, match=match):
+        cells.served_commands(tables.parse("accuracy", [*args, "engine=sglang"]), "py")
 
 
 def test_engine_key_is_checked():

@@ -171,10 +171,11 @@ def _agreement(records: list[dict], other: Optional[tuple[Optional[dict], list[d
 
 
 def niah_rows(results: Path, model: str, versus: Sequence[str] = (),
-              engine: Optional[str] = None) -> list[dict[str, Any]]:
+              engine: Optional[str] = None, benchmark: str = "niah") -> list[dict[str, Any]]:
     """One row per (method, context length) with a NIAH cell (finished or partial); `engine` and `versus` as for
-    HumanEval (the paired differences per context length)."""
-    cells = _cells(results, model, "niah", engine, versus)
+    HumanEval (the paired differences per context length); `benchmark`: the needle table's cells (e.g.
+    ``niah_multikey``)."""
+    cells = _cells(results, model, benchmark, engine, versus)
     rows = []
     lengths = sorted({int(r["length"]) for _, recs in cells.values() for r in recs if r.get("length")})
     for length in lengths:

@@ -23,6 +23,11 @@ CELLS = {
     "niah": (["benchmark=niah", "benchmark.context_lengths=[4096,8192]", "benchmark.extra.samples_per_length=32",
               "benchmark.max_new_tokens=12", "+benchmark.extra.shared_prefill=true", "seed=0"],
              "bf16=method=bf16;int2=method=int2;kivi2=method=kivi2;auto=method=auto"),
+    # RULER's niah_multikey_1 on the essays haystack: 4 keyed needles (distractors), one queried, at long contexts
+    "niah_multikey": (["benchmark=ruler_niah_multikey", "benchmark.context_lengths=[16384,32768]",
+                       "benchmark.extra.samples_per_length=32", "benchmark.max_new_tokens=12",
+                       "+benchmark.extra.shared_prefill=true", "seed=0"],
+                      "bf16=method=bf16;kivi2=method=kivi2;auto=method=auto"),
     "humaneval": (["benchmark=humaneval", "benchmark.limit=164", "benchmark.max_new_tokens=384",
                    "benchmark.temperature=0.0", "benchmark.batch_size=64", "+benchmark.extra.continuous=true",
                    "+benchmark.extra.answer_start=function", "+benchmark.extra.stop=['```']",
@@ -36,6 +41,35 @@ SERVED_CELLS = {t: v.replace("kivi2=method=kivi2 method.sink=16 ", "kivi2=method
                 .replace("auto=method=auto method.sink=16 ", "auto=method=auto method.sink=0 ")
                 for t, (_, v) in CELLS.items()}
 CONF_DIR = ROOT / "conf"  # oscar.config.CONF_DIR without importing omegaconf
+NIAH_TABLES = ("niah", "niah_multikey")  # needle tables: rows per context length; `lengths=` / `samples=` apply
+
+
+def base_args(opts: dict[str, Any]) -> list[str]:
+    """The table's fixed overrides, with a needle table's ``lengths=`` (comma-separated context lengths in tokens)
+    and ``samples=`` (needles per length) in place of its defaults."""
+    table = str(opts["table"])
+    base = list(CELLS[table][0])
+    if table not in NIAH_TABLES:
+        for key in ("lengths", "samples"):
+            if opts.get(key):
+                raise ValueError(f"{key}={opts[key]}: only the needle tables ({', '.join(NIAH_TABLES)}) take it")
+        return base
+    if opts.get("lengths"):
+        try:
+            lengths = [int(x) for x in str(opts["lengths"]).split(",") if x.strip()]
+        except ValueError:
+            lengths = []
+        if not lengths or min(lengths) < 1024:
+            raise ValueError(f"lengths={opts['lengths']!r}: comma-separated context lengths of at least 1024 tokens "
+                             "(e.g. lengths=4096,8192,16384,32768)")
+        base = [a if not a.startswith("benchmark.context_lengths=") else
+                f"benchmark.context_lengths=[{','.join(map(str, lengths))}]" for a in base]
+    if opts.get("samples"):
+        if not str(opts["samples"]).isdigit() or int(opts["samples"]) < 1:
+            raise ValueError(f"samples={opts['samples']!r}: a positive number of needles per context length")
+        base = [a if not a.startswith("benchmark.extra.samples_per_length=") else
+                f"benchmark.extra.samples_per_length={int(opts['samples'])}" for a in base]
+    return base
 
 
 def stem(opts: dict[str, Any]) -> str:
@@ -66,7 +100,7 @@ def methods(opts: dict[str, Any]) -> list[str]:
 def cell_args(opts: dict[str, Any]) -> list[str]:
     """The ``python -m oscar eval-shared`` arguments: one cell per variant, separated by ``--``."""
     args: list[str] = []
-    base, _ = CELLS[opts["table"]]
+    base = base_args(opts)
     for i, (name, over) in enumerate(variants(opts)):
         output = f"{opts['results']}/eval/{opts['model']}/{name}/{opts['table']}/seed0"
         args += (["--"] if i else []) + [f"model={opts['model']}", *base, *over, "device=cuda",
@@ -133,7 +167,7 @@ def _yaml_scalars(path: Path) -> dict[str, str]:
 
 def served_commands(opts: dict[str, Any], python: str) -> list[list[str]]:
     """One ``python -m oscar eval engine=sglang`` per variant (run one after the other: one server at a time)."""
-    base = [a for a in CELLS[opts["table"]][0] if "shared_prefill" not in a]
+    base = [a for a in base_args(opts) if "shared_prefill" not in a]
     out = []
     for name, over in variants(opts):
         page = served_page(over)  # SGLang's --page-size for the cell: `page=N` or what its key block needs

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from oscar.bench import host
-from oscar.bench.accuracy.cells import served_output, stem, variant_settings, variants
+from oscar.bench.accuracy.cells import NIAH_TABLES, served_output, stem, variant_settings, variants
 from oscar.bench.correctness.real_weights import wilson
 from oscar.core.files import atomic_write_text
 from oscar.eval.stats import paired_bootstrap
@@ -27,7 +27,7 @@ def _items(path: Path) -> dict[str, dict[str, Any]]:
 
 def _value(table: str) -> Any:
     """An item's score: pass (0/1) for HumanEval, the share of needles retrieved for NIAH."""
-    if table == "niah":
+    if table in NIAH_TABLES:
         return lambda r: float(r.get("score") or 0.0)
     return lambda r: float(bool(r.get("correct")))
 
@@ -67,8 +67,8 @@ def served_rows(opts: dict[str, Any]) -> list[dict[str, Any]]:
     table, results, model = str(opts["table"]), Path(opts["results"]), str(opts["model"])
     found = accuracy.served_cells(results, model, table)
     versus = [v for v in ("kivi2",) if v in found]
-    if table == "niah":
-        cells = accuracy.niah_rows(results, model, versus, engine=accuracy.SERVED_ENGINE)
+    if table in NIAH_TABLES:
+        cells = accuracy.niah_rows(results, model, versus, engine=accuracy.SERVED_ENGINE, benchmark=table)
     else:
         cells = accuracy.humaneval_rows(results, model, versus, engine=accuracy.SERVED_ENGINE)
     rows = []
@@ -79,7 +79,7 @@ def served_rows(opts: dict[str, Any]) -> list[dict[str, Any]]:
         embedded = _items(Path(opts["embedded"]) / f"{table}_{name}.items.jsonl")
         mine = [r for r in cells if r["variant"] == name]
         if not mine:
-            rows.append({"variant": name, "method": f"{name}@{accuracy.SERVED_ENGINE}", "n": 0,
+            rows.append({"variant": name, "method": f"{name}@{accuracy.SERVED_ENGINE}", "n": 0, "model": model,
                          **settings.get(name, {"windows": "?", "calibration": "?"}), "embedded_items": len(embedded)})
             continue
         found = accuracy.read_cell(served_output(opts, name))
@@ -87,7 +87,7 @@ def served_rows(opts: dict[str, Any]) -> list[dict[str, Any]]:
         for r in mine:
             sub = [x for x in records if r.get("length") is None or x.get("length") == r["length"]]
             mine_settings = settings.get(name, {"windows": "?", "calibration": "?"})
-            rows.append({**r, **mine_settings, **served_switches(sub, quantized=mine_settings["windows"] != "-"),
+            rows.append({**r, "model": model, **mine_settings, **served_switches(sub, quantized=mine_settings["windows"] != "-"),
                          "embedded_items": sum(r.get("length") is None or x.get("length") == r["length"]
                                                     for x in embedded.values()),
                          **_versus_embedded(sub, embedded, table)})
@@ -109,7 +109,7 @@ def served_switches(records: list[dict[str, Any]], quantized: bool = True) -> di
 
 
 # "score": pass_at_1 for HumanEval; "length": NIAH only
-SERVED_COLUMNS = ["variant", "method", "windows", "calibration", "length", "n", "score", "ci_lo", "ci_hi",
+SERVED_COLUMNS = ["model", "variant", "method", "windows", "calibration", "length", "n", "score", "ci_lo", "ci_hi",
                   "bits_per_element", "cuda_graph", "radix", "prefix_reuse", "complete",
                   "diff_vs_bf16", "diff_ci_lo", "diff_ci_hi", "diff_vs_kivi2", "diff_vs_kivi2_lo", "diff_vs_kivi2_hi",
                   "embedded_items", "n_common", "pass_served", "pass_embedded", "diff_vs_embedded",
@@ -127,10 +127,10 @@ def served_report(out: Path, opts: dict[str, Any]) -> list[Path]:
                                 + "; ".join(f"{r['variant']}: {served_output(opts, r['variant'])}" for r in rows))
     env = host.read_env(out / f"{stem(opts)}_env.json")
     table = str(opts["table"])
-    niah = table == "niah"
+    niah = table in NIAH_TABLES
     score, what, verdict = (("score", "needles retrieved", "same score") if niah else
                             ("pass_at_1", "pass@1", "same verdict"))
-    lines = [f"# {table}: served through SGLang", ""]
+    lines = [f"# {table}: {opts['model']} served through SGLang", ""]
     lines += [f"{host.hardware_line(env)} Command: `{env.get('command', '?')}`.", ""] if env else []
     lines += ["Served: `oscar eval engine=sglang` (the oscar plugin's pool, or SGLang's own attention for bf16), BF16 "
               f"model, on the GPU, one server per variant; cells `{opts['results']}/eval/{opts['model']}/<variant>/"
@@ -177,6 +177,8 @@ def write_report(out: Path, opts: dict[str, Any]) -> list[Path]:
     if opts["engine"] == "sglang":
         files = served_report(out, opts)
         table = str(opts["table"])
+        if table not in ("humaneval", "niah"):  # no embedded table of it to merge the served rows into
+            return files
         write_reports(Path(opts["results"]), str(opts["model"]), out, only=table,
                       served_results=Path(opts["results"]), keep_rows=True, keep_header=True)
         return files + [out / f"{table}{s}" for s in (".md", ".csv", ".png")]

