@@ -35,13 +35,17 @@ def test_from_env_defaults_and_errors():
     s = ServeSettings.from_env({"OSCAR_ARTIFACT": "/a"})
     assert (s.sink, s.recent, s.kernels) == (None, None, None)  # windows: the artifact's format
     assert s.kernel_backend("cpu") == "torch" and s.kernel_backend("cuda") == "triton"
+    assert s.prefill_stage_mib == 2048 and ServeSettings.from_env({"OSCAR_ARTIFACT": "/a",
+                                                                   "OSCAR_PREFILL_STAGE_MIB": "0"}).prefill_stage_mib == 0
     with pytest.raises(OscarServeError, match="needs OSCAR_ARTIFACT"):
         ServeSettings.from_env({})
     for env, msg in (({"OSCAR_SINK": "x"}, "OSCAR_SINK='x' is not an integer"),
                      ({"OSCAR_RECENT": "0"}, "OSCAR_RECENT=0 must be >= 1"),
                      ({"OSCAR_BITS": "4"}, "OSCAR_BITS are no longer read: the artifact's meta.json fixes"),
                      ({"OSCAR_GROUP_SIZE": "32"}, "OSCAR_GROUP_SIZE are no longer read"),
-                     ({"OSCAR_KERNELS": "cuda"}, "choose 'torch' or 'triton'")):
+                     ({"OSCAR_KERNELS": "cuda"}, "choose 'torch' or 'triton'"),
+                     ({"OSCAR_PREFILL_STAGE_MIB": "-1"}, "OSCAR_PREFILL_STAGE_MIB=-1 must be >= 0"),
+                     ({"OSCAR_PREFILL_STAGE_MIB": "1G"}, "OSCAR_PREFILL_STAGE_MIB='1G' is not an integer")):
         with pytest.raises(OscarServeError, match=msg):
             ServeSettings.from_env({"OSCAR_ARTIFACT": "/a", **env})
 

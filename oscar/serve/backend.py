@@ -46,6 +46,7 @@ from oscar.kernels.launch import MmaLaunch
 from oscar.kernels.segments import Segments
 from oscar.serve.labels import install_labels, labels_requested
 from oscar.serve.pool import OscarTokenToKVPool
+from oscar.serve.settings import PREFILL_STAGE_MIB
 from oscar.serve.state import current_state
 
 
@@ -65,6 +66,20 @@ class _ExtendMeta:
     sink_ids: list[Optional[torch.Tensor]]  # sink-store rows of a hit's sink pages
     plan: Optional[Any] = None  # where the rows go in every per-token layer (pool.write_plan, once per forward)
     rows: dict = field(default_factory=dict)  # (request slot, ring kind) -> (page table, ring columns), once per forward
+    stage: list[Optional["_Stage"]] = field(default_factory=list)  # per request: its staged earlier chunks, or None
+    stage_read: list[bool] = field(default_factory=list)  # the prefix is read from the stage (or seeded into it)
+    stage_keep: list[bool] = field(default_factory=list)  # this chunk's rows are appended to the stage
+
+
+@dataclass
+class _Stage:
+    """One request's own earlier prefill chunks as BF16 rows (what a one-shot prefill reads), kept until its prefill
+    ends: per local layer, ``[Hkv, n, d]`` pieces in position order (``OSCAR_PREFILL_STAGE_MIB``)."""
+
+    generation: int  # the request slot's SGLang generation when the stage began
+    length: int  # positions the stage holds once the current forward has appended its chunk
+    k: list[list[torch.Tensor]]
+    v: list[list[torch.Tensor]]
 
 
 @dataclass
@@ -141,6 +156,11 @@ class OscarAttnBackend(AttentionBackend):
         self.mma_waves, self.mma_splits = mma.pop("waves", None), mma.pop("splits", None)
         self.mma_options = mma  # OSCAR_MMA (oscar.serve.settings): MmaLaunch fields (warps, stages, ...)
         self.launches: dict[int, Any] = {}
+        # chunked prefill: a request's earlier chunks as BF16 rows until its prefill ends (_Stage), per slot
+        self.stage: dict[int, _Stage] = {}
+        stage_mib = int(getattr(current_state().get("settings"), "prefill_stage_mib", PREFILL_STAGE_MIB))
+        row_bytes = 2 * pool.layer_num * pool.head_num * pool.head_dim * torch.finfo(pool.window_dtype).bits // 8
+        self.stage_max_tokens = (stage_mib << 20) // row_bytes  # positions one request may stage
         route = os.environ.get(ENV_EXTEND_ROUTE)
         if route:
             if route not in ("pages", "dequant"):
@@ -168,6 +188,7 @@ class OscarAttnBackend(AttentionBackend):
             self.meta = None
             return
         if mode.is_decode():
+            self.stage.clear()  # no prefill is between its chunks while a decode-only step runs
             self.meta = self._decode_meta(forward_batch)
             if self._eager_windows:
                 cpu = forward_batch.seq_lens_cpu
@@ -195,8 +216,51 @@ class OscarAttnBackend(AttentionBackend):
         req_rows = torch.repeat_interleave(req, counts)
         seq_len = torch.repeat_interleave(torch.tensor(seq_lens, device=dev), counts)
         plan = self.pool.write_plan(fb.out_cache_loc.long(), req_rows, pos, seq_len)
+        stage, read, keep = self._stage_plan(slots, prefix, lens)
         return _ExtendMeta(req=req_rows, pos=pos, seq_len=seq_len, starts=starts, lens=lens, prefix=prefix,
-                           req_slots=slots, hit=hit, sink_ids=sink_ids, plan=plan)
+                           req_slots=slots, hit=hit, sink_ids=sink_ids, plan=plan, stage=stage, stage_read=read,
+                           stage_keep=keep)
+
+    def _stage_plan(self, slots: list[int], prefix: list[int], lens: list[int]
+                    ) -> tuple[list[Optional[_Stage]], list[bool], list[bool]]:
+        """Per request of an extend: its stage, whether its prefix is read from it, whether this chunk is appended.
+        A request continues its stage when the stage holds exactly its prefix in the same slot generation; a prefix
+        of at most the sink (a first chunk after an exact radix hit: BF16 rows) seeds a new one; a first chunk
+        (no prefix) starts one. Every extend's rows are staged, since a forward does not know whether more chunks
+        follow: stages not continued by the next forward are dropped then (at most one batch of chunk rows beside
+        the chunked request's own), and a decode-only step drops them all. A request whose prompt outgrows
+        ``stage_max_tokens`` reads the INT pages from there on (as without the stage)."""
+        if not self.stage_max_tokens:  # OSCAR_PREFILL_STAGE_MIB=0: every chunk reads the cache
+            return [], [], []
+        gens = getattr(self.req_to_token_pool, "req_generation", None)
+        old, self.stage = self.stage, {}
+        stages, read, keep = [], [], []
+        for r, p, n in zip(slots, prefix, lens):
+            gen = int(gens[r]) if gens is not None else 0
+            st = old.get(r)
+            cont = st is not None and p > 0 and st.generation == gen and st.length == p
+            seed = not cont and 0 < p <= self.pool.sink
+            fits = p + n <= self.stage_max_tokens
+            if not (cont or seed or (p == 0 and fits)):
+                stages.append(None), read.append(False), keep.append(False)
+                continue
+            if not cont:
+                layers = self.pool.layer_num
+                st = _Stage(generation=gen, length=p, k=[[] for _ in range(layers)], v=[[] for _ in range(layers)])
+            if fits:
+                st.length = p + n
+                self.stage[r] = st
+            stages.append(st), read.append(p > 0), keep.append(fits)
+        return stages, read, keep
+
+    def _staged_prefix(self, st: _Stage, i: int, layer_id: int, r2t: torch.Tensor, r: int, p: int, hit: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[Hkv, p, d]`` (BF16) of a request's prefix from its stage; a seeded stage's first rows (a prefix
+        within the BF16 sink) from the pool, exact."""
+        if not st.k[i]:
+            pk, pv = self.pool.cached_rows(layer_id, r2t, r, p, ring=not hit)
+            st.k[i].append(pk.to(self.pool.window_dtype)), st.v[i].append(pv.to(self.pool.window_dtype))
+        return torch.cat(st.k[i], dim=1), torch.cat(st.v[i], dim=1)
 
     def _prefix_hits(self, slots: list[int], prefix: list[int]) -> list[bool]:
         """Which extends start on a prefix this request slot's windows do not hold: the slot changed hands
@@ -235,6 +299,7 @@ class OscarAttnBackend(AttentionBackend):
             return
         B = int(forward_batch.batch_size)
         g = self.graph
+        self.stage.clear()
         self.meta = DecodeMeta(req=g.req[:B], win_row=g.win_row[:B], col=g.col[:B], sink_len=g.sink_len[:B],
                                recent_len=g.recent_len[:B], int_len=g.int_len[:B], page_table=g.page_table[:B],
                                pos=g.pos[:B], blocks=None if g.blocks is None else g.blocks.view(B))
@@ -306,10 +371,18 @@ class OscarAttnBackend(AttentionBackend):
         vb = v.view(-1, Hkv, d).to(self.pool.window_dtype)
         out = torch.empty_like(q3)
         r2t = self.req_to_token_pool.req_to_token
-        for start, n, p, r, hit, ids in zip(m.starts, m.lens, m.prefix, m.req_slots, m.hit, m.sink_ids):
+        li = self.pool._local(layer.layer_id)
+        for j, (start, n, p, r, hit, ids) in enumerate(zip(m.starts, m.lens, m.prefix, m.req_slots, m.hit,
+                                                           m.sink_ids)):
             if ids is not None:  # a prefix-cache hit: its BF16 sink rows from the sink store
                 self.pool.restore_sink(layer.layer_id, r, ids)
-            if self._pages_in_place(layer.layer_id, p, n, hit):
+            st = m.stage[j] if m.stage else None
+            if st is not None and m.stage_keep[j]:  # staged before it is read: a seeded stage's first piece first
+                if m.stage_read[j] and not st.k[li]:
+                    self._staged_prefix(st, li, layer.layer_id, r2t, r, p, hit)
+                st.k[li].append(kb[start : start + n].movedim(0, 1).contiguous())
+                st.v[li].append(vb[start : start + n].movedim(0, 1).contiguous())
+            if st is None and self._pages_in_place(layer.layer_id, p, n, hit):
                 out[start : start + n] = self._extend_over_pages(q3[start : start + n], kb[start : start + n],
                                                                  vb[start : start + n], layer, r2t, r, p, hit)
                 continue
@@ -317,7 +390,18 @@ class OscarAttnBackend(AttentionBackend):
             ks = kb[start : start + n].movedim(0, 1).to(q.dtype)
             vs = vb[start : start + n].movedim(0, 1).to(q.dtype)
             mask = None
-            if p > 0:  # an earlier chunk within the windows (or per-channel keys): its rows as the cache holds them
+            if p > 0 and st is not None and m.stage_read[j]:  # its own earlier chunks as one prefill reads them
+                if m.stage_keep[j]:  # the stage already holds this chunk: its rows are the last n
+                    pk, pv = torch.cat(st.k[li], dim=1), torch.cat(st.v[li], dim=1)
+                    ks, vs = pk.to(q.dtype), pv.to(q.dtype)
+                else:
+                    pk, pv = self._staged_prefix(st, li, layer.layer_id, r2t, r, p, hit)
+                    ks = torch.cat([pk.to(q.dtype), ks], dim=1)
+                    vs = torch.cat([pv.to(q.dtype), vs], dim=1)
+                del pk, pv
+                mask = causal_lower_right(n, p + n) if q.is_cuda else \
+                    torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(p)
+            elif p > 0:  # an earlier chunk within the windows (or per-channel keys): its rows as the cache holds them
                 pk, pv = self.pool.cached_rows(layer.layer_id, r2t, r, p, ring=not hit)
                 ks = torch.cat([pk.to(q.dtype), ks], dim=1)
                 vs = torch.cat([pv.to(q.dtype), vs], dim=1)

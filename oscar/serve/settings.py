@@ -21,6 +21,10 @@ may be changed at serve time.
                           the cold run's; ``quantized`` every cached page up to the recent window: the hit's
                           extend reads the INT2 history (faster; HumanEval at 0/64 windows lost 9-10 points
                           to it, docs/SERVING.md "Prefix reuse")
+``OSCAR_PREFILL_STAGE_MIB`` MiB of BF16 K/V rows (all layers) a chunked prefill keeps of its own earlier chunks
+                          until the prefill ends, so that every chunk reads the prompt as one prefill would
+                          (BF16), not the INT2 pages its earlier chunks were written to; default 2048; a
+                          request whose prompt needs more reads the pages for the rest; 0: off
 ========================  ==========================================================================
 
 Everything here is plain Python + torch (no sglang import), so it is tested in the default environment too.
@@ -46,7 +50,9 @@ ENV_RECENT = "OSCAR_RECENT"
 RETIRED_ENV = {"OSCAR_BITS": "bits", "OSCAR_GROUP_SIZE": "group_size"}  # the artifact's format fixes them
 ENV_KERNELS = "OSCAR_KERNELS"
 ENV_MMA = "OSCAR_MMA"
-ENV_VARS = (ENV_ARTIFACT, ENV_SINK, ENV_RECENT, ENV_KERNELS, ENV_MMA, ENV_PREFIX_REUSE)
+ENV_PREFILL_STAGE = "OSCAR_PREFILL_STAGE_MIB"
+PREFILL_STAGE_MIB = 2048  # its default
+ENV_VARS = (ENV_ARTIFACT, ENV_SINK, ENV_RECENT, ENV_KERNELS, ENV_MMA, ENV_PREFIX_REUSE, ENV_PREFILL_STAGE)
 MMA_KEYS = ("warps", "stages", "min_blocks", "carveout", "waves", "splits")
 
 # Model types whose attention the plugin handles (the oscar.models adapter registry) and config fields
@@ -84,6 +90,7 @@ class ServeSettings:
     kernels: Optional[str] = None
     mma: tuple[tuple[str, int], ...] = ()  # OSCAR_MMA, parsed (parse_mma)
     prefix_reuse: str = PREFIX_REUSE[0]  # OSCAR_PREFIX_REUSE
+    prefill_stage_mib: int = PREFILL_STAGE_MIB  # OSCAR_PREFILL_STAGE_MIB
 
     @staticmethod
     def from_env(env: Optional[Mapping[str, str]] = None) -> "ServeSettings":
@@ -115,7 +122,10 @@ class ServeSettings:
             kernels=kernels,
             mma=parse_mma(env.get(ENV_MMA) or ""),
             prefix_reuse=reuse,
+            prefill_stage_mib=_int_env(env, ENV_PREFILL_STAGE, PREFILL_STAGE_MIB),
         )
+        if s.prefill_stage_mib < 0:
+            raise OscarServeError(f"{ENV_PREFILL_STAGE}={s.prefill_stage_mib} must be >= 0 (MiB; 0 turns the staging off)")
         if s.sink is not None and s.sink < 0:
             raise OscarServeError(f"{ENV_SINK}={s.sink} must be >= 0")
         if s.recent is not None and s.recent < 1:
@@ -253,6 +263,7 @@ def head_transforms(rot: Any, device: Any) -> tuple[Any, Any]:
 
 
 __all__ = [
+    "ENV_PREFILL_STAGE",
     "ENV_PREFIX_REUSE",
     "ENV_VARS",
     "PREFIX_REUSE",
