@@ -195,3 +195,25 @@ def test_a_failed_server_leaves_no_cell(tmp_path):
     cell.mkdir(parents=True)
     (cell / "server.log").write_text("OscarServeError: the served format does not fit --page-size 16\n")
     assert accuracy.served_cells(tmp_path, "m", "niah") == []
+
+
+def test_a_cell_cut_by_limit_s_gets_sigterm_to_stop_its_server(tmp_path):
+    """At `limit_s` the cell's process gets SIGTERM and time to clean up (`oscar eval` stops its SGLang server
+    then), not an immediate SIGKILL that would leave the server holding the GPU's memory for the next cell."""
+    import sys
+    import time
+
+    from oscar.bench import host
+
+    marker = tmp_path / "stopped"
+    child = ("import signal, sys, time, pathlib\n"
+             f"def stop(*_):\n    pathlib.Path({str(marker)!r}).write_text('server stopped'); sys.exit(0)\n"
+             "signal.signal(signal.SIGTERM, stop)\nprint('ready', flush=True)\ntime.sleep(60)\n")
+    t0 = time.monotonic()
+    assert host.run_limited([sys.executable, "-c", child], timeout=2.0, grace_s=20.0) is None
+    assert marker.read_text() == "server stopped" and time.monotonic() - t0 < 15
+    assert host.run_limited([sys.executable, "-c", "import sys; sys.exit(3)"], timeout=20.0) == 3
+    stubborn = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)\n"
+    t0 = time.monotonic()
+    assert host.run_limited([sys.executable, "-c", stubborn], timeout=1.0, grace_s=1.0) is None  # then SIGKILL
+    assert time.monotonic() - t0 < 15

@@ -90,6 +90,27 @@ def python_modules(names: Sequence[str], why: str, fix: str) -> Need:
                 f"{', '.join(missing)} not importable; {fix}" if missing else None)
 
 
+def run_limited(cmd: Sequence[str], timeout: Optional[float], env: Optional[dict[str, str]] = None,
+                grace_s: float = 60.0) -> Any:
+    """``cmd``'s return code, or ``None`` when ``timeout`` seconds ran out. At the limit the command gets SIGTERM
+    and ``grace_s`` to clean up before SIGKILL: `oscar eval` stops its SGLang server on SIGTERM (a server left
+    running holds its GPU memory and the next cell runs out of it, as a 1.5B cell's orphaned server did on an H200
+    on 2026-12-07); ``subprocess.run(timeout=...)`` would SIGKILL it at once."""
+    import signal
+
+    proc = subprocess.Popen(list(cmd), env=env)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return None
+
+
 def sglang_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
     """The environment of an SGLang process: ``$OSCAR_SGLANG_PYTHONPATH`` (offline bundle) before PYTHONPATH."""
     env = dict(os.environ)

@@ -135,6 +135,7 @@ class OscarAttnBackend(AttentionBackend):
     mma_options: Optional[dict] = None
     extend_in_place_max: int = 4096  # extends of up to this many tokens read a quantized prefix in place
     extend_route: str = "dequant"  # how they read it (extend_attention's route; OSCAR_EXTEND_ROUTE): dequant | pages
+    stage_max_tokens: int = 0  # prompt positions a chunked prefill keeps as BF16 rows (_Stage); 0: none
 
     def __init__(self, model_runner: Any) -> None:
         super().__init__()
@@ -188,7 +189,8 @@ class OscarAttnBackend(AttentionBackend):
             self.meta = None
             return
         if mode.is_decode():
-            self.stage.clear()  # no prefill is between its chunks while a decode-only step runs
+            if self.stage_max_tokens:
+                self.stage.clear()  # no prefill is between its chunks while a decode-only step runs
             self.meta = self._decode_meta(forward_batch)
             if self._eager_windows:
                 cpu = forward_batch.seq_lens_cpu
@@ -299,7 +301,8 @@ class OscarAttnBackend(AttentionBackend):
             return
         B = int(forward_batch.batch_size)
         g = self.graph
-        self.stage.clear()
+        if self.stage_max_tokens:
+            self.stage.clear()
         self.meta = DecodeMeta(req=g.req[:B], win_row=g.win_row[:B], col=g.col[:B], sink_len=g.sink_len[:B],
                                recent_len=g.recent_len[:B], int_len=g.int_len[:B], page_table=g.page_table[:B],
                                pos=g.pos[:B], blocks=None if g.blocks is None else g.blocks.view(B))

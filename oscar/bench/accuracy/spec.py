@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import csv
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -83,11 +82,10 @@ def measure(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None:
     cmd = [sys.executable, "-m", "oscar", "eval-shared", f"threads={opts['threads']}", *cell_args(opts)]
     env["eval_shared"] = " ".join(cmd[1:])
     print("running " + env["eval_shared"][:400], flush=True)
-    try:
-        rc: Any = subprocess.run(cmd, timeout=int(opts["limit_s"]) or None,
-                                 env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-                                      "TRANSFORMERS_OFFLINE": "1"}).returncode
-    except subprocess.TimeoutExpired:
+    rc: Any = host.run_limited(cmd, int(opts["limit_s"]) or None,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+                                    "TRANSFORMERS_OFFLINE": "1"})
+    if rc is None:
         rc = "limit_s reached (cells resume per item on the next run)"
     env["eval_shared_rc"] = rc
     print(f"eval-shared: {rc}", flush=True)
@@ -103,10 +101,9 @@ def measure_served(opts: dict[str, Any], out: Path, env: dict[str, Any]) -> None
             rcs[name] = "not started (limit_s)"
             continue
         print("running " + " ".join(cmd[1:])[:400], flush=True)
-        try:
-            rcs[name] = subprocess.run(cmd, timeout=left, env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-                                                              "TRANSFORMERS_OFFLINE": "1"}).returncode
-        except subprocess.TimeoutExpired:
+        rcs[name] = host.run_limited(cmd, left, env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+                                                     "TRANSFORMERS_OFFLINE": "1"})
+        if rcs[name] is None:  # its server stopped with it (SIGTERM first): the next cell has the GPU to itself
             rcs[name] = "limit_s reached (the cell resumes per item on the next run)"
         print(f"{name}: {rcs[name]} after {time.time() - t0:.0f} s", flush=True)
     env["served_cells_rc"] = rcs
