@@ -199,6 +199,7 @@ class EngineConfig:
     radix: Any = "auto"  # auto | true | false
     chunked_prefill_size: Any = "auto"  # auto | tokens (-1: one chunk)
     prefix_reuse: str = "exact"  # OSCAR_PREFIX_REUSE: exact (a radix hit reuses the BF16 sink) | quantized
+    prefill_stage_mib: Any = "auto"  # OSCAR_PREFILL_STAGE_MIB: auto (the plugin's 2048) | MiB (0: chunks read INT pages)
     startup_timeout_s: float = 900.0
     request_timeout_s: float = 3600.0
     extra_args: list[str] = field(default_factory=list)  # more `sglang.launch_server` flags

@@ -71,13 +71,13 @@ def test_served_cells_on_their_own_against_served_bf16_and_kivi2_and_embedded(tm
     assert (rows["auto"]["windows"], rows["auto"]["calibration"], rows["kivi2"]["windows"], rows["kivi2"]["calibration"],
             rows["bf16"]["windows"], rows["auto+cb32"]["windows"], rows["int2"]["windows"]) == (
         "16/64", "default", "0/64", "-", "-", "64/256", "?")  # the method's file or MethodConfig where unset
-    assert "| auto | 16/64 | default | 10 | 50.0 [" in md and "| 2.50 | not recorded / not recorded / not recorded | -10.0 [" in md and "| +0.0 [" in md
+    assert "| auto | 16/64 | default | 10 | 50.0 [" in md and "| 2.50 | not recorded / not recorded / not recorded / not recorded | -10.0 [" in md and "| +0.0 [" in md
     assert "| 10 | 50.0 / 40.0 | +10.0 [" in md and "| 70.0 [" in md and "| 2 / 1 | 50.0 |" in md
     assert "| kivi2 | 0/64 | - | 10 | 50.0 [" in md and "(reference)" in md and "| 0 (0 embedded records) |" in md
     assert "| auto+cb32 | 64/256 | default | 0 | (no served cell) |" in md and md.index("| int2 | ? | ? | 4 |") > md.index("| auto+cb32 |")
     served_csv = (out / "humaneval_served.csv").read_text().splitlines()
     assert served_csv[0].startswith("model,variant,method,windows,calibration,n,pass_at_1,ci_lo,ci_hi,bits_per_element,cuda_graph,radix,"
-                                    "prefix_reuse,complete,diff_vs_bf16,")
+                                    "prefix_reuse,prefill_stage_mib,complete,diff_vs_bf16,")
     table = (out / "humaneval.csv").read_text().splitlines()
     assert table[0].endswith(",complete,wall_s,hardware,served")
     assert table[1] == "bf16,0.445122,0.365854,0.518293,16,164,,,,True,207.731,AMD EPYC,False"

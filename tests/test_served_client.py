@@ -71,11 +71,12 @@ def test_request_info_is_the_served_formats_accounting_at_the_requests_length():
     cfg = compose(["method=auto", "method.sink=16", "method.recent=64"])
     eng = SGLangEngine.__new__(SGLangEngine)  # no server: the accounting only
     eng.cfg, eng.tokenizer = cfg, _Tok()
-    eng.served = {"cuda_graph": True, "radix": True, "chunked_prefill_size": None, "prefix_reuse": "exact"}
+    eng.served = {"cuda_graph": True, "radix": True, "chunked_prefill_size": None, "prefix_reuse": "exact",
+                  "prefill_stage_mib": 2048}
     eng.format = RotatedFormat(name="auto", bits=2, group_size=64, sink=16, recent=64)
     info = eng.request_info("w " * 300, "x " * 100)
     assert info["steps"] == 100 and info["cuda_graph"] is True and info["radix"] is True
-    assert info["prefix_reuse"] == "exact"
+    assert info["prefix_reuse"] == "exact" and info["prefill_stage_mib"] == 2048
     assert info["kv_bits_per_element"] == pytest.approx(eng.format.expected_bits(400, int(cfg.model.head_dim)))
     assert 2.0 < info["kv_bits_per_element"] < 16.0
     assert eng.request_info("w " * 10, "")["kv_bits_per_element"] == pytest.approx(16.0)  # all in the windows
@@ -111,12 +112,17 @@ def test_served_config_is_production_on_a_gpu_and_says_so():
 
     auto = SimpleNamespace(cuda_graph="auto", radix="auto", chunked_prefill_size="auto")
     assert served_config(auto, "cuda") == {"cuda_graph": True, "radix": True, "chunked_prefill_size": None,
-                                           "prefix_reuse": "exact"}  # a radix hit reuses the BF16 sink only
+                                           "prefix_reuse": "exact",  # a radix hit reuses the BF16 sink only
+                                           "prefill_stage_mib": 2048}  # chunks read their earlier chunks in BF16
     assert served_config(auto, "cpu") == {"cuda_graph": False, "radix": False, "chunked_prefill_size": -1,
-                                          "prefix_reuse": "exact"}
-    debug = SimpleNamespace(cuda_graph=False, radix=True, chunked_prefill_size=4096, prefix_reuse="quantized")
+                                          "prefix_reuse": "exact", "prefill_stage_mib": 2048}
+    debug = SimpleNamespace(cuda_graph=False, radix=True, chunked_prefill_size=4096, prefix_reuse="quantized",
+                            prefill_stage_mib=0)
     assert served_config(debug, "cuda") == {"cuda_graph": False, "radix": True, "chunked_prefill_size": 4096,
-                                            "prefix_reuse": "quantized"}
+                                            "prefix_reuse": "quantized", "prefill_stage_mib": 0}
+    with pytest.raises(ValueError, match="engine.prefill_stage_mib=-1 is not valid; choose auto or MiB >= 0"):
+        served_config(SimpleNamespace(cuda_graph="auto", radix="auto", chunked_prefill_size="auto",
+                                      prefill_stage_mib=-1), "cuda")
     with pytest.raises(ValueError, match="engine.prefix_reuse='int2' is not valid; choose one of exact, quantized"):
         served_config(SimpleNamespace(cuda_graph="auto", radix="auto", chunked_prefill_size="auto",
                                       prefix_reuse="int2"), "cuda")

@@ -46,7 +46,7 @@ from oscar.kernels.launch import MmaLaunch
 from oscar.kernels.segments import Segments
 from oscar.serve.labels import install_labels, labels_requested
 from oscar.serve.pool import OscarTokenToKVPool
-from oscar.serve.settings import PREFILL_STAGE_MIB
+from oscar.serve.reuse import PREFILL_STAGE_MIB
 from oscar.serve.state import current_state
 
 

@@ -23,7 +23,7 @@ from oscar.core.artifact import artifact_dir, config_hash_of, model_config_field
 from oscar.models.loading import dense_dir, load_model
 from oscar.models.methods import in_code_artifact, needs_statistics
 from oscar.serve.server import SGLangServer, ServerError
-from oscar.serve.reuse import ENV_PREFIX_REUSE, PREFIX_REUSE
+from oscar.serve.reuse import ENV_PREFILL_STAGE, ENV_PREFIX_REUSE, PREFILL_STAGE_MIB, PREFIX_REUSE
 
 
 def model_path(model_cfg: Any) -> str:
@@ -86,8 +86,9 @@ def _device(cfg: Any) -> str:
 
 def served_config(e: Any, device: str) -> dict[str, Any]:
     """What the server runs with: ``cuda_graph`` (decode CUDA graphs), ``radix`` (the prefix cache),
-    ``chunked_prefill_size`` (None: SGLang's default) and ``prefix_reuse`` (``OSCAR_PREFIX_REUSE`` of the oscar
-    backend: ``exact``, the default, or ``quantized``). ``auto`` (the default of each) is the production configuration
+    ``chunked_prefill_size`` (None: SGLang's default), ``prefix_reuse`` (``OSCAR_PREFIX_REUSE`` of the oscar
+    backend: ``exact``, the default, or ``quantized``) and ``prefill_stage_mib`` (``OSCAR_PREFILL_STAGE_MIB``: MiB of
+    BF16 rows a chunked prefill keeps of its earlier chunks; ``auto``: the plugin's default). ``auto`` (the default of each) is the production configuration
     on a GPU (graphs on, radix on, SGLang's chunked prefill) and, on the CPU, graphs off (SGLang has none there), the
     radix cache off and one prefill chunk (the CPU engine's comparisons with the embedded engine); ``false`` /
     ``true`` / a size override either (``engine.cuda_graph=false`` is the debug switch)."""
@@ -108,8 +109,13 @@ def served_config(e: Any, device: str) -> dict[str, Any]:
     reuse = str(e.get("prefix_reuse", PREFIX_REUSE[0]) if hasattr(e, "get") else getattr(e, "prefix_reuse", PREFIX_REUSE[0]))
     if reuse not in PREFIX_REUSE:
         raise ValueError(f"engine.prefix_reuse={reuse!r} is not valid; choose one of {', '.join(PREFIX_REUSE)}")
+    stage = e.get("prefill_stage_mib", "auto") if hasattr(e, "get") else getattr(e, "prefill_stage_mib", "auto")
+    if str(stage) == "auto":
+        stage = PREFILL_STAGE_MIB
+    elif not isinstance(stage, int) or isinstance(stage, bool) or stage < 0:
+        raise ValueError(f"engine.prefill_stage_mib={stage!r} is not valid; choose auto or MiB >= 0 (0: off)")
     return {"cuda_graph": flag("cuda_graph", True, False) and device == "cuda", "radix": flag("radix", True, False),
-            "chunked_prefill_size": chunk, "prefix_reuse": reuse}
+            "chunked_prefill_size": chunk, "prefix_reuse": reuse, "prefill_stage_mib": int(stage)}
 
 
 class SGLangEngine:
@@ -163,7 +169,8 @@ class SGLangEngine:
                 self._tmp = tempfile.mkdtemp(prefix="oscar-sglang-")
                 art = _in_code_artifact(cfg, self.path, Path(self._tmp) / "artifact")
             env = {"OSCAR_ARTIFACT": str(art), "OSCAR_KERNELS": str(cfg.backend), **served_windows(fmt, art),
-                   ENV_PREFIX_REUSE: self.served["prefix_reuse"]}
+                   ENV_PREFIX_REUSE: self.served["prefix_reuse"],
+                   ENV_PREFILL_STAGE: str(self.served["prefill_stage_mib"])}
             fmt = with_key_blocks(fmt, read_meta(art))  # per-channel key layers of an `auto` artifact
             args += ["--attention-backend", "oscar"]
         self.format = fmt  # the format the pool serves (windows as served), for `request_info`
@@ -206,7 +213,9 @@ class SGLangEngine:
         return {"kv_bits_per_element": float(bits), "steps": steps, "cuda_graph": self.served["cuda_graph"],
                 "radix": self.served["radix"],
                 # what a radix hit reuses (OSCAR_PREFIX_REUSE); "-" for SGLang's own BF16 cache (hits read BF16)
-                "prefix_reuse": self.served["prefix_reuse"] if self.format.quantized else "-"}
+                "prefix_reuse": self.served["prefix_reuse"] if self.format.quantized else "-",
+                # MiB of its own earlier chunks a chunked prefill reads as BF16 (OSCAR_PREFILL_STAGE_MIB); "-" for BF16
+                "prefill_stage_mib": self.served["prefill_stage_mib"] if self.format.quantized else "-"}
 
     def loglikelihood(self, contexts: Sequence[str], continuations: Sequence[str], mode: str = "serving",
                       batch_size: int = 1) -> list[tuple[float, bool]]:

@@ -42,7 +42,7 @@ import torch
 from oscar.cache.formats import CacheFormat
 from oscar.core.artifact import ArtifactMismatch, load_artifact, model_config_fields
 from oscar.models.adapters import UnsupportedModel, check_head_dim, get_adapter
-from oscar.serve.reuse import ENV_PREFIX_REUSE, PREFIX_REUSE
+from oscar.serve.reuse import ENV_PREFILL_STAGE, ENV_PREFIX_REUSE, PREFILL_STAGE_MIB, PREFIX_REUSE
 
 ENV_ARTIFACT = "OSCAR_ARTIFACT"
 ENV_SINK = "OSCAR_SINK"
@@ -50,8 +50,6 @@ ENV_RECENT = "OSCAR_RECENT"
 RETIRED_ENV = {"OSCAR_BITS": "bits", "OSCAR_GROUP_SIZE": "group_size"}  # the artifact's format fixes them
 ENV_KERNELS = "OSCAR_KERNELS"
 ENV_MMA = "OSCAR_MMA"
-ENV_PREFILL_STAGE = "OSCAR_PREFILL_STAGE_MIB"
-PREFILL_STAGE_MIB = 2048  # its default
 ENV_VARS = (ENV_ARTIFACT, ENV_SINK, ENV_RECENT, ENV_KERNELS, ENV_MMA, ENV_PREFIX_REUSE, ENV_PREFILL_STAGE)
 MMA_KEYS = ("warps", "stages", "min_blocks", "carveout", "waves", "splits")
 

@@ -100,7 +100,7 @@ def served_switches(records: list[dict[str, Any]], quantized: bool = True) -> di
     cache off). ``prefix_reuse`` not recorded with the radix cache on: ``quantized`` for a quantized cache (the only
     reuse before ``OSCAR_PREFIX_REUSE``), ``-`` for BF16 (``quantized``: whether the cell's cache is)."""
     out = {}
-    for key in ("cuda_graph", "radix", "prefix_reuse"):
+    for key in ("cuda_graph", "radix", "prefix_reuse", "prefill_stage_mib"):
         vals = {x.get(key) for x in records}
         out[key] = ("not recorded" if vals == {None} else "mixed" if len(vals) > 1 else str(vals.pop()).lower())
     if out["prefix_reuse"] == "not recorded" and out["radix"] in ("true", "false"):
@@ -110,7 +110,7 @@ def served_switches(records: list[dict[str, Any]], quantized: bool = True) -> di
 
 # "score": pass_at_1 for HumanEval; "length": NIAH only
 SERVED_COLUMNS = ["model", "variant", "method", "windows", "calibration", "length", "n", "score", "ci_lo", "ci_hi",
-                  "bits_per_element", "cuda_graph", "radix", "prefix_reuse", "complete",
+                  "bits_per_element", "cuda_graph", "radix", "prefix_reuse", "prefill_stage_mib", "complete",
                   "diff_vs_bf16", "diff_ci_lo", "diff_ci_hi", "diff_vs_kivi2", "diff_vs_kivi2_lo", "diff_vs_kivi2_hi",
                   "embedded_items", "n_common", "pass_served", "pass_embedded", "diff_vs_embedded",
                   "diff_vs_embedded_lo", "diff_vs_embedded_hi", "verdict_agreement", "verdict_agreement_lo",
@@ -142,7 +142,7 @@ def served_report(out: Path, opts: dict[str, Any]) -> list[Path]:
               f"they exist): on the items both hold, {what} served / embedded, their paired difference, the share with "
               f"the {verdict} (Wilson 95%), items won by one engine only, equal completions.", "",
               f"| variant | windows sink/recent | calibration |{' context |' if niah else ''} n | {what} (%) [95% CI] | "
-              "bits / element | CUDA graphs / radix / prefix reuse | diff to served "
+              "bits / element | CUDA graphs / radix / prefix reuse / prefill stage (MiB) | diff to served "
               "BF16 (pts) [95% CI] | diff to served KIVI-2 (pts) [95% CI] | embedded: n | served / embedded (%) | "
               f"served - embedded (pts) [95% CI] | {verdict} (%) [95% CI] | served only / embedded only | "
               "completions equal (%) |",
@@ -153,7 +153,7 @@ def served_report(out: Path, opts: dict[str, Any]) -> list[Path]:
             lines.append(f"| {r['variant']} |{ctx} 0 | (no served cell) |" + " |" * 10)
             continue
         cells = [f"{_pct(r[score])} [{_pct(r['ci_lo'])}, {_pct(r['ci_hi'])}]" + ("" if r["complete"] else " (running)"),
-                 f"{r['bits_per_element']:.2f}", f"{r.get('cuda_graph', '?')} / {r.get('radix', '?')} / {r.get('prefix_reuse', '?')}", _diff(r),
+                 f"{r['bits_per_element']:.2f}", f"{r.get('cuda_graph', '?')} / {r.get('radix', '?')} / {r.get('prefix_reuse', '?')} / {r.get('prefill_stage_mib', '?')}", _diff(r),
                  _diff(r, "kivi2")]
         if r.get("n_common"):
             cells += [str(r["n_common"]), f"{_pct(r['pass_served'])} / {_pct(r['pass_embedded'])}",
