@@ -218,12 +218,13 @@ class OscarAttnBackend(AttentionBackend):
         req_rows = torch.repeat_interleave(req, counts)
         seq_len = torch.repeat_interleave(torch.tensor(seq_lens, device=dev), counts)
         plan = self.pool.write_plan(fb.out_cache_loc.long(), req_rows, pos, seq_len)
-        stage, read, keep = self._stage_plan(slots, prefix, lens)
+        mixed = bool(getattr(fb.forward_mode, "is_mixed", lambda: False)())
+        stage, read, keep = self._stage_plan(slots, prefix, lens, mixed)
         return _ExtendMeta(req=req_rows, pos=pos, seq_len=seq_len, starts=starts, lens=lens, prefix=prefix,
                            req_slots=slots, hit=hit, sink_ids=sink_ids, plan=plan, stage=stage, stage_read=read,
                            stage_keep=keep)
 
-    def _stage_plan(self, slots: list[int], prefix: list[int], lens: list[int]
+    def _stage_plan(self, slots: list[int], prefix: list[int], lens: list[int], mixed: bool = False
                     ) -> tuple[list[Optional[_Stage]], list[bool], list[bool]]:
         """Per request of an extend: its stage, whether its prefix is read from it, whether this chunk is appended.
         A request continues its stage when the stage holds exactly its prefix in the same slot generation; a prefix
@@ -231,8 +232,12 @@ class OscarAttnBackend(AttentionBackend):
         (no prefix) starts one. Every extend's rows are staged, since a forward does not know whether more chunks
         follow: stages not continued by the next forward are dropped then (at most one batch of chunk rows beside
         the chunked request's own), and a decode-only step drops them all. A request whose prompt outgrows
-        ``stage_max_tokens`` reads the INT pages from there on (as without the stage)."""
+        ``stage_max_tokens`` reads the INT pages from there on (as without the stage). A mixed batch (SGLang's
+        ``--enable-mixed-chunk``: decode rows ride along, and they must read the pool) stages nothing."""
         if not self.stage_max_tokens:  # OSCAR_PREFILL_STAGE_MIB=0: every chunk reads the cache
+            return [], [], []
+        if mixed:
+            self.stage = {}
             return [], [], []
         gens = getattr(self.req_to_token_pool, "req_generation", None)
         old, self.stage = self.stage, {}

@@ -236,3 +236,67 @@ def test_chunked_prefill_reads_the_quantized_prefix():
     ref = torch.einsum("nhrt,htd->nhrd", p, vals).reshape(n - first, H * D)
     rel = ((out - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
     assert rel < 2e-2, rel
+
+
+def _staged_backend(pool, r2t, max_tokens: int):
+    be = _backend(pool, r2t)
+    be.stage, be.stage_max_tokens = {}, max_tokens
+    return be
+
+
+class _MixedMode(_Mode):
+    def is_mixed(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("chunks", [(16, 32, 32), (5, 40, 35)])
+def test_staged_chunks_read_the_prompt_as_one_extend(chunks):
+    """With the prefill stage (OSCAR_PREFILL_STAGE_MIB) a prompt in chunks gives one extend's outputs even where
+    the windows (sink 16, recent 16) leave most of the prefix to the INT2 pages: every chunk reads its earlier chunks
+    as BF16 rows. Past the stage's cap, or in a mixed batch, the chunks read the pages (as with the stage off)."""
+    gen = torch.Generator().manual_seed(5)
+    n = sum(chunks)
+    q = torch.randn(n, H * D, generator=gen).to(torch.bfloat16)
+    k, v = (t.reshape(n, HKV * D) for t in _history(n, gen))
+    layer = SimpleNamespace(layer_id=0, tp_q_head_num=H, tp_k_head_num=HKV, qk_head_dim=D, v_head_dim=D,
+                            scaling=D**-0.5, sliding_window_size=-1, logit_cap=0)
+
+    def run(parts, max_tokens, mode=None):
+        pool = _pool(16, 16)
+        r2t = _req_to_token({1: n})
+        be = _staged_backend(pool, r2t, max_tokens)
+        outs, start = [], 0
+        for c in parts:
+            sl = slice(start, start + c)
+            if mode is None:
+                outs.append(_extend(be, layer, q[sl], k[sl], v[sl], 1, start, c, r2t))
+            else:
+                fb = SimpleNamespace(forward_mode=mode, req_pool_indices=torch.tensor([1]),
+                                     seq_lens=torch.tensor([start + c]), seq_lens_cpu=torch.tensor([start + c]),
+                                     extend_seq_lens_cpu=[c], extend_prefix_lens_cpu=[start],
+                                     out_cache_loc=r2t[1, start : start + c].long())
+                be.init_forward_metadata(fb)
+                outs.append(be.forward_extend(q[sl], k[sl], v[sl], layer, fb))
+            start += c
+        return torch.cat(outs).float(), be
+
+    one, _ = run((n,), 0)
+    staged, be = run(chunks, 10_000)
+    off, _ = run(chunks, 0)
+    capped, _ = run(chunks, chunks[0] + chunks[1] - 1)  # the second chunk does not fit: the third reads the pages
+    mixed, _ = run(chunks, 10_000, _MixedMode(False))
+    def rel(a, rows=slice(None)):
+        return ((a[rows] - one[rows]).norm(dim=-1) / one[rows].norm(dim=-1)).max().item()
+
+    first2, last = slice(0, chunks[0] + chunks[1]), slice(chunks[0] + chunks[1], n)
+    assert rel(staged) < 1e-2 and set(be.stage) == {1} and be.stage[1].length == n
+    assert rel(off, last) > 5e-2 and rel(mixed, last) > 5e-2  # the pages' INT2 error
+    assert rel(capped, first2) < 1e-2 and rel(capped, last) > 5e-2
+    be.init_forward_metadata(SimpleNamespace(forward_mode=_Mode(True), req_pool_indices=torch.tensor([1]),
+                                             seq_lens=torch.tensor([n + 1]), seq_lens_cpu=torch.tensor([n + 1]),
+                                             out_cache_loc=_r2t_slot(be, 1, n)))
+    assert be.stage == {}  # a decode-only step: no prefill is between its chunks
+
+
+def _r2t_slot(be, r: int, pos: int) -> torch.Tensor:
+    return be.req_to_token_pool.req_to_token[r, pos : pos + 1].long()
