@@ -136,6 +136,7 @@ class OscarAttnBackend(AttentionBackend):
     extend_in_place_max: int = 4096  # extends of up to this many tokens read a quantized prefix in place
     extend_route: str = "dequant"  # how they read it (extend_attention's route; OSCAR_EXTEND_ROUTE): dequant | pages
     stage_max_tokens: int = 0  # prompt positions a chunked prefill keeps as BF16 rows (_Stage); 0: none
+    stage_chunk: int = 0  # SGLang's --chunked-prefill-size (which first extends may be cut); 0: unknown, stage all
 
     def __init__(self, model_runner: Any) -> None:
         super().__init__()
@@ -162,6 +163,10 @@ class OscarAttnBackend(AttentionBackend):
         stage_mib = int(getattr(current_state().get("settings"), "prefill_stage_mib", PREFILL_STAGE_MIB))
         row_bytes = 2 * pool.layer_num * pool.head_num * pool.head_dim * torch.finfo(pool.window_dtype).bits // 8
         self.stage_max_tokens = (stage_mib << 20) // row_bytes  # positions one request may stage
+        chunk = getattr(getattr(model_runner, "server_args", None), "chunked_prefill_size", None)
+        if chunk is not None and int(chunk) <= 0:  # one chunk per prompt: nothing to stage
+            self.stage_max_tokens = 0
+        self.stage_chunk = int(chunk) if chunk else 0
         route = os.environ.get(ENV_EXTEND_ROUTE)
         if route:
             if route not in ("pages", "dequant"):
@@ -233,7 +238,10 @@ class OscarAttnBackend(AttentionBackend):
         follow: stages not continued by the next forward are dropped then (at most one batch of chunk rows beside
         the chunked request's own), and a decode-only step drops them all. A request whose prompt outgrows
         ``stage_max_tokens`` reads the INT pages from there on (as without the stage). A mixed batch (SGLang's
-        ``--enable-mixed-chunk``: decode rows ride along, and they must read the pool) stages nothing."""
+        ``--enable-mixed-chunk``: decode rows ride along, and they must read the pool) stages nothing. Knowing
+        SGLang's chunk size, a first chunk is staged only where SGLang may have cut it: the batch's last request
+        (the prefill adder cuts the request that meets the budget, page-aligned, and adds nothing after it) in a batch
+        that used its chunk budget to within a page; elsewhere no later chunk follows."""
         if not self.stage_max_tokens:  # OSCAR_PREFILL_STAGE_MIB=0: every chunk reads the cache
             return [], [], []
         if mixed:
@@ -242,12 +250,13 @@ class OscarAttnBackend(AttentionBackend):
         gens = getattr(self.req_to_token_pool, "req_generation", None)
         old, self.stage = self.stage, {}
         stages, read, keep = [], [], []
-        for r, p, n in zip(slots, prefix, lens):
+        full = not self.stage_chunk or sum(lens) > self.stage_chunk - self.pool.page_size
+        for j, (r, p, n) in enumerate(zip(slots, prefix, lens)):
             gen = int(gens[r]) if gens is not None else 0
             st = old.get(r)
             cont = st is not None and p > 0 and st.generation == gen and st.length == p
             seed = not cont and 0 < p <= self.pool.sink
-            fits = p + n <= self.stage_max_tokens
+            fits = p + n <= self.stage_max_tokens and (cont or (full and j == len(lens) - 1))
             if not (cont or seed or (p == 0 and fits)):
                 stages.append(None), read.append(False), keep.append(False)
                 continue

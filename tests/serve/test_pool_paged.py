@@ -300,3 +300,17 @@ def test_staged_chunks_read_the_prompt_as_one_extend(chunks):
 
 def _r2t_slot(be, r: int, pos: int) -> torch.Tensor:
     return be.req_to_token_pool.req_to_token[r, pos : pos + 1].long()
+
+
+def test_only_a_cut_first_chunk_is_staged():
+    """Knowing SGLang's chunk (64 tokens, pages of 16), a first extend is staged only when it may have been cut: the
+    batch's last request, the batch within a page of its budget; a continuing chunk always is (its prompt goes on)."""
+    pool = _pool(16, 16)
+    be = _staged_backend(pool, _req_to_token({1: 100, 2: 100}), 10_000)
+    be.stage_chunk = 64
+    _, _, keep = be._stage_plan([1, 2], [0, 0], [10, 30])  # 40 of 64, more than a page short: neither was cut
+    assert keep == [False, False] and be.stage == {}
+    _, _, keep = be._stage_plan([1, 2], [0, 0], [20, 44])  # the budget used: the last one was cut
+    assert keep == [False, True] and set(be.stage) == {2}
+    _, read, keep = be._stage_plan([2, 1], [44, 0], [30, 10])  # request 2 goes on; 1 is new and small
+    assert (read, keep) == ([True, False], [True, False]) and be.stage[2].length == 74
