@@ -24,7 +24,7 @@ from oscar.eval.registry import load_items
 # ------------------------------------------------------------------------------------ per family
 
 # what a served engine says of each request (SGLangEngine.request_info): kept in the item records
-REQUEST_INFO = ("kv_bits_per_element", "steps", "cuda_graph", "radix", "prefix_reuse")
+REQUEST_INFO = ("kv_bits_per_element", "steps", "cuda_graph", "radix", "prefix_reuse", "prefill_stage_mib")
 
 
 def _rendered(engine: Any, cfg: Any, item: EvalItem, prefix: str = "") -> str:
