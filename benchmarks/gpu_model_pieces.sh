@@ -3,7 +3,7 @@
 # split here, one piece per call to a warm machine (files under /root survive while it is kept, ~30 s idle), then
 # reassembled there where the loader looks for it, with the sha256 of every piece and of the whole file checked.
 #
-#   here:   bash benchmarks/gpu_model_pieces.sh split <model> [piece MiB, default 54]
+#   here:   bash benchmarks/gpu_model_pieces.sh split <model> [piece MiB, default 48]
 #             -> .dev/pieces/<model>/{MANIFEST, part.00, part.01, ...} (git-ignored); prints one carry list per call
 #   there:  bash benchmarks/gpu_model_pieces.sh take <model>      (repo root; carry [".dev/pieces/<model>/MANIFEST",
 #             ".dev/pieces/<model>/part.NN"]): checks the piece(s) that came with this call against MANIFEST and
@@ -26,7 +26,7 @@ field() { sed -n "s/^$1=//p" "$2"; }
 
 case "$cmd" in
 split)
-  mib=${3:-54}
+  mib=${3:-48}  # the checkout (~12 MiB) travels in the same 64 MiB
   src_dest=$(cd "$ROOT" && python3 - "$model" <<'EOF'
 import sys
 from oscar.config import compose
