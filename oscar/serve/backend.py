@@ -67,7 +67,6 @@ class _ExtendMeta:
     plan: Optional[Any] = None  # where the rows go in every per-token layer (pool.write_plan, once per forward)
     rows: dict = field(default_factory=dict)  # (request slot, ring kind) -> (page table, ring columns), once per forward
     stage: list[Optional["_Stage"]] = field(default_factory=list)  # per request: its staged earlier chunks, or None
-    stage_read: list[bool] = field(default_factory=list)  # the prefix is read from the stage (or seeded into it)
     stage_keep: list[bool] = field(default_factory=list)  # this chunk's rows are appended to the stage
 
 
@@ -224,10 +223,9 @@ class OscarAttnBackend(AttentionBackend):
         seq_len = torch.repeat_interleave(torch.tensor(seq_lens, device=dev), counts)
         plan = self.pool.write_plan(fb.out_cache_loc.long(), req_rows, pos, seq_len)
         mixed = bool(getattr(fb.forward_mode, "is_mixed", lambda: False)())
-        stage, read, keep = self._stage_plan(slots, prefix, lens, mixed)
+        stage, _, keep = self._stage_plan(slots, prefix, lens, mixed)
         return _ExtendMeta(req=req_rows, pos=pos, seq_len=seq_len, starts=starts, lens=lens, prefix=prefix,
-                           req_slots=slots, hit=hit, sink_ids=sink_ids, plan=plan, stage=stage, stage_read=read,
-                           stage_keep=keep)
+                           req_slots=slots, hit=hit, sink_ids=sink_ids, plan=plan, stage=stage, stage_keep=keep)
 
     def _stage_plan(self, slots: list[int], prefix: list[int], lens: list[int], mixed: bool = False
                     ) -> tuple[list[Optional[_Stage]], list[bool], list[bool]]:
@@ -255,9 +253,8 @@ class OscarAttnBackend(AttentionBackend):
             gen = int(gens[r]) if gens is not None else 0
             st = old.get(r)
             cont = st is not None and p > 0 and st.generation == gen and st.length == p
-            seed = not cont and 0 < p <= self.pool.sink
             fits = p + n <= self.stage_max_tokens and (cont or (full and j == len(lens) - 1))
-            if not (cont or seed or (p == 0 and fits)):
+            if not (cont or (fits and p <= self.pool.sink)):  # a new stage starts on no prefix or a BF16 sink
                 stages.append(None), read.append(False), keep.append(False)
                 continue
             if not cont:
@@ -271,8 +268,8 @@ class OscarAttnBackend(AttentionBackend):
 
     def _staged_prefix(self, st: _Stage, i: int, layer_id: int, r2t: torch.Tensor, r: int, p: int, hit: bool
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[Hkv, p, d]`` (BF16) of a request's prefix from its stage; a seeded stage's first rows (a prefix
-        within the BF16 sink) from the pool, exact."""
+        """K and V ``[Hkv, p, d]`` (BF16) of a request's prefix from its stage; a new stage on a prefix within the
+        BF16 sink (after an exact radix hit) first takes those rows from the pool, exact."""
         if not st.k[i]:
             pk, pv = self.pool.cached_rows(layer_id, r2t, r, p, ring=not hit)
             st.k[i].append(pk.to(self.pool.window_dtype)), st.v[i].append(pv.to(self.pool.window_dtype))
@@ -394,11 +391,6 @@ class OscarAttnBackend(AttentionBackend):
             if ids is not None:  # a prefix-cache hit: its BF16 sink rows from the sink store
                 self.pool.restore_sink(layer.layer_id, r, ids)
             st = m.stage[j] if m.stage else None
-            if st is not None and m.stage_keep[j]:  # staged before it is read: a seeded stage's first piece first
-                if m.stage_read[j] and not st.k[li]:
-                    self._staged_prefix(st, li, layer.layer_id, r2t, r, p, hit)
-                st.k[li].append(kb[start : start + n].movedim(0, 1).contiguous())
-                st.v[li].append(vb[start : start + n].movedim(0, 1).contiguous())
             if st is None and self._pages_in_place(layer.layer_id, p, n, hit):
                 out[start : start + n] = self._extend_over_pages(q3[start : start + n], kb[start : start + n],
                                                                  vb[start : start + n], layer, r2t, r, p, hit)
@@ -407,19 +399,11 @@ class OscarAttnBackend(AttentionBackend):
             ks = kb[start : start + n].movedim(0, 1).to(q.dtype)
             vs = vb[start : start + n].movedim(0, 1).to(q.dtype)
             mask = None
-            if p > 0 and st is not None and m.stage_read[j]:  # its own earlier chunks as one prefill reads them
-                if m.stage_keep[j]:  # the stage already holds this chunk: its rows are the last n
-                    pk, pv = torch.cat(st.k[li], dim=1), torch.cat(st.v[li], dim=1)
-                    ks, vs = pk.to(q.dtype), pv.to(q.dtype)
-                else:
+            if p > 0:
+                if st is not None:  # its own earlier chunks as one prefill reads them (BF16, the prefill stage)
                     pk, pv = self._staged_prefix(st, li, layer.layer_id, r2t, r, p, hit)
-                    ks = torch.cat([pk.to(q.dtype), ks], dim=1)
-                    vs = torch.cat([pv.to(q.dtype), vs], dim=1)
-                del pk, pv
-                mask = causal_lower_right(n, p + n) if q.is_cuda else \
-                    torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(p)
-            elif p > 0:  # an earlier chunk within the windows (or per-channel keys): its rows as the cache holds them
-                pk, pv = self.pool.cached_rows(layer.layer_id, r2t, r, p, ring=not hit)
+                else:  # an earlier chunk within the windows (or per-channel keys): its rows as the cache holds them
+                    pk, pv = self.pool.cached_rows(layer.layer_id, r2t, r, p, ring=not hit)
                 ks = torch.cat([pk.to(q.dtype), ks], dim=1)
                 vs = torch.cat([pv.to(q.dtype), vs], dim=1)
                 del pk, pv  # a long prefix's float32 rows: gone before the attention allocates
@@ -435,6 +419,9 @@ class OscarAttnBackend(AttentionBackend):
                                                  enable_gqa=H != Hkv, scale=layer.scaling, is_causal=mask is None)
                 o = o.squeeze(0).movedim(1, 0)
             out[start : start + n] = self._to_folded(o, layer.layer_id) if self.folded else o
+            if st is not None and m.stage_keep[j]:  # the next chunk of this prompt reads these rows in BF16
+                st.k[li].append(kb[start : start + n].movedim(0, 1).contiguous())
+                st.v[li].append(vb[start : start + n].movedim(0, 1).contiguous())
         if save_kv_cache:
             self.pool.write(layer.layer_id, kb, vb, forward_batch.out_cache_loc.long(), m.req, m.pos, m.seq_len,
                             plan=m.plan)

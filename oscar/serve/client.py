@@ -92,24 +92,27 @@ def served_config(e: Any, device: str) -> dict[str, Any]:
     on a GPU (graphs on, radix on, SGLang's chunked prefill) and, on the CPU, graphs off (SGLang has none there), the
     radix cache off and one prefill chunk (the CPU engine's comparisons with the embedded engine); ``false`` /
     ``true`` / a size override either (``engine.cuda_graph=false`` is the debug switch)."""
+    def value(name: str, default: Any = "auto") -> Any:
+        return e.get(name, default) if hasattr(e, "get") else getattr(e, name, default)
+
     def flag(name: str, on_gpu: bool, on_cpu: bool) -> bool:
-        v = e.get(name, "auto") if hasattr(e, "get") else getattr(e, name, "auto")
+        v = value(name)
         if str(v) == "auto":
             return on_gpu if device == "cuda" else on_cpu
         if not isinstance(v, bool):
             raise ValueError(f"engine.{name}={v!r} is not valid; choose auto, true or false")
         return v
 
-    chunk = e.get("chunked_prefill_size", "auto") if hasattr(e, "get") else getattr(e, "chunked_prefill_size", "auto")
+    chunk = value("chunked_prefill_size")
     if str(chunk) == "auto":
         chunk = None if device == "cuda" else -1
     elif not isinstance(chunk, int):
         raise ValueError(f"engine.chunked_prefill_size={chunk!r} is not valid; choose auto or a number of tokens "
                          "(-1: one chunk)")
-    reuse = str(e.get("prefix_reuse", PREFIX_REUSE[0]) if hasattr(e, "get") else getattr(e, "prefix_reuse", PREFIX_REUSE[0]))
+    reuse = str(value("prefix_reuse", PREFIX_REUSE[0]))
     if reuse not in PREFIX_REUSE:
         raise ValueError(f"engine.prefix_reuse={reuse!r} is not valid; choose one of {', '.join(PREFIX_REUSE)}")
-    stage = e.get("prefill_stage_mib", "auto") if hasattr(e, "get") else getattr(e, "prefill_stage_mib", "auto")
+    stage = value("prefill_stage_mib")
     if str(stage) == "auto":
         stage = PREFILL_STAGE_MIB
     elif not isinstance(stage, int) or isinstance(stage, bool) or stage < 0:
